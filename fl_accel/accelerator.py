@@ -200,6 +200,32 @@ class FLAccelerator(Accelerator):
             return True
         return False
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: str | None = None, **kwargs):
+        """Save every group's model/optimizer shards, the FL state, RNG, scheduler, samplers.
+
+        Safe mid-round (see :mod:`fl_accel.checkpoint`); atomic (``.partial`` + rename).
+        Collective: call on every rank. ``output_dir`` is required.
+        """
+        if output_dir is None:
+            raise ValueError("FLAccelerator.save_state needs an output_dir")
+        from .checkpoint import save_federated_state
+
+        return save_federated_state(self, output_dir, extra_meta=kwargs.get("extra_meta"))
+
+    def load_state(self, input_dir: str | None = None, **kwargs):
+        """Restore a checkpoint written by :meth:`save_state`; returns its metadata dict.
+
+        Raises:
+            fl_accel.checkpoint.CheckpointError (a ValueError): incomplete, corrupt, or
+                written by another algorithm / world size / mesh; raised on every rank.
+        """
+        if input_dir is None:
+            raise ValueError("FLAccelerator.load_state needs an input_dir")
+        from .checkpoint import load_federated_state
+
+        return load_federated_state(self, input_dir)
+
     def end_training(self):
         """The paper's final sync (groups end identical), then Accelerate's end_training."""
         self.sync_if_pending()
