@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps between evaluations (rounded up to a multiple of H); 0: end only")
     g.add_argument("--max_eval_blocks", type=int, default=None, help="cap on validation blocks")
     g.add_argument("--log_every", type=int, default=5)
-    g.add_argument("--output_dir", default="outputs/run")
+    g.add_argument("--output_dir", default=None, help="default: outputs/<experiment>/<run_name>")
     g.add_argument("--checkpoint_every", type=int, default=0, help="optimizer steps; 0 disables")
     g.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a step_N directory")
     g.add_argument("--report_to", default="wandb", choices=["wandb", "tensorboard", "none"])
@@ -203,6 +203,11 @@ def model_config(args, vocab_size: int):
 
 
 # =========================================================================== helpers
+def default_run_name(fl: FLConfig, num_groups: int, group_size: int, shards: int) -> str:
+    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (H=0 for the baselines): sortable in W&B."""
+    return f"{fl.algorithm}-F{num_groups}-G{group_size}-S{shards}-H{fl.sync_every if fl.is_federated else 0}"
+
+
 def main_first(accelerator, fn):
     """Run ``fn`` on the main process first (it fills caches), then on the others.
 
@@ -312,6 +317,9 @@ def main(argv=None) -> dict:
     if args.model in PRESETS and args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
         raise RecipeError(f"--seq_len {args.seq_len} exceeds the model's max_position_embeddings "
                           f"{PRESETS[args.model]['max_position_embeddings']}")
+    if args.output_dir is None:
+        F0, R0, S0 = args.fl.sizes(int(os.environ.get("WORLD_SIZE", "1")))
+        args.output_dir = os.path.join("outputs", args.experiment, args.run_name or default_run_name(args.fl, F0, R0 * S0, S0))
     mixed = args.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -383,8 +391,7 @@ def main(argv=None) -> dict:
 
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * world
-    sizes = f"F{F_}-G{G_}-S{S_}-H{fl.sync_every if fl.is_federated else 0}"
-    run_name = args.run_name or f"{fl.algorithm}-{sizes}"
+    run_name = args.run_name or default_run_name(fl, F_, G_, S_)
     accelerator.print(
         f"[fl_accel] {fl.algorithm}: world {world} = {F_} group(s) x {G_} ranks "
         f"(R={R_} replicas x S={S_} shards), sync_every H={fl.sync_every if fl.is_federated else '-'}, "
@@ -420,7 +427,7 @@ def main(argv=None) -> dict:
                 fh.write(json.dumps(record) + "\n")
 
     # ---------------------------------------------------------------- resume
-    completed_steps = 0
+    completed_steps, resumed_train_seconds = 0, 0.0
     checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
     if args.resume_from_checkpoint:
         path = find_latest(checkpoints_dir) if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
@@ -429,6 +436,7 @@ def main(argv=None) -> dict:
         else:
             meta = accelerator.load_state(path)
             completed_steps = int(meta["completed_steps"])
+            resumed_train_seconds = float(meta.get("train_seconds", 0.0))
             accelerator.print(f"[fl_accel] resumed from {path} at step {completed_steps}")
     elif accelerator.is_main_process and os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -440,7 +448,7 @@ def main(argv=None) -> dict:
 
     def save_checkpoint(step: int) -> None:
         accelerator.save_state(os.path.join(checkpoints_dir, f"step_{step}"),
-                               extra_meta={"completed_steps": step})
+                               extra_meta={"completed_steps": step, "train_seconds": train_seconds})
 
     # ---------------------------------------------------------------- train
     resumed_steps = completed_steps
@@ -448,7 +456,7 @@ def main(argv=None) -> dict:
                     desc=run_name, unit="step", dynamic_ncols=True)
     start_epoch = completed_steps // steps_per_epoch
     skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
-    train_seconds, eval_seconds = 0.0, 0.0
+    train_seconds, eval_seconds = resumed_train_seconds, 0.0
     window_loss, window_n, window_t0 = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
     window_tokens = 0
     tokens_seen = completed_steps * tokens_per_step
@@ -487,11 +495,12 @@ def main(argv=None) -> dict:
                     loss /= world
                 elapsed = now - window_t0
                 comm = accelerator.comm_stats
-                record = {"step": completed_steps, "tokens": tokens_seen, "train/loss": loss.item(),
+                record = {"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
+                          "train/loss": loss.item(),
                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / elapsed,
                           "tokens_per_s_per_process": window_tokens / elapsed / world,
                           "step_time_s": elapsed / max(1, window_n // args.gradient_accumulation_steps),
-                          "sync_time_share": comm["fl"].seconds / max(train_seconds, 1e-9),
+                          "sync_time_share": comm["fl"].seconds / max(train_seconds - resumed_train_seconds, 1e-9),
                           **comm.flat()}
                 log(record)
                 progress.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -501,7 +510,8 @@ def main(argv=None) -> dict:
             extra = time.perf_counter()
             if eval_every and completed_steps % eval_every == 0 and completed_steps < max_steps:
                 ppl, nll, _ = evaluate(model, accelerator, val_blocks, args.micro_batch_size)
-                log({"step": completed_steps, "tokens": tokens_seen, "eval/perplexity": ppl, "eval/loss": nll})
+                log({"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
+                     "eval/perplexity": ppl, "eval/loss": nll})
             if args.checkpoint_every and completed_steps % args.checkpoint_every == 0 and completed_steps < max_steps:
                 save_checkpoint(completed_steps)
             spent = time.perf_counter() - extra
@@ -517,7 +527,8 @@ def main(argv=None) -> dict:
     if accelerator.sync_if_pending():
         accelerator.print("[fl_accel] final synchronization of the federation groups done")
     ppl, nll, n_tokens = evaluate(model, accelerator, val_blocks, args.micro_batch_size)
-    log({"step": completed_steps, "tokens": tokens_seen, "eval/perplexity": ppl, "eval/loss": nll})
+    log({"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
+         "eval/perplexity": ppl, "eval/loss": nll})
     wall = time.perf_counter() - wall_t0
     comm = accelerator.comm_stats.as_dict()
     results = {
@@ -525,7 +536,8 @@ def main(argv=None) -> dict:
         "shards": S_, "sync_every": fl.sync_every if fl.is_federated else None,
         "eval_perplexity": ppl, "eval_loss": nll, "eval_tokens": n_tokens,
         "train_tokens": tokens_seen, "steps": completed_steps,
-        "tokens_per_s": tokens_per_step * (completed_steps - resumed_steps) / train_seconds if train_seconds else None,
+        "tokens_per_s": (tokens_per_step * (completed_steps - resumed_steps) / (train_seconds - resumed_train_seconds)
+                         if completed_steps > resumed_steps else None),
         "train_seconds": train_seconds, "wall_seconds": wall, "eval_and_checkpoint_seconds": eval_seconds,
         "comm": comm, "n_params": n_params, "run_name": run_name, "vocab_size": config.vocab_size,
     }
