@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig
 
@@ -112,6 +112,9 @@ class FLAccelerator(Accelerator):
             plugin.set_mixed_precision(self.mixed_precision, override=True)
         state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
+        # As AcceleratorState.__init__ does for FSDP: every later AcceleratorState() (e.g.
+        # in AcceleratedOptimizer) copies PartialState's distributed_type back over ours.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         pc = ParallelismConfig(dp_replicate_size=self.layout.replicas, dp_shard_size=self.layout.shards)
         state.parallelism_config = pc
         state.device_mesh = self.device_mesh

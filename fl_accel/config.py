@@ -231,9 +231,10 @@ class FLConfig:
                     loaded = yaml.safe_load(fh) or {}
             except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
                 raise ValueError(f"cannot read FL config {yaml_path}: {exc}") from exc
+            if isinstance(loaded, dict) and "fl" in loaded:
+                loaded = loaded["fl"] or {}  # an empty `fl:` section means the defaults
             if not isinstance(loaded, dict):
                 raise ValueError(f"FL config {yaml_path} must be a mapping, got {type(loaded).__name__}")
-            loaded = loaded.get("fl", loaded)
             values.update(loaded)
         if yaml_values:
             values.update(yaml_values)
