@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/sync_worker.py SPEC.json OUT_DIR
 
-SPEC.json is either ``{"mode": "bad_config", "fl": {...}}`` (construct FLAccelerator with
-an invalid FLConfig and record the error; see :func:`run_bad_config`) or
+SPEC.json is either ``{"mode": "bad_configs", "cases": [...]}`` (construct FLAccelerator
+with invalid FLConfigs and record the errors; see :func:`run_bad_configs`) or
 ``{"scenarios": [...]}``. Each scenario trains a tiny ``transformers.LlamaForCausalLM``
 through the plain Accelerate loop that a user would write::
 
@@ -59,39 +59,46 @@ def file_barrier(directory: Path, rank: int, world: int, timeout: float = 60.0) 
 
 
 # ---------------------------------------------------------------------- bad configs
-def run_bad_config(spec: dict, out: Path, rank: int, world: int) -> None:
-    """Construct FLAccelerator with an invalid config (from ``spec["fl"]``, or from the
-    FL_ACCEL_* environment when absent) and record what it raised.
+def run_bad_configs(spec: dict, out: Path, rank: int, world: int) -> None:
+    """For each case, construct FLAccelerator with an invalid config (``case["fl"]``, or
+    the FL_ACCEL_* environment when absent), record what it raised, whether
+    torch.distributed was initialized at that point and how long the constructor ran,
+    and print one ``[rank k] case: Type: message`` line to stderr.
 
-    A file barrier first lines the ranks up, so that torchrun, which kills the
-    remaining workers once one fails, cannot kill a slow rank before it reached the
-    constructor; a second one after recording keeps every rank alive until all ranks
-    have written their record. Then the exception propagates: the launch must fail.
+    No rank exits before every rank has recorded every case (a file barrier): torchrun
+    kills the remaining workers as soon as one fails, which must not cut a slow rank
+    short. Then the last case's exception propagates, so the launch must fail.
     """
     import torch.distributed as dist
 
     from fl_accel import FLAccelerator, FLConfig
 
-    file_barrier(out / "ready", rank, world)
-    t0 = time.monotonic()
-    try:
-        config = FLConfig(**spec["fl"]) if "fl" in spec else None  # the dataclass itself does not validate
-        FLAccelerator(config, cpu=True)
-    except Exception as exc:
-        record = {"rank": rank, "type": type(exc).__name__, "message": str(exc),
-                  "dist_initialized": dist.is_available() and dist.is_initialized(),
-                  "seconds": time.monotonic() - t0}
-        (out / f"rank{rank}.json").write_text(json.dumps(record))
-        print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        file_barrier(out / "recorded", rank, world, timeout=30)
-        raise
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "type": None, "message": ""}))
+    last_exc = None
+    for case in spec["cases"]:
+        t0 = time.monotonic()
+        try:
+            config = FLConfig(**case["fl"]) if "fl" in case else None  # the dataclass itself does not validate
+            FLAccelerator(config, cpu=True)
+        except Exception as exc:
+            last_exc = exc
+            record = {"type": type(exc).__name__, "message": str(exc)}
+            print(f"[rank {rank}] {case['name']}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        else:
+            record = {"type": None, "message": ""}
+        record.update(rank=rank, case=case["name"], seconds=time.monotonic() - t0,
+                      dist_initialized=dist.is_available() and dist.is_initialized())
+        (out / case["name"]).mkdir(parents=True, exist_ok=True)
+        (out / case["name"] / f"rank{rank}.json").write_text(json.dumps(record))
+    file_barrier(out / "recorded", rank, world, timeout=30)
+    if last_exc is not None:
+        raise last_exc
 
 
 # ---------------------------------------------------------------------- training scenarios
 def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None:
     import torch
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
@@ -129,7 +136,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     rec = {"scenario": sc["name"], "rank": rank, "world": world,
            "coords": [acc.group_index, acc.replica_index, acc.shard_index],
-           "layout": list(acc.layout.shape), "num_groups": acc.num_groups,
+           "layout": list(acc.layout.shape), "num_groups": acc.num_groups, "is_fsdp2": bool(acc.is_fsdp2),
            "names": names, "meta": meta(), "init": snap(),
            "pre_sync": [], "post_sync": [], "sync_meta": [], "sync_global_step": [], "steps": [], "snaps": []}
 
@@ -173,16 +180,18 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
     (out / sc["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
     if not last:
-        AcceleratorState._reset_state(reset_partial_state=False)  # keep the world process group
+        # Keep the world process group (PartialState); forget everything else, as a new process would.
+        AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if spec.get("mode") == "bad_config":
-        run_bad_config(spec, out, rank, world)
+    if spec.get("mode") == "bad_configs":
+        run_bad_configs(spec, out, rank, world)
         return
     scenarios = spec["scenarios"]
     for i, sc in enumerate(scenarios):

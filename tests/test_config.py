@@ -1,0 +1,300 @@
+"""FLConfig (defaults, validation, YAML / environment loading) and FLLayout arithmetic.
+
+Fast and single-process: no torch.distributed, no launches.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+import textwrap
+from dataclasses import fields
+
+import pytest
+import torch
+
+from fl_accel import AXES, FLConfig, FLLayout
+from fl_accel.config import env_overrides
+
+
+@pytest.fixture(autouse=True)
+def _no_fl_env(monkeypatch):
+    """A caller's FL_ACCEL_* variables must not change what these tests see."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("FL_ACCEL_"):
+            monkeypatch.delenv(key)
+
+
+# ====================================================================== defaults
+def test_defaults():
+    """The defaults are the paper's FL+FSDP setting with H=8 and plain FedAvg."""
+    c = FLConfig()
+    assert c.to_dict() == {
+        "algorithm": "fl_fsdp", "num_groups": 2, "hsdp_shard_size": None, "sync_every": 8,
+        "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
+        "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256,
+    }
+    assert c.validate() is c
+    assert c.validate(world_size=4) is c
+    assert c.is_federated and not c.uses_hsdp
+
+
+def test_every_field_has_an_attribute_docstring():
+    """Issue 2: every FLConfig field carries an attribute docstring (a string right after it)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(FLConfig)))
+    body = tree.body[0].body
+    documented = set()
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
+                and isinstance(nxt.value.value, str) and nxt.value.value.strip():
+            documented.add(node.target.id)
+    assert documented == {f.name for f in fields(FLConfig)}
+
+
+def test_importing_config_and_mesh_does_not_load_accelerate():
+    """``import fl_accel`` stays light: FLConfig/FLLayout without Accelerate or torch.distributed setup."""
+    code = "import sys, fl_accel; fl_accel.FLConfig(); print('accelerate' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ====================================================================== sizes
+@pytest.mark.parametrize("kwargs,world,sizes", [
+    ({"algorithm": "fl_fsdp", "num_groups": 2}, 4, (2, 1, 2)),
+    ({"algorithm": "fl_fsdp", "num_groups": 4}, 4, (4, 1, 1)),
+    ({"algorithm": "fl_fsdp", "num_groups": 1}, 4, (1, 1, 4)),
+    ({"algorithm": "fl_hsdp", "num_groups": 2, "hsdp_shard_size": 2}, 8, (2, 2, 2)),
+    ({"algorithm": "fl_hsdp", "num_groups": 128, "hsdp_shard_size": 4}, 512, (128, 1, 4)),
+    ({"algorithm": "fsdp", "num_groups": 3}, 4, (1, 1, 4)),  # baselines ignore num_groups
+    ({"algorithm": "hsdp", "num_groups": 3, "hsdp_shard_size": 2}, 8, (1, 4, 2)),
+    ({"algorithm": "fl_fsdp", "num_groups": 2, "hsdp_shard_size": 3}, 4, (2, 1, 2)),  # S ignored without HSDP
+])
+def test_sizes(kwargs, world, sizes):
+    """(F, R, S) for a world size; F*R*S == world."""
+    c = FLConfig(**kwargs).validate(world)
+    assert c.sizes(world) == sizes
+    assert FLLayout.from_config(c, world).shape == sizes
+
+
+def test_describe():
+    assert FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2, sync_every=3).describe(8) == \
+        "fl_hsdp F=2 G=4 R=2 S=2 H=3"
+
+
+# ====================================================================== validation
+@pytest.mark.parametrize("kwargs,world,field", [
+    ({"num_groups": 3}, 4, "num_groups"),  # world size not divisible by F
+    ({"algorithm": "fl_hsdp", "num_groups": 2, "hsdp_shard_size": 3}, 4, "hsdp_shard_size"),  # S does not divide G
+    ({"algorithm": "hsdp", "hsdp_shard_size": 3}, 8, "hsdp_shard_size"),
+    ({"algorithm": "fl_hsdp", "num_groups": 2}, 8, "hsdp_shard_size"),  # S missing
+    ({"sync_every": 0}, None, "sync_every"),
+    ({"sync_every": -2}, None, "sync_every"),
+    ({"sync_every": 2.0}, None, "sync_every"),
+    ({"algorithm": "fedavg"}, None, "algorithm"),
+    ({"algorithm": "FSDP"}, None, "algorithm"),
+    ({"outer_optimizer": "adam"}, None, "outer_optimizer"),
+    ({"num_groups": "4"}, None, "num_groups"),
+    ({"num_groups": True}, None, "num_groups"),
+    ({"num_groups": 0}, None, "num_groups"),
+    ({"hsdp_shard_size": "2"}, None, "hsdp_shard_size"),
+    ({"outer_lr": 0.0}, None, "outer_lr"),
+    ({"outer_lr": "0.7"}, None, "outer_lr"),
+    ({"outer_momentum": 1.0}, None, "outer_momentum"),
+    ({"outer_momentum": -0.1}, None, "outer_momentum"),
+    ({"average_optimizer_state": 1}, None, "average_optimizer_state"),
+    ({"data_sharding": "local"}, None, "data_sharding"),
+    ({"on_nonfinite": "ignore"}, None, "on_nonfinite"),
+    ({"sync_bucket_mb": 0}, None, "sync_bucket_mb"),
+])
+def test_validate_names_the_field(kwargs, world, field):
+    """Each invalid value raises ValueError whose message names the offending field."""
+    with pytest.raises(ValueError, match=field):
+        FLConfig(**kwargs).validate(world)
+
+
+def test_layout_from_config_raises_too():
+    with pytest.raises(ValueError, match="num_groups"):
+        FLLayout.from_config(FLConfig(num_groups=3), 8)
+
+
+# ====================================================================== YAML and environment
+def _yaml(tmp_path, text):
+    path = tmp_path / "fl.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_yaml_top_level(tmp_path):
+    path = _yaml(tmp_path, """
+        algorithm: fl_hsdp
+        num_groups: 4
+        hsdp_shard_size: 2
+        sync_every: 16
+        outer_optimizer: nesterov
+        average_optimizer_state: true
+    """)
+    c = FLConfig.from_yaml(path)
+    assert (c.algorithm, c.num_groups, c.hsdp_shard_size, c.sync_every) == ("fl_hsdp", 4, 2, 16)
+    assert c.outer_optimizer == "nesterov" and c.average_optimizer_state is True
+    assert c.outer_lr == 0.7  # untouched fields keep their defaults
+
+
+def test_yaml_under_fl_key(tmp_path):
+    """A recipe YAML may hold the FL settings under ``fl:`` next to other sections."""
+    path = _yaml(tmp_path, """
+        training:
+          lr: 3.0e-4
+        fl:
+          num_groups: 8
+          sync_every: 4
+    """)
+    c = FLConfig.from_yaml(path)
+    assert (c.num_groups, c.sync_every, c.algorithm) == (8, 4, "fl_fsdp")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("num_groups: 2\nsync_evry: 4\n", "sync_evry"),  # unknown key, named
+    ("fl:\n  bogus: 1\n", "bogus"),
+    ("sync_every: 0\n", "sync_every"),  # loaded values are validated
+    ("num_groups: four\n", "num_groups"),
+    ("- 1\n- 2\n", "mapping"),
+    ("fl: 3\n", "mapping"),
+    ("fl: [num_groups]\n", "mapping"),
+    ("num_groups: [1,\n", "cannot read"),
+])
+def test_yaml_errors(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        FLConfig.from_yaml(_yaml(tmp_path, text))
+
+
+def test_empty_yaml_or_fl_section_gives_defaults(tmp_path):
+    assert FLConfig.from_yaml(_yaml(tmp_path, "")) == FLConfig()
+    assert FLConfig.from_yaml(_yaml(tmp_path, "training:\n  lr: 1.0\nfl:\n")) == FLConfig()
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        FLConfig.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_env_values_are_typed():
+    env = {"FL_ACCEL_NUM_GROUPS": "4", "FL_ACCEL_HSDP_SHARD_SIZE": "none", "FL_ACCEL_OUTER_LR": "0.5",
+           "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "true", "FL_ACCEL_ALGORITHM": "fl_hsdp", "PATH": "/bin"}
+    assert env_overrides(env) == {"num_groups": 4, "hsdp_shard_size": None, "outer_lr": 0.5,
+                                  "average_optimizer_state": True, "algorithm": "fl_hsdp"}
+    assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}) == \
+        {"hsdp_shard_size": 2, "average_optimizer_state": False}
+
+
+def test_from_env_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("FL_ACCEL_SYNC_EVERY", "3")
+    monkeypatch.setenv("FL_ACCEL_OUTER_OPTIMIZER", "nesterov")
+    c = FLConfig.from_env()
+    assert (c.sync_every, c.outer_optimizer) == (3, "nesterov")
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"FL_ACCEL_NUM_GROUP": "2"}, "FL_ACCEL_NUM_GROUP"),  # unknown variable, named
+    ({"FL_ACCEL_NUM_GROUPS": "two"}, "FL_ACCEL_NUM_GROUPS"),
+    ({"FL_ACCEL_OUTER_LR": "fast"}, "FL_ACCEL_OUTER_LR"),
+    ({"FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "maybe"}, "FL_ACCEL_AVERAGE_OPTIMIZER_STATE"),
+    ({"FL_ACCEL_SYNC_EVERY": "0"}, "sync_every"),
+    ({"FL_ACCEL_ALGORITHM": "fedprox"}, "algorithm"),
+])
+def test_env_errors(env, match):
+    with pytest.raises(ValueError, match=match):
+        FLConfig.from_env(environ=env)
+
+
+def test_precedence_defaults_yaml_env_overrides(tmp_path):
+    """defaults < YAML < FL_ACCEL_* < keyword overrides, field by field."""
+    path = _yaml(tmp_path, """
+        fl:
+          num_groups: 4
+          sync_every: 4
+          outer_lr: 0.5
+          outer_optimizer: nesterov
+    """)
+    env = {"FL_ACCEL_NUM_GROUPS": "8", "FL_ACCEL_OUTER_LR": "0.25"}
+    c = FLConfig.resolve(yaml_path=path, environ=env, overrides={"outer_lr": 0.1})
+    assert c.outer_momentum == 0.9  # default
+    assert c.sync_every == 4 and c.outer_optimizer == "nesterov"  # YAML over defaults
+    assert c.num_groups == 8  # env over YAML
+    assert c.outer_lr == 0.1  # override over env
+    assert FLConfig.resolve(yaml_path=path, environ=env).outer_lr == 0.25
+
+
+def test_from_yaml_applies_env_then_overrides(tmp_path, monkeypatch):
+    path = _yaml(tmp_path, "sync_every: 4\nnum_groups: 4\n")
+    monkeypatch.setenv("FL_ACCEL_SYNC_EVERY", "6")
+    c = FLConfig.from_yaml(path, num_groups=2)
+    assert (c.sync_every, c.num_groups) == (6, 2)
+
+
+def test_unknown_keys_rejected():
+    with pytest.raises(ValueError, match="sync_evrey"):
+        FLConfig.from_dict({"sync_evrey": 3})
+    with pytest.raises(ValueError, match="nope"):
+        FLConfig.resolve(environ={}, overrides={"nope": 1})
+
+
+# ====================================================================== FLLayout
+# Expected process groups per axis (each a partition of the world), written out by hand.
+LAYOUTS = {
+    (2, 1, 2): {"fl": [(0, 2), (1, 3)], "dp_replicate": [(0,), (1,), (2,), (3,)],
+                "dp_shard": [(0, 1), (2, 3)]},
+    (2, 2, 2): {"fl": [(0, 4), (1, 5), (2, 6), (3, 7)], "dp_replicate": [(0, 2), (1, 3), (4, 6), (5, 7)],
+                "dp_shard": [(0, 1), (2, 3), (4, 5), (6, 7)]},
+    (1, 2, 2): {"fl": [(0,), (1,), (2,), (3,)], "dp_replicate": [(0, 2), (1, 3)], "dp_shard": [(0, 1), (2, 3)]},
+    (1, 1, 4): {"fl": [(0,), (1,), (2,), (3,)], "dp_replicate": [(0,), (1,), (2,), (3,)],
+                "dp_shard": [(0, 1, 2, 3)]},
+}
+
+
+@pytest.mark.parametrize("shape", list(LAYOUTS))
+def test_layout_axis_ranks(shape):
+    """axis_ranks(axis, k) is the hand-written block containing k, for every rank and axis."""
+    layout = FLLayout(*shape)
+    for axis, blocks in LAYOUTS[shape].items():
+        assert sorted(x for b in blocks for x in b) == list(range(layout.world_size))
+        for block in blocks:
+            for k in block:
+                assert layout.axis_ranks(axis, k) == block, (axis, k)
+
+
+@pytest.mark.parametrize("shape", list(LAYOUTS) + [(4, 1, 1), (3, 2, 2), (2, 4, 3)])
+def test_layout_coords_round_trip_and_device_mesh_order(shape):
+    """coords/rank are inverse bijections; rank k sits at the same coordinate as in
+    init_device_mesh's row-major ``arange(world).reshape(F, R, S)``; groups are contiguous."""
+    F, R, S = shape
+    layout = FLLayout(F, R, S)
+    assert (layout.world_size, layout.group_size) == (F * R * S, R * S)
+    grid = torch.arange(F * R * S).reshape(F, R, S)
+    seen = set()
+    for k in range(layout.world_size):
+        f, r, s = layout.coords(k)
+        assert 0 <= f < F and 0 <= r < R and 0 <= s < S
+        assert layout.rank(f, r, s) == k and grid[f, r, s].item() == k
+        seen.add((f, r, s))
+        assert layout.axis_ranks("fl", k) == tuple(grid[:, r, s].tolist())
+        assert layout.axis_ranks("dp_replicate", k) == tuple(grid[f, :, s].tolist())
+        assert layout.axis_ranks("dp_shard", k) == tuple(grid[f, r, :].tolist())
+        assert k in layout.group_ranks(f)
+    assert len(seen) == layout.world_size
+    for f in range(F):
+        assert layout.group_ranks(f) == tuple(range(f * R * S, (f + 1) * R * S))
+
+
+def test_layout_errors():
+    layout = FLLayout(2, 1, 2)
+    assert AXES == ("fl", "dp_replicate", "dp_shard")
+    with pytest.raises(ValueError):
+        layout.coords(4)
+    with pytest.raises(ValueError):
+        layout.coords(-1)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        layout.axis_ranks("tp", 0)
