@@ -41,6 +41,26 @@ def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _init_process_group_for_this_attempt(backend: str, timeout: timedelta) -> None:
+    """Create the default process group on a store namespace unique to this restart attempt.
+
+    Under ``torchrun --max-restarts`` the workers of attempt n>0 connect to the launcher's
+    store with the same keys as attempt 0, and gloo then dials the dead processes'
+    addresses ("Gloo connectFullMesh failed ... Connection refused"; seen with torch
+    2.13, cf. pytorch/pytorch#167288). Prefixing the store with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``) gives each attempt fresh keys. Accelerate then
+    finds the group initialized and uses it. Only acts under torchelastic's agent store.
+    """
+    world = _env_world_size()
+    if world <= 1 or dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/fl_accel/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+
+
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
@@ -75,9 +95,11 @@ class FLAccelerator(Accelerator):
             accelerate_kwargs["cpu"] = True
         if collective_timeout_s is None:
             collective_timeout_s = float(os.environ.get("FL_TIMEOUT_S", "300"))
+        timeout = timedelta(seconds=collective_timeout_s)
         handlers = list(accelerate_kwargs.pop("kwargs_handlers", None) or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-            handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s)))
+            handlers.append(InitProcessGroupKwargs(timeout=timeout))
+        _init_process_group_for_this_attempt("gloo" if accelerate_kwargs.get("cpu") else "nccl", timeout)
         super().__init__(kwargs_handlers=handlers, **accelerate_kwargs)
         if self.num_processes != self.layout.world_size:
             raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world_size}")

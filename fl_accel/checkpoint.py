@@ -82,9 +82,11 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(meta: dict[str, Any], accelerator) -> None:
-    """Raise CheckpointError if the checkpoint's algorithm or mesh differs from this run."""
-    here = _layout_meta(accelerator)
+def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
+    """Raise CheckpointError if the checkpoint's algorithm or mesh differs from ``here``.
+
+    ``here`` is :func:`layout_meta` of the current run (pure; no collectives).
+    """
     theirs = {k: meta.get(k) for k in here}
     if theirs != here:
         diff = {k: (theirs[k], here[k]) for k in here if theirs[k] != here[k]}
@@ -94,8 +96,8 @@ def check_compatible(meta: dict[str, Any], accelerator) -> None:
         )
 
 
-def _layout_meta(accelerator) -> dict[str, Any]:
-    cfg, layout = accelerator.fl_config, accelerator.layout
+def layout_meta(cfg, layout) -> dict[str, Any]:
+    """What a checkpoint must share with the run loading it: algorithm, world, mesh, outer optimizer."""
     return {
         "algorithm": cfg.algorithm,
         "world_size": layout.world_size,
@@ -169,7 +171,7 @@ def save_federated_state(accelerator, output_dir: str, extra_meta: dict | None =
         sync = accelerator.synchronizer
         meta = {
             "format_version": FORMAT_VERSION,
-            **_layout_meta(accelerator),
+            **layout_meta(accelerator.fl_config, accelerator.layout),
             "sync": None if sync is None else {
                 "local_step": sync.local_step, "global_step": sync.global_step, "num_syncs": sync.num_syncs,
             },
@@ -197,7 +199,7 @@ def load_federated_state(accelerator, input_dir: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     meta = read_meta(input_dir)
-    check_compatible(meta, accelerator)
+    check_compatible(meta, layout_meta(accelerator.fl_config, accelerator.layout))
     state = _state_for_dcp(accelerator)
     try:
         dcp.load(state, checkpoint_id=input_dir)

@@ -91,7 +91,7 @@ def load_raw(args, cache_dir: str):
         for split, path in files.items():
             if not os.path.isfile(path):
                 raise DataError(f"--{split}_file {path} does not exist")
-            _check_utf8(path)
+            check_text_file(path, f"{split}_file")
         ext = os.path.splitext(args.train_file)[1].lstrip(".")
         builder = {"txt": "text", "jsonl": "json"}.get(ext, ext)
         kwargs = {"keep_linebreaks": True} if builder == "text" else {}
@@ -117,13 +117,17 @@ def load_raw(args, cache_dir: str):
     return raw
 
 
-def _check_utf8(path: str) -> None:
+def check_text_file(path: str, flag: str = "train_file") -> None:
+    """Raise DataError unless ``path`` is UTF-8 and holds some non-blank text."""
+    has_text = False
     with open(path, "rb") as fh:
         for i, line in enumerate(fh, 1):
             try:
-                line.decode("utf-8")
+                has_text = has_text or bool(line.decode("utf-8").strip())
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path} is not UTF-8 text (line {i}: {exc.reason})") from None
+                raise DataError(f"--{flag} {path} is not UTF-8 text (line {i}: {exc.reason})") from None
+    if not has_text:
+        raise DataError(f"--{flag} {path} is empty: no text to train on")
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -299,8 +299,79 @@ def write_curves(records: list[dict], path: str, title: str) -> None:
 
 
 # =========================================================================== main
+def preflight(args) -> None:
+    """Checks that need no process group, run on every rank before any collective.
+
+    Local data files exist, are UTF-8 and hold text; a checkpoint to resume from is
+    complete and was written by the same algorithm, world size and mesh. Sets
+    ``args.resume_path`` (None when there is nothing to resume).
+
+    Raises:
+        RecipeError: naming the file or the mismatching setting.
+    """
+    from recipes import data as data_lib
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        layout = args.fl.sizes(world)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
+    for flag in ("train_file", "validation_file"):
+        path = getattr(args, flag)
+        if path:
+            if not os.path.isfile(path):
+                raise RecipeError(f"--{flag} {path} does not exist")
+            data_lib.check_text_file(path, flag)
+    args.resume_path = None
+    if args.resume_from_checkpoint:
+        from fl_accel.checkpoint import CheckpointError, check_compatible, find_latest, layout_meta, read_meta
+        from fl_accel.mesh import FLLayout
+
+        if args.resume_from_checkpoint == "latest":
+            args.resume_path = find_latest(os.path.join(args.output_dir, "checkpoints"))
+        else:
+            args.resume_path = args.resume_from_checkpoint
+        if args.resume_path:
+            try:
+                check_compatible(read_meta(args.resume_path), layout_meta(args.fl, FLLayout(*layout)))
+            except CheckpointError as exc:
+                raise RecipeError(str(exc)) from exc
+
+
+class FaultInjector:
+    """Test hook: ``FL_FAULT_INJECT=<kind>:<rank>:<step>`` acts on one rank after that optimizer step.
+
+    kind ``kill`` sends SIGKILL to the process (a crashed rank); ``stop`` sends SIGSTOP
+    (a hung rank). Only in the first attempt of a torchrun job
+    (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts`` runs recover. Unset: inert.
+    """
+
+    def __init__(self, rank: int):
+        spec = os.environ.get("FL_FAULT_INJECT", "")
+        self.kind, self.step = None, None
+        if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            kind, fault_rank, step = spec.split(":")
+            if kind not in ("kill", "stop"):
+                raise RecipeError(f"FL_FAULT_INJECT kind must be kill or stop, got {kind!r}")
+            if int(fault_rank) == rank:
+                self.kind, self.step = kind, int(step)
+
+    def after_step(self, step: int) -> None:
+        if self.kind and step == self.step:
+            import signal
+
+            print(f"[fl_accel] FL_FAULT_INJECT: {self.kind} rank {os.environ.get('RANK')} at step {step}",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.output_dir is None:
+        F0, R0, S0 = args.fl.sizes(int(os.environ.get("WORLD_SIZE", "1")))
+        args.output_dir = os.path.join("outputs", args.experiment,
+                                       args.run_name or default_run_name(args.fl, F0, R0 * S0, S0))
+    preflight(args)
     os.environ.setdefault("WANDB_MODE", "offline")  # never prompt for a login
     os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -311,15 +382,11 @@ def main(argv=None) -> dict:
     from transformers import LlamaForCausalLM, default_data_collator, get_scheduler
 
     from fl_accel import FLAccelerator
-    from fl_accel.checkpoint import find_latest
     from recipes import data as data_lib
 
     if args.model in PRESETS and args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
         raise RecipeError(f"--seq_len {args.seq_len} exceeds the model's max_position_embeddings "
                           f"{PRESETS[args.model]['max_position_embeddings']}")
-    if args.output_dir is None:
-        F0, R0, S0 = args.fl.sizes(int(os.environ.get("WORLD_SIZE", "1")))
-        args.output_dir = os.path.join("outputs", args.experiment, args.run_name or default_run_name(args.fl, F0, R0 * S0, S0))
     mixed = args.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -430,7 +497,7 @@ def main(argv=None) -> dict:
     completed_steps, resumed_train_seconds = 0, 0.0
     checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
     if args.resume_from_checkpoint:
-        path = find_latest(checkpoints_dir) if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
+        path = args.resume_path
         if path is None:
             accelerator.print(f"[fl_accel] no complete checkpoint in {checkpoints_dir}; starting from step 0")
         else:
@@ -452,6 +519,7 @@ def main(argv=None) -> dict:
 
     # ---------------------------------------------------------------- train
     resumed_steps = completed_steps
+    faults = FaultInjector(accelerator.process_index)
     progress = tqdm(total=max_steps, initial=completed_steps, disable=not accelerator.is_local_main_process,
                     desc=run_name, unit="step", dynamic_ncols=True)
     start_epoch = completed_steps // steps_per_epoch
@@ -488,6 +556,7 @@ def main(argv=None) -> dict:
             now = time.perf_counter()
             train_seconds += now - t_step
             progress.update(1)
+            faults.after_step(completed_steps)
             if completed_steps % args.log_every == 0 or completed_steps == max_steps:
                 loss = window_loss / window_n
                 if world > 1:
@@ -561,13 +630,31 @@ def main(argv=None) -> dict:
     return results
 
 
+def _on_sigterm(signum, frame):
+    # torchrun sends SIGTERM to the surviving ranks when one rank fails.
+    print(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed "
+          f"or the job was cancelled)", file=sys.stderr, flush=True)
+    sys.exit(143)
+
+
 def cli(argv=None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    rank = os.environ.get("RANK", "0")
     try:
         main(argv)
     except (RecipeError, ValueError) as exc:
-        rank = os.environ.get("RANK", "0")
         print(f"[fl_accel] error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as exc:
+        text = str(exc)
+        if any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "Timed out", "timed out")):
+            print(f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung "
+                  f"(collective timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {text[:500]}",
+                  file=sys.stderr, flush=True)
+            return 1
+        raise
     return 0
 
 

@@ -1,0 +1,104 @@
+"""A table of bad inputs fed to the launched recipe (2 real processes each).
+
+Every case must end quickly with a non-zero exit, the same clear error on *every* rank
+(so no rank is left waiting in a collective), and no checkpoint that looks valid.
+Most cases are caught before the process group exists, so they cost a second or two;
+the validation-size case goes through data preparation on the main rank and checks that
+its failure reaches the other rank too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from _launch import REPO_ROOT, run_torchrun
+
+RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
+NPROC = 2
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+def _file(tmp_path, name, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def _foreign_checkpoint(tmp_path, **overrides):
+    """A complete-looking checkpoint whose metadata says another setup wrote it."""
+    ckpt = tmp_path / "ckpt" / "step_4"
+    ckpt.mkdir(parents=True)
+    meta = {"format_version": 1, "algorithm": "fl_fsdp", "world_size": 4, "num_groups": 2, "replicas": 1,
+            "shards": 2, "outer_optimizer": "avg", "completed_steps": 4, **overrides}
+    (ckpt / "fl_accel_checkpoint.json").write_text(json.dumps(meta))
+    (ckpt / ".metadata").write_bytes(b"")
+    return str(ckpt)
+
+
+CASES = {
+    # name: (builder(tmp_path) -> extra args, expected message fragment)
+    "yaml_wrong_type": (lambda t: _yaml(t, "micro_batch_size: four\n"), "micro_batch_size in"),
+    "yaml_fl_wrong_type": (lambda t: _yaml(t, "fl:\n  num_groups: '2'\n"), "FLConfig.num_groups must be an integer"),
+    "yaml_not_a_mapping": (lambda t: _yaml(t, "- a\n- b\n"), "must be a YAML mapping"),
+    "yaml_unknown_key": (lambda t: _yaml(t, "learning_rat: 0.1\n"), "unknown key 'learning_rat'"),
+    "zero_micro_batch": (lambda t: ["--micro_batch_size", "0"], "--micro_batch_size must be >= 1"),
+    "negative_groups": (lambda t: ["--num_groups", "-2"], "FLConfig.num_groups must be >= 1"),
+    "zero_sync_every": (lambda t: ["--sync_every", "0"], "FLConfig.sync_every must be >= 1"),
+    "unknown_algorithm": (lambda t: _yaml(t, "fl:\n  algorithm: fedprox\n"), "FLConfig.algorithm must be one of"),
+    "unknown_outer_optimizer": (lambda t: _yaml(t, "fl:\n  outer_optimizer: adam\n"),
+                                "FLConfig.outer_optimizer must be one of"),
+    "world_not_divisible": (lambda t: ["--num_groups", "3"], "num_groups=3 does not divide the world size 2"),
+    "shard_not_dividing_group": (lambda t: ["--algorithm", "fl_hsdp", "--num_groups", "1", "--hsdp_shard_size", "3"],
+                                 "hsdp_shard_size=3 does not divide the group size 2"),
+    "seq_len_too_long": (lambda t: ["--seq_len", "4096"], "exceeds the model's max_position_embeddings 1024"),
+    "missing_train_file": (lambda t: ["--train_file", str(t / "nope.txt")], "does not exist"),
+    "empty_corpus": (lambda t: ["--train_file", _file(t, "empty.txt", b"\n  \n")], "is empty: no text"),
+    "non_utf8_text": (lambda t: ["--train_file", _file(t, "latin1.txt", "caf\xe9 cr\xe8me\n".encode("latin-1"))],
+                      "is not UTF-8 text"),
+    "checkpoint_other_world_size": (lambda t: ["--num_groups", "2", "--resume_from_checkpoint", _foreign_checkpoint(t)],
+                                    "world_size=4 vs 2"),
+    "checkpoint_other_algorithm": (lambda t: ["--algorithm", "fsdp", "--resume_from_checkpoint",
+                                              _foreign_checkpoint(t, world_size=2, num_groups=1, shards=2)],
+                                   "algorithm='fl_fsdp' vs 'fsdp'"),
+    "checkpoint_incomplete": (lambda t: ["--resume_from_checkpoint", str(t)], "is not a complete fl_accel checkpoint"),
+    "checkpoint_corrupt_metadata": (
+        lambda t: ["--resume_from_checkpoint",
+                   os.path.dirname(_file(t, "fl_accel_checkpoint.json", b"{not json"))],
+        "corrupt checkpoint metadata"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_fails_fast_on_every_rank(case, tmp_path):
+    build, expected = CASES[case]
+    out_dir = tmp_path / "out"
+    result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(out_dir),
+                          "--checkpoint_every", "1", *build(tmp_path), timeout=120)
+    assert not result.timed_out, result.tail()
+    assert result.returncode != 0, result.tail()
+    ranks = {line.split("(rank ")[1].split(")")[0] for line in result.stderr.splitlines()
+             if line.startswith("[fl_accel] error (rank ") and expected in line}
+    assert ranks == {str(r) for r in range(NPROC)}, result.tail()
+    assert not (out_dir / "checkpoints").exists()
+
+
+def test_validation_split_too_small_fails_on_every_rank(tmp_path):
+    """Found after data preparation (main rank first); the other rank must fail too, not wait."""
+    train = _file(tmp_path, "train.txt", ("To be, or not to be, that is the question.\n" * 400).encode())
+    val = _file(tmp_path, "val.txt", b"Brief.\n")
+    result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+                          "--train_file", train, "--validation_file", val, "--seq_len", "32",
+                          "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), timeout=240)
+    assert not result.timed_out, result.tail()
+    assert result.returncode != 0
+    ranks = {line.split("(rank ")[1].split(")")[0] for line in result.stderr.splitlines()
+             if line.startswith("[fl_accel] error (rank ") and "validation split has 0 blocks" in line}
+    assert ranks == {"0", "1"}, result.tail()

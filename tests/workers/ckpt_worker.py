@@ -1,0 +1,86 @@
+"""Worker of tests/test_checkpoint_gloo.py (torchrun, gloo, 4 ranks = 2 groups x 2).
+
+    ckpt_worker.py MODE OUT_DIR [extra]
+
+MODE ``full``: train 8 optimizer steps (H=3, outer "nesterov", AdamW, cosine LR) and
+save a checkpoint after steps 3 (a sync boundary) and 4 (mid-round); record per-step
+losses and the final local shards. MODE ``resume``: load ``OUT_DIR/step_<extra>`` and
+continue to step 8, recording the same. MODE ``nan``: make group 1's parameters NaN
+after step 2 and let the sync at step 3 react (``extra`` = on_nonfinite). MODE
+``load_corrupt``: load the checkpoint folder ``extra`` and record the error.
+Each rank writes ``OUT_DIR/<mode>-<extra>-rank<k>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
+
+from fl_accel import FLAccelerator, FLConfig
+
+STEPS, H = 8, 3
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)  # different data per rank and step
+    return torch.randint(0, 128, (2, 16), generator=g)
+
+
+def main() -> None:
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    extra = sys.argv[3] if len(sys.argv) > 3 else ""
+    on_nonfinite = extra if mode == "nan" else "abort"
+    acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer="nesterov",
+                                 on_nonfinite=on_nonfinite), cpu=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=2, num_training_steps=STEPS)
+    acc.register_for_checkpointing(sched)
+    model, opt = acc.prepare(model, opt)
+    rec = {"losses": {}, "lr": {}, "error": None}
+    start = 0
+    if mode == "resume":
+        meta = acc.load_state(f"{out_dir}/step_{extra}")
+        start = int(meta["completed_steps"])
+    if mode == "load_corrupt":
+        try:
+            acc.load_state(extra)
+        except ValueError as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        torch.save(rec, f"{out_dir}/{mode}-rank{acc.process_index}.pt")
+        acc.end_training()
+        return
+    for step in range(start, STEPS):
+        x = batch(step, acc.process_index)
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        if mode == "nan" and step == 2 and acc.group_index == 1:
+            with torch.no_grad():
+                next(model.parameters()).to_local().fill_(float("nan"))
+        try:
+            opt.step()
+        except RuntimeError as exc:  # NonFiniteError from the sync hook
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            break
+        sched.step()
+        opt.zero_grad()
+        rec["losses"][step + 1] = loss.item()
+        # the LR each group actually uses, and the scheduler's value
+        rec["lr"][step + 1] = (opt.param_groups[0]["lr"], sched.get_last_lr()[0])
+        if mode == "full" and step + 1 in (3, 4):
+            acc.save_state(f"{out_dir}/step_{step + 1}", extra_meta={"completed_steps": step + 1})
+        if mode == "nan" and step + 1 == 3:
+            break
+    rec["params"] = [p.to_local().detach().clone() for p in model.parameters()]
+    rec["num_syncs"] = acc.synchronizer.num_syncs
+    torch.save(rec, f"{out_dir}/{mode}-{extra}-rank{acc.process_index}.pt")
+    if rec["error"] is None:
+        acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
