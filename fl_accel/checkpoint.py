@@ -201,10 +201,14 @@ def load_federated_state(accelerator, input_dir: str) -> dict[str, Any]:
     meta = read_meta(input_dir)
     check_compatible(meta, layout_meta(accelerator.fl_config, accelerator.layout))
     state = _state_for_dcp(accelerator)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state, checkpoint_id=input_dir)
-    except Exception as exc:  # DCP gathers per-rank failures and raises on every rank
-        raise CheckpointError(f"cannot load checkpoint {input_dir}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:
+        # DCP gathers the per-rank read failures and raises CheckpointException (a
+        # BaseException) on every rank, so every rank reports the same error.
+        raise CheckpointError(f"cannot load checkpoint {input_dir}: {str(exc)[:2000]}") from exc
     group_state = state[f"group{accelerator.group_index}"]
     for i, model in enumerate(accelerator._models):
         set_model_state_dict(model, group_state[f"model_{i}"])

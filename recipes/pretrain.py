@@ -630,10 +630,16 @@ def main(argv=None) -> dict:
     return results
 
 
+def _say(line: str) -> None:
+    """One write per line, so lines of concurrent ranks sharing a pipe do not interleave."""
+    sys.stderr.write(line.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+
+
 def _on_sigterm(signum, frame):
     # torchrun sends SIGTERM to the surviving ranks when one rank fails.
-    print(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed "
-          f"or the job was cancelled)", file=sys.stderr, flush=True)
+    _say(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed "
+         f"or the job was cancelled)")
     sys.exit(143)
 
 
@@ -645,14 +651,13 @@ def cli(argv=None) -> int:
     try:
         main(argv)
     except (RecipeError, ValueError) as exc:
-        print(f"[fl_accel] error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        _say(f"[fl_accel] error (rank {rank}): {exc}")
         return 2
     except RuntimeError as exc:
         text = str(exc)
         if any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "Timed out", "timed out")):
-            print(f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung "
-                  f"(collective timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {text[:500]}",
-                  file=sys.stderr, flush=True)
+            _say(f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung "
+                 f"(collective timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {text[:500]}")
             return 1
         raise
     return 0

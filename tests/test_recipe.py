@@ -115,3 +115,37 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_
     with open(os.path.join(resumed_out, "all_results.json"), encoding="utf-8") as fh:
         b = json.load(fh)
     assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-6, (a["eval_loss"], b["eval_loss"])
+
+
+@pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
+def test_measured_bytes_match_cost_model(runs, algorithm):
+    """comm_stats of the real 4-process run vs fl_accel.cost_model, within 5% on every axis.
+
+    The train record of step 3 holds the bytes of 3 training steps and the sync at step
+    3 (H=3), logged before the evaluation at step 3 adds forward all-gathers.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fl_accel import FLConfig
+    from fl_accel.cost_model import estimate_from_config, units_from_module
+
+    out, proc = runs(algorithm)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
+    record = next(r for r in read_metrics(out) if r.get("step") == 3 and "train/loss" in r)
+    sys.path.insert(0, REPO)
+    from recipes.pretrain import PRESETS
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{**PRESETS["tiny"], "vocab_size": results["vocab_size"]}))
+    cfg = FLConfig(algorithm=algorithm, num_groups=2, hsdp_shard_size=2, sync_every=3)
+    est = estimate_from_config(cfg, 4, units_from_module(model), param_bytes=4, grad_bytes=4, sync_bytes=4,
+                               total_steps=3)
+    predicted = {axis: 3 * b for axis, b in est.by_axis(amortized=True).items()}
+    for axis in ("fl", "dp_replicate", "dp_shard"):
+        measured = record[f"comm/{axis}/bytes"]
+        if predicted[axis] == 0:
+            assert measured == 0, (axis, measured)
+        else:
+            assert abs(measured - predicted[axis]) <= 0.05 * predicted[axis], (axis, measured, predicted[axis])
