@@ -95,3 +95,18 @@ def test_nan_in_one_group_reset_to_healthy_mean(tmp_path):
         assert torch.equal(a, b)
     assert "dropped federation group(s) [1]" in result.stderr, result.tail()
     assert not math.isnan(recs[2]["losses"][3])
+
+
+def test_average_optimizer_state_makes_adamw_moments_equal_across_groups(tmp_path):
+    """With average_optimizer_state the AdamW moments are averaged at the sync too; without, they differ."""
+    for flag in ("on", "off"):
+        result = run_torchrun(4, WORKER, "opt_state", str(tmp_path), flag, timeout=180)
+        assert result.returncode == 0, result.tail()
+    on, off = load(tmp_path, "opt_state-on"), load(tmp_path, "opt_state-off")
+    for a, b in ((0, 2), (1, 3)):  # same shard coordinate, different groups
+        assert on[a]["num_syncs"] == 1
+        assert all(torch.equal(x, y) for x, y in zip(on[a]["opt_state"], on[b]["opt_state"]))
+        assert not all(torch.equal(x, y) for x, y in zip(off[a]["opt_state"], off[b]["opt_state"]))
+        # the averaged moments are the mean of the two groups' own moments
+        for x_on, x_a, x_b in zip(on[a]["opt_state"], off[a]["opt_state"], off[b]["opt_state"]):
+            torch.testing.assert_close(x_on, (x_a + x_b) / 2, rtol=1e-5, atol=1e-7)

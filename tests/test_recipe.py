@@ -12,33 +12,22 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = os.path.join(REPO, "recipes", "pretrain.py")
+from _launch import REPO_ROOT, run_torchrun
+
+RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
 COMMON = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "4",
           "--log_every", "1", "--eval_every", "3", "--max_eval_blocks", "32", "--checkpoint_every", "2",
           "--sync_every", "3", "--num_groups", "2", "--hsdp_shard_size", "2", "--experiment", "pytest"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args: list[str], nproc: int = 4, timeout: int = 420, env_extra: dict | None = None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=REPO,
-               TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), RECIPE, *args]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def launch(args: list[str]):
+    """The recipe on 4 gloo processes; W&B offline, as a user gets it by default."""
+    return run_torchrun(4, RECIPE, *args, timeout=600,
+                        env={"WANDB_MODE": "offline", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -55,7 +44,7 @@ def data_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     """Lazily launched runs, one per algorithm, shared by the tests of this module."""
-    done: dict[str, tuple[str, subprocess.CompletedProcess]] = {}
+    done: dict[str, tuple] = {}
 
     def get(algorithm: str):
         if algorithm not in done:
@@ -71,7 +60,7 @@ def runs(tmp_path_factory, data_cache):
 def test_recipe_trains_each_algorithm(runs, algorithm):
     """A few steps per algorithm: finite perplexity below the vocabulary, W&B offline run, traffic by axis."""
     out, proc = runs(algorithm)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.tail()
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as fh:
         results = json.load(fh)
     ppl = results["eval_perplexity"]
@@ -102,7 +91,7 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_
     resumed_out = str(tmp_path / "resumed")
     proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed_out, "--cache_dir", data_cache,
                     "--resume_from_checkpoint", ckpt])
-    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-6000:]
+    assert proc2.returncode == 0, proc2.tail()
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
     full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}
     resumed = {r["step"]: r for r in read_metrics(resumed_out) if "train/loss" in r}
@@ -134,7 +123,6 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
     record = next(r for r in read_metrics(out) if r.get("step") == 3 and "train/loss" in r)
-    sys.path.insert(0, REPO)
     from recipes.pretrain import PRESETS
 
     with torch.device("meta"):

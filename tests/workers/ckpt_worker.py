@@ -32,8 +32,10 @@ def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     extra = sys.argv[3] if len(sys.argv) > 3 else ""
     on_nonfinite = extra if mode == "nan" else "abort"
-    acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer="nesterov",
-                                 on_nonfinite=on_nonfinite), cpu=True)
+    outer = "avg" if mode == "opt_state" else "nesterov"
+    acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer=outer,
+                                 on_nonfinite=on_nonfinite,
+                                 average_optimizer_state=(mode == "opt_state" and extra == "on")), cpu=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
@@ -73,10 +75,12 @@ def main() -> None:
         rec["lr"][step + 1] = (opt.param_groups[0]["lr"], sched.get_last_lr()[0])
         if mode == "full" and step + 1 in (3, 4):
             acc.save_state(f"{out_dir}/step_{step + 1}", extra_meta={"completed_steps": step + 1})
-        if mode == "nan" and step + 1 == 3:
+        if mode in ("nan", "opt_state") and step + 1 == 3:
             break
     rec["params"] = [p.to_local().detach().clone() for p in model.parameters()]
     rec["num_syncs"] = acc.synchronizer.num_syncs
+    rec["opt_state"] = [opt.optimizer.state[p][k].to_local().detach().clone()
+                        for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     torch.save(rec, f"{out_dir}/{mode}-{extra}-rank{acc.process_index}.pt")
     if rec["error"] is None:
         acc.end_training()
