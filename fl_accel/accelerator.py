@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -152,7 +153,11 @@ class FLAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
-        result = super().prepare(*args, device_placement=device_placement)
+        with warnings.catch_warnings():
+            # Accelerate slices the flattened "dp_shard_cp" alias from the root mesh (the
+            # name its fsdp2_prepare_model looks up); torch 2.13 warns that this will change.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            result = super().prepare(*args, device_placement=device_placement)
         items = result if isinstance(result, (list, tuple)) else [result]
         model = next((o for o in items if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)

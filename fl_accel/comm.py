@@ -61,6 +61,9 @@ class CommStats:
         s.calls += 1
         s.by_op[op] += int(nbytes)
 
+    def __repr__(self) -> str:
+        return f"CommStats({ {a: (s.bytes, round(s.seconds, 4), s.calls) for a, s in self._stats.items()} }"
+
     def reset(self) -> None:
         self._stats = {a: AxisStats() for a in self.axes}
 

@@ -216,14 +216,17 @@ class FLConfig:
         yaml_values: Mapping[str, Any] | None = None,
         environ: Mapping[str, str] | None = None,
         overrides: Mapping[str, Any] | None = None,
+        source: str | None = None,
     ) -> "FLConfig":
         """Merge defaults < YAML < environment < overrides and validate.
+
+        ``source`` names where ``yaml_values`` came from, for error messages.
 
         Raises:
             ValueError: for unreadable YAML, unknown keys, or values of the wrong type.
         """
         values: dict[str, Any] = {}
-        source = "defaults"
+        source = source or "defaults"
         if yaml_path is not None:
             source = str(yaml_path)
             try:

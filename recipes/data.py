@@ -15,6 +15,7 @@ Any other ``datasets`` dataset with a text column works the same way: a hub name
 from __future__ import annotations
 
 import hashlib
+import math
 import importlib.util
 import os
 import re
@@ -103,6 +104,12 @@ def load_raw(args, cache_dir: str):
         raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
     if "validation" not in raw:
         pct = args.validation_split_percentage
+        n = len(raw["train"])
+        if n < 2 or math.ceil(n * pct / 100) >= n:
+            raise DataError(
+                f"the training data has {len(raw['train'])} rows, too few to hold out "
+                f"{pct}% for validation; give --validation_file or more text"
+            )
         split = raw["train"].train_test_split(test_size=pct / 100, seed=args.seed, shuffle=False)
         raw = datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     for split in ("train", "validation"):

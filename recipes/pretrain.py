@@ -55,7 +55,7 @@ PRESETS = {
 }
 
 FL_FIELDS = ("algorithm", "num_groups", "hsdp_shard_size", "sync_every", "outer_optimizer", "outer_lr",
-             "outer_momentum", "average_optimizer_state", "data_sharding", "on_nonfinite")
+             "outer_momentum", "average_optimizer_state", "data_sharding", "on_nonfinite", "sync_bucket_mb")
 
 
 class RecipeError(ValueError):
@@ -73,55 +73,60 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--dataset_name", default="shakespeare",
                    help="'shakespeare' (embedded, offline) or a datasets hub name")
-    g.add_argument("--dataset_config_name", default=None)
+    g.add_argument("--dataset_config_name", default=None, help="config of a hub dataset, e.g. 'tiny'")
     g.add_argument("--train_file", default=None, help="local .txt/.json/.jsonl/.csv/.parquet file")
-    g.add_argument("--validation_file", default=None)
-    g.add_argument("--text_column", default="text")
+    g.add_argument("--validation_file", default=None, help="local validation text (else a split of the train file)")
+    g.add_argument("--text_column", default="text", help="column holding the text")
     g.add_argument("--validation_split_percentage", type=float, default=5.0,
                    help="held-out share when the dataset has no validation split")
     g.add_argument("--tokenizer", default="bpe", help="'bpe' (train one on the train split) or a name/path")
     g.add_argument("--vocab_size", type=int, default=8192, help="vocabulary of the trained BPE")
-    g.add_argument("--cache_dir", default=None, help="corpus/tokenizer cache (default ~/.cache/fl_accel)")
-    g.add_argument("--preprocessing_num_workers", type=int, default=None)
+    g.add_argument("--cache_dir", default=None, help="corpus/tokenizer cache; unset: ~/.cache/fl_accel")
+    g.add_argument("--preprocessing_num_workers", type=int, default=None, help="datasets.map processes")
     g = p.add_argument_group("training")
     g.add_argument("--micro_batch_size", type=int, default=4, help="blocks per rank per forward")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--max_steps", type=int, default=None, help="optimizer steps (default: num_epochs)")
-    g.add_argument("--num_epochs", type=int, default=1)
-    g.add_argument("--learning_rate", type=float, default=3e-4)
-    g.add_argument("--adam_beta1", type=float, default=0.9)
-    g.add_argument("--adam_beta2", type=float, default=0.95)
-    g.add_argument("--weight_decay", type=float, default=0.1)
-    g.add_argument("--warmup_ratio", type=float, default=0.1)
-    g.add_argument("--lr_scheduler_type", default="cosine")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--max_steps", type=int, default=None, help="optimizer steps; unset: --num_epochs epochs")
+    g.add_argument("--num_epochs", type=int, default=1, help="passes over the training blocks")
+    g.add_argument("--learning_rate", type=float, default=3e-4, help="AdamW peak learning rate (paper)")
+    g.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam_beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay")
+    g.add_argument("--warmup_ratio", type=float, default=0.1, help="share of steps in linear warmup")
+    g.add_argument("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="auto: bf16 on GPUs that support it, else fp32")
-    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--seed", type=int, default=42, help="model init and data order")
     g = p.add_argument_group("federation (FLConfig; also FL_ACCEL_* env vars or the YAML 'fl:' section)")
-    g.add_argument("--algorithm", default=None, choices=["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"])
+    g.add_argument("--algorithm", default=None, choices=["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"],
+                   help="FLConfig.algorithm; unset: YAML/env, else fl_fsdp")
     g.add_argument("--num_groups", type=int, default=None, help="F")
     g.add_argument("--hsdp_shard_size", type=int, default=None, help="S")
     g.add_argument("--sync_every", type=int, default=None, help="H, optimizer steps between syncs")
-    g.add_argument("--outer_optimizer", default=None, choices=["avg", "nesterov"])
-    g.add_argument("--outer_lr", type=float, default=None)
-    g.add_argument("--outer_momentum", type=float, default=None)
-    g.add_argument("--average_optimizer_state", action="store_true", default=None)
-    g.add_argument("--data_sharding", default=None, choices=["global", "group"])
-    g.add_argument("--on_nonfinite", default=None, choices=["abort", "reset"])
+    g.add_argument("--outer_optimizer", default=None, choices=["avg", "nesterov"], help="avg (FedAvg) or nesterov (DiLoCo)")
+    g.add_argument("--outer_lr", type=float, default=None, help="nesterov outer learning rate (0.7)")
+    g.add_argument("--outer_momentum", type=float, default=None, help="nesterov outer momentum (0.9)")
+    g.add_argument("--average_optimizer_state", action="store_true", default=None,
+                   help="also average AdamW moments at each sync")
+    g.add_argument("--data_sharding", default=None, choices=["global", "group"],
+                   help="global: disjoint slice per rank (paper); group: each group reads all data")
+    g.add_argument("--on_nonfinite", default=None, choices=["abort", "reset"], help="NaN/Inf in a group at a sync")
+    g.add_argument("--sync_bucket_mb", type=int, default=None, help="fp32 MiB per sync collective (256)")
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval_every", type=int, default=0,
                    help="optimizer steps between evaluations (rounded up to a multiple of H); 0: end only")
     g.add_argument("--max_eval_blocks", type=int, default=None, help="cap on validation blocks")
-    g.add_argument("--log_every", type=int, default=5)
-    g.add_argument("--output_dir", default=None, help="default: outputs/<experiment>/<run_name>")
+    g.add_argument("--log_every", type=int, default=5, help="optimizer steps between log records")
+    g.add_argument("--output_dir", default=None, help="unset: outputs/<experiment>/<run_name>")
     g.add_argument("--checkpoint_every", type=int, default=0, help="optimizer steps; 0 disables")
     g.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a step_N directory")
-    g.add_argument("--report_to", default="wandb", choices=["wandb", "tensorboard", "none"])
-    g.add_argument("--wandb_project", default="fl_accel")
+    g.add_argument("--report_to", default="wandb", choices=["wandb", "none"],
+                   help="wandb (offline unless WANDB_MODE says otherwise) or none")
+    g.add_argument("--wandb_project", default="fl_accel", help="W&B project")
     g.add_argument("--experiment", default="shakespeare-tiny",
                    help="W&B group: runs of one comparison share it")
-    g.add_argument("--run_name", default=None, help="default: algorithm and F/G/S/H sizes")
+    g.add_argument("--run_name", default=None, help="unset: algorithm and F/G/S/H sizes")
     return p
 
 
@@ -160,7 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.set_defaults(**values)
     args = parser.parse_args(argv)
     try:
-        args.fl = FLConfig.resolve(yaml_values=fl_yaml, overrides={k: getattr(args, k) for k in FL_FIELDS})
+        args.fl = FLConfig.resolve(yaml_values=fl_yaml, overrides={k: getattr(args, k) for k in FL_FIELDS},
+                                   source=f"'fl:' of {known.config}" if known.config else "the command line")
     except ValueError as exc:
         raise RecipeError(str(exc)) from exc
     for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "vocab_size",
@@ -287,7 +293,11 @@ def write_curves(records: list[dict], path: str, title: str) -> None:
 
     train = [r for r in records if "train/loss" in r]
     evals = [r for r in records if "eval/perplexity" in r]
+    from matplotlib.ticker import EngFormatter
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax in (a, b):
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
     a.plot([r["tokens"] for r in train], [r["train/loss"] for r in train])
     a.set_xlabel("tokens"), a.set_ylabel("train loss"), a.grid(alpha=0.3)
     b.plot([r["tokens"] for r in evals], [r["eval/perplexity"] for r in evals], marker="o")
@@ -653,6 +663,10 @@ def cli(argv=None) -> int:
     except (RecipeError, ValueError) as exc:
         _say(f"[fl_accel] error (rank {rank}): {exc}")
         return 2
+    except KeyboardInterrupt:
+        _say(f"[fl_accel] rank {rank}: interrupted; resume with --resume_from_checkpoint latest "
+             f"(checkpoints every --checkpoint_every steps)")
+        return 130
     except RuntimeError as exc:
         text = str(exc)
         if any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "Timed out", "timed out")):

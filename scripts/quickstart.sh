@@ -14,3 +14,7 @@ for algorithm in fl_fsdp fsdp; do
     --config recipes/configs/cpu_fl_fsdp.yaml --algorithm "$algorithm" --experiment "$EXP" "$@"
 done
 python scripts/compare.py "outputs/$EXP"
+echo
+echo "Note: on one machine every link is fast loopback, so FL+FSDP has no slow link to save on here,"
+echo "and a short run of a tiny model shows no perplexity gap yet; the two runs should be close."
+echo "For the method's effect on slow inter-node links, see bench/README.md (emulated 2-node cluster)."
