@@ -65,7 +65,11 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import EngFormatter
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for a in axes:
+        a.xaxis.set_major_formatter(EngFormatter(sep=""))
     for r in runs:
         ev = [x for x in r["records"] if "eval/perplexity" in x]
         if ev:
