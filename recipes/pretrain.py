@@ -535,7 +535,9 @@ def main(argv=None) -> dict:
     start_epoch = completed_steps // steps_per_epoch
     skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
     train_seconds, eval_seconds = resumed_train_seconds, 0.0
-    window_loss, window_n, window_t0 = torch.zeros((), dtype=torch.float64), 0, time.perf_counter()
+    # Loss summed on the device: no host sync per micro-batch, one .item() per log step.
+    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    window_n, window_t0 = 0, time.perf_counter()
     window_tokens = 0
     tokens_seen = completed_steps * tokens_per_step
     wall_t0 = time.perf_counter()
@@ -555,7 +557,7 @@ def main(argv=None) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            window_loss += out.loss.detach().double().cpu()
+            window_loss += out.loss.detach().double()
             window_n += 1
             if not accelerator.sync_gradients:
                 continue
