@@ -285,7 +285,7 @@ class Runner:
                 time.sleep(0.2)
         finally:
             for p in procs:
-                _stop(p)
+                netemu.terminate(p)
             for log in logs:
                 log.close()
         self.timings[label] = time.monotonic() - t0
@@ -295,21 +295,6 @@ class Runner:
             if rc != 0 or not os.path.isfile(os.path.join(out_dir, "all_results.json")):
                 raise self._fail(f"{label} (node {k})", rc, os.path.join(out_dir, "launch.log"))
         print(f"[bench] {label}: done in {self.timings[label]:.0f} s", flush=True)
-
-
-def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL, the process group of a process we started (start_new_session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def measure_link(emu, seconds: float) -> dict:

@@ -391,7 +391,7 @@ class Emulator:
 
     def _down(self) -> None:
         for proc in self._procs:
-            _terminate(proc)
+            terminate(proc)
         self._procs.clear()
         existing = set(list_namespaces()) if self._created else set()
         for ns in reversed(self._created):
@@ -480,7 +480,7 @@ class Emulator:
             # Codes of nodes that ended by themselves; the ones killed below only waited on a failed peer.
             own = [_exit_code(p.returncode) for p in procs if p.poll() is not None]
             for p in procs:
-                _terminate(p)
+                terminate(p)
         if timed_out:
             return 124
         if any(own):
@@ -526,9 +526,9 @@ class Emulator:
                 raise NetEmuError(f"measurement failed: sender rc {send.returncode} {send_err.strip()}; "
                                   f"receiver rc {recv.returncode} {recv_err.strip()}")
         finally:
-            _terminate(recv)
+            terminate(recv)
             if "send" in locals():
-                _terminate(send)
+                terminate(send)
         result = json.loads(out.strip().splitlines()[-1])
         bits = 8 * result["bytes"] / result["seconds"] if result["seconds"] > 0 else 0.0
         return {"bits_per_s": bits, "bytes": result["bytes"], "seconds": result["seconds"],
@@ -556,7 +556,7 @@ class _signals_deferred:
         return False
 
 
-def _terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM then SIGKILL the process group of a process started with start_new_session."""
     if proc.poll() is not None:
         return
