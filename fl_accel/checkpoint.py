@@ -4,17 +4,24 @@ Why not a plain ``dcp.save({"model": model.state_dict()})``: between syncs the g
 hold different parameters under the same names and offsets, and
 ``torch.distributed.checkpoint`` de-duplicates such items across ranks, silently
 keeping one group's values (see FACTS.md). Here every group's model and optimizer
-state lives under its own key, ``group{f}/...``, so nothing is de-duplicated across
-groups; within a group the HSDP replicas are identical and de-duplication is right.
+state lives under its own key, ``group{f}.``, whenever the groups may differ; right
+after a full sync the groups are identical and the model is stored once, under the
+shared key ``model_0`` (de-duplication is then exactly right: a checkpoint at a sync
+boundary is about one FSDP checkpoint plus the optimizer states, not F models).
+Within a group the HSDP replicas are identical, and de-duplication is right too.
 
 Layout of ``step_N/``::
 
     __0_0.distcp ... .metadata        torch.distributed.checkpoint (sharded, parallel writes)
-    random_states_{rank}.pkl, scheduler.bin, ...   accelerate.save_state (RNG, scheduler, samplers)
+    random_states_{rank}.pkl, scheduler.bin, ...   Accelerate (RNG, scheduler, samplers)
     fl_accel_checkpoint.json          written last: layout, step, counters; marks it complete
 
 A save writes into ``step_N.partial`` and renames it when every rank has finished,
 so a crash mid-save never leaves a directory that :func:`find_latest` would pick.
+
+This module does not import Accelerate: :class:`CheckpointIO` carries what it needs
+(the models, optimizers, synchronizer, a barrier, and Accelerate's save/load of the
+rest), built by ``FLAccelerator``.
 """
 
 from __future__ import annotations
@@ -23,18 +30,46 @@ import json
 import os
 import re
 import shutil
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
-from accelerate import Accelerator
 
 META_FILE = "fl_accel_checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, or from another layout."""
+
+
+@dataclass
+class CheckpointIO:
+    """What a save or load needs from the accelerator.
+
+    Attributes:
+        models: the prepared (FSDP2) models.
+        optimizers: their inner torch optimizers, one per model (or fewer).
+        synchronizer: the FederatedSynchronizer, or None.
+        layout, config: the FLLayout and FLConfig of this run.
+        group_index: this rank's federation group.
+        is_main_process: rank 0.
+        barrier: waits for every rank.
+        save_extras, load_extras: write/read the state that is not models and
+            optimizers (RNG per rank, schedulers, samplers) into/from a directory.
+    """
+
+    models: list
+    optimizers: list
+    synchronizer: Any
+    layout: Any
+    config: Any
+    group_index: int
+    is_main_process: bool
+    barrier: Callable[[], None]
+    save_extras: Callable[[str], None]
+    load_extras: Callable[[str], None]
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
@@ -43,16 +78,31 @@ def find_latest(checkpoints_dir: str) -> str | None:
     Complete means it holds ``fl_accel_checkpoint.json``; ``*.partial`` directories
     left by a crash are ignored.
     """
+    steps = list_checkpoints(checkpoints_dir)
+    return steps[-1][1] if steps else None
+
+
+def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
+    """Complete ``(step, path)`` checkpoints under ``checkpoints_dir``, oldest first."""
     if not os.path.isdir(checkpoints_dir):
-        return None
-    best = None
+        return []
+    out = []
     for name in os.listdir(checkpoints_dir):
         m = _STEP_DIR.match(name)
         path = os.path.join(checkpoints_dir, name)
         if m and os.path.isfile(os.path.join(path, META_FILE)):
-            if best is None or int(m.group(1)) > best[0]:
-                best = (int(m.group(1)), path)
-    return None if best is None else best[1]
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints (and stale ``.partial``
+    folders); returns the deleted paths. Call on one process."""
+    deleted = []
+    for _, path in list_checkpoints(checkpoints_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
 
 
 def read_meta(checkpoint_dir: str) -> dict[str, Any]:
@@ -68,44 +118,43 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise CheckpointError(
             f"{checkpoint_dir} is not a complete fl_accel checkpoint (no {META_FILE}); "
-            f"it may be from an interrupted save"
-        )
+            f"it may be from an interrupted save")
     try:
         with open(path, encoding="utf-8") as fh:
             meta = json.load(fh)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"corrupt checkpoint metadata {path}: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: unsupported checkpoint format {meta.get('format_version')!r}")
+        got = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: unsupported checkpoint format {got!r} (this fl_accel reads {FORMAT_VERSION})")
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise CheckpointError(f"{checkpoint_dir}: torch.distributed.checkpoint .metadata is missing (truncated?)")
     return meta
 
 
-def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
-    """Raise CheckpointError if the checkpoint's algorithm or mesh differs from ``here``.
+def layout_meta(config, layout) -> dict[str, Any]:
+    """What a checkpoint must share with the run loading it: the layout, and the
+    settings that decide which synchronizer state exists."""
+    federated = layout.num_groups > 1
+    return {
+        **layout.as_dict(),
+        "outer_optimizer": config.outer_optimizer if federated else "avg",
+        "sync_dtype": config.sync_dtype if federated else "fp32",
+        "error_feedback": bool(config.error_feedback and config.sync_dtype != "fp32") if federated else False,
+        "num_fragments": config.num_fragments if federated else 1,
+    }
 
-    ``here`` is :func:`layout_meta` of the current run (pure; no collectives).
-    """
+
+def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
+    """Raise CheckpointError if the checkpoint's layout or sync state differs from ``here``
+    (:func:`layout_meta` of the current run; pure, no collectives)."""
     theirs = {k: meta.get(k) for k in here}
     if theirs != here:
         diff = {k: (theirs[k], here[k]) for k in here if theirs[k] != here[k]}
         raise CheckpointError(
             "checkpoint was written by a different setup; (checkpoint, this run): "
             + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
-        )
-
-
-def layout_meta(cfg, layout) -> dict[str, Any]:
-    """What a checkpoint must share with the run loading it: algorithm, world, mesh, outer optimizer."""
-    return {
-        "algorithm": cfg.algorithm,
-        "world_size": layout.world_size,
-        "num_groups": layout.num_groups,
-        "replicas": layout.replicas,
-        "shards": layout.shards,
-        "outer_optimizer": cfg.outer_optimizer if layout.num_groups > 1 else "avg",
-    }
+            + ". Resume with the settings it was written with.")
 
 
 def _as_dtensor_like(local: torch.Tensor, param) -> torch.Tensor:
@@ -117,66 +166,69 @@ def _as_dtensor_like(local: torch.Tensor, param) -> torch.Tensor:
     return local
 
 
-def _state_for_dcp(accelerator) -> dict[str, Any]:
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _scopes(io: CheckpointIO) -> dict[str, str]:
+    """Where the model and optimizer state go: "shared" when all groups hold the same
+    values (right after a full sync), else "group"."""
+    sync = io.synchronizer
+    identical = sync is None or io.layout.num_groups == 1 or not sync.pending
+    shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
+    return {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
+
+
+def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: int | None = None) -> dict[str, Any]:
+    """The DCP state dict of this rank. For a load, ``inflight_fragment`` adds templates
+    for the in-flight exchange result the checkpoint holds."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    models, optimizers = accelerator._models, accelerator._optimizers
-    group_state: dict[str, Any] = {}
-    for i, model in enumerate(models):
-        group_state[f"model_{i}"] = get_model_state_dict(model)
-        if i < len(optimizers):
-            group_state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizers[i].optimizer)
-    state: dict[str, Any] = {f"group{accelerator.group_index}": group_state}
-    sync = accelerator.synchronizer
-    if sync is not None and sync.outer_optimizer is not None:
-        names = [n for n, _ in models[0].named_parameters()]
-        outer = sync.outer_optimizer.state_dict()["state"]
-        fl_state = {}
-        for idx, (name, param, anchor) in enumerate(zip(names, sync.params, sync.anchor)):
-            fl_state[f"anchor/{name}"] = _as_dtensor_like(anchor.detach(), param)
-            buf = outer.get(idx, {}).get("momentum_buffer")
-            if buf is None:
-                buf = torch.zeros_like(anchor)
-            fl_state[f"momentum/{name}"] = _as_dtensor_like(buf, param)
-        state["fl"] = fl_state
+    group_key = f"group{io.group_index}"
+    state: dict[str, Any] = {}
+
+    def put(scope: str, key: str, value) -> None:
+        (state if scope == "shared" else state.setdefault(group_key, {}))[key] = value
+
+    for i, model in enumerate(io.models):
+        put(scopes["model"], f"model_{i}", get_model_state_dict(model))
+        if i < len(io.optimizers):
+            put(scopes["optimizer"], f"optimizer_{i}", get_optimizer_state_dict(model, io.optimizers[i]))
+    sync = io.synchronizer
+    if sync is not None and io.layout.num_groups > 1:
+        shared, per_group = sync.state_tensors()
+        if inflight_fragment is not None:
+            for i in sync.fragment_indices[inflight_fragment]:
+                shared.setdefault(i, {})["inflight"] = torch.zeros_like(_local(sync.params[i]), dtype=torch.float32)
+        for source, scope in ((shared, "shared"), (per_group, "group")):
+            entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
+                       for i, kinds in source.items() for kind, t in kinds.items()}
+            if entries:
+                put(scope, "fl", entries)
     return state
 
 
-def save_federated_state(accelerator, output_dir: str, extra_meta: dict | None = None) -> str:
-    """Save models, optimizers, FL state (DCP) plus Accelerate's RNG/scheduler/sampler state.
-
-    Collective: every rank calls it. Returns ``output_dir``. Atomic: writes
-    ``output_dir + ".partial"`` and renames it after all ranks finished.
-    """
+def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | None = None) -> str:
+    """Save models, optimizers and synchronizer state (DCP) plus Accelerate's RNG,
+    scheduler and sampler state. Collective: every rank calls it. Returns ``output_dir``.
+    Atomic: writes ``output_dir + ".partial"`` and renames it after all ranks finished."""
     import torch.distributed.checkpoint as dcp
 
     output_dir = os.path.normpath(output_dir)
     tmp = output_dir + ".partial"
-    if accelerator.is_main_process:
+    if io.is_main_process:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp, exist_ok=True)
-    accelerator.wait_for_everyone()
-
-    dcp.save(_state_for_dcp(accelerator), checkpoint_id=tmp)
-    models, optimizers = accelerator._models, accelerator._optimizers
-    try:  # Accelerate saves RNG states (per rank), schedulers, samplers, custom objects.
-        accelerator._models, accelerator._optimizers = [], []
-        Accelerator.save_state(accelerator, tmp)
-    finally:
-        accelerator._models, accelerator._optimizers = models, optimizers
-    accelerator.wait_for_everyone()
-
-    if accelerator.is_main_process:
-        sync = accelerator.synchronizer
-        meta = {
-            "format_version": FORMAT_VERSION,
-            **layout_meta(accelerator.fl_config, accelerator.layout),
-            "sync": None if sync is None else {
-                "local_step": sync.local_step, "global_step": sync.global_step, "num_syncs": sync.num_syncs,
-            },
-            **(extra_meta or {}),
-        }
+    io.barrier()
+    scopes = _scopes(io)
+    dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
+    io.save_extras(tmp)
+    io.barrier()
+    if io.is_main_process:
+        sync = io.synchronizer
+        meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
+                "sync": None if sync is None else sync.state_dict(), **(extra_meta or {})}
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -184,59 +236,52 @@ def save_federated_state(accelerator, output_dir: str, extra_meta: dict | None =
         if os.path.exists(output_dir):
             shutil.rmtree(output_dir)
         os.replace(tmp, output_dir)
-    accelerator.wait_for_everyone()
+    io.barrier()
     return output_dir
 
 
-def load_federated_state(accelerator, input_dir: str) -> dict[str, Any]:
+def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     """Inverse of :func:`save_federated_state`; returns the checkpoint metadata.
 
     Raises:
         CheckpointError: on every rank, before any collective, if the checkpoint is
-            incomplete or from another algorithm / world size / mesh.
+            incomplete or from another layout; or, after DCP's collective read, if a
+            file is corrupt (DCP reports a read failure on every rank).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     meta = read_meta(input_dir)
-    check_compatible(meta, layout_meta(accelerator.fl_config, accelerator.layout))
-    state = _state_for_dcp(accelerator)
-    from torch.distributed.checkpoint.api import CheckpointException
-
+    check_compatible(meta, layout_meta(io.config, io.layout))
+    scopes = meta.get("scopes", {"model": "group", "optimizer": "group"})
+    inflight = (meta.get("sync") or {}).get("inflight_fragment")
+    state = _state_for_dcp(io, scopes, inflight_fragment=inflight)
     try:
         dcp.load(state, checkpoint_id=input_dir)
     except (Exception, CheckpointException) as exc:
         # DCP gathers the per-rank read failures and raises CheckpointException (a
         # BaseException) on every rank, so every rank reports the same error.
         raise CheckpointError(f"cannot load checkpoint {input_dir}: {str(exc)[:2000]}") from exc
-    group_state = state[f"group{accelerator.group_index}"]
-    for i, model in enumerate(accelerator._models):
-        set_model_state_dict(model, group_state[f"model_{i}"])
-        if i < len(accelerator._optimizers):
-            set_optimizer_state_dict(model, accelerator._optimizers[i].optimizer, group_state[f"optimizer_{i}"])
-    sync = accelerator.synchronizer
+    group_state = state.get(f"group{io.group_index}", {})
+
+    def get(scope: str, key: str):
+        return (state if scope == "shared" else group_state)[key]
+
+    for i, model in enumerate(io.models):
+        set_model_state_dict(model, get(scopes["model"], f"model_{i}"))
+        if i < len(io.optimizers):
+            set_optimizer_state_dict(model, io.optimizers[i], get(scopes["optimizer"], f"optimizer_{i}"))
+    sync = io.synchronizer
     if sync is not None and meta.get("sync"):
-        sync.local_step = int(meta["sync"]["local_step"])
-        sync.global_step = int(meta["sync"]["global_step"])
-        sync.num_syncs = int(meta["sync"]["num_syncs"])
-        if sync.outer_optimizer is not None:
-            names = [n for n, _ in accelerator._models[0].named_parameters()]
-            outer_sd = sync.outer_optimizer.state_dict()
-            with torch.no_grad():
-                for idx, (name, anchor) in enumerate(zip(names, sync.anchor)):
-                    anchor.copy_(_local(state["fl"][f"anchor/{name}"]))
-                    outer_sd["state"].setdefault(idx, {})["momentum_buffer"] = (
-                        _local(state["fl"][f"momentum/{name}"]).clone()
-                    )
-            sync.outer_optimizer.load_state_dict(outer_sd)
-    models, optimizers = accelerator._models, accelerator._optimizers
-    try:
-        accelerator._models, accelerator._optimizers = [], []
-        Accelerator.load_state(accelerator, input_dir)
-    finally:
-        accelerator._models, accelerator._optimizers = models, optimizers
+        index = {name: i for i, name in enumerate(sync.names)}
+        parsed: list[dict[int, dict[str, torch.Tensor]]] = []
+        for source in (state.get("fl", {}), group_state.get("fl", {})):
+            out: dict[int, dict[str, torch.Tensor]] = {}
+            for key, t in source.items():
+                kind, name = key.split("/", 1)
+                out.setdefault(index[name], {})[kind] = _local(t)
+            parsed.append(out)
+        sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
+    io.load_extras(input_dir)
     return meta
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t

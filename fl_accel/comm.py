@@ -3,19 +3,27 @@
 FSDP2 issues its collectives through ``torch.distributed.all_gather_single``,
 ``reduce_scatter_single`` (parameters, gradients) and ``all_reduce`` (the HSDP
 gradient all-reduce over the replicate group); see
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``. While a
-:class:`CommMeter` is installed, those three entry points (plus
-``all_gather_into_tensor``, used by the FL+HSDP sync) are wrapped: each call is
-attributed to the mesh axis whose rank set equals the call's process group, and
-charged with the bytes a ring algorithm sends per rank:
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` (torch 2.13). The sync
+adds ``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single`` and
+``broadcast``. While a :class:`CommMeter` is entered, these entry points are wrapped:
+each call is attributed to a bucket (a mesh axis "fl", "dp_replicate", "dp_shard", or
+"world" for the default process group) and charged with the bytes a ring
+algorithm sends per rank:
 
-* all-gather / reduce-scatter of a full tensor of M bytes over p ranks: (p-1)/p * M;
-* all-reduce of M bytes over p ranks: 2 (p-1)/p * M.
+* all-gather / reduce-scatter / all-to-all of a full tensor of M bytes over p ranks:
+  (p-1)/p * M (all-to-all: M is this rank's input);
+* all-reduce of M bytes over p ranks: 2 (p-1)/p * M;
+* broadcast of M bytes over p ranks: (p-1)/p * M (a pipelined chain: p-1 sends of M,
+  spread over p ranks).
 
-These are the same formulas as :mod:`fl_accel.cost_model`, so measurement and
-model can be compared axis by axis. Seconds are host wall time spent inside the
-call (and in ``wait()`` of asynchronous work); with CUDA streams that is a lower
-bound of the link time.
+These are the formulas of :mod:`fl_accel.cost_model`, so measurement and model can be
+compared axis by axis. Seconds are host wall time spent inside the call (and in
+``wait()`` of asynchronous work); with CUDA streams that is a lower bound of the link
+time.
+
+Metering is explicit (``with accelerator.meter_comm(): ...``). Several meters may be
+entered at once (two accelerators in one process); each counts only the process
+groups it was given.
 """
 
 from __future__ import annotations
@@ -27,12 +35,25 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-_PATCHED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "all_reduce")
+from .mesh import AXES, WORLD
+
+BUCKETS = AXES + (WORLD,)
+# entry point -> (collective kind, name of the "full tensor" argument, its position)
+_OPS = {
+    "all_gather_single": ("all_gather", "output_tensor", 0),
+    "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
+    "reduce_scatter_single": ("reduce_scatter", "input", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
+    "all_reduce": ("all_reduce", "tensor", 0),
+    "all_to_all_single": ("all_to_all", "input", 1),
+    "broadcast": ("broadcast", "tensor", 0),
+}
+_GROUP_POS = {"all_reduce": 2, "broadcast": 2}
 
 
 @dataclass
 class AxisStats:
-    """Totals for one mesh axis on this rank."""
+    """Totals for one bucket on this rank."""
 
     bytes: int = 0
     """Ring-algorithm bytes sent by this rank (see module docstring)."""
@@ -41,38 +62,44 @@ class AxisStats:
     calls: int = 0
     """Number of collectives."""
     by_op: dict = field(default_factory=lambda: defaultdict(int))
-    """Bytes per collective kind ("all_gather", "reduce_scatter", "all_reduce")."""
+    """Bytes per collective kind ("all_gather", "reduce_scatter", "all_reduce", ...)."""
 
 
 class CommStats:
-    """Per-axis counters; ``stats["fl"].bytes`` etc. Axes with no traffic read as 0."""
+    """Per-bucket counters: ``stats["fl"].bytes`` etc. Buckets with no traffic read as 0."""
 
-    def __init__(self, axes=("fl", "dp_replicate", "dp_shard")):
-        self.axes = tuple(axes)
-        self._stats = {a: AxisStats() for a in self.axes}
+    def __init__(self, buckets=BUCKETS):
+        self.buckets = tuple(buckets)
+        self._stats = {a: AxisStats() for a in self.buckets}
 
-    def __getitem__(self, axis: str) -> AxisStats:
-        return self._stats[axis]
+    def __getitem__(self, bucket: str) -> AxisStats:
+        return self._stats[bucket]
 
-    def record(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
-        s = self._stats[axis]
+    def record(self, bucket: str, op: str, nbytes: int, seconds: float) -> None:
+        s = self._stats[bucket]
         s.bytes += int(nbytes)
         s.seconds += seconds
         s.calls += 1
         s.by_op[op] += int(nbytes)
 
     def __repr__(self) -> str:
-        return f"CommStats({ {a: (s.bytes, round(s.seconds, 4), s.calls) for a, s in self._stats.items()} }"
+        return f"CommStats({ {a: (s.bytes, round(s.seconds, 4), s.calls) for a, s in self._stats.items()} })"
 
     def reset(self) -> None:
-        self._stats = {a: AxisStats() for a in self.axes}
+        self._stats = {a: AxisStats() for a in self.buckets}
 
     def as_dict(self) -> dict:
-        """``{"fl": {"bytes": int, "seconds": float, "calls": int}, ...}``."""
-        return {
-            a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
-            for a, s in self._stats.items()
-        }
+        """``{"fl": {"bytes": int, "seconds": float, "calls": int, "by_op": {...}}, ...}``."""
+        return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
+                for a, s in self._stats.items()}
+
+    def load_dict(self, values: dict) -> None:
+        """Restore totals written by :meth:`as_dict` (e.g. from a checkpoint)."""
+        for a, v in values.items():
+            if a in self._stats:
+                s = self._stats[a]
+                s.bytes, s.seconds, s.calls = int(v["bytes"]), float(v["seconds"]), int(v["calls"])
+                s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
 
     def flat(self, prefix: str = "comm") -> dict:
         """Flat dict for trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ..."""
@@ -87,13 +114,14 @@ class CommStats:
 def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> int:
     """Bytes one rank sends in a ring collective over ``group_size`` ranks.
 
-    ``tensor_bytes`` is the *full* size M: the all-gather output, the
-    reduce-scatter input, or the all-reduce buffer.
+    ``tensor_bytes`` is the *full* size M: the all-gather output, the reduce-scatter or
+    all-to-all input, the all-reduce or broadcast buffer. Raises ValueError for an
+    unknown ``op``.
     """
     p = group_size
     if p <= 1:
         return 0
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         return tensor_bytes * (p - 1) // p
     if op == "all_reduce":
         return 2 * tensor_bytes * (p - 1) // p
@@ -117,91 +145,112 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+# ---------------------------------------------------------------------- process-wide patch
+_lock = threading.RLock()
+_active: list["CommMeter"] = []
+_originals: dict[str, object] = {}
+
+
+def _patch() -> None:
+    for name in _OPS:
+        original = getattr(dist, name)
+        _originals[name] = original
+        setattr(dist, name, _wrap(name, original))
+
+
+def _unpatch() -> None:
+    for name, original in _originals.items():
+        setattr(dist, name, original)
+    _originals.clear()
+
+
+def _wrap(name: str, original):
+    op, arg_name, arg_pos = _OPS[name]
+
+    def wrapper(*args, **kwargs):
+        meters = list(_active)
+        group = kwargs.get("group")
+        if group is None and len(args) > _GROUP_POS.get(name, 99):
+            group = args[_GROUP_POS[name]]
+        claims = [(m, m.bucket_of(group)) for m in meters]
+        claims = [(m, b) for m, b in claims if b is not None]
+        if not claims:
+            return original(*args, **kwargs)
+        full = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
+        nbytes = ring_bytes(op, full.numel() * full.element_size(), dist.get_world_size(group))
+        t0 = time.perf_counter()
+        work = original(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        for m, bucket in claims:
+            m.stats.record(bucket, op, nbytes, elapsed)
+        if work is not None and kwargs.get("async_op", False):
+            return _TimedWork(work, lambda s: [m._add_seconds(b, s) for m, b in claims])
+        return work
+
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
 class CommMeter:
-    """Installs the counting wrappers on ``torch.distributed`` while active.
+    """Counts collectives into ``stats`` while entered (a context manager, re-entrant).
 
     Args:
         stats: where to add the counts.
-        axis_of_ranks: maps a sorted tuple of global ranks to a mesh-axis name.
-            A process group whose rank set is not in the map is not counted.
+        group_buckets: ProcessGroup object -> bucket name; checked first.
+        rank_buckets: sorted tuple of global ranks -> bucket name, for process groups
+            not in ``group_buckets`` (e.g. ones a library created with the same ranks).
 
-    Only one meter can be installed per process; nested installs raise RuntimeError.
+    The default process group (``group=None`` or ``WORLD``) is the "world" bucket.
+    A collective on a process group neither map knows is not counted.
     """
 
-    _lock = threading.Lock()
-    _active: "CommMeter | None" = None
-
-    def __init__(self, stats: CommStats, axis_of_ranks: dict[tuple[int, ...], str]):
+    def __init__(self, stats: CommStats, group_buckets: dict | None = None,
+                 rank_buckets: dict[tuple[int, ...], str] | None = None):
         self.stats = stats
-        self.axis_of_ranks = dict(axis_of_ranks)
+        self.group_buckets = dict(group_buckets or {})
+        self.rank_buckets = dict(rank_buckets or {})
         self._cache: dict[int, str | None] = {}
-        self._originals: dict[str, object] = {}
+        self._depth = 0
 
-    def _axis(self, group) -> str | None:
+    def bucket_of(self, group) -> str | None:
+        if group is None or group is dist.group.WORLD:
+            return WORLD
+        if group in self.group_buckets:
+            return self.group_buckets[group]
         key = id(group)
         if key not in self._cache:
-            g = group if group is not None else dist.group.WORLD
-            ranks = tuple(sorted(dist.get_process_group_ranks(g)))
-            self._cache[key] = self.axis_of_ranks.get(ranks)
+            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+            self._cache[key] = self.rank_buckets.get(ranks)
         return self._cache[key]
 
-    def _wrap(self, name: str, original):
-        op = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-              "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce"}[name]
-        meter = self
+    def _add_seconds(self, bucket: str, seconds: float) -> None:
+        self.stats[bucket].seconds += seconds
 
-        def wrapper(*args, **kwargs):
-            group = kwargs.get("group")
-            if group is None and name == "all_reduce" and len(args) >= 3:
-                group = args[2]
-            axis = meter._axis(group)
-            if axis is None:
-                return original(*args, **kwargs)
-            if op == "all_gather":
-                full = kwargs.get("output_tensor", args[0] if args else None)
-            elif op == "reduce_scatter":
-                full = kwargs.get("input", args[1] if len(args) > 1 else None)
-            else:
-                full = kwargs.get("tensor", args[0] if args else None)
-            p = dist.get_world_size(group)
-            nbytes = ring_bytes(op, full.numel() * full.element_size(), p)
-            t0 = time.perf_counter()
-            work = original(*args, **kwargs)
-            elapsed = time.perf_counter() - t0
-            meter.stats.record(axis, op, nbytes, elapsed)
-            if work is not None and kwargs.get("async_op", False):
-                return _TimedWork(work, lambda s: meter._add_seconds(axis, s))
-            return work
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
 
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    def _add_seconds(self, axis: str, seconds: float) -> None:
-        self.stats[axis].seconds += seconds
-
-    def install(self) -> "CommMeter":
-        with CommMeter._lock:
-            if CommMeter._active is not None:
-                raise RuntimeError("a CommMeter is already installed in this process")
-            for name in _PATCHED:
-                original = getattr(dist, name)
-                self._originals[name] = original
-                setattr(dist, name, self._wrap(name, original))
-            CommMeter._active = self
+    def __enter__(self) -> "CommMeter":
+        with _lock:
+            if self._depth == 0:
+                if not _active:
+                    _patch()
+                _active.append(self)
+            self._depth += 1
         return self
 
-    def uninstall(self) -> None:
-        with CommMeter._lock:
-            if CommMeter._active is not self:
-                return
-            for name, original in self._originals.items():
-                setattr(dist, name, original)
-            self._originals.clear()
-            CommMeter._active = None
-
-    def __enter__(self):
-        return self.install()
-
-    def __exit__(self, *exc):
-        self.uninstall()
+    def __exit__(self, *exc) -> bool:
+        with _lock:
+            if self._depth == 0:
+                return False
+            self._depth -= 1
+            if self._depth == 0:
+                _active.remove(self)
+                if not _active:
+                    _unpatch()
         return False
+
+    def stop(self) -> None:
+        """Leave completely, however often it was entered."""
+        while self._depth:
+            self.__exit__(None, None, None)

@@ -1,42 +1,65 @@
-"""The federated synchronization: shard averaging across groups and outer optimizers.
+"""The federated synchronization: when groups average, what they average, the outer step.
 
 Paper (Mittone & Aldinucci, Euro-Par 2026, arXiv 2609.20359), Sec. 3 / Alg. 1: after
-every H-th optimizer step each rank replaces its local parameter shard with the
-mean of the shards at the same mesh coordinate in all F groups,
+every H-th optimizer step each rank replaces its local parameter shard with the mean
+of the shards at the same coordinate in all F groups::
 
-    theta_f <- (1/F) * sum_{g=1..F} theta_g          (FedAvg, "avg")
+    theta_f <- sum_g w_g theta_g        (FedAvg, "avg"; w_g = 1/F for equal groups)
 
-There is no full-parameter gather: a rank only exchanges its own shard with its F-1
-peers on the "fl" mesh axis. Averaging is SUM followed by a division by F in fp32
-(gloo has no ReduceOp.AVG; summing without dividing is a known bug of the reference
-code). Parameters stay DTensors with unchanged placements, shape and stride, because
-only their local tensors are written in place.
+There is no full-parameter gather: a rank exchanges only its own shard (see
+:mod:`fl_accel.exchange` for the wire protocol, the 1/R rule and unequal groups).
+Parameters stay DTensors with unchanged placements, shape and stride: only their
+local tensors are written, in place.
 
-"nesterov" (DiLoCo, Douillard et al., arXiv 2311.08105, Alg. 1): with anchor
-``a`` (the parameters after the previous sync) and mean ``m``, the pseudo-gradient
-``delta = a - m`` is fed to ``torch.optim.SGD(lr, momentum, nesterov=True)`` over the
-anchor; the result becomes both the new parameters and the new anchor. With lr 1 and
-momentum 0 this is ``a - (a - m) = m``, i.e. "avg".
+Streaming (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512; torchft
+``DiLoCo`` with ``fragment_sync_delay``/``fragment_update_alpha``). The FSDP units, in
+forward order, are dealt round-robin into P fragments. Every H/P optimizer steps one
+fragment syncs, fragment k mod P at the k-th fragment sync:
 
-FL+HSDP (improves on the reference code, where all R replicas of a group send the
-same bytes across groups): replica ``r`` reduces only chunk ``r`` of the R equal
-chunks of its flat shard buffer over the "fl" axis, then the replicas all-gather the
-chunks over "dp_replicate". Inter-group bytes per rank fall to 1/R.
+1. at local step H/P - tau: take the pseudo-gradient Delta = anchor - theta of its
+   shards (or theta itself for the exact "fp32" exchange) and launch its weighted
+   mean over the "fl" axis without waiting;
+2. at local step H/P: wait; global = outer step on the anchor with mean(Delta)
+   ("avg": anchor - mean(Delta); "nesterov": SGD with Nesterov momentum, lr
+   ``outer_lr``, momentum ``outer_momentum``); anchor <- global;
+   theta <- global + alpha * (theta_now - global).
+
+The anchor is the fragment's parameters after its last sync (initially the initial
+parameters). P=1, tau=0, alpha=0, "fp32", "avg" is exactly the paper's FedAvg.
+:meth:`FederatedSynchronizer.sync` (and so ``end_training``) completes an in-flight
+exchange, then syncs every fragment at once with alpha=0, so the groups end identical.
+
+"nesterov" (DiLoCo, arXiv 2311.08105, Alg. 1): with lr 1 and momentum 0 the outer
+step is ``anchor - mean(Delta) = mean(theta)``, i.e. "avg".
+
+Non-finite values. At every sync each group checks its parameters and last loss; one
+world all-reduce of F flags tells every rank which groups are bad. "abort" raises
+:class:`NonFiniteError` on every rank; "reset" completes any in-flight exchange and
+discards it, then sets every parameter of every group to the weighted mean of the
+healthy groups (all fragments: a bad group is bad everywhere once NaN gradients have
+run through it), the anchors to the same values, and the bad groups' optimizer state
+(AdamW moments) to the healthy groups' weighted mean state. Step counters are equal
+in all groups and are kept. With ``average_optimizer_state`` every group takes that
+healthy mean state. The outer momentum is kept.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .exchange import Transport
+from .mesh import DP_REPLICATE, FL
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
-    """Raised by a sync when a federation group holds NaN/Inf and on_nonfinite='abort'."""
+    """Raised by a sync on every rank when a federation group holds NaN/Inf and on_nonfinite='abort'."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -44,129 +67,269 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def deal_fragments(units: Sequence[Sequence[int]], num_fragments: int) -> list[list[int]]:
+    """Strided partition: unit u (in forward order) goes to fragment u mod P.
+
+    Returns P sorted lists of parameter indices. Raises ValueError when P exceeds the
+    number of units (a fragment would be empty)."""
+    if num_fragments > len(units):
+        raise ValueError(f"FLConfig.num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
+                         f"each fragment needs at least one unit")
+    out = [[] for _ in range(num_fragments)]
+    for u, unit in enumerate(units):
+        out[u % num_fragments].extend(unit)
+    return [sorted(f) for f in out]
+
+
 class FederatedSynchronizer:
-    """Averages a model's local shards across federation groups every H optimizer steps.
+    """Averages a model's local shards across federation groups, every H optimizer steps
+    (or, streaming, one fragment every H/P steps).
 
     Args:
-        params: the model's parameters after FSDP2 sharding (DTensors or plain tensors);
-            the order must be the same on every rank.
-        optimizer: the inner torch optimizer (its floating-point state is averaged when
-            ``average_optimizer_state``).
-        fl_group: process group of the "fl" axis (ranks with this rank's shard
-            coordinate in every group), or None when F == 1.
-        replicate_group: process group of the "dp_replicate" axis, or None when R == 1.
-        num_groups, replicas, replica_index, group_index: F, R, this rank's r, this rank's f.
-        config: the FLConfig (sync_every, outer_optimizer, outer_lr, outer_momentum,
-            average_optimizer_state, on_nonfinite, sync_bucket_mb).
+        named_params: ``(name, parameter)`` pairs of the sharded model (DTensors or plain
+            tensors), one per distinct parameter (a tied weight appears once), in the
+            same order on every rank.
+        optimizer: the inner torch optimizer (its state is averaged when
+            ``average_optimizer_state`` and reset on a non-finite group).
+        layout: the :class:`~fl_accel.mesh.FLLayout`.
+        mesh: the :class:`~fl_accel.mesh.FLMesh` (its "fl" and "dp_replicate" groups).
+        rank: this rank's global rank.
+        config: the :class:`~fl_accel.config.FLConfig`.
+        units: parameter indices per FSDP unit, in forward order (default: one unit per
+            parameter); fragments are dealt from them.
 
-    The step counters count optimizer steps (``local_step`` within the round,
-    ``global_step`` overall); ``num_syncs`` counts completed syncs.
+    Memory (per rank, besides the model): an fp32 anchor of the local shards when
+    ``outer_optimizer="nesterov"`` or ``sync_dtype != "fp32"``; one outer momentum
+    buffer per shard for "nesterov"; one fp32 error-feedback residual per shard with
+    ``error_feedback``; during an exchange, one fp32 buffer of the fragment's shards
+    (split into ``sync_bucket_mb`` buckets, padded to a multiple of the chunk count)
+    plus, compressed, its quantized copies (1/2 or ~1/4 of it) in flight.
+
+    Counters: ``global_step`` (optimizer steps), ``local_step`` (steps since the last
+    sync event), ``num_syncs`` (completed sync events: fragment syncs and full syncs),
+    ``num_fragment_syncs`` (k: fragment k mod P syncs next).
     """
 
-    def __init__(self, params, optimizer, fl_group, replicate_group, *, num_groups, replicas,
-                 replica_index, group_index, config):
-        self.params = [p for p in params]
+    def __init__(self, named_params, optimizer, *, layout, mesh, rank: int, config, units=None):
+        named_params = list(named_params)
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
         self.optimizer = optimizer
-        self.fl_group = fl_group
-        self.replicate_group = replicate_group
-        self.num_groups = num_groups
-        self.replicas = replicas
-        self.replica_index = replica_index
-        self.group_index = group_index
         self.config = config
+        self.layout = layout
+        self.num_groups = layout.num_groups
+        self.group_index, self.replica_index, _ = layout.coords(rank)
+        units = units if units is not None else [[i] for i in range(len(self.params))]
+        self.fragment_indices = deal_fragments(units, config.num_fragments)
+        owner = self.replica_index if self.replica_index < layout.min_replicas else None
+        f, s = self.group_index, layout.coords(rank)[2]
+        self.transport = Transport(
+            fl_group=mesh.group(FL) if owner is not None else None,
+            replicate_group=mesh.group(DP_REPLICATE),
+            num_groups=self.num_groups, group_index=f, weights=layout.weights(config.group_weighting),
+            num_chunks=layout.min_replicas, chunk_index=owner, replicas=layout.replicas_of(f),
+            chunk_owners=tuple(layout.rank(f, c, s) for c in range(layout.min_replicas)),
+            sync_dtype=config.sync_dtype, bucket_values=max(1, config.sync_bucket_mb * 2**20 // 4))
+        self.period = config.sync_every // config.num_fragments
+        self.compressed = config.sync_dtype != "fp32"
         self.local_step = 0
         self.global_step = 0
         self.num_syncs = 0
+        self.num_fragment_syncs = 0
+        self.in_sync = True
         self.last_loss: float | None = None
+        self._inflight = None  # (fragment, Exchange) or (fragment, list of results)
         self.anchor: list[torch.Tensor] | None = None
         self.outer_optimizer: torch.optim.Optimizer | None = None
-        if config.outer_optimizer == "nesterov" and num_groups > 1:
-            self._init_outer()
+        self.residuals: list[torch.Tensor] | None = None
+        self.needs_anchor = config.outer_optimizer == "nesterov" or self.compressed
+        if self.num_groups > 1:
+            self.reset_anchor()
 
     # ------------------------------------------------------------------ outer state
-    def _init_outer(self) -> None:
-        with torch.no_grad():
-            self.anchor = [
-                torch.nn.Parameter(_local(p).detach().to(torch.float32).clone(), requires_grad=False)
-                for p in self.params
-            ]
-        momentum = float(self.config.outer_momentum)
-        self.outer_optimizer = torch.optim.SGD(
-            self.anchor, lr=float(self.config.outer_lr), momentum=momentum, nesterov=momentum > 0
-        )
+    @property
+    def fragments(self) -> list[list[str]]:
+        """The P fragments as lists of parameter names (as in ``model.named_parameters()``)."""
+        return [[self.names[i] for i in frag] for frag in self.fragment_indices]
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """(Re)take the anchor from the current parameters: call after (re)initializing
+        the model's weights. Resets the outer momentum and residuals."""
+        if not self.needs_anchor:
+            return
+        self.anchor = [torch.nn.Parameter(_local(p).detach().to(torch.float32).clone(), requires_grad=False)
+                       for p in self.params]
+        if self.config.outer_optimizer == "nesterov":
+            momentum = float(self.config.outer_momentum)
+            self.outer_optimizer = torch.optim.SGD(self.anchor, lr=float(self.config.outer_lr),
+                                                   momentum=momentum, nesterov=momentum > 0)
+        if self.compressed and self.config.error_feedback:
+            self.residuals = [torch.zeros_like(a) for a in self.anchor]
 
     # ------------------------------------------------------------------ the hook
     def on_optimizer_step(self) -> bool:
-        """Call after every real optimizer step; syncs on every H-th. Returns True if it synced."""
+        """Call after every real optimizer step. Returns True if a sync event completed."""
         self.local_step += 1
         self.global_step += 1
-        if self.local_step >= self.config.sync_every:
-            self.sync()
+        self.in_sync = False
+        if self.num_groups <= 1:
+            return False
+        tau = self.config.sync_delay
+        fragment = self.num_fragment_syncs % self.config.num_fragments
+        if tau and self.local_step == self.period - tau:
+            self._launch(fragment)
+        elif self._inflight is not None and self.local_step == self.period - tau + 1 < self.period \
+                and not isinstance(self._inflight[1], list):
+            self._inflight[1].advance()
+        if self.local_step >= self.period:
+            if self.config.num_fragments == 1 and tau == 0:
+                self.sync(alpha=self.config.fragment_update_alpha)  # the paper's sync (through the instance)
+            else:
+                self._apply_fragment(fragment)
             return True
         return False
 
+    def sync_due(self) -> bool:
+        """True when the next optimizer step ends with a sync event (the caller then hands
+        over the loss for the non-finite check)."""
+        return self.num_groups > 1 and self.local_step + 1 >= self.period
+
     @property
     def pending(self) -> bool:
-        """True when optimizer steps were taken since the last sync."""
-        return self.local_step > 0
+        """True when the groups may differ: optimizer steps (or an alpha mix) since the last full sync."""
+        return not self.in_sync
 
-    # ------------------------------------------------------------------ the sync
-    def _buckets(self, tensors: list[torch.Tensor]):
-        limit = max(1, self.config.sync_bucket_mb * 2**20 // 4)
-        bucket, size = [], 0
-        for t in tensors:
-            n = t.numel()
-            if bucket and size + n > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(t)
-            size += n
-        if bucket:
-            yield bucket
-
-    def _all_reduce_mean_(self, flat: torch.Tensor) -> None:
-        """In place: ``flat`` <- sum over the "fl" axis / F, using the 1/R split under HSDP."""
-        F, R = self.num_groups, self.replicas
-        if R > 1:
-            chunk = flat.numel() // R
-            mine = flat[self.replica_index * chunk:(self.replica_index + 1) * chunk]
-            piece = mine.clone()
-            dist.all_reduce(piece, op=dist.ReduceOp.SUM, group=self.fl_group)
-            piece.div_(F)
-            dist.all_gather_into_tensor(flat, piece, group=self.replicate_group)
+    # ------------------------------------------------------------------ exchange
+    def _start(self, indices: Sequence[int]):
+        """Launch the exchange of what these parameters send: theta (exact "fp32" mode) or
+        Delta = anchor - theta (compressed), computed one tensor at a time while packing."""
+        if self.compressed:
+            sources = [(lambda i=i: self.anchor[i] - _local(self.params[i]).float()) for i in indices]
         else:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.fl_group)
-            flat.div_(F)
+            sources = [_local(self.params[i]) for i in indices]
+        residuals = [self.residuals[i] for i in indices] if self.residuals is not None else None
+        return self.transport.start(sources, shapes=[tuple(_local(self.params[i]).shape) for i in indices],
+                                    device=_local(self.params[0]).device, residuals=residuals)
 
-    def _average_tensors_(self, tensors: list[torch.Tensor], weights: torch.Tensor | None = None) -> None:
-        """Replace each tensor by its fp32 mean over the "fl" axis, bucket by bucket."""
-        R = self.replicas
-        for bucket in self._buckets(tensors):
-            numel = sum(t.numel() for t in bucket)
-            padded = math.ceil(numel / R) * R
-            flat = torch.zeros(padded, dtype=torch.float32, device=bucket[0].device)
-            offset = 0
-            for t in bucket:
-                flat[offset:offset + t.numel()].copy_(t.reshape(-1))
-                offset += t.numel()
-            self._all_reduce_mean_(flat)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+    def _launch(self, fragment: int) -> None:
+        self._inflight = (fragment, self._start(self.fragment_indices[fragment]))
 
-    def _check_finite(self) -> bool:
-        """All-reduce one flag per group: returns True if every group is finite.
+    def _finish_inflight(self):
+        """Complete the in-flight exchange; returns (fragment, results) or None."""
+        if self._inflight is None:
+            return None
+        fragment, ex = self._inflight
+        results = ex if isinstance(ex, list) else ex.finish()
+        self._inflight = None
+        return fragment, results
 
-        Raises NonFiniteError on every rank (naming the groups) under on_nonfinite='abort'.
+    # ------------------------------------------------------------------ sync events
+    @torch.no_grad()
+    def _apply_fragment(self, fragment: int) -> None:
+        if self._inflight is None:
+            self._launch(fragment)
+        if self._check_finite():
+            done = self._finish_inflight()
+            self._apply(self.fragment_indices[fragment], done[1], self.config.fragment_update_alpha)
+        self.num_fragment_syncs += 1
+        self._end_event(full=self.config.num_fragments == 1 and self.config.fragment_update_alpha == 0)
+
+    @torch.no_grad()
+    def sync(self, alpha: float = 0.0) -> None:
+        """Synchronize every fragment now, completing an in-flight exchange first.
+
+        Collective over the "fl" (and "dp_replicate") axes and, for the non-finite
+        check, the world: every rank must call it at the same optimizer step. A no-op
+        when F == 1. With ``alpha=0`` (the default) all groups end identical.
+
+        Raises:
+            NonFiniteError: a group holds NaN/Inf and ``on_nonfinite='abort'``.
         """
+        if self.num_groups <= 1:
+            self.local_step, self.in_sync = 0, True
+            return
+        healthy = self._check_finite()
+        done = self._finish_inflight()
+        if healthy:
+            if done is not None:  # the fragment whose exchange was in flight: apply as scheduled
+                self._apply(self.fragment_indices[done[0]], done[1], self.config.fragment_update_alpha)
+                self.num_fragment_syncs += 1
+            idx = list(range(len(self.params)))
+            self._apply(idx, self._start(idx).finish(), alpha)
+        self._end_event(full=alpha == 0)
+
+    def _end_event(self, full: bool) -> None:
+        self.local_step = 0
+        self.num_syncs += 1
+        if full:
+            self.in_sync = True
+
+    @torch.no_grad()
+    def _apply(self, indices: Sequence[int], means: list[torch.Tensor], alpha: float) -> None:
+        """global = outer step with the means; anchor <- global; theta <- global + alpha (theta - global)."""
+        locals_ = [_local(self.params[i]) for i in indices]
+        if self.compressed:  # means are mean(Delta)
+            if self.outer_optimizer is None:
+                globals_ = [self.anchor[i].sub_(m) for i, m in zip(indices, means)]
+            else:
+                globals_ = self._outer_step(indices, means)
+        else:  # means are mean(theta)
+            if self.outer_optimizer is None:
+                globals_ = means
+                if self.anchor is not None:
+                    for i, m in zip(indices, means):
+                        self.anchor[i].copy_(m)
+            else:
+                grads = [self.anchor[i].detach() - m for i, m in zip(indices, means)]
+                globals_ = self._outer_step(indices, grads)
+        for t, g in zip(locals_, globals_):
+            if alpha:
+                t.copy_(torch.lerp(g, t.to(g.dtype), alpha))
+            else:
+                t.copy_(g)
+        if self.config.average_optimizer_state:
+            self._average_optimizer_state(indices)
+
+    def _outer_step(self, indices: Sequence[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, g in zip(indices, grads):
+            self.anchor[i].grad = g
+        self.outer_optimizer.step()  # parameters without .grad (other fragments) are skipped
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        return [self.anchor[i] for i in indices]
+
+    # ------------------------------------------------------------------ optimizer state
+    def _state_tensors(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        for i in indices:
+            state = self.optimizer.state.get(self.params[i], {})
+            for key in sorted(state):
+                v = state[key]
+                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                    out.append(_local(v))
+        return out
+
+    def _average_optimizer_state(self, indices: Sequence[int]) -> None:
+        tensors = self._state_tensors(indices)
+        if not tensors:
+            return
+        means = self.transport.start(tensors, compressed=False).finish()
+        for t, m in zip(tensors, means):
+            t.copy_(m)
+
+    # ------------------------------------------------------------------ non-finite values
+    def _check_finite(self) -> bool:
+        """All-reduce one flag per group over the world; True if every group is finite.
+
+        On a bad group: raises NonFiniteError (on every rank) under "abort", else runs
+        the reset described in the module docstring and returns False.
+        """
+        device = _local(self.params[0]).device
         local_bad = any(not torch.isfinite(_local(p)).all() for p in self.params)
         if self.last_loss is not None and not math.isfinite(self.last_loss):
             local_bad = True
-        flags = torch.zeros(self.num_groups, dtype=torch.float32, device=self.params[0].device)
+        flags = torch.zeros(self.num_groups, dtype=torch.float32, device=device)
         flags[self.group_index] = float(local_bad)
-        # The flag vector is tiny; reduce it over the whole world so every rank of every
-        # group learns which groups are bad (a bad shard anywhere taints its group).
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad = [i for i in range(self.num_groups) if flags[i] > 0]
         if not bad:
@@ -175,90 +338,90 @@ class FederatedSynchronizer:
             raise NonFiniteError(
                 f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
                 f"{self.global_step} (sync {self.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
-                f"drop such groups for the round instead."
-            )
-        self._bad_groups = bad
+                f"drop such groups for the round instead.")
+        self._reset(bad)
         return False
 
-    @torch.no_grad()
-    def sync(self) -> None:
-        """Average parameters (and optionally optimizer state) across groups now.
-
-        Collective over the "fl" (and, under HSDP, "dp_replicate") axis: every rank must
-        call it at the same optimizer step. A no-op when F == 1.
-
-        Raises:
-            NonFiniteError: a group holds NaN/Inf and ``on_nonfinite='abort'``.
-        """
-        if self.num_groups <= 1:
-            self.local_step = 0
-            return
-        self._bad_groups = []
-        all_finite = self._check_finite()
+    def _reset(self, bad: list[int]) -> None:
+        self._finish_inflight()  # complete the collectives, discard what they carried
+        mask = tuple(0 if g in bad else 1 for g in range(self.num_groups))
+        idx = list(range(len(self.params)))
         locals_ = [_local(p) for p in self.params]
-        if not all_finite:
-            self._masked_mean_(locals_)
-        elif self.outer_optimizer is None:
-            self._average_tensors_(locals_)
-        else:
-            self._outer_step_(locals_)
-        if self.config.average_optimizer_state:
-            self._average_tensors_(self._optimizer_state_tensors())
-        self.local_step = 0
-        self.num_syncs += 1
-
-    def _masked_mean_(self, locals_: list[torch.Tensor]) -> None:
-        """on_nonfinite='reset': mean over healthy groups; bad groups contribute zeros."""
-        bad = self._bad_groups
-        healthy = self.num_groups - len(bad)
-        if self.group_index in bad:
-            for t in locals_:
-                t.zero_()
-        self._average_tensors_(locals_)
-        for t in locals_:
-            t.mul_(self.num_groups / healthy)
-        if self.outer_optimizer is not None:
-            for a, t in zip(self.anchor, locals_):
-                a.copy_(t)
-        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset them to the mean",
-                       self.num_syncs + 1, bad)
-
-    def _outer_step_(self, locals_: list[torch.Tensor]) -> None:
-        self._average_tensors_(locals_)
-        for a, t in zip(self.anchor, locals_):
-            a.grad = a.detach() - t.to(torch.float32)  # pseudo-gradient: anchor - mean
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        for a, t in zip(self.anchor, locals_):
-            t.copy_(a)
-
-    def _optimizer_state_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.params:
-            state = self.optimizer.state.get(p, {})
-            for key in sorted(state):
-                v = state[key]
-                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
-                    out.append(_local(v))
-        return out
+        means = self.transport.start(locals_, compressed=False, mask=mask).finish()
+        for t, m in zip(locals_, means):
+            t.copy_(m)
+        if self.anchor is not None:
+            for a, m in zip(self.anchor, means):
+                a.copy_(m)
+        if self.residuals is not None:
+            for r in self.residuals:
+                r.zero_()
+        tensors = self._state_tensors(idx)
+        if tensors:
+            state_means = self.transport.start(tensors, compressed=False, mask=mask).finish()
+            if self.group_index in bad or self.config.average_optimizer_state:
+                for t, m in zip(tensors, state_means):
+                    t.copy_(m)
+        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
+                       "mean (parameters and the bad groups' optimizer state)", self.num_syncs + 1, bad)
+        self.last_loss = None
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """Counters and outer state. Tensors are this rank's local shards (fp32)."""
-        out = {"local_step": self.local_step, "global_step": self.global_step, "num_syncs": self.num_syncs}
-        if self.outer_optimizer is not None:
-            out["anchor"] = [a.detach().clone() for a in self.anchor]
-            out["outer_optimizer"] = self.outer_optimizer.state_dict()
-        return out
+        """Counters (JSON-able). Tensors: :meth:`state_tensors`."""
+        return {"local_step": self.local_step, "global_step": self.global_step, "num_syncs": self.num_syncs,
+                "num_fragment_syncs": self.num_fragment_syncs, "in_sync": self.in_sync,
+                "inflight_fragment": None if self._inflight is None else self._inflight[0]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
+        """This rank's synchronizer tensors, by parameter index, for checkpoints.
+
+        Returns ``(shared, per_group)``: ``shared[i]`` holds what is identical in every
+        group ("anchor", "momentum", and "inflight", the completed result of an exchange
+        in flight: finishing it here changes no value), ``per_group[i]`` what differs
+        ("residual"). Each tensor has the shape of parameter i's local shard.
+        """
+        if self._inflight is not None and not isinstance(self._inflight[1], list):
+            fragment, results = self._finish_inflight()
+            self._inflight = (fragment, results)
+        shared: dict[int, dict[str, torch.Tensor]] = {}
+        per_group: dict[int, dict[str, torch.Tensor]] = {}
+        if self.anchor is not None:
+            outer = self.outer_optimizer.state_dict()["state"] if self.outer_optimizer is not None else {}
+            for i, a in enumerate(self.anchor):
+                shared.setdefault(i, {})["anchor"] = a.detach()
+                if self.outer_optimizer is not None:
+                    buf = outer.get(i, {}).get("momentum_buffer")
+                    shared[i]["momentum"] = buf if buf is not None else torch.zeros_like(a)
+        if self._inflight is not None:
+            fragment, results = self._inflight
+            for i, r in zip(self.fragment_indices[fragment], results):
+                shared.setdefault(i, {})["inflight"] = r
+        if self.residuals is not None:
+            for i, r in enumerate(self.residuals):
+                per_group.setdefault(i, {})["residual"] = r
+        return shared, per_group
+
+    def load_state_dict(self, state: dict, shared: dict | None = None, per_group: dict | None = None) -> None:
+        """Inverse of :meth:`state_dict` / :meth:`state_tensors` (tensors as returned there)."""
         self.local_step = int(state["local_step"])
         self.global_step = int(state["global_step"])
         self.num_syncs = int(state["num_syncs"])
-        if self.outer_optimizer is not None:
-            if "anchor" not in state:
-                raise ValueError("checkpoint has no outer-optimizer anchor, but outer_optimizer='nesterov'")
-            with torch.no_grad():
-                for a, saved in zip(self.anchor, state["anchor"]):
-                    a.copy_(saved)
-            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.num_fragment_syncs = int(state.get("num_fragment_syncs", 0))
+        self.in_sync = bool(state.get("in_sync", self.local_step == 0))
+        shared, per_group = shared or {}, per_group or {}
+        with torch.no_grad():
+            if self.anchor is not None:
+                for i, a in enumerate(self.anchor):
+                    a.copy_(shared[i]["anchor"])
+                if self.outer_optimizer is not None:
+                    sd = self.outer_optimizer.state_dict()
+                    for i in range(len(self.anchor)):
+                        sd["state"].setdefault(i, {})["momentum_buffer"] = shared[i]["momentum"].clone()
+                    self.outer_optimizer.load_state_dict(sd)
+            if self.residuals is not None:
+                for i, r in enumerate(self.residuals):
+                    r.copy_(per_group[i]["residual"])
+        fragment = state.get("inflight_fragment")
+        self._inflight = None if fragment is None else \
+            (int(fragment), [shared[i]["inflight"].clone() for i in self.fragment_indices[int(fragment)]])
