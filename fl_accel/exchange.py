@@ -273,7 +273,7 @@ class Exchange:
                 reduced = (parts * w).sum(dim=0)
                 mine = quantize(reduced, t.sync_dtype, 1)
                 b.gathered = torch.empty(t.num_groups, mine.shape[1], dtype=torch.uint8, device=mine.device)
-                b.work = dist.all_gather_into_tensor(b.gathered, mine, group=t.fl_group, async_op=True)
+                b.work = dist.all_gather_single(b.gathered, mine, group=t.fl_group, async_op=True)
                 b.recv = b.sent = None
         self.stage = 2
 
@@ -317,7 +317,7 @@ class Exchange:
         size = b.flat.numel() // t.num_chunks
         if t.replicas == t.num_chunks:
             piece = b.flat[t.chunk_index * size:(t.chunk_index + 1) * size].clone()
-            dist.all_gather_into_tensor(b.flat, piece, group=t.replicate_group)
+            dist.all_gather_single(b.flat, piece, group=t.replicate_group)
             return
         for c in range(t.num_chunks):
             dist.broadcast(b.flat[c * size:(c + 1) * size], src=t.chunk_owners[c], group=t.replicate_group)

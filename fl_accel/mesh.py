@@ -313,7 +313,7 @@ class FLMesh:
         device_mesh: equal groups: the world mesh ``(F, R, S)`` with axes
             ("fl", "dp_replicate", "dp_shard") and the flattened alias "dp_shard_cp";
             unequal groups: this group's mesh ``(R_f, S)`` with axes ("dp_replicate",
-            "dp_shard") and the same alias. Either way
+            "dp_shard_cp"). Either way
             ``device_mesh["dp_shard_cp"]`` / ``device_mesh[("dp_replicate", "dp_shard_cp")]``
             is this rank's own group, which is what Accelerate's FSDP2 path slices.
         groups: axis name -> ProcessGroup of this rank on that axis (absent when the
@@ -333,7 +333,8 @@ def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int
 
     Collective over the whole world: every rank must call it, in the same order.
     Equal groups use ``init_device_mesh``; unequal groups create the groups with
-    ``new_group`` and wrap this group's in a 2-D DeviceMesh (``DeviceMesh.from_group``).
+    ``new_group`` (every rank creates every group, in one order: ``new_group`` is a world
+    collective) and wrap this group's in a 2-D DeviceMesh (``DeviceMesh.from_group``).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -357,8 +358,9 @@ def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int
                 groups[axis] = pg
     f = layout.group_of(rank)
     ranks = torch.tensor(layout.group_ranks(f)).view(layout.replicas_of(f), layout.shards)
+    # Name the shard dim as Accelerate slices it: flattening would create new process groups,
+    # a world collective that the groups (each with its own mesh) cannot call in step.
     mesh = DeviceMesh.from_group([groups[DP_REPLICATE], groups[DP_SHARD]], device_type, mesh=ranks,
-                                 mesh_dim_names=(DP_REPLICATE, DP_SHARD))
-    mesh[DP_SHARD]._flatten(FSDP_SHARD_DIM, backend_override=options)
+                                 mesh_dim_names=(DP_REPLICATE, FSDP_SHARD_DIM))
     groups = {axis: pg for axis, pg in groups.items() if len(layout.axis_ranks(axis, rank)) > 1}
     return FLMesh(layout, mesh, groups)
