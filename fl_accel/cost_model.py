@@ -112,11 +112,13 @@ class ShardUnit:
         return self.numel if self.shapes is None else shards * sum(self.local_sizes(shards))
 
 
-def units_from_param_count(params: float) -> list[ShardUnit]:
-    """One resharded unit of ``params`` elements (3 x M per step). Raises ValueError unless >= 1."""
-    if round(_num("params", params)) < 1:
-        raise ValueError(f"params must be a positive number of parameters, got {params!r}")
-    return [ShardUnit("model", int(round(params)))]
+def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]:
+    """``num_units`` equal resharded units, ``params`` elements in all (3 x M per step,
+    no padding). Raises ValueError unless params >= num_units >= 1."""
+    n, k = round(_num("params", params)), _int("num_units", num_units)
+    if n < k:
+        raise ValueError(f"params must be a number of parameters >= num_units={k}, got {params!r}")
+    return [ShardUnit(f"unit{i}", n // k + (i < n % k)) for i in range(k)]
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:
@@ -462,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, streaming, streaming int8."""
     p = _Parser(prog="python -m fl_accel.cost_model", description=main.__doc__)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--params", type=float, help="a parameter count (one resharded unit), not Llama-3.1-8B")
+    src.add_argument("--params", type=float, help="a parameter count (P equal resharded units), not Llama-3.1-8B")
     src.add_argument("--llama-config", metavar="JSON", help="a Llama config.json, not Llama-3.1-8B")
     for flag, kind, default, text in [
             ("world-size", int, 512, "N"), ("ranks-per-node", int, 4, ""), ("group-size", int, 4, "G"),
@@ -477,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.params is not None:
-            units, model = units_from_param_count(a.params), f"{a.params:.4g} parameters"
+            units, model = units_from_param_count(a.params, max(1, a.num_fragments)), f"{a.params:.4g} parameters"
         elif a.llama_config:
             with open(a.llama_config, encoding="utf-8") as fh:
                 units, model = llama_units(json.load(fh)), a.llama_config
@@ -485,8 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             units, model = llama_units(LLAMA_3_1_8B), "Llama-3.1-8B"
         N, G = _int("--world-size", a.world_size), _int("--group-size", a.group_size)
         S = G if a.shard_size is None else _int("--shard-size", a.shard_size)
-        if N % G:
-            raise ValueError(f"--group-size {G} does not divide --world-size {N}")
+        if N % G or G % S:
+            raise ValueError(f"--group-size {G} must divide --world-size {N}, and --shard-size {S} the group size")
         if len({x is None for x in (a.compute_s, a.intra_node_gbs, a.inter_node_gbs)}) > 1:
             raise ValueError("--compute-s, --intra-node-gbs and --inter-node-gbs go together")
         fl, name = FLLayout.equal(N // G, G // S, S), "FL+FSDP" if S == G else "FL+HSDP"
