@@ -324,17 +324,13 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              sync_delay: int = 0, sync_bucket_mb: int = 256) -> CommEstimate:
     """Bytes per rank per optimizer step of ``layout`` training ``units`` (module docstring).
 
-    ``units``: :func:`llama_units`, :func:`units_from_module` or a parameter count.
-    ``sync_every`` H, ``num_fragments`` P, ``sync_dtype``, ``sync_delay`` tau (used with
-    ``total_steps`` and as the default of :func:`predict_step_time`) and ``sync_bucket_mb``
-    as the FLConfig fields; ``param_bytes`` / ``grad_bytes`` per gathered parameter /
-    reduced gradient element; ``micro_batches`` A; ``ranks_per_node`` enables the node
-    split; ``total_steps`` T counts the syncs of a T-step run instead of 1/H per step.
-
-    Raises:
-        ValueError: naming the argument: non-positive sizes or widths, H not a multiple
-            of P, tau outside [0, H/P), more fragments than units, unknown sync_dtype.
-    """
+    ``units``: :func:`llama_units`, :func:`units_from_module` or a parameter count;
+    ``sync_every`` H, ``num_fragments`` P, ``sync_dtype``, ``sync_delay`` tau (counts with
+    ``total_steps``; default of :func:`predict_step_time`), ``sync_bucket_mb``: as FLConfig;
+    ``param_bytes`` / ``grad_bytes`` per gathered parameter / reduced gradient element;
+    ``micro_batches`` A; ``ranks_per_node`` enables the node split; ``total_steps`` T counts
+    a T-step run's syncs instead of 1/H per step. Raises ValueError naming the argument:
+    sizes or widths <= 0, H not a multiple of P, tau not in [0, H/P), P > len(units)."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
@@ -404,19 +400,13 @@ class StepTime:
 def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: float, inter_node_bw: float,
                       ranks_per_nic: int | Mapping[str, int] | None = None, latency_s: float = 0.0,
                       sync_delay: int | None = None, tokens_per_rank: float | None = None) -> StepTime:
-    """Step time of the slowest group under the alpha-beta model of the module docstring.
-
-    ``compute_s``: forward, backward and optimizer seconds per step; ``intra_node_bw``: a
-    rank's bytes/s inside a node; ``inter_node_bw``: one NIC's bytes/s per direction;
-    ``ranks_per_nic``: ranks whose concurrent inter-node ring hops share a NIC, an int or
-    ``{axis: int}`` (default ``layout.link_share(axis, ranks_per_node)``: one NIC per
-    node); ``latency_s``: per collective; ``sync_delay``: tau (default: the estimate's);
-    ``tokens_per_rank``: per step.
-
-    Raises:
-        ValueError: no ``ranks_per_node`` in ``est``, a bandwidth not positive,
-            ``compute_s`` or ``latency_s`` negative, tau outside [0, H/P).
-    """
+    """Step time of the slowest group, alpha-beta model of the module docstring. ``compute_s``:
+    forward, backward and optimizer seconds per step; ``intra_node_bw``: a rank's bytes/s in
+    a node; ``inter_node_bw``: a NIC's bytes/s per direction; ``ranks_per_nic``: ranks whose
+    concurrent inter-node ring hops share a NIC, an int or ``{axis: int}`` (default
+    ``layout.link_share``: one NIC per node); ``latency_s`` per collective; ``sync_delay``
+    tau (default: the estimate's); ``tokens_per_rank`` per step. Raises ValueError: no
+    ``ranks_per_node`` in ``est``, a bandwidth <= 0, negative seconds, tau not in [0, H/P)."""
     compute_s, latency_s = _num("compute_s", compute_s, True), _num("latency_s", latency_s, True)
     intra, inter = _num("intra_node_bw", intra_node_bw), _num("inter_node_bw", inter_node_bw)
     tau = est.sync_delay if sync_delay is None else _int("sync_delay", sync_delay, minimum=0)
@@ -454,15 +444,15 @@ LLAMA_3_1_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 
 """Llama-3.1-8B shape (its config.json): 8,030,261,248 parameters."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+def _fail(message: Any):
+    print(f"error: {message}", file=sys.stderr)  # bad input: one line, exit status 2
+    raise SystemExit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, streaming, streaming int8."""
-    p = _Parser(prog="python -m fl_accel.cost_model", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m fl_accel.cost_model", description=main.__doc__)
+    p.error = _fail
     src = p.add_mutually_exclusive_group()
     src.add_argument("--params", type=float, help="a parameter count (P equal resharded units), not Llama-3.1-8B")
     src.add_argument("--llama-config", metavar="JSON", help="a Llama config.json, not Llama-3.1-8B")
@@ -474,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("intra-node-gbs", float, None, "GB/s"), ("inter-node-gbs", float, None, "GB/s per NIC"),
             ("ranks-per-nic", int, None, "default: one NIC per node"), ("latency-us", float, 0.0, "per collective"),
             ("tokens-per-rank", float, None, "per step")]:
-        p.add_argument("--" + flag, type=kind, default=default, help=text)
+        p.add_argument("--" + flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -506,8 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ranks_per_nic=a.ranks_per_nic, latency_s=a.latency_us * 1e-6, tokens_per_rank=a.tokens_per_rank)
             out.append((label, e, t))
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        _fail(exc)
     if a.json:
         print(json.dumps([{"setting": lb, **e.as_dict(), "time": t and t.__dict__} for lb, e, t in out], indent=1))
         return 0
