@@ -189,7 +189,7 @@ def units_from_module(model: Any, wrap_cls_names: Sequence[str] | None = None,
         take("embed", [in_e], reshard_after_forward, position[id(in_e)])
     prefix = getattr(model, "base_model_prefix", "")  # accelerate's _find_final_norm
     base = getattr(model, prefix, None) if prefix else model
-    norms = [c for _, c in base.named_children() if "Norm" in type(c).__name__] if hasattr(base, "named_children") else []
+    norms = [c for _, c in getattr(base, "named_children", tuple)() if "Norm" in type(c).__name__]
     tail = [m for m in (norms[-1:] + ([in_e, out_e] if tied else [out_e])) if m is not None and id(m) not in wrapped]
     take("tail", tail, False, min((position[id(m)] for m in tail), default=0))
     take("root", [model], False, len(modules))
@@ -217,7 +217,7 @@ class Traffic:
 def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int) -> list[Traffic]:
     """Per group, the Traffic of one exchange of local tensors of ``sizes`` fp32 values."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
-    buckets = [0]  # greedy packing, as exchange.Transport.buckets
+    buckets = [0]  # greedy, as exchange.Transport.buckets (which packs in parameter order, not unit order)
     for n in sizes:
         if buckets[-1] and buckets[-1] + n > bucket_values:
             buckets.append(0)

@@ -188,7 +188,8 @@ def test_estimate_from_config_and_as_dict():
     (dict(param_bytes=0), "param_bytes"), (dict(grad_bytes=-2), "grad_bytes"),
     (dict(grad_bytes=float("nan")), "grad_bytes"), (dict(micro_batches=0), "micro_batches"),
     (dict(ranks_per_node=0), "ranks_per_node"), (dict(units=-5), "params"), (dict(units=[]), "units"),
-    (dict(total_steps=0), "total_steps"), (dict(units=0.4), "params"), (dict(sync_every=2, num_fragments=2, units=7), "num_fragments"),
+    (dict(total_steps=0), "total_steps"), (dict(units=0.4), "params"),
+    (dict(sync_every=2, num_fragments=2, units=7), "num_fragments"),  # 1 unit, 2 fragments
 ])
 def test_bad_inputs_raise_naming_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
