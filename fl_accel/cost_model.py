@@ -359,7 +359,7 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in units[k::P] for n in u.local_sizes(S)] for k in range(P)]
         fragments = [_sync_event(layout, s, sync_dtype, bucket) for s in sizes]
-        full = _sync_event(layout, [n for s in sizes for n in s], sync_dtype, bucket)
+        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], sync_dtype, bucket)
         weights = [1.0 / H] * P
         if total_steps is not None:
             T = _int("total_steps", total_steps)
