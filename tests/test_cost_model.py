@@ -1,272 +1,351 @@
-"""Unit tests of fl_accel.cost_model: hand-computed cases, the Llama-3.1-8B figures, CLI, errors."""
+"""Unit tests of fl_accel.cost_model: hand-computed cases, the wire protocol of
+fl_accel.exchange, Llama units against real models, the 8B figures, the time model, CLI."""
 
-import math
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from fl_accel import FLConfig
 from fl_accel import cost_model as cm
+from fl_accel import exchange
+from fl_accel.comm import ring_bytes as measured_ring_bytes
+from fl_accel.mesh import FLLayout
+
+EQ = FLLayout.equal
 
 
 def approx(x):
     return pytest.approx(x, rel=1e-12, abs=1e-9)
 
 
+def est(layout, units=1000, **kw):
+    kw.setdefault("sync_every", 1)
+    return cm.estimate(layout, units, **kw)
+
+
 # ------------------------------------------------------------------ ring formulas
-@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_ring_bytes_matches_comm_accounting(op, p):
-    from fl_accel.comm import ring_bytes as measured
-
-    m = 4096 * p  # divisible, so the integer accounting is exact
-    assert cm.ring_bytes(op, m, p) == measured(op, m, p)
+    m = 4096 * p  # divisible: the integer accounting is exact
+    assert cm.ring_bytes(op, m, p) == measured_ring_bytes(op, m, p)
 
 
-def test_ring_bytes_values():
-    assert cm.ring_bytes("all_gather", 1000, 4) == 750
-    assert cm.ring_bytes("reduce_scatter", 1000, 4) == 750
-    assert cm.ring_bytes("all_reduce", 1000, 4) == 1500
-    assert cm.ring_bytes("all_reduce", 1000, 1) == 0
+def test_value_bytes_match_exchange():
+    assert cm.BLOCK == exchange.BLOCK
+    for dtype, b in cm.SYNC_VALUE_BYTES.items():
+        assert exchange.wire_bytes(dtype, 1000, 4) == approx(2 * 3 / 4 * 1000 * b)
 
 
-# ------------------------------------------------------------------ hand-computed small cases
+# ------------------------------------------------------------------ the four algorithms, by hand
 def test_fsdp_small():
-    e = cm.estimate("fsdp", 8, 1000, param_bytes=2)
-    assert (e.num_groups, e.replicas, e.shards) == (1, 1, 8)
-    assert e.step_bytes["dp_shard"]["all_gather"] == approx(2 * 2000 * 7 / 8)
-    assert e.step_bytes["dp_shard"]["reduce_scatter"] == approx(2000 * 7 / 8)
-    assert e.by_axis() == {"fl": 0, "dp_replicate": 0, "dp_shard": approx(5250)}
-    assert e.inter_group == 0 and e.intra_group == approx(5250)
-    assert e.inter_node is None and e.intra_node is None  # no ranks_per_node given
+    e = est(EQ(1, 1, 8), param_bytes=2)
+    assert e.step[0].bytes == {"dp_shard": {"all_gather": approx(2 * 2000 * 7 / 8),
+                                            "reduce_scatter": approx(2000 * 7 / 8)}}
+    assert e.by_axis() == {"fl": 0, "dp_replicate": 0, "dp_shard": approx(5250), "world": 0}
+    assert e.inter_group == 0 and e.intra_group == approx(5250) == e.total
+    assert e.inter_node is None and e.spans_nodes is None and e.peak_sync_bytes == 0
 
 
 def test_hsdp_small():
-    e = cm.estimate("hsdp", 8, 1000, shard_size=2, param_bytes=2, grad_bytes=4)
-    assert (e.num_groups, e.replicas, e.shards) == (1, 4, 2)
-    assert e.step_bytes["dp_shard"]["all_gather"] == approx(2 * 2000 / 2)
-    assert e.step_bytes["dp_shard"]["reduce_scatter"] == approx(4000 / 2)
-    assert e.step_bytes["dp_replicate"]["all_reduce"] == approx(2 * 3 / 4 * 4000 / 2)
-    assert e.sync_bytes == {}
+    e = est(EQ(1, 4, 2), param_bytes=2, grad_bytes=4)
+    assert e.layout.algorithm == "hsdp"
+    assert e.step[0].bytes == {"dp_shard": {"all_gather": approx(2000), "reduce_scatter": approx(2000)},
+                               "dp_replicate": {"all_reduce": approx(2 * 3 / 4 * 4000 / 2)}}
+    assert e.fragments == [] and e.by_axis()["fl"] == 0
 
 
 def test_fl_fsdp_small():
-    e = cm.estimate("fl_fsdp", 8, 1000, group_size=2, sync_every=4, param_bytes=2, sync_bytes=4)
-    assert (e.num_groups, e.replicas, e.shards) == (4, 1, 2)
-    m_sync = 1000 / 2 * 4
-    assert e.sync_bytes["fl"]["all_reduce"] == approx(2 * 3 / 4 * m_sync)
-    assert e.by_axis()["fl"] == approx(2 * 3 / 4 * m_sync / 4)
+    e = est(EQ(4, 1, 2), sync_every=4, param_bytes=2)
+    shard = 1000 / 2 * 4  # fp32 local shard bytes
+    assert e.sync_by_axis() == {"fl": approx(2 * 3 / 4 * shard), "dp_replicate": 0, "dp_shard": 0,
+                                "world": approx(2 * 7 / 8 * 4 * 4)}
+    assert e.by_axis()["fl"] == approx(2 * 3 / 4 * shard / 4)
     assert e.by_axis(amortized=False)["fl"] == 0
     assert e.by_axis()["dp_shard"] == approx(3 * 2000 / 2)
+    assert e.fragments[0][0].calls == {"fl": 1, "world": 1}
 
 
-def test_fl_hsdp_small_split_and_reference():
-    e = cm.estimate("fl_hsdp", 8, 1000, group_size=4, shard_size=2, sync_every=2)
-    assert (e.num_groups, e.replicas, e.shards) == (2, 2, 2)
-    m_sync = 1000 / 2 * 4
-    assert e.sync_bytes["fl"]["all_reduce"] == approx(2 * 1 / 2 * m_sync / 2)
-    assert e.sync_bytes["dp_replicate"]["all_gather"] == approx(1 / 2 * m_sync)
-    grad_ar = 2 * 1 / 2 * 2000 / 2
-    assert e.by_axis()["dp_replicate"] == approx(grad_ar + m_sync / 2 / 2)
-    ref = cm.estimate("fl_hsdp", 8, 1000, group_size=4, shard_size=2, sync_every=2, split_replicas=False)
-    assert ref.sync_bytes["fl"]["all_reduce"] == approx(2 * 1 / 2 * m_sync)
-    assert "dp_replicate" not in ref.sync_bytes
-    assert ref.inter_group == approx(2 * e.inter_group)  # R = 2 times more across groups
+def test_fl_hsdp_small_chunks_cross_groups_once():
+    e = est(EQ(2, 2, 2), sync_every=2)
+    shard = 1000 / 2 * 4
+    sync = e.fragments[0][0].bytes
+    assert sync["fl"] == {"all_reduce": approx(2 * 1 / 2 * shard / 2)}  # chunk 1/R per replica
+    assert sync["dp_replicate"] == {"all_gather": approx(1 / 2 * shard)}
+    grad = 2 * 1 / 2 * 4000 / 2
+    assert e.by_axis()["dp_replicate"] == approx(grad + shard / 2 / 2)
 
 
-def test_reshard_and_micro_batches_and_padding():
+def test_unequal_groups_broadcast_inside_larger_group():
+    unit = [cm.ShardUnit("w", 32, True, ((8, 4),))]  # local shard at S=2: 16 values
+    e = est(FLLayout((2, 4), 2, "fl_hsdp"), unit, sync_every=2, param_bytes=4)
+    small, large = e.fragments[0]
+    assert e.layout.min_replicas == 1
+    assert small.of("fl") == large.of("fl") == approx(2 * 1 / 2 * 16 * 4)
+    assert small.of("dp_replicate") == 0 and large.bytes["dp_replicate"] == {"broadcast": approx(1 / 2 * 64)}
+    assert large.calls["dp_replicate"] == 1
+    g0, g1 = e.by_group()
+    assert g0["dp_replicate"] == 0 and g1["dp_replicate"] == approx(2 * 1 / 2 * 32 * 4 / 2 + 32 / 2)
+    assert e.by_axis()["dp_replicate"] == g1["dp_replicate"]  # max over groups
+    # groups of 2 and 3 replicas: 2 chunks; all-gather in the first, 2 broadcasts in the second
+    e = est(FLLayout((4, 6), 2, "fl_hsdp"), unit)
+    a, b = e.fragments[0]
+    assert a.bytes["fl"] == b.bytes["fl"] == {"all_reduce": approx(2 * 1 / 2 * 8 * 4)}
+    assert a.bytes["dp_replicate"] == {"all_gather": approx(1 / 2 * 64)}
+    assert b.bytes["dp_replicate"] == {"broadcast": approx(2 * 2 / 3 * 32)} and b.calls["dp_replicate"] == 2
+
+
+@pytest.mark.parametrize("dtype,limit", [("bf16", 0.52), ("int8", 0.27)])
+def test_sync_dtypes(dtype, limit):
+    units = cm.units_from_param_count(2**20)  # local 2**19 values: no padding at C*F*256 = 1024
+    fp32 = est(EQ(4, 1, 2), units)
+    low = est(EQ(4, 1, 2), units, sync_dtype=dtype)
+    assert low.sync_by_axis()["fl"] == approx(exchange.wire_bytes(dtype, 2**19, 4))
+    assert low.sync_by_axis()["fl"] <= limit * fp32.sync_by_axis()["fl"]
+    assert set(low.fragments[0][0].bytes["fl"]) == {"all_to_all", "all_gather"}
+    assert low.fragments[0][0].calls["fl"] == 2
+    assert low.by_axis()["dp_shard"] == fp32.by_axis()["dp_shard"]
+
+
+def test_fragments_cut_peak_not_amortized_bytes():
+    units = [cm.ShardUnit(f"u{i}", 4096, True, ((64, 64),)) for i in range(8)]
+    one = est(EQ(4, 1, 2), units, sync_every=8)
+    four = est(EQ(4, 1, 2), units, sync_every=8, num_fragments=4)
+    assert four.peak_sync_bytes == approx(one.peak_sync_bytes / 4)
+    for axis in ("fl", "dp_replicate", "dp_shard"):
+        assert four.by_axis()[axis] == approx(one.by_axis()[axis])
+    assert four.by_axis()["world"] == approx(4 * one.by_axis()["world"])  # one flag check per sync event
+    assert four.weights == [1 / 8] * 4 and [len(f) for f in four.fragments] == [4] * 4
+
+
+def test_padding():
+    unit = cm.ShardUnit("a", 15, True, ((5, 3),))
+    assert unit.padded_numel(4) == 8 * 3 and unit.local_sizes(4) == [6]
+    assert cm.ShardUnit("x", 6).padded_numel(4) == 6  # no shapes: no padding
+    five = [cm.ShardUnit("b", 5, True, ((5,),))]  # local shard: 3 values
+    e = est(EQ(2, 2, 2), five)  # fp32: padded to C = 2 -> 4 values, chunks of 2
+    assert e.sync_by_axis()["fl"] == approx(2 * 1 / 2 * 2 * 4)
+    e = est(EQ(2, 2, 2), five, sync_dtype="int8")  # C * F * 256 = 1024 values, chunks of 512
+    assert e.sync_by_axis()["fl"] == approx(2 * 1 / 2 * 512 * (1 + 4 / 256))
+    assert e.sync_by_axis()["dp_replicate"] == approx(1 / 2 * 1024 * 4)
+
+
+def test_buckets_pad_and_count_separately():
+    units = [cm.ShardUnit(f"u{i}", 400_000, True, ((400_000,),)) for i in range(3)]  # 200k local each
+    e = est(EQ(2, 1, 2), units, sync_bucket_mb=1)  # 262,144 values per bucket: 3 buckets
+    assert e.fragments[0][0].calls["fl"] == 3
+    e = est(EQ(2, 1, 2), units, sync_bucket_mb=1, sync_dtype="int8")
+    assert e.fragments[0][0].calls["fl"] == 6
+    assert e.sync_by_axis()["fl"] == approx(3 * 2 * 1 / 2 * 200_192 * (1 + 4 / 256))  # 200,192 = 391 * 512
+
+
+def test_reshard_and_micro_batches():
     units = [cm.ShardUnit("a", 15, True, ((5, 3),)), cm.ShardUnit("b", 8, False, ((8,),))]
-    assert units[0].padded_numel(4) == 8 * 3 and units[1].padded_numel(4) == 8
-    e = cm.estimate("fsdp", 4, units, param_bytes=1, grad_bytes=1, micro_batches=3)
-    m_ag = 3 * (2 * 24 + 1 * 8)
-    assert e.step_bytes["dp_shard"]["all_gather"] == approx(3 / 4 * m_ag)
-    assert e.step_bytes["dp_shard"]["reduce_scatter"] == approx(3 / 4 * 32)
-    assert cm.ShardUnit("x", 6, True).padded_numel(4) == 6  # no shapes: no padding
+    e = est(EQ(1, 1, 4), units, param_bytes=1, grad_bytes=1, micro_batches=3)
+    assert e.step[0].bytes["dp_shard"] == {"all_gather": approx(3 / 4 * 3 * (2 * 24 + 8)),
+                                           "reduce_scatter": approx(3 / 4 * 32)}
+    assert e.step[0].calls["dp_shard"] == 3 * (2 + 1) + 2
 
 
-def test_total_steps_amortization():
-    e = cm.estimate("fl_fsdp", 8, 1000, group_size=2, sync_every=8, total_steps=20)
-    assert e.syncs_per_step == approx(3 / 20)  # syncs after steps 8, 16 and the last (20)
-    assert cm.estimate("fsdp", 8, 1000, total_steps=20).syncs_per_step == 0
+def test_total_steps_counts_the_runs_syncs():
+    e = est(EQ(4, 1, 2), sync_every=8, total_steps=20)  # syncs after steps 8, 16 and the last (20)
+    assert (e.weights, e.full_weight) == ([2 / 20], 1 / 20)
+    assert est(EQ(4, 1, 2), sync_every=4, total_steps=20).full_weight == 0  # step 20 synced
+    units = [cm.ShardUnit(f"u{i}", 8) for i in range(4)]
+    e = est(EQ(4, 1, 2), units, sync_every=8, num_fragments=4, sync_delay=1, total_steps=20)
+    assert e.weights == [3 / 20, 3 / 20, 2 / 20, 2 / 20] and e.full_weight == 1 / 20
+    e = est(EQ(4, 1, 2), units, sync_every=8, num_fragments=4, sync_delay=1, total_steps=21)
+    assert e.weights == [3 / 21, 3 / 21, 3 / 21, 2 / 21]  # fragment 2 launched at step 21
+    assert est(EQ(1, 1, 8), total_steps=20).weights == []
 
 
-def test_node_split_groups_map_to_nodes():
-    e = cm.estimate("fl_fsdp", 16, 1000, group_size=4, ranks_per_node=4)
-    assert e.spans_nodes == {"fl": True, "dp_replicate": False, "dp_shard": False}
+def test_node_split():
+    e = est(EQ(4, 1, 4), ranks_per_node=4)
+    assert e.spans_nodes == {"fl": True, "dp_replicate": False, "dp_shard": False, "world": True}
     assert e.inter_node == approx(e.inter_group) and e.intra_node == approx(e.intra_group)
-    e = cm.estimate("fl_hsdp", 16, 1000, group_size=8, shard_size=2, ranks_per_node=4)
-    assert e.spans_nodes == {"fl": True, "dp_replicate": True, "dp_shard": False}
-    e = cm.estimate("fsdp", 4, 1000, ranks_per_node=4)
-    assert e.spans_nodes["dp_shard"] is False and e.inter_node == 0
+    assert est(EQ(2, 4, 2), ranks_per_node=4).spans_nodes["dp_replicate"] is True
+    assert est(EQ(1, 1, 4), ranks_per_node=4).inter_node == 0
 
 
-def test_axis_spans_nodes_misaligned():
-    # S = 3 shards, 2 ranks per node: block [0, 3) crosses node 0/1.
-    assert cm.axis_spans_nodes("dp_shard", (1, 2, 3), 2)
-    assert not cm.axis_spans_nodes("dp_shard", (2, 2, 2), 2)
-    assert not cm.axis_spans_nodes("fl", (1, 4, 2), 1)  # F = 1: no traffic
-
-
-def test_estimate_from_config():
-    cfg = FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2, sync_every=4)
-    e = cm.estimate_from_config(cfg, 8, 1000)
-    assert (e.num_groups, e.replicas, e.shards, e.sync_every) == (2, 2, 2, 4)
+def test_estimate_from_config_and_as_dict():
+    cfg = FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2, sync_every=4, num_fragments=2,
+                   sync_dtype="int8")
+    units = [cm.ShardUnit("a", 8), cm.ShardUnit("b", 8)]
+    e = cm.estimate_from_config(cfg, 8, units, ranks_per_node=4)
+    assert (e.layout.shape, e.sync_every, e.num_fragments, e.sync_dtype) == ((2, 2, 2), 4, 2, "int8")
+    assert json.loads(json.dumps(e.as_dict()))["sync_dtype"] == "int8"
     with pytest.raises(ValueError, match="num_groups"):
         cm.estimate_from_config(FLConfig(algorithm="fl_fsdp", num_groups=3), 8, 1000)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(sync_every=0), "sync_every"), (dict(sync_every=8, num_fragments=3), "num_fragments"),
+    (dict(sync_every=8, num_fragments=2, sync_delay=4), "sync_delay"), (dict(sync_dtype="fp8"), "sync_dtype"),
+    (dict(param_bytes=0), "param_bytes"), (dict(grad_bytes=-2), "grad_bytes"),
+    (dict(grad_bytes=float("nan")), "grad_bytes"), (dict(micro_batches=0), "micro_batches"),
+    (dict(ranks_per_node=0), "ranks_per_node"), (dict(units=-5), "params"), (dict(units=[]), "units"),
+    (dict(total_steps=0), "total_steps"), (dict(units=0.4), "params"),
+    (dict(sync_every=2, num_fragments=2, units=7), "num_fragments"),  # 1 unit, 2 fragments
+])
+def test_bad_inputs_raise_naming_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        est(EQ(2, 1, 4), **kwargs)
+
+
+def test_bad_inputs_other_functions():
+    with pytest.raises(ValueError, match="op"):
+        cm.ring_bytes("scatter", 10, 2)
+    with pytest.raises(ValueError, match="group_size"):
+        cm.ring_bytes("all_reduce", 10, 0)
+    with pytest.raises(ValueError, match="config.hidden_size"):
+        cm.llama_units({"vocab_size": 10, "intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1})
+    with pytest.raises(ValueError, match="numel"):
+        cm.ShardUnit("x", 5, True, ((2, 2),))
+    with pytest.raises(ValueError, match="wrap_cls_names"):
+        cm.units_from_module(torch.nn.Linear(2, 2), ["Block"])
+
+
+# ------------------------------------------------------------------ time model
+def _two_nodes(**kw):  # 2 groups x 4 ranks, one node each; H = 2
+    return est(EQ(2, 1, 4), sync_every=2, param_bytes=2, ranks_per_node=4, **kw)
+
+
+def test_time_model_hand_case_with_nic_sharing():
+    e = _two_nodes()
+    t = cm.predict_step_time(e, compute_s=1.0, intra_node_bw=1000.0, inter_node_bw=100.0, tokens_per_rank=10)
+    intra = 3 * 3 / 4 * 2000  # dp_shard bytes per step
+    fl = 2 * 1 / 2 * 250 * 4  # per sync; 4 rings leave each node at once: 100/4 B/s each
+    world = 2 * 7 / 8 * 4 * 2
+    assert t.comm_s_by_axis == {"dp_shard": approx(intra / 1000), "fl": approx(fl / 25 / 2),
+                                "world": approx(world / 100 / 2), "dp_replicate": 0}
+    assert t.exposed_sync_s == approx((fl / 25 + world / 100) / 2)
+    assert t.step_s == approx(1.0 + intra / 1000 + t.exposed_sync_s)
+    assert t.comm_s == approx(sum(t.comm_s_by_axis.values()))
+    assert t.tokens_per_s == approx(8 * 10 / t.step_s)
+    one_nic_each = cm.predict_step_time(e, compute_s=1.0, intra_node_bw=1000.0, inter_node_bw=100.0, ranks_per_nic=1)
+    assert one_nic_each.comm_s_by_axis["fl"] == approx(fl / 100 / 2) and one_nic_each.tokens_per_s is None
+    by_axis = cm.predict_step_time(e, compute_s=1.0, intra_node_bw=1000.0, inter_node_bw=100.0,
+                                   ranks_per_nic={"fl": 2})
+    assert by_axis.comm_s_by_axis["fl"] == approx(fl / 50 / 2)
+
+
+def test_time_model_latency_counts_collectives():
+    e = _two_nodes()
+    kw = dict(compute_s=1.0, intra_node_bw=1000.0, inter_node_bw=100.0)
+    base, slow = cm.predict_step_time(e, **kw), cm.predict_step_time(e, latency_s=0.01, **kw)
+    # per step: 2 all-gathers + 1 reduce-scatter; per sync (every 2 steps): fl all-reduce + flags
+    assert slow.step_s - base.step_s == approx(0.03 + 0.02 / 2)
+
+
+def test_time_model_tau_overlaps_the_fl_exchange():
+    e = est(EQ(2, 1, 4), sync_every=4, ranks_per_node=4)
+    kw = dict(intra_node_bw=1e12, inter_node_bw=100.0)
+    t_fl = 2 * 1 / 2 * 250 * 4 / 25  # 40 s
+    t_world = 2 * 7 / 8 * 8 / 100
+    blocking = cm.predict_step_time(e, compute_s=10.0, **kw)
+    assert blocking.exposed_sync_s == approx((t_fl + t_world) / 4)
+    partial = cm.predict_step_time(e, compute_s=10.0, sync_delay=1, **kw)
+    assert partial.exposed_sync_s == approx((t_fl - 10.0 + t_world) / 4)
+    hidden = cm.predict_step_time(e, compute_s=100.0, sync_delay=3, **kw)
+    assert hidden.exposed_sync_s == approx(t_world / 4) and hidden.comm_s == approx(blocking.comm_s)
+    assert cm.predict_step_time(est(EQ(2, 1, 4), sync_every=4, sync_delay=3, ranks_per_node=4), compute_s=100.0,
+                                **kw).exposed_sync_s == approx(hidden.exposed_sync_s)  # default: the estimate's tau
+
+
+def test_time_model_unequal_groups_take_the_slowest():
+    e = est(FLLayout((2, 4), 2, "fl_hsdp"), sync_every=2, ranks_per_node=2)
+    t = cm.predict_step_time(e, compute_s=0.0, intra_node_bw=1e3, inter_node_bw=1e2)
+    assert t.comm_s_by_axis["dp_replicate"] > 0  # the larger group's replicas
+
+
+def test_time_model_bad_inputs():
+    kw = dict(compute_s=1.0, intra_node_bw=1.0, inter_node_bw=1.0)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        cm.predict_step_time(est(EQ(1, 1, 8)), **kw)
+    e = _two_nodes()
+    for bad, name in [({"inter_node_bw": 0}, "inter_node_bw"), ({"compute_s": -1}, "compute_s"),
+                      ({"latency_s": -1}, "latency_s"), ({"sync_delay": 2}, "sync_delay"),
+                      ({"ranks_per_nic": -1}, "ranks_per_nic")]:
+        with pytest.raises(ValueError, match=name):
+            cm.predict_step_time(e, **{**kw, **bad})
 
 
 # ------------------------------------------------------------------ Llama units
 def test_llama_8b_param_count_and_units():
     units = cm.llama_units(cm.LLAMA_3_1_8B)
-    assert cm.total_params(units) == 8_030_261_248
-    assert [u.name for u in units][:2] == ["embed", "layers.0"] and units[-1].name == "tail"
+    assert sum(u.numel for u in units) == 8_030_261_248 and len(units) == 34
+    assert [u.name for u in units[:2]] == ["embed", "model.layers.0"] and units[-1].name == "tail"
     assert units[0].reshard_after_forward and not units[-1].reshard_after_forward
     assert units[-1].numel == 128256 * 4096 + 4096
 
 
-@pytest.mark.parametrize("tied,bias", [(False, False), (True, True)])
-def test_llama_units_match_real_model(tied, bias):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
+@pytest.mark.parametrize("tied,bias", [(False, False), (True, False), (False, True), (True, True)])
+def test_llama_units_equal_units_from_module(tied, bias):
+    cfg = LlamaConfig(
         vocab_size=101, hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
-    from_model = cm.units_from_module(model)
-    from_cfg = cm.llama_units(cfg)
-    assert cm.total_params(from_model) == sum(p.numel() for p in model.parameters())
-    assert [(u.numel, u.reshard_after_forward) for u in from_model] == \
-        [(u.numel, u.reshard_after_forward) for u in from_cfg]
-    for a, b in zip(from_model, from_cfg):
-        assert sorted(a.shapes) == sorted(b.shapes)
-        assert a.padded_numel(4) == b.padded_numel(4)
-    assert [u.name for u in from_model][-1] == "tail"
-    assert ("embed" in [u.name for u in from_model]) == (not tied)
+        model = LlamaForCausalLM(cfg)
+    units = cm.units_from_module(model)
+    assert units == cm.llama_units(cfg)
+    assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
+    assert [u.name for u in units][0] == ("tail" if tied else "embed")  # the tied tail sits at the embedding
 
 
-# ------------------------------------------------------------------ the 8B ballpark figures
+# ------------------------------------------------------------------ the 8B figures (128 nodes x 4 GPUs)
 def test_8b_fsdp_about_48gb_all_inter_node():
-    e = cm.estimate("fsdp", 512, 8.03e9, param_bytes=2, ranks_per_node=4)
-    assert e.total / 1e9 == pytest.approx(48.09, abs=0.01)
-    assert e.inter_node == approx(e.total) and e.intra_node == 0
-    real = cm.estimate("fsdp", 512, cm.llama_units(cm.LLAMA_3_1_8B), param_bytes=2, ranks_per_node=4)
-    assert 46.5 < real.total / 1e9 < 48.1  # tail not resharded: 47.0 GB
+    e = est(EQ(1, 1, 512), 8.03e9, param_bytes=2, ranks_per_node=4)
+    assert e.total / 1e9 == pytest.approx(48.09, abs=0.01) and e.inter_node == approx(e.total)
+    exact = est(EQ(1, 1, 512), cm.llama_units(cm.LLAMA_3_1_8B), param_bytes=2, ranks_per_node=4)
+    assert exact.total / 1e9 == pytest.approx(47.05, abs=0.01)  # the tail is not resharded
 
 
 def test_8b_fl_fsdp_inter_node_per_step():
-    kw = dict(group_size=4, sync_every=8, param_bytes=2, ranks_per_node=4)
-    e = cm.estimate("fl_fsdp", 512, 8.03e9, **kw)  # fp32 sync, as fl_accel.sync
-    assert e.inter_node / 1e9 == pytest.approx(1.992, abs=0.005)
+    e = est(EQ(128, 1, 4), 8.03e9, sync_every=8, param_bytes=2, ranks_per_node=4)
+    assert e.inter_node / 1e9 == pytest.approx(1.992, abs=0.002)
     assert e.intra_node / 1e9 == pytest.approx(36.13, abs=0.01)
-    bf16 = cm.estimate("fl_fsdp", 512, 8.03e9, sync_bytes=2, **kw)  # the issue's "about 1 GB"
-    assert bf16.inter_node / 1e9 == pytest.approx(0.996, abs=0.005)
-    fsdp = cm.estimate("fsdp", 512, 8.03e9, param_bytes=2, ranks_per_node=4)
-    assert fsdp.inter_node / e.inter_node > 20
-
-
-# ------------------------------------------------------------------ time model
-def test_time_model_hand_case():
-    e = cm.estimate("fl_fsdp", 8, 1000, group_size=4, sync_every=2, param_bytes=2, ranks_per_node=4)
-    t = cm.predict_step_time(e, compute_s=1.0, intra_node_bw=1000.0, inter_node_bw=100.0, tokens_per_rank=10)
-    intra = 3 * 3 / 4 * 2000  # dp_shard
-    inter = 2 * 1 / 2 * (1000 / 4 * 4) / 2  # fl, amortized over H = 2
-    assert t.comm_s_by_axis["dp_shard"] == approx(intra / 1000)
-    assert t.comm_s_by_axis["fl"] == approx(inter / 100)
-    assert t.step_s == approx(1.0 + intra / 1000 + inter / 100)
-    assert t.tokens_per_s == approx(8 * 10 / t.step_s)
-
-
-def test_time_model_fl_faster_than_fsdp_on_slow_links():
-    ests = cm.compare(512, 8.03e9, group_size=4, shard_size=4, ranks_per_node=4)
-    times = [cm.predict_step_time(e, compute_s=1.0, intra_node_bw=100e9, inter_node_bw=12.5e9) for e in ests]
-    assert times[2].step_s < times[1].step_s < times[0].step_s
-    assert times[0].tokens_per_s is None
-
-
-# ------------------------------------------------------------------ bad inputs
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(algorithm="ddp"), "algorithm"),
-    (dict(world_size=0), "world_size"),
-    (dict(algorithm="fl_fsdp", group_size=3), "group_size"),
-    (dict(algorithm="fl_fsdp", group_size=0), "group_size"),
-    (dict(algorithm="fl_fsdp"), "group_size"),
-    (dict(algorithm="hsdp", shard_size=3), "shard_size"),
-    (dict(algorithm="hsdp"), "shard_size"),
-    (dict(algorithm="fl_hsdp", group_size=4, shard_size=3), "shard_size"),
-    (dict(sync_every=0), "sync_every"),
-    (dict(param_bytes=0), "param_bytes"),
-    (dict(grad_bytes=-2), "grad_bytes"),
-    (dict(sync_bytes=float("nan")), "sync_bytes"),
-    (dict(ranks_per_node=3), "ranks_per_node"),
-    (dict(micro_batches=0), "micro_batches"),
-    (dict(units=-5), "params"),
-    (dict(units=[]), "units"),
-    (dict(total_steps=0), "total_steps"),
-])
-def test_bad_inputs_raise_naming_argument(kwargs, name):
-    args = dict(algorithm="fsdp", world_size=8, units=1000)
-    args.update(kwargs)
-    with pytest.raises(ValueError, match=name):
-        cm.estimate(args.pop("algorithm"), args.pop("world_size"), args.pop("units"), **args)
-
-
-def test_bad_inputs_other_functions():
-    with pytest.raises(ValueError, match="op"):
-        cm.ring_bytes("broadcast", 10, 2)
-    with pytest.raises(ValueError, match="group_size"):
-        cm.ring_bytes("all_reduce", 10, 0)
-    with pytest.raises(ValueError, match="config.hidden_size"):
-        cm.llama_units({"vocab_size": 10, "intermediate_size": 4, "num_hidden_layers": 1,
-                        "num_attention_heads": 1})
-    e = cm.estimate("fsdp", 8, 1000)
-    with pytest.raises(ValueError, match="ranks_per_node"):
-        cm.predict_step_time(e, compute_s=1, intra_node_bw=1, inter_node_bw=1)
-    e = cm.estimate("fsdp", 8, 1000, ranks_per_node=4)
-    with pytest.raises(ValueError, match="inter_node_bw"):
-        cm.predict_step_time(e, compute_s=1, intra_node_bw=1, inter_node_bw=0)
-    with pytest.raises(ValueError, match="compute_s"):
-        cm.predict_step_time(e, compute_s=-1, intra_node_bw=1, inter_node_bw=1)
-    with pytest.raises(ValueError, match="numel"):
-        cm.ShardUnit("x", 5, True, ((2, 2),))
+    units = cm.llama_units(cm.LLAMA_3_1_8B)
+    blocking = est(EQ(128, 1, 4), units, sync_every=8, param_bytes=2, ranks_per_node=4)
+    streaming = est(EQ(128, 1, 4), units, sync_every=8, num_fragments=4, param_bytes=2, ranks_per_node=4)
+    assert streaming.inter_node == pytest.approx(blocking.inter_node, rel=1e-6)
+    assert 0.25 <= streaming.peak_sync_bytes / blocking.peak_sync_bytes < 0.3  # embed + 8 layers of 34 units
 
 
 # ------------------------------------------------------------------ CLI
-CLI = ["--params", "8.03e9", "--bytes-per-element", "2", "--world-size", "512", "--group-size", "4",
-       "--shard-size", "4", "--sync-every", "8"]
-
-
-def test_cli_prints_markdown_table():
-    out = subprocess.run([sys.executable, "-m", "fl_accel.cost_model", *CLI], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| algorithm |")
-    names = [r.split("|")[1].strip() for r in rows[1:]]
-    assert names == ["FSDP", "HSDP", "FL+FSDP", "FL+HSDP"]
-    fsdp = [c.strip() for c in rows[1].split("|")]
-    assert fsdp[fsdp.index("FSDP") + 11] == "48.086"  # total GB column
-
-
-def test_cli_time_model_and_json(capsys):
-    assert cm.main(["--model", "llama-3.1-8b", "--world-size", "512", "--group-size", "4", "--shard-size", "4",
-                    "--hsdp-group-size", "32", "--compute-s", "1", "--tokens-per-rank", "4096"]) == 0
-    out = capsys.readouterr().out
-    assert "speedup vs FSDP" in out and "tokens/s" in out and "no compute/communication overlap" in out
-    import json
-    assert cm.main([*CLI, "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert [d["algorithm"] for d in data] == list(cm.ALGORITHMS)
-    assert data[2]["inter_node"] == pytest.approx(1.992e9, rel=1e-3)
-    assert math.isclose(data[0]["total"], data[0]["inter_node"])
-
-
-def test_cli_bad_input_exits_with_message():
-    bad = list(CLI)
-    bad[bad.index("--group-size") + 1] = "3"  # does not divide 512
-    proc = subprocess.run([sys.executable, "-m", "fl_accel.cost_model", *bad], capture_output=True, text=True,
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "fl_accel.cost_model", *args], capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == 2 and "group_size" in proc.stderr
+
+
+def test_cli_prints_the_paper_setting():
+    proc = _cli("--compute-s", "1", "--intra-node-gbs", "100", "--inter-node-gbs", "12.5")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in proc.stdout.splitlines() if r.startswith("| ") and "setting" not in r}
+    assert list(rows) == ["FSDP", "FL+FSDP fp32, blocking", "streaming fp32", "streaming int8"]
+    assert rows["FSDP"][3] == "47.049" and rows["FL+FSDP fp32, blocking"][3] == "1.992"
+    assert rows["streaming fp32"][3] == "1.992" and float(rows["streaming int8"][3]) < 0.26 * 1.992
+    assert float(rows["streaming fp32"][5]) < 0.3 * float(rows["FL+FSDP fp32, blocking"][5])  # peak per sync
+    assert float(rows["streaming fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
+
+
+def test_cli_json(capsys):
+    assert cm.main(["--params", "8.03e9", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["num_fragments"] for d in data] == [1, 1, 4, 4] and data[0]["time"] is None
+    assert data[1]["inter_node"] == pytest.approx(1.992e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("args", [["--group-size", "3"], ["--shard-size", "3"], ["--compute-s", "1"],
+                                  ["--world-size", "x"], ["--llama-config", "/nonexistent.json"]])
+def test_cli_bad_input_one_line_exit_2(args):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
 
 
 # ------------------------------------------------------------------ model == measured comm accounting
@@ -297,28 +376,52 @@ fully_shard(model.model.embed_tokens, **kw)
 fully_shard([model.model.norm, model.lm_head], **{**kw, "reshard_after_forward": False})
 kw.pop("reshard_after_forward")
 fully_shard(model, **kw)
-layout = FLLayout(1, R, S)
+layout = FLLayout.equal(1, R, S)
 axis_of = {tuple(sorted(layout.axis_ranks(a, rank))): a for a in ("dp_replicate", "dp_shard")}
 stats = CommStats()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x = torch.randint(0, 101, (2, 8))
 steps = 2
-with CommMeter(stats, axis_of):
+with CommMeter(stats, rank_buckets=axis_of):
     for _ in range(steps):
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
-est = cm.estimate("hsdp", N, units, shard_size=S, param_bytes=2)
-if rank == 0:
-    measured = {a: {op: b / steps for op, b in s["by_op"].items()} for a, s in stats.as_dict().items() if s["bytes"]}
-    json.dump({"measured": measured, "model": est.step_bytes}, open(sys.argv[1], "w"))
+est = cm.estimate(layout, units, sync_every=1, param_bytes=2)
+measured = {a: {op: b / steps for op, b in s["by_op"].items()} for a, s in stats.as_dict().items() if s["bytes"]}
+out = {"measured": measured, "model": est.step[0].bytes}
+
+# The sync's wire protocol on unequal groups of 1 and 3 ranks (S = 1, C = 1: rank 1 owns the
+# chunk of group 1 and broadcasts it to ranks 2, 3), tensors shaped like the model's parameters.
+from fl_accel.exchange import Transport
+fl = FLLayout((1, 3), 1, "fl_hsdp")
+pgs = {}
+for axis in ("fl", "dp_replicate"):
+    for ranks in fl.axis_groups(axis):
+        pg = dist.new_group(list(ranks))
+        if rank in ranks and len(ranks) > 1:
+            pgs[axis] = pg
+f, r, s = fl.coords(rank)
+tensors = [torch.randn(shape) for u in units for shape in u.shapes]
+for dtype in ("fp32", "int8"):
+    t = Transport(fl_group=pgs.get("fl"), replicate_group=pgs.get("dp_replicate"), num_groups=2, group_index=f,
+                  weights=fl.weights("size"), num_chunks=1, chunk_index=0 if r == 0 else None,
+                  replicas=fl.replicas_of(f), chunk_owners=(fl.rank(f, 0, s),), sync_dtype=dtype)
+    sync_stats = CommStats()
+    with CommMeter(sync_stats, {pg: a for a, pg in pgs.items()}):
+        t.start(tensors).finish()
+    model = cm.estimate(fl, units, sync_every=1, sync_dtype=dtype).fragments[0][f]
+    out[dtype] = {"measured": {a: dict(v["by_op"]) for a, v in sync_stats.as_dict().items() if v["bytes"]},
+                  "model": {a: ops for a, ops in model.bytes.items() if a != "world"}}
+json.dump(out, open(f"{sys.argv[1]}.{rank}", "w"))
 dist.destroy_process_group()
 '''
 
 
 def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
     """4 gloo ranks, HSDP R=2 x S=2 on a tiny Llama wrapped like Accelerate: the model's
-    per-axis, per-op bytes equal fl_accel.comm's accounting of the real collectives."""
+    per-axis, per-op bytes equal fl_accel.comm's accounting of the real collectives; then
+    fl_accel.exchange's sync over unequal groups (1 and 3 ranks), fp32 and int8, likewise."""
     import json
     import os
 
@@ -345,5 +448,12 @@ def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["measured"] == data["model"]
+    data = json.loads(open(f"{out}.0").read())
+    assert data["measured"] == data["model"] and set(data["model"]) == {"dp_shard", "dp_replicate"}
+    # rank 0: group 0 (1 replica); rank 1: owner of group 1's chunk; rank 2: a receiving replica,
+    # which the model does not report (it reports each group's busiest rank, replica 0)
+    for rank, axes in [(0, {"fl"}), (1, {"fl", "dp_replicate"}), (2, {"dp_replicate"})]:
+        data = json.loads(open(f"{out}.{rank}").read())
+        for dtype in ("fp32", "int8"):  # the accounting floors each call to whole bytes
+            measured, model = data[dtype]["measured"], data[dtype]["model"]
+            assert set(measured) == axes and measured == {a: pytest.approx(model[a], abs=1) for a in axes}
