@@ -30,6 +30,18 @@ into blocks of ``seq_len`` tokens.
   every rank has data for ``--max_steps`` steps without any collective.
   Validation stays map-style: ``build_validation_blocks``.
 
+Recipe use of the streaming path (per rank; ``fl`` = FLAccelerator)::
+
+    check_stream_args(args)                                  # --max_steps is required
+    source = stream_source(args, cache_dir)                  # files, hub id, or "shakespeare"
+    tokenizer = get_stream_tokenizer(args, source, cache_dir)
+    num, index, seed = fl.data_shard()                       # "global" or "group" sharding
+    stream = build_train_stream(source, tokenizer, args.seq_len, num, index, seed)
+    loader = DataLoader(stream, batch_size=args.micro_batch_size)  # NOT accelerator.prepare'd
+    val_blocks = build_validation_blocks(source, tokenizer, args.seq_len, args.max_eval_blocks)
+    # checkpoint: json.dump(stream.state_dict(), <step_N>/data_state/rank<k>.json), every rank
+    # resume: stream.load_state_dict(json.load(...)) before iter(loader)
+
 Hub objects (tokenizer, model config, datasets) load from the local cache first and
 fail with one line naming the id when the Hub is unreachable: ``load_tokenizer``,
 ``load_model_config``, ``stream_source``.
@@ -396,15 +408,17 @@ class PackedCache(NamedTuple):
     """Wall time of this call."""
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer, with_name: bool = True) -> str:
     """16 hex digits naming a tokenizer: its name/path, its size and its full definition.
 
     The definition is the fast tokenizer's JSON (the content of ``tokenizer.json``:
     vocabulary, merges, normalizer, pre-tokenizer, special tokens); for a slow
-    tokenizer, the sorted vocabulary.
+    tokenizer, the sorted vocabulary. ``with_name=False`` leaves the name/path out
+    (the same tokenizer loaded from another directory gives the same digits).
     """
     h = hashlib.sha256()
-    h.update(f"{getattr(tokenizer, 'name_or_path', '')}\0{len(tokenizer)}\0".encode())
+    name = getattr(tokenizer, "name_or_path", "") if with_name else ""
+    h.update(f"{name}\0{len(tokenizer)}\0".encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         h.update(backend.to_str().encode())
@@ -593,6 +607,21 @@ def resolve_hub_files(repo_id: str, filenames: list[str], label: str, include: l
         raise _offline_error("dataset", label, reason,
                              f"hf download {repo_id} --repo-type dataset --include {patterns}")
     return [f"hf://datasets/{repo_id}/{f}" for f in filenames]
+
+
+def check_stream_args(args) -> None:
+    """Checks of recipe arguments for ``--streaming`` that need no data.
+
+    Raises:
+        DataError: no ``--max_steps`` (a stream has no length: every rank wraps its
+            shard into new epochs until the last step, so the step count must be
+            given), or ``--seq_len`` < 1.
+    """
+    if not getattr(args, "max_steps", None):
+        raise DataError("--streaming needs --max_steps: a stream has no length (each rank restarts its shard "
+                        "in a new epoch when it runs out, so every rank has data until the last step)")
+    if getattr(args, "seq_len", 1) < 1:
+        raise DataError(f"--seq_len must be >= 1, got {args.seq_len}")
 
 
 def stream_source(args, cache_dir: str) -> StreamSource:
@@ -890,7 +919,7 @@ def build_train_stream(source: StreamSource, tokenizer, seq_len: int, num_shards
     if num_shards > 1:
         ds = split_dataset_by_node(ds, rank=shard_index, world_size=num_shards)
     identity = {"corpus": hashlib.sha256(source.key.encode()).hexdigest()[:16],
-                "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": seq_len, "num_shards": num_shards,
+                "tokenizer": tokenizer_fingerprint(tokenizer, with_name=False), "seq_len": seq_len, "num_shards": num_shards,
                 "shard_index": shard_index, "seed": seed}
     return PackedStream(ds, tokenizer, source.text_column, seq_len, identity=identity, skip_hashes=skip,
                         where=f"training data {source.name}")
