@@ -650,6 +650,11 @@ def stream_source(args, cache_dir: str) -> StreamSource:
     if getattr(args, "train_file", None):
         train = expand_data_files(args.train_file, "train_file")
         builder = _builder_of(train + val, "train_file")
+        remote = [f for f in train + val if f.startswith("hf://")]
+        if remote and hub_unreachable_reason():
+            raise _offline_error("data files", remote[0], hub_unreachable_reason(),
+                                 "hf download <repo> --repo-type dataset --include <files>, then pass the local "
+                                 "paths")
         return StreamSource(name=train[0], builder=builder, train_files=train, validation_files=val,
                             key=json.dumps([builder, train, val, text_column, holdout]), **common)
     name = getattr(args, "dataset_name", None) or SHAKESPEARE
@@ -818,9 +823,9 @@ class PackedStream(torch.utils.data.IterableDataset):
             DataError: the state was written for another corpus, tokenizer, seq_len,
                 shard (num_shards/shard_index) or seed, or by another format version.
         """
-        if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
-            raise DataError(f"unknown data-stream state (version {state.get('version') if isinstance(state, dict) else None}, "
-                            f"expected {self.STATE_VERSION})")
+        version = state.get("version") if isinstance(state, dict) else None
+        if version != self.STATE_VERSION:
+            raise DataError(f"unknown data-stream state (version {version}, expected {self.STATE_VERSION})")
         saved = state.get("identity", {})
         diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in self.identity.items() if saved.get(k) != v]
         if diff:
@@ -919,8 +924,8 @@ def build_train_stream(source: StreamSource, tokenizer, seq_len: int, num_shards
     if num_shards > 1:
         ds = split_dataset_by_node(ds, rank=shard_index, world_size=num_shards)
     identity = {"corpus": hashlib.sha256(source.key.encode()).hexdigest()[:16],
-                "tokenizer": tokenizer_fingerprint(tokenizer, with_name=False), "seq_len": seq_len, "num_shards": num_shards,
-                "shard_index": shard_index, "seed": seed}
+                "tokenizer": tokenizer_fingerprint(tokenizer, with_name=False), "seq_len": seq_len,
+                "num_shards": num_shards, "shard_index": shard_index, "seed": seed}
     return PackedStream(ds, tokenizer, source.text_column, seq_len, identity=identity, skip_hashes=skip,
                         where=f"training data {source.name}")
 

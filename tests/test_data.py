@@ -395,6 +395,9 @@ def test_paper_dataset_offline_names_it_and_the_download(corpus, hub_cache):
     assert "hf download gsarti/clean_mc4_it --repo-type dataset --include" in msg
     with pytest.raises(D.DataError, match="cannot load dataset 'someone/some-corpus': not in the local cache"):
         D.stream_source(_args(corpus, train_file=None, dataset_name="someone/some-corpus"), corpus.cache)
+    url = "hf://datasets/someone/some-corpus/data/*.jsonl"
+    with pytest.raises(D.DataError, match=f"cannot load data files '{re.escape(url)}': not in the local cache"):
+        D.stream_source(_args(corpus, train_file=url, validation_file=None), corpus.cache)
 
 
 def test_paper_dataset_streams_from_the_hub_cache(corpus, hub_cache):
