@@ -135,7 +135,7 @@ class Runner:
     def _record(self, label: str, load: launch.HostLoad, wire: dict) -> None:
         self.launches[label] = {"wall_s": load.wall_s, "host": load.as_dict(), "wire": wire}
         bg = load.background_cpu_share
-        print(f"[bench] {label}: done in {load.wall_s:.0f} s"
+        print(f"[bench] {label}: ended after {load.wall_s:.0f} s"
               + (f"; other processes used {100 * bg:.0f}% of the CPUs" if bg is not None else ""), flush=True)
 
     @staticmethod

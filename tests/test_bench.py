@@ -1,6 +1,5 @@
 """bench/: plan, layout figures, analysis and report on the committed results (no emulator, no training)."""
 
-import dataclasses
 import inspect
 import json
 import os
@@ -275,3 +274,62 @@ def test_report_only_without_results_is_one_error(tmp_path, capsys):
     assert rb.main(["--report-only", "--name", "nothing-here", "--results-root", str(tmp_path),
                     "--work-root", str(tmp_path)]) == 2
     assert "run the benchmark first" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- launching (root: network namespaces)
+_FAKE_RECIPE = r'''
+import json, os, sys, torch, torch.distributed as dist
+args = sys.argv[1:]
+out = args[args.index("--output_dir") + 1]
+if os.environ.get("FAKE_FAIL"):
+    print("fake recipe failing on purpose", flush=True)
+    sys.exit(3)
+dist.init_process_group("gloo")
+t = torch.ones(1 << 18)  # 1 MiB: crosses the emulated link
+dist.all_reduce(t)
+if dist.get_rank() == 0:
+    os.makedirs(out, exist_ok=True)
+    json.dump({"world_size": dist.get_world_size(), "ok": bool((t == dist.get_world_size()).all())},
+              open(os.path.join(out, "all_results.json"), "w"))
+dist.destroy_process_group()
+'''
+
+
+def _root_ok():
+    from scripts import netemu
+
+    return netemu.check_privileges()[0]
+
+
+@pytest.mark.skipif(not _root_ok(), reason="needs root/CAP_NET_ADMIN to create network namespaces")
+def test_runner_meters_a_launch_over_the_emulator(tmp_path, monkeypatch):
+    """bench.launch.Runner with a stand-in recipe (one gloo all-reduce over 2 nodes x 2):
+    the launch record has its wall time, HostLoad figures and the veth byte counters."""
+    from bench import launch as bl
+    from scripts import netemu
+
+    script = tmp_path / "fake_recipe.py"
+    script.write_text(_FAKE_RECIPE)
+    monkeypatch.setattr(bp, "RECIPE", str(script))
+    plan = _plan("--smoke", "--suite", "baselines", "--work-root", str(tmp_path / "work"), "--run-timeout", "120")
+    spec = _rows(plan, "100mbit")["fl_fsdp"]
+    runner = bl.Runner(plan)
+    with netemu.Emulator(2, "100mbit") as emu:
+        runner.torchrun(emu, spec)
+        monkeypatch.setenv("FAKE_FAIL", "1")
+        with pytest.raises(bp.BenchError, match="exit code 1") as err:
+            runner.torchrun(emu, dataclasses_replace(spec, id="failing"))
+    log = str(err.value).split("full log: ")[1].split("\n")[0]
+    assert log.endswith("launch.log") and "fake recipe failing on purpose" in open(log).read()
+    res = json.loads((tmp_path / "work" / "smoke" / spec.path / "all_results.json").read_text())
+    assert res == {"world_size": 4, "ok": True}
+    rec = runner.launches[spec.path]
+    assert rec["wall_s"] > 0 and rec["host"]["own_cpu_s"] > 1.0  # 4 Python processes importing torch
+    assert 0.0 <= rec["host"]["background_cpu_share"] <= 1.0
+    assert set(rec["wire"]) == {"0", "1"} and all(v["tx_bytes"] > (1 << 20) // 2 for v in rec["wire"].values())
+
+
+def dataclasses_replace(spec, **kw):
+    import dataclasses
+
+    return dataclasses.replace(spec, **kw)
