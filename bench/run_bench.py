@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     for key in [k for k in os.environ if k.startswith("FL_ACCEL_")]:
         print(f"[bench] ignoring {key} from the environment: every setting is on the command line", file=sys.stderr)
+        del os.environ[key]  # the emulator starts jobs with os.environ underneath their own environment
     runs = runs_of(plan)
     count = {ph: sum(r.phase == ph for r in runs) for ph in ("calibration", "overhead", "main")}
     print(f"[bench] {plan['name']}{' (SMOKE)' if plan['smoke'] else ''}: suites {', '.join(plan['suites'])}; "
