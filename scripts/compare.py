@@ -1,108 +1,264 @@
-"""Side-by-side comparison of recipe runs: a markdown table and plots.
+"""Side-by-side comparison of recipe runs: a table, notes, a verdict and plots.
 
     python scripts/compare.py outputs/<experiment> [--baseline fsdp]
+    python -m scripts.compare outputs/<experiment>          # from the repository root
 
-Reads every ``<run>/all_results.json`` and ``<run>/metrics.jsonl`` under the folder,
-prints the table (tokens/s, speedup against the baseline, eval perplexity at equal
-tokens, bytes per mesh axis per rank) and writes ``comparison.md`` and
-``comparison.png`` (eval perplexity vs tokens, perplexity vs training time, tokens/s
-bars) into the folder. Used by the quickstart and by bench/run_bench.py.
+Reads every ``<run>/all_results.json`` (and ``<run>/metrics.jsonl``) directly under the
+folder, prints a table (world size, F/R/S, H, tokens per step, tokens/s, speedup against
+the baseline, eval perplexity, bytes per rank per step on each mesh axis, background CPU
+load), notes on anything that makes the runs not comparable, and a short verdict
+computed from these figures; writes ``comparison.md`` and ``comparison.png`` (eval
+perplexity vs tokens and vs training time, tokens/s bars) into the folder.
+
+Fields read from ``all_results.json`` (written by ``recipes/pretrain.py``): ``algorithm``,
+``world_size``, ``num_groups``, ``group_size``, ``replicas``, ``shards``, ``sync_every``,
+``steps``, ``train_tokens``, ``tokens_per_s``, ``eval_perplexity``, ``comm`` (``{axis:
+{"bytes": ...}}``, bytes one rank sent over the run), and, when present,
+
+    results["host"] = {"background_cpu_share": float, "cpus": int}
+
+the share of all CPUs that other processes kept busy during the run, as measured by
+``fl_accel.launch.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
+other work, and the throughput comparison is unreliable.
+
+Exit status: 0, or 2 with one ``error:`` line when the folder is missing or holds no runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from typing import Any
+
+from tabulate import tabulate
+
+LABEL = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
+BASELINE_OF = {"fl_fsdp": "fsdp", "fl_hsdp": "hsdp"}
+AXES = ("fl", "dp_replicate", "dp_shard")
+BACKGROUND_LIMIT = 0.05
+"""Runs whose ``host.background_cpu_share`` exceeds this are flagged."""
+MIB = 2**20
 
 
+class CompareError(Exception):
+    """A user mistake (missing folder, no runs, unreadable file); main prints it as one line."""
+
+
+# ---------------------------------------------------------------------- reading
 def load_runs(root: str) -> list[dict]:
-    """One dict per run folder holding all_results.json: results + its metrics records."""
+    """One dict per sub-folder of ``root`` holding ``all_results.json``: its results, plus
+    ``name`` (the folder name) and ``records`` (``metrics.jsonl``, [] if absent), by name.
+
+    Raises:
+        CompareError: ``root`` is missing or not a folder, holds no run, or a file is not
+            valid JSON (the message names the file).
+    """
+    if not os.path.exists(root):
+        raise CompareError(f"{root}: no such folder (give the experiment folder, e.g. outputs/<experiment>)")
+    if not os.path.isdir(root):
+        raise CompareError(f"{root}: not a folder (give the experiment folder, e.g. outputs/<experiment>)")
     runs = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, "all_results.json")
         if not os.path.isfile(path):
             continue
-        with open(path, encoding="utf-8") as fh:
-            run = json.load(fh)
+        run = _read_json(path)
+        if not isinstance(run, dict):
+            raise CompareError(f"{path}: expected a JSON object")
         records = []
         mpath = os.path.join(root, name, "metrics.jsonl")
         if os.path.isfile(mpath):
             with open(mpath, encoding="utf-8") as fh:
-                records = [json.loads(line) for line in fh if line.strip()]
+                for i, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            records.append(json.loads(line))
+                        except ValueError as exc:
+                            raise CompareError(f"{mpath}:{i}: not JSON ({exc})") from None
         run["name"], run["records"] = name, records
         runs.append(run)
     if not runs:
-        raise SystemExit(f"no runs with all_results.json under {root}")
+        raise CompareError(f"{root}: no runs (no <run>/all_results.json below it; a run writes it when it finishes)")
     return runs
 
 
-def table(runs: list[dict], baseline: str | None) -> str:
-    base = next((r for r in runs if r["algorithm"] == baseline), None) if baseline else None
-    if base is None:
-        base = next((r for r in runs if r["algorithm"] in ("fsdp", "hsdp")), runs[0])
-    mb = 2**20
-    rows = ["| run | algorithm | F | G | S | H | steps | tokens | tokens/s | speedup | eval ppl | "
-            "fl MiB/rank | dp_replicate MiB/rank | dp_shard MiB/rank |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except ValueError as exc:
+        raise CompareError(f"{path}: not valid JSON ({exc})") from None
+
+
+# ---------------------------------------------------------------------- figures per run
+def tokens_per_step(run: dict) -> float | None:
+    """train_tokens / steps (all processes), or None when unknown."""
+    steps, tokens = run.get("steps"), run.get("train_tokens")
+    return tokens / steps if steps and tokens is not None else None
+
+
+def background_share(run: dict) -> float | None:
+    """``host.background_cpu_share`` of the run, or None when not recorded."""
+    host = run.get("host")
+    share = host.get("background_cpu_share") if isinstance(host, dict) else None
+    return float(share) if isinstance(share, (int, float)) else None
+
+
+def label(run: dict, runs: list[dict]) -> str:
+    """``FL+FSDP``, or ``FL+FSDP (name)`` when several runs share the algorithm."""
+    alg = run.get("algorithm", "?")
+    text = LABEL.get(alg, alg)
+    return f"{text} ({run['name']})" if sum(r.get("algorithm") == alg for r in runs) > 1 else text
+
+
+def choose_baseline(runs: list[dict], baseline: str | None) -> dict:
+    """The run speedups are relative to: ``baseline`` as a run name or an algorithm, else the
+    first FSDP/HSDP run, else the first run.
+
+    Raises:
+        CompareError: ``baseline`` names no run and no algorithm of a run.
+    """
+    if baseline:
+        for r in runs:
+            if baseline in (r["name"], r.get("algorithm")):
+                return r
+        raise CompareError(f"--baseline {baseline!r} matches no run name or algorithm "
+                           f"(runs: {', '.join(r['name'] for r in runs)})")
+    return next((r for r in runs if r.get("algorithm") in ("fsdp", "hsdp")), runs[0])
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def table(runs: list[dict], base: dict) -> str:
+    """The comparison table as GitHub markdown (tabulate)."""
+    headers = ["run", "algorithm", "world", "F", "R", "S", "H", "steps", "tokens/step", "tokens/s", "speedup",
+               "eval ppl"] + [f"{a} MiB/rank/step" for a in AXES] + ["background CPU"]
+    rows = []
+    base_tps = base.get("tokens_per_s")
     for r in runs:
-        tps = r.get("tokens_per_s") or 0.0
-        speed = tps / base["tokens_per_s"] if base.get("tokens_per_s") else float("nan")
-        c = r.get("comm", {})
-        rows.append(
-            f"| {r['name']} | {r['algorithm']} | {r['num_groups']} | {r['group_size']} | {r['shards']} | "
-            f"{r.get('sync_every') or '-'} | {r['steps']} | {r['train_tokens']} | {tps:.0f} | {speed:.2f}x | "
-            f"{r['eval_perplexity']:.2f} | {c.get('fl', {}).get('bytes', 0) / mb:.1f} | "
-            f"{c.get('dp_replicate', {}).get('bytes', 0) / mb:.1f} | {c.get('dp_shard', {}).get('bytes', 0) / mb:.1f} |"
-        )
-    return "\n".join(rows) + f"\n\nspeedup = tokens/s relative to `{base['name']}`.\n"
+        tps = r.get("tokens_per_s")
+        steps = r.get("steps") or 0
+        comm = r.get("comm") or {}
+        bg = background_share(r)
+        rows.append([
+            r["name"], r.get("algorithm", "?"), _num(r.get("world_size"), "d"), _num(r.get("num_groups"), "d"),
+            _num(r.get("replicas"), "d"), _num(r.get("shards"), "d"), _num(r.get("sync_every"), "d"),
+            _num(r.get("steps"), "d"), _num(tokens_per_step(r), ",.0f"), _num(tps, ",.0f"),
+            _num(tps / base_tps if tps and base_tps else None, ".2f") + ("x" if tps and base_tps else ""),
+            _num(r.get("eval_perplexity"), ",.2f"),
+            *[_num(comm.get(a, {}).get("bytes", 0) / MIB / steps if steps else None, ".2f") for a in AXES],
+            (_num(100 * bg, ".0f") + "%" + (" (!)" if bg > BACKGROUND_LIMIT else "")) if bg is not None else "-",
+        ])
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + \
+        f"\n\nspeedup = tokens/s relative to `{base['name']}`; MiB = 2^20 bytes one rank sent per optimizer step."
 
 
-def plot(runs: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from matplotlib.ticker import EngFormatter
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for a in axes:
-        a.xaxis.set_major_formatter(EngFormatter(sep=""))
+def notes(runs: list[dict]) -> list[str]:
+    """Warnings: runs that differ in world size or tokens per step, runs under background load."""
+    out = []
+    worlds = {r["name"]: r.get("world_size") for r in runs}
+    if len(set(worlds.values())) > 1:
+        out.append("note: the runs differ in world size (" + ", ".join(f"{n}: {w}" for n, w in worlds.items())
+                   + "): tokens/s and perplexity compare different amounts of hardware.")
+    tps = {r["name"]: tokens_per_step(r) for r in runs}
+    if len({round(t) for t in tps.values() if t is not None}) > 1:
+        out.append("note: the runs differ in tokens per step (" + ", ".join(
+            f"{n}: {_num(t, ',.0f')}" for n, t in tps.items()) + "): they trained with different global batches, "
+                   "so perplexity at equal tokens compares different optimisation settings.")
     for r in runs:
-        ev = [x for x in r["records"] if "eval/perplexity" in x]
-        if ev:
-            axes[0].plot([x["tokens"] for x in ev], [x["eval/perplexity"] for x in ev], marker="o", label=r["name"])
-            axes[1].plot([x.get("time_s", 0) for x in ev], [x["eval/perplexity"] for x in ev], marker="o",
-                         label=r["name"])
-    axes[0].set(xlabel="training tokens", ylabel="eval perplexity", yscale="log", title="perplexity vs tokens")
-    axes[1].set(xlabel="training time (s)", ylabel="eval perplexity", yscale="log",
-                title="time to perplexity")
-    names = [r["name"] for r in runs]
-    axes[2].barh(names, [r.get("tokens_per_s") or 0 for r in runs], color="tab:green")
-    axes[2].set(xlabel="tokens/s (all ranks)", title="throughput")
-    for a in axes[:2]:
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        bg = background_share(r)
+        if bg is not None and bg > BACKGROUND_LIMIT:
+            out.append(f"warning: other processes kept {100 * bg:.0f}% of the machine's CPUs busy during "
+                       f"{r['name']} (limit {100 * BACKGROUND_LIMIT:.0f}%): its tokens/s are not its own.")
+    return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def verdict(runs: list[dict], base: dict) -> list[str]:
+    """A few sentences computed from the figures: each federated run against its baseline
+    (throughput ratio, perplexity, bytes per step), then whether background load makes the
+    throughput comparison unreliable."""
+    out = []
+    others = [r for r in runs if r is not base]
+    for r in others:
+        ref = next((b for b in runs if b.get("algorithm") == BASELINE_OF.get(r.get("algorithm"))), base)
+        if ref is r:
+            continue
+        a, b = label(r, runs), label(ref, runs)
+        tps, ref_tps = r.get("tokens_per_s"), ref.get("tokens_per_s")
+        line = f"{a} ran at {_num(tps, ',.0f')} tokens/s vs {b} {_num(ref_tps, ',.0f')}"
+        if tps and ref_tps:
+            line += f" ({tps / ref_tps:.2f}x)"
+        line += "."
+        p, q = r.get("eval_perplexity"), ref.get("eval_perplexity")
+        if p is not None and q is not None:
+            if r.get("train_tokens") == ref.get("train_tokens"):
+                rel = (p / q - 1) * 100
+                line += (f" Eval perplexity after {r.get('train_tokens'):,} tokens: {p:,.2f} vs {q:,.2f} "
+                         f"({a} {abs(rel):.1f}% {'lower' if rel < 0 else 'higher'}).")
+            else:
+                line += (f" Eval perplexity {p:,.2f} vs {q:,.2f}, but after different token counts "
+                         f"({r.get('train_tokens')} vs {ref.get('train_tokens')}): not comparable.")
+        mine, theirs = _bytes_per_step(r), _bytes_per_step(ref)
+        if mine is not None and theirs is not None:
+            line += f" Per rank and step {a} sent {mine / MIB:.2f} MiB, {b} {theirs / MIB:.2f} MiB."
+        out.append(line)
+    if not out:
+        out.append(f"Only one algorithm here ({label(base, runs)}): nothing to compare against.")
+    flagged = [r for r in runs if (background_share(r) or 0.0) > BACKGROUND_LIMIT]
+    unknown = [r["name"] for r in runs if background_share(r) is None]
+    if flagged:
+        worst = max(flagged, key=background_share)
+        out.append(f"Background load (other processes used up to {100 * background_share(worst):.0f}% of the CPUs, "
+                   f"during {', '.join(r['name'] for r in flagged)}) makes the throughput comparison unreliable: "
+                   f"rerun on a quiet machine.")
+    elif unknown:
+        out.append(f"Background CPU load was not recorded for {', '.join(unknown)}, so the throughput figures "
+                   f"cannot be checked for interference from other processes.")
+    else:
+        out.append(f"Background CPU load stayed under {100 * BACKGROUND_LIMIT:.0f}% in every run.")
+    return out
+
+
+def _bytes_per_step(run: dict) -> float | None:
+    steps, comm = run.get("steps"), run.get("comm")
+    if not steps or not isinstance(comm, dict):
+        return None
+    return sum(comm.get(a, {}).get("bytes", 0) for a in AXES) / steps
+
+
+# ---------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/compare.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("root", help="folder holding one sub-folder per run (outputs/<experiment>)")
-    ap.add_argument("--baseline", default=None, help="algorithm used as the speedup reference")
+    ap.add_argument("--baseline", default=None, help="run name or algorithm used as the speedup reference")
+    ap.add_argument("--no-plot", action="store_true", help="skip comparison.png")
     args = ap.parse_args(argv)
-    runs = load_runs(args.root)
-    md = table(runs, args.baseline)
-    with open(os.path.join(args.root, "comparison.md"), "w", encoding="utf-8") as fh:
-        fh.write(md)
-    plot(runs, os.path.join(args.root, "comparison.png"), os.path.basename(os.path.normpath(args.root)))
-    print(md)
-    print(f"table: {os.path.join(args.root, 'comparison.md')}\nplots: {os.path.join(args.root, 'comparison.png')}")
+    try:
+        runs = load_runs(args.root)
+        base = choose_baseline(runs, args.baseline)
+    except CompareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    md = table(runs, base)
+    lines = notes(runs)
+    summary = verdict(runs, base)
+    text = md + "\n\n" + "".join(f"{n}\n" for n in lines) + ("\n" if lines else "") + \
+        "Verdict:\n" + "".join(f"- {v}\n" for v in summary)
+    md_path = os.path.join(args.root, "comparison.md")
+    with open(md_path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    print(text)
+    if not args.no_plot:
+        from fl_accel.plots import plot_comparison
+
+        png = plot_comparison(runs, os.path.join(args.root, "comparison.png"),
+                              os.path.basename(os.path.normpath(args.root)))
+        print(f"table: {md_path}\nplots: {png}")
     for r in runs:
         wandb_dir = os.path.join(args.root, r["name"], "wandb")
         if os.path.isdir(wandb_dir):

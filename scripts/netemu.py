@@ -24,11 +24,15 @@ CLI (root or CAP_NET_ADMIN + CAP_SYS_ADMIN required)::
 
     python scripts/netemu.py run --nodes 2 --nproc-per-node 2 --rate 100mbit -- train.py --lr 1e-3
     python scripts/netemu.py measure --rate 100mbit [--seconds 3]
-    python scripts/netemu.py down
+    python scripts/netemu.py down [--id ID]
 
 Everything after ``--`` goes to torchrun verbatim (torchrun options, then the script
 and its arguments). ``run`` returns the worst exit code of the per-node torchruns.
 Teardown runs on normal exit, on exceptions, and on SIGINT/SIGTERM.
+
+Also runs as ``python -m scripts.netemu ...`` from the repository root. Processes are
+started and ended with :mod:`fl_accel.launch` (own session; SIGTERM, then SIGKILL, to
+the whole process group).
 
 Importable (``from scripts.netemu import Emulator``)::
 
@@ -52,6 +56,9 @@ import sys
 import threading
 import time
 from typing import Any, Mapping, Sequence
+
+from fl_accel import launch
+from fl_accel.launch import terminate
 
 NS_PREFIX = "flnetemu-"
 IF_PREFIX = "fln"
@@ -183,13 +190,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def down_all() -> dict[str, list[str]]:
-    """Remove every emulator leftover (processes in them, namespaces, stray links); returns what was found.
+def down_all(emulator_id: str | None = None) -> dict[str, list[str]]:
+    """Remove emulator leftovers (processes in them, namespaces, stray links); returns what was found.
 
-    Also removes namespaces of an emulator that is still running in another process.
+    Args:
+        emulator_id: only the emulator with this id (``Emulator.id``, the 5 hex digits
+            in its names); None removes every emulator's, also one that is still
+            running in another process.
     """
     require_privileges()
     found = leftovers()
+    if emulator_id is not None:
+        found = {"namespaces": [n for n in found["namespaces"] if n.startswith(f"{NS_PREFIX}{emulator_id}-")],
+                 "links": [n for n in found["links"] if n.startswith(f"{IF_PREFIX}{emulator_id}")]}
     for ns in found["namespaces"]:
         _kill_namespace_processes(ns)
         _run(["ip", "netns", "del", ns], check=False)
@@ -426,19 +439,17 @@ class Emulator:
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env["GLOO_SOCKET_IFNAME"] = self.ifname(k)
         full_env.update(env or {})
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(k), *argv], env=full_env,
-                                start_new_session=True, **kwargs)
+        proc = launch.start(["ip", "netns", "exec", self.namespace(k), *argv], full_env, **kwargs)
         self._procs.append(proc)
         return proc
 
     def torchrun_argv(self, k: int, args: Sequence[str], *, nproc_per_node: int | None = None,
                       master_port: int = 29500) -> list[str]:
         """The ``torchrun`` command line of node ``k`` (static rendezvous on node 0's address)."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes),
-                "--node_rank", str(k), "--master_addr", self.address(0), "--master_port", str(master_port)]
-        if nproc_per_node is not None:
-            argv += ["--nproc_per_node", str(nproc_per_node)]
-        return argv + list(args)
+        if not args:
+            raise ValueError("torchrun arguments are empty: give at least the script to run")
+        return launch.torchrun_argv(nproc_per_node, args[0], *args[1:], port=master_port,
+                                    master_addr=self.address(0), nnodes=self.nodes, node_rank=k)
 
     def run_torchrun(self, args: Sequence[str], *, nproc_per_node: int | None = None, master_port: int = 29500,
                      env: Mapping[str, str] | None = None, timeout: float | None = None, grace: float = 30.0,
@@ -478,17 +489,42 @@ class Emulator:
                 time.sleep(0.1)
         finally:
             # Codes of nodes that ended by themselves; the ones killed below only waited on a failed peer.
-            own = [_exit_code(p.returncode) for p in procs if p.poll() is not None]
+            own = [launch.exit_code(p.returncode) for p in procs if p.poll() is not None]
             for p in procs:
                 terminate(p)
         if timed_out:
             return 124
         if any(own):
             return max(own)
-        codes = [_exit_code(p.returncode) for p in procs]
+        codes = [launch.exit_code(p.returncode) for p in procs]
         return max(codes) if any(codes) else 0
 
     # ------------------------------------------------------------ measurement
+    def link_bytes(self) -> dict[int, dict[str, int]]:
+        """Bytes each node's NIC (its node-side veth) has sent and received since ``up()``.
+
+        Returns:
+            ``{k: {"tx_bytes": int, "rx_bytes": int}}``: the kernel's interface counters
+            (``ip -s link``), i.e. everything on the wire: payload, TCP/IP headers,
+            rendezvous and store traffic. Take the difference of two calls to meter one run.
+
+        Raises:
+            RuntimeError: the emulator is not up.
+            NetEmuError: ``ip`` failed or printed something unexpected.
+        """
+        if not self.is_up:
+            raise RuntimeError("Emulator is not up: call up() or use it as a context manager")
+        out = {}
+        for k in range(self.nodes):
+            text = _run(["ip", "-n", self.namespace(k), "-s", "-j", "link", "show", "dev", self.ifname(k)]).stdout
+            try:
+                stats = json.loads(text)[0]["stats64"]
+                out[k] = {"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])}
+            except (ValueError, LookupError, TypeError) as exc:
+                raise NetEmuError(f"unexpected `ip -s -j link` output for {self.ifname(k)}: {exc}: {text[:200]}") \
+                    from None
+        return out
+
     def measure(self, src: int = 0, dst: int = 1, *, seconds: float = 2.5, max_bytes: int = 0,
                 port: int = 5201) -> dict[str, float]:
         """One TCP stream from node ``src`` to node ``dst`` for ``seconds`` (or ``max_bytes``).
@@ -556,28 +592,6 @@ class _signals_deferred:
         return False
 
 
-def terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM then SIGKILL the process group of a process started with start_new_session."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _exit_code(rc: int | None) -> int:
-    if rc is None:
-        return 1
-    return 128 - rc if rc < 0 else rc
-
-
 # ---------------------------------------------------------------------- CLI
 def _install_signal_handlers() -> None:
     def handler(signum, frame):  # turn SIGTERM into an exception so finally/with blocks tear down
@@ -614,7 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(meas)
     meas.add_argument("--seconds", type=float, default=3.0)
 
-    sub.add_parser("down", help="remove every emulator namespace/link left over")
+    down = sub.add_parser("down", help="remove every emulator namespace/link left over")
+    down.add_argument("--id", default=None, help="only the emulator with this id (5 hex digits in its names)")
     sub.add_parser("check", help="say whether this process has the needed privileges")
     return p
 
@@ -630,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     _install_signal_handlers()
     if args.command == "down":
-        found = down_all()
+        found = down_all(args.id)
         print(f"removed {len(found['namespaces'])} namespace(s) {found['namespaces']} and "
               f"{len(found['links'])} link(s) {found['links']}")
         return 0

@@ -430,24 +430,10 @@ def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
     script.write_text(_MEASURE_SCRIPT)
     out = tmp_path / "out.json"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    import signal
-    import socket
+    from fl_accel.launch import child_env, run_torchrun
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=repo,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:  # kill torchrun and its workers, not just the launcher
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    res = run_torchrun(4, script, out, timeout=120, env=child_env(pythonpath=[repo]), cwd=repo)
+    assert res.returncode == 0, res.tail(3000)
     data = json.loads(open(f"{out}.0").read())
     assert data["measured"] == data["model"] and set(data["model"]) == {"dp_shard", "dp_replicate"}
     # rank 0: group 0 (1 replica); rank 1: owner of group 1's chunk; rank 2: a receiving replica,

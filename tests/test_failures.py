@@ -10,37 +10,37 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 
-from _launch import REPO_ROOT, free_port, launch_env
+import pytest
+
+from _launch import REPO_ROOT, launch_env
+from fl_accel import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 FAST = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--log_every", "1",
         "--max_eval_blocks", "16", "--report_to", "none", "--algorithm", "fl_fsdp", "--num_groups", "2"]
 
 
-def torchrun(args, env, timeout, *torchrun_flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), *torchrun_flags, str(RECIPE), *args]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=launch_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"job hung: killed after {timeout}s\n{out[-3000:]}\n{err[-6000:]}")
-    return proc.returncode, out, err, time.monotonic() - t0
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """This module's own corpus/tokenizer cache: a concurrent test suite never shares it."""
+    return str(tmp_path_factory.mktemp("cache"))
 
 
-def test_killed_rank_ends_the_job_with_a_message(tmp_path):
+def torchrun(args, env, timeout, *torchrun_flags, cache_dir):
+    cmd = launch.torchrun_argv(4, RECIPE, *args, "--cache_dir", cache_dir, extra_flags=torchrun_flags)
+    res = launch.wait(launch.start(cmd, launch_env(env), REPO_ROOT, subprocess.PIPE, subprocess.PIPE), timeout)
+    if res.timed_out:
+        raise AssertionError(f"job hung: killed after {timeout}s\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
+    return res.returncode, res.stdout, res.stderr, res.seconds
+
+
+def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     """kill -9 of rank 1 mid-training: torchrun stops the other ranks, which say why, and the job fails."""
     rc, out, err, seconds = torchrun([*FAST, "--max_steps", "8", "--sync_every", "4", "--output_dir", str(tmp_path)],
-                                     {"FL_FAULT_INJECT": "kill:1:2", "FL_TIMEOUT_S": "60"}, timeout=240)
+                                     {"FL_FAULT_INJECT": "kill:1:2", "FL_TIMEOUT_S": "60"}, timeout=240,
+                                     cache_dir=cache)
     assert rc != 0, out[-2000:]
     assert "FL_FAULT_INJECT: kill rank 1 at step 2" in err
     assert "SIGKILL" in err or "Signal 9" in err, err[-4000:]
@@ -50,21 +50,23 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path):
     assert not os.path.exists(tmp_path / "all_results.json")
 
 
-def test_hung_rank_makes_peers_time_out(tmp_path):
+def test_hung_rank_makes_peers_time_out(tmp_path, cache):
     """A frozen rank (SIGSTOP): its peers' collectives time out after FL_TIMEOUT_S and the job ends."""
     rc, out, err, seconds = torchrun([*FAST, "--max_steps", "8", "--sync_every", "4", "--output_dir", str(tmp_path)],
-                                     {"FL_FAULT_INJECT": "stop:1:2", "FL_TIMEOUT_S": "15"}, timeout=300)
+                                     {"FL_FAULT_INJECT": "stop:1:2", "FL_TIMEOUT_S": "15"}, timeout=300,
+                                     cache_dir=cache)
     assert rc != 0
     assert "FL_FAULT_INJECT: stop rank 1 at step 2" in err
     assert "a collective failed; a peer rank died or hung (collective timeout FL_TIMEOUT_S=15 s)" in err, err[-5000:]
 
 
-def test_max_restarts_resumes_from_latest_checkpoint(tmp_path):
+def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
     """kill -9 at step 3 with --max-restarts 1: the restarted job resumes from step_2 and finishes."""
     out_dir = tmp_path / "run"
     args = [*FAST, "--max_steps", "4", "--sync_every", "6", "--checkpoint_every", "2", "--output_dir", str(out_dir),
             "--resume_from_checkpoint", "latest"]
-    rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1")
+    rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1",
+                                     cache_dir=cache)
     assert rc == 0, out[-3000:] + err[-6000:]
     assert "FL_FAULT_INJECT: kill rank 2 at step 3" in err
     assert f"resumed from {out_dir / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]

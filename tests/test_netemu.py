@@ -99,24 +99,19 @@ sys.exit(0 if ok else 3)
 """
 
 
-def _tx_bytes(emu: Emulator, k: int) -> int:
-    out = subprocess.run(["ip", "netns", "exec", emu.namespace(k), "cat",
-                          f"/sys/class/net/{emu.ifname(k)}/statistics/tx_bytes"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out)
-
-
 @needs_root
 def test_gloo_all_reduce_two_nodes_by_two_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     emu = Emulator(nodes=2, rate="200mbit")
     with emu:
-        before = [_tx_bytes(emu, k) for k in range(2)]
+        before = emu.link_bytes()
         with open(tmp_path / "log.txt", "w") as log:
             rc = emu.run_torchrun([str(script), str(tmp_path)], nproc_per_node=2, timeout=50,
                                   env={"PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
-        sent = [_tx_bytes(emu, k) - before[k] for k in range(2)]
+        after = emu.link_bytes()
+        sent = [after[k]["tx_bytes"] - before[k]["tx_bytes"] for k in range(2)]
+        received = [after[k]["rx_bytes"] - before[k]["rx_bytes"] for k in range(2)]
     _gone(emu)
     assert rc == 0, (tmp_path / "log.txt").read_text()[-3000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
@@ -125,13 +120,14 @@ def test_gloo_all_reduce_two_nodes_by_two_processes(tmp_path):
     assert {r["ifname"] for r in results[2:]} == {emu.ifname(1)}
     # The all-reduce of 1 MiB crossed each node's shaped NIC (ring over 4 ranks, 2 hops per node).
     assert all(s > (1 << 20) // 2 for s in sent), sent
+    assert all(r > (1 << 20) // 2 for r in received), received
 
 
 @needs_root
 def test_cli_run_reports_failure_of_one_node(tmp_path):
     script = tmp_path / "fail_on_node1.py"
     script.write_text("import os, sys\nsys.exit(7 if os.environ['GROUP_RANK'] == '1' else 0)\n")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netemu.py"), "run", "--nodes", "2",
+    proc = subprocess.run([sys.executable, "-m", "scripts.netemu", "run", "--nodes", "2",
                            "--rate", "100mbit", "--timeout", "50", "--grace", "3", "--", "--nproc_per_node", "1", str(script)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     # torchrun exits 1 when a worker fails (the worker's own code, 7, is in its report);
@@ -148,7 +144,7 @@ def test_cli_signal_tears_down(tmp_path, signum):
     script = tmp_path / "sleep.py"
     started = tmp_path / "started"
     script.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(300)\n")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "netemu.py"), "run", "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.netemu", "run", "--nodes", "2",
                              "--rate", "100mbit", "--", "--nproc_per_node", "1", str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -176,7 +172,7 @@ def test_cli_down_removes_leftovers_of_a_crashed_emulator():
     sleeper = emu.popen(0, ["sleep", "300"])
     emu._procs.clear()  # forget it, like a crashed parent would
     assert emu.exists()
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "netemu.py"), "down"],
+    proc = subprocess.run([sys.executable, "-m", "scripts.netemu", "down", "--id", emu.id],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert emu.hub in proc.stdout

@@ -1,0 +1,285 @@
+"""From run folders to figures: step times, bytes, perplexity, and the cost model's predictions.
+
+Input: the recipe's ``all_results.json`` and ``metrics.jsonl`` of every run, under
+``<root>/<run path>/`` (``bench/work/<name>`` or a results folder's ``raw/``), plus the
+launch records of :mod:`bench.launch` (wall time, background CPU, bytes on the wire).
+Missing runs and fields are skipped, so results written by older versions still read.
+
+Every call into :mod:`fl_accel.cost_model` is in :func:`predict`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+from fl_accel.mesh import AXES, FLLayout
+
+from bench.plan import LIMIT_SYNC_EVERY, RunSpec, runs_of, tokens_per_step
+
+MIB = 2**20
+
+
+# ---------------------------------------------------------------------- one run
+def read_run(path: str) -> dict | None:
+    """``all_results.json`` of the run folder plus ``records`` (metrics.jsonl) and ``path``; None if absent."""
+    res_path = os.path.join(path, "all_results.json")
+    if not os.path.isfile(res_path):
+        return None
+    with open(res_path, encoding="utf-8") as fh:
+        run = json.load(fh)
+    records = []
+    mpath = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(mpath):
+        with open(mpath, encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+    run["records"], run["path"] = records, path
+    return run
+
+
+def train_records(run: dict) -> list[dict]:
+    return sorted((r for r in run["records"] if "train/loss" in r), key=lambda r: r["step"])
+
+
+def eval_records(run: dict) -> list[dict]:
+    return sorted((r for r in run["records"] if "eval/perplexity" in r), key=lambda r: r["step"])
+
+
+def step_times(run: dict) -> dict[int, float]:
+    """Seconds of each optimizer step (rank 0's training time; the recipe excludes logging
+    and evaluation), from consecutive per-step records."""
+    out, prev_step, prev_t = {}, 0, 0.0
+    for r in train_records(run):
+        if r["step"] == prev_step + 1:
+            out[r["step"]] = r["time_s"] - prev_t
+        prev_step, prev_t = r["step"], r["time_s"]
+    return out
+
+
+def steady_step_times(run: dict, exclude: set[int] = frozenset(), skip: int = 2) -> list[float]:
+    """Step times from step ``skip + 1`` on, without the steps in ``exclude`` (sync steps).
+    Very short runs fall back to every step after the first."""
+    st = step_times(run)
+    vals = [t for s, t in st.items() if s > skip and s not in exclude]
+    return vals or [t for s, t in st.items() if s > 1] or list(st.values())
+
+
+def split_comm(run: dict) -> dict:
+    """Training-only and per-evaluation bytes/seconds by axis for one run (rank 0).
+
+    ``all_results.json``'s comm counts everything rank 0 sent, evaluations included. The
+    last metrics record (step T, logged before the final evaluation; with T a multiple
+    of H the last sync is in it) subtracted from the total is one evaluation; every
+    evaluation is the same, so training = total - n_evals x one evaluation.
+    """
+    tr, n_evals = train_records(run), len(eval_records(run))
+    last = tr[-1] if tr else {}
+    out = {"n_evals": n_evals, "train": {}, "eval": {}, "total": {}}
+    for a in AXES:
+        tot = run.get("comm", {}).get(a, {"bytes": 0, "seconds": 0.0})
+        e_b = tot["bytes"] - last.get(f"comm/{a}/bytes", 0)
+        e_s = tot["seconds"] - last.get(f"comm/{a}/seconds", 0.0)
+        out["total"][a] = {"bytes": tot["bytes"], "seconds": tot["seconds"]}
+        out["eval"][a] = {"bytes": e_b, "seconds": e_s}
+        out["train"][a] = {"bytes": tot["bytes"] - n_evals * e_b, "seconds": max(0.0, tot["seconds"] - n_evals * e_s)}
+    return out
+
+
+def ppl_at_time(run: dict, target: float) -> float | None:
+    """Training seconds at which eval perplexity first reaches ``target`` (log-linear
+    interpolation between evaluations); None if it never does."""
+    prev = None
+    for r in eval_records(run):
+        if r["eval/perplexity"] <= target:
+            if prev is None:
+                return r["time_s"]
+            (t0, p0), (t1, p1) = prev, (r["time_s"], r["eval/perplexity"])
+            if p0 == p1:
+                return t1
+            f = (math.log(p0) - math.log(target)) / (math.log(p0) - math.log(p1))
+            return t0 + f * (t1 - t0)
+        prev = (r["time_s"], r["eval/perplexity"])
+    return None
+
+
+# ---------------------------------------------------------------------- layout and cost model
+def layout_of(spec: RunSpec) -> FLLayout:
+    """The run's FLLayout: F groups (1 for the baselines) of R x S ranks."""
+    groups = spec.num_groups if spec.algorithm.startswith("fl_") else 1
+    shards = spec.shard_size if spec.algorithm in ("hsdp", "fl_hsdp") else spec.world // groups
+    return FLLayout.equal(groups, spec.world // groups // shards, shards, spec.algorithm)
+
+
+def link_figures(spec: RunSpec) -> dict:
+    """Which axes cross nodes and how many ring hops of each share a node's NIC (FLLayout)."""
+    layout, rpn = layout_of(spec), spec.nproc_per_node
+    inter = [a for a in AXES if layout.spans_nodes(a, rpn)]
+    return {"inter_axes": inter, "link_share": {a: layout.link_share(a, rpn) for a in inter}}
+
+
+_UNITS: dict[int, Any] = {}
+
+
+def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> dict:
+    """The cost model for this run: bytes per axis and, given the calibrated compute time,
+    its step time at the run's link. The only function that calls fl_accel.cost_model.
+
+    Uses ``estimate(layout, units, sync_every=, num_fragments=, sync_dtype=, param_bytes=4,
+    grad_bytes=4, ranks_per_node=, total_steps=)`` and ``predict_step_time(est,
+    compute_s=, intra_node_bw=inf, inter_node_bw=link bytes/s, ranks_per_nic=None,
+    sync_delay=)``: intra-node traffic is already inside ``compute_s`` (the calibration
+    ran with the same loopback), and NIC sharing comes from the layout.
+
+    Returns:
+        ``{"bytes_per_step": {axis: bytes}, "bytes_run": {axis: bytes}, "sync_bytes": {axis:
+        bytes per sync}, "spans_nodes": {axis: bool}}`` plus, with ``compute_s`` and a
+        link, ``step_s``, ``comm_s``, ``comm_s_by_axis``, ``exposed_sync_s`` (seconds) and
+        ``tokens_per_s``; or ``{"error": "..."}`` when the model is unavailable or
+        disagrees with the run's mesh.
+    """
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from fl_accel import cost_model as cm
+        from scripts.netemu import parse_rate
+
+        vocab = run.get("vocab_size", 8192)
+        if vocab not in _UNITS:
+            from recipes.pretrain import PRESETS
+
+            with torch.device("meta"):
+                model = LlamaForCausalLM(LlamaConfig(**dict(PRESETS["tiny"], vocab_size=vocab)))
+            _UNITS[vocab] = cm.units_from_module(model)
+        layout = layout_of(spec)
+        mesh = (run.get("num_groups"), run.get("replicas"), run.get("shards"))
+        if None not in mesh and tuple(mesh) != layout.shape:
+            return {"error": f"run mesh {mesh} differs from the planned layout {layout.shape}"}
+        est = cm.estimate(layout, _UNITS[vocab], sync_every=spec.sync_every, num_fragments=spec.num_fragments,
+                          sync_dtype=spec.sync_dtype, param_bytes=4, grad_bytes=4, micro_batches=1,
+                          ranks_per_node=spec.nproc_per_node, total_steps=spec.steps)
+        per_step = dict(est.by_axis(amortized=True))
+        out = {"bytes_per_step": per_step, "bytes_run": {a: per_step.get(a, 0) * spec.steps for a in AXES},
+               "sync_bytes": dict(est.sync_by_axis()), "spans_nodes": dict(est.spans_nodes)}
+        if compute_s is not None and spec.link:
+            st = cm.predict_step_time(est, compute_s=compute_s, intra_node_bw=1e18,
+                                      inter_node_bw=parse_rate(spec.link) / 8, ranks_per_nic=None,
+                                      sync_delay=spec.sync_delay)
+            out.update(compute_s=compute_s, step_s=st.step_s, comm_s=st.comm_s,
+                       comm_s_by_axis=dict(st.comm_s_by_axis), exposed_sync_s=st.exposed_sync_s,
+                       tokens_per_s=tokens_per_step(plan, spec) / st.step_s)
+        return out
+    except Exception as exc:  # the report says why the predictions are missing
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+# ---------------------------------------------------------------------- the whole plan
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main_row(plan: dict, spec: RunSpec, run: dict, compute_s: float | None, launch: dict) -> dict:
+    """Every figure of one main run (see bench/README.md for each)."""
+    comm = split_comm(run)
+    lf = link_figures(spec)
+    pred = predict(plan, spec, run, compute_s)
+    inter = [a for a in lf["inter_axes"] if comm["total"][a]["bytes"] > 0]
+    inter_b = sum(comm["train"][a]["bytes"] for a in inter)
+    inter_s = sum(comm["train"][a]["seconds"] for a in inter)
+    wire = launch.get("wire") or {}
+    tx = [v["tx_bytes"] for v in wire.values()]
+    nonsync = steady_step_times(run, spec.sync_steps())
+    st = step_times(run)
+    return {
+        "id": spec.id, "path": spec.path, "suite": spec.suite, "label": spec.label, "algorithm": spec.algorithm, "world": spec.world,
+        "mesh": list(layout_of(spec).shape), "steps": run.get("steps"), "tokens": run.get("train_tokens"),
+        "tokens_per_s": run.get("tokens_per_s"), "train_seconds": run.get("train_seconds"),
+        "step_s_median_nonsync": statistics.median(nonsync) if nonsync else None,
+        "sync_steps_s": [st[s] for s in sorted(spec.sync_steps()) if s in st],
+        "eval_loss": run.get("eval_loss"), "eval_perplexity": run.get("eval_perplexity"),
+        "evals": [{"step": r["step"], "tokens": r["tokens"], "time_s": r["time_s"],
+                   "perplexity": r["eval/perplexity"], "loss": r.get("eval/loss")} for r in eval_records(run)],
+        "comm": comm, "pred": pred, "inter_axes": inter, "link_share": lf["link_share"],
+        "inter_bytes": inter_b, "inter_seconds": inter_s, "inter_bw_measured": inter_b / inter_s if inter_s else None,
+        "wire_tx_bytes_per_node": statistics.fmean(tx) if tx else None,
+        "recipe_bytes_per_node": sum(comm["total"][a]["bytes"] * lf["link_share"][a] for a in inter),
+        "model_bytes_per_node": (sum(pred["bytes_run"][a] * lf["link_share"][a] for a in lf["inter_axes"])
+                                 if "bytes_run" in pred else None),
+        "background_cpu_share": (launch.get("host") or {}).get("background_cpu_share"),
+        "limit_row": spec.sync_every >= LIMIT_SYNC_EVERY, "baseline": spec.baseline, "limit": spec.limit,
+    }
+
+
+def analyze(plan: dict, root: str, launches: dict | None = None) -> dict:
+    """All figures of the plan's runs found under ``root``.
+
+    Returns:
+        ``{"calibration": {id: {...}}, "main": {link: {"rows": {id: row}, "ppl_target":
+        {world: ppl}}}, "overhead": {...} | None, "prediction_error": str | None}``.
+    """
+    launches = launches or {}
+    runs = runs_of(plan)
+    out: dict[str, Any] = {"calibration": {}, "main": {}, "overhead": None, "prediction_error": None}
+    compute: dict[tuple, float] = {}
+    for spec in (r for r in runs if r.phase == "calibration"):
+        run = read_run(os.path.join(root, spec.path))
+        if run is None:
+            continue
+        vals = steady_step_times(run, spec.sync_steps())
+        compute[spec.config_key()] = statistics.median(vals)
+        out["calibration"][spec.id] = {"label": spec.label, "compute_s": statistics.median(vals),
+                                       "mean_s": statistics.fmean(vals), "n_steps": len(vals), "steps": run["steps"],
+                                       "tokens_per_s": run.get("tokens_per_s")}
+    for spec in (r for r in runs if r.phase == "main"):
+        run = read_run(os.path.join(root, spec.path))
+        if run is None:
+            continue
+        row = main_row(plan, spec, run, compute.get(spec.config_key()), launches.get(spec.path, {}))
+        out["prediction_error"] = out["prediction_error"] or row["pred"].get("error")
+        out["main"].setdefault(spec.link, {"rows": {}, "ppl_target": {}})["rows"][spec.id] = row
+    for block in out["main"].values():
+        rows = block["rows"]
+        for row in rows.values():
+            base, lim = rows.get(row["baseline"] or ""), rows.get(row["limit"] or "")
+            row["speedup"] = _ratio(row["tokens_per_s"], base["tokens_per_s"]) if base else None
+            row["of_limit"] = _ratio(row["tokens_per_s"], lim["tokens_per_s"]) if lim else None
+            row["meas_over_pred"] = _ratio(row["tokens_per_s"], row["pred"].get("tokens_per_s"))
+            row["pred_speedup"] = _ratio(row["pred"].get("tokens_per_s"),
+                                         base["pred"].get("tokens_per_s")) if base else None
+        for world in {r["world"] for r in rows.values()}:
+            ppls = [r["eval_perplexity"] for r in rows.values() if r["world"] == world and not r["limit_row"]
+                    and r["eval_perplexity"] is not None]
+            if ppls:
+                block["ppl_target"][world] = max(ppls)
+        for row in rows.values():
+            target = block["ppl_target"].get(row["world"])
+            ok = target is not None and not row["limit_row"]
+            row["time_to_target"] = ppl_at_time(read_run(os.path.join(root, row["path"])), target) if ok else None
+    out["overhead"] = overhead(runs, root)
+    return out
+
+
+def overhead(runs: list[RunSpec], root: str) -> dict | None:
+    """FL+FSDP with sync off against two concurrent FSDP jobs: median step times per
+    repetition, pooled, and the spread of the baseline between repetitions."""
+    reps = []
+    for rep in sorted({r.id.split("-")[0] for r in runs if r.phase == "overhead"}):
+        fl = read_run(os.path.join(root, "overhead", f"{rep}-fl_fsdp"))
+        jobs = [read_run(os.path.join(root, r.path)) for r in runs
+                if r.phase == "overhead" and r.id.startswith(f"{rep}-fsdp-job")]
+        if fl is None or not jobs or any(j is None for j in jobs):
+            continue
+        fl_t, job_t = steady_step_times(fl), [steady_step_times(j) for j in jobs]
+        reps.append({"rep": rep, "fl_fsdp": fl_t, "fsdp_jobs": job_t, "fl_median": statistics.median(fl_t),
+                     "fsdp_median": statistics.fmean(statistics.median(t) for t in job_t)})
+    if not reps:
+        return None
+    fl_med = statistics.median([t for r in reps for t in r["fl_fsdp"]])
+    fsdp_med = statistics.median([t for r in reps for ts in r["fsdp_jobs"] for t in ts])
+    meds = [r["fsdp_median"] for r in reps]
+    return {"reps": reps, "fl_median_s": fl_med, "fsdp_median_s": fsdp_med, "overhead": fl_med / fsdp_med - 1,
+            "per_rep": [r["fl_median"] / r["fsdp_median"] - 1 for r in reps],
+            "baseline_spread": (max(meds) - min(meds)) / statistics.fmean(meds) if len(meds) > 1 else None}

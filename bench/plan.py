@@ -1,0 +1,315 @@
+"""What the benchmark runs: settings, suites, and one :class:`RunSpec` per recipe launch.
+
+Suites (``--suite``, comma-separated, default ``all``):
+
+* ``baselines``: FSDP, FL+FSDP, HSDP, FL+HSDP on 4 processes = 2 nodes x 2, F=2 (a
+  group = a node), S=2 (an HSDP replica = a node), at every rate (1gbit, 100mbit,
+  10mbit);
+* ``streaming``: FL+FSDP blocking fp32 (P=1; the same run as the baselines' FL+FSDP),
+  streaming (P=2 fragments, delay tau=1, fp32) and streaming int8 with error feedback, at
+  100mbit and 10mbit;
+* ``hsdp_r2``: 8 processes = 2 nodes x 4: HSDP (R=4, S=2) and FL+HSDP with F=2 groups x
+  R=2 replicas x S=2 shards, so each replica sends 1/R of the sync across the link;
+* ``overhead``: FL+FSDP with sync off against two concurrent 2-process FSDP jobs, one
+  per node (the cost of the federation machinery itself), unshaped links.
+
+Every main row at a link is compared with the *limit* of its world size at that link:
+the federated layout with groups = nodes and H = 10^6 (no inter-node traffic during
+training), launched in the same emulator. Calibration runs (unshaped links) give the
+compute time per step of every distinct configuration for the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO, "recipes", "pretrain.py")
+NODES = 2
+LIMIT_SYNC_EVERY = 10**6
+"""H of the no-inter-group-communication limit and of the overhead runs."""
+SUITES = ("baselines", "streaming", "hsdp_r2", "overhead")
+SUITE_RATES = {"baselines": ("1gbit", "100mbit", "10mbit"), "streaming": ("100mbit", "10mbit"),
+               "hsdp_r2": ("100mbit", "10mbit"), "overhead": ()}
+LABEL = {"fsdp": "FSDP", "fl_fsdp": "FL+FSDP", "hsdp": "HSDP", "fl_hsdp": "FL+HSDP"}
+
+FULL = dict(steps=40, sync_every=8, eval_blocks=64, calib_steps=12, overhead_steps=24, overhead_reps=2)
+SMOKE = dict(steps=4, sync_every=4, eval_blocks=32, calib_steps=4, overhead_steps=4, overhead_reps=1)
+SMOKE_RATES = ("100mbit",)
+
+
+class BenchError(RuntimeError):
+    """A run failed or the inputs are inconsistent; the message says which and where to look."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One recipe launch over the emulated nodes (sizes in processes, steps in optimizer steps)."""
+
+    id: str
+    """Folder name inside the phase folder, e.g. ``fl_fsdp-p2-tau1-int8-ef``."""
+    phase: str
+    """"calibration", "main" or "overhead"."""
+    suite: str
+    link: str | None
+    """tc rate of every node's link, e.g. "100mbit"; None: unshaped."""
+    algorithm: str
+    nproc_per_node: int
+    num_groups: int
+    shard_size: int
+    sync_every: int
+    steps: int
+    eval_every: int
+    report_to: str
+    num_fragments: int = 1
+    sync_delay: int = 0
+    sync_dtype: str = "fp32"
+    error_feedback: bool = False
+    baseline: str | None = None
+    """id of the row (same link) its speedup is computed against."""
+    limit: str | None = None
+    """id of the no-inter-group-communication limit row (same link, same world)."""
+    nodes: int = NODES
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def replicas(self) -> int:
+        """R: HSDP replicas per group (1 for FSDP layouts)."""
+        if self.algorithm in ("hsdp", "fl_hsdp"):
+            groups = self.num_groups if self.algorithm == "fl_hsdp" else 1
+            return self.world // groups // self.shard_size
+        return 1
+
+    @property
+    def path(self) -> str:
+        """Folder of the run relative to the work (or raw results) folder."""
+        where = {"calibration": "calibration", "overhead": "overhead"}.get(self.phase) or f"rate-{self.link}"
+        return f"{where}/{self.id}"
+
+    @property
+    def label(self) -> str:
+        """Human name, e.g. ``FL+HSDP F=2 R=2 S=2`` or ``FL+FSDP P=2 tau=1 int8+EF``."""
+        text = LABEL[self.algorithm]
+        if self.sync_every == LIMIT_SYNC_EVERY and self.algorithm.startswith("fl_"):
+            text += " no sync (limit)"
+        if self.num_fragments > 1:
+            text += f" P={self.num_fragments} tau={self.sync_delay}"
+        if self.sync_dtype != "fp32" or self.error_feedback:
+            text += f" {self.sync_dtype}" + ("+EF" if self.error_feedback else "")
+        if self.nproc_per_node != 2:
+            groups = self.num_groups if self.algorithm.startswith("fl_") else 1
+            text += f" {groups}x{self.replicas}x{self.shard_size if self.algorithm.endswith('hsdp') else self.world}" \
+                    f" ({self.world} proc)"
+        return text
+
+    def sync_steps(self) -> set[int]:
+        """Steps (1-based) on which a sync starts or completes; empty for the baselines."""
+        if not self.algorithm.startswith("fl_") or self.sync_every >= LIMIT_SYNC_EVERY:
+            return set()
+        period = self.sync_every // self.num_fragments
+        return {s for s in range(1, self.steps + 1) if s % period == 0 or (s + self.sync_delay) % period == 0}
+
+    def config_key(self) -> tuple:
+        """What calibration depends on: everything but the link, the steps and the tracker."""
+        return (self.algorithm, self.nproc_per_node, self.num_groups, self.shard_size, self.sync_every,
+                self.num_fragments, self.sync_delay, self.sync_dtype, self.error_feedback)
+
+
+def _main_rows(suite: str, link: str, s: dict) -> list[RunSpec]:
+    H, T = s["sync_every"], s["steps"]
+    common = dict(phase="main", suite=suite, link=link, steps=T, eval_every=H, report_to=s["report_to"])
+    if suite in ("baselines", "streaming"):
+        four = dict(common, nproc_per_node=2, num_groups=2, shard_size=2, limit="fl_fsdp-limit")
+        limit = RunSpec("fl_fsdp-limit", **dict(four, suite=suite, algorithm="fl_fsdp",
+                                                sync_every=LIMIT_SYNC_EVERY, limit=None))
+        blocking = RunSpec("fl_fsdp", algorithm="fl_fsdp", sync_every=H, baseline="fsdp", **four)
+        if suite == "baselines":
+            return [RunSpec("fsdp", algorithm="fsdp", sync_every=H, **four), blocking,
+                    RunSpec("hsdp", algorithm="hsdp", sync_every=H, **four),
+                    RunSpec("fl_hsdp", algorithm="fl_hsdp", sync_every=H, baseline="hsdp", **four), limit]
+        stream = dict(four, algorithm="fl_fsdp", sync_every=H, baseline="fl_fsdp", num_fragments=2, sync_delay=1)
+        return [blocking, RunSpec("fl_fsdp-p2-tau1", **stream),
+                RunSpec("fl_fsdp-p2-tau1-int8-ef", sync_dtype="int8", error_feedback=True, **stream), limit]
+    if suite == "hsdp_r2":
+        eight = dict(common, nproc_per_node=4, num_groups=2, shard_size=2, limit="fl_hsdp-r2-8p-limit")
+        return [RunSpec("hsdp-8p", algorithm="hsdp", sync_every=H, **eight),
+                RunSpec("fl_hsdp-r2-8p", algorithm="fl_hsdp", sync_every=H, baseline="hsdp-8p", **eight),
+                RunSpec("fl_hsdp-r2-8p-limit", **dict(eight, algorithm="fl_hsdp", sync_every=LIMIT_SYNC_EVERY,
+                                                      limit=None))]
+    return []
+
+
+def build_runs(s: dict) -> list[RunSpec]:
+    """Every launch of the plan, in order: calibration, overhead, then main rows per link.
+
+    Rows shared by two suites (the blocking FL+FSDP run, the limits) are launched once.
+    """
+    main: dict[tuple[str, str], RunSpec] = {}
+    for suite in s["suites"]:
+        for link in (s["rates"] or SUITE_RATES[suite]):
+            for row in _main_rows(suite, link, s):
+                main.setdefault((link, row.id), row)
+    calib: dict[tuple, RunSpec] = {}
+    for row in main.values():
+        if row.sync_every == LIMIT_SYNC_EVERY or row.config_key() in calib:
+            continue
+        calib[row.config_key()] = dataclasses.replace(row, phase="calibration", link=None, steps=s["calib_steps"],
+                                                      eval_every=0, baseline=None, limit=None)
+    over = []
+    if "overhead" in s["suites"]:
+        for rep in range(1, s["overhead_reps"] + 1):
+            over.append(RunSpec(f"rep{rep}-fl_fsdp", "overhead", "overhead", None, "fl_fsdp", 2, 2, 2,
+                                LIMIT_SYNC_EVERY, s["overhead_steps"], 0, "none"))
+            for k in range(NODES):  # one standalone 2-process FSDP job inside node k
+                over.append(RunSpec(f"rep{rep}-fsdp-job{k}", "overhead", "overhead", None, "fsdp", 2, 1, 2,
+                                    LIMIT_SYNC_EVERY, s["overhead_steps"], 0, "none", nodes=1, tags=(f"node{k}",)))
+    order = {link: i for i, link in enumerate(dict.fromkeys(k[0] for k in main))}
+    return list(calib.values()) + over + sorted(main.values(), key=lambda r: order[r.link])
+
+
+def build_parser(prog: str = "python -m bench.run_bench"):
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description="FSDP, FL+FSDP, HSDP, FL+HSDP, streaming and compressed "
+                                "sync side by side under emulated inter-node links.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Defaults (full / --smoke): " + ", ".join(
+                                    f"{k}={FULL[k]}/{SMOKE[k]}" for k in FULL)
+                                + f"; rates per suite {dict(SUITE_RATES)} / {list(SMOKE_RATES)}")
+    p.add_argument("--suite", default="all", help=f"comma list of {', '.join(SUITES)}, or all")
+    p.add_argument("--smoke", action="store_true", help="tiny settings, one rate: every code path")
+    p.add_argument("--rates", default=None, help="link rates for every suite, comma-separated, tc units")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per main run (multiple of --sync-every)")
+    p.add_argument("--sync-every", type=int, default=None, help="H of the FL runs; evaluation every H steps too")
+    p.add_argument("--eval-blocks", type=int, default=None, help="validation blocks per evaluation")
+    p.add_argument("--calib-steps", type=int, default=None, help="steps of each unshaped calibration run")
+    p.add_argument("--overhead-steps", type=int, default=None, help="steps of each overhead run")
+    p.add_argument("--overhead-reps", type=int, default=None, help="repetitions of the overhead pair")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="blocks per rank per step")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--report-to", default="wandb", choices=["wandb", "none"], help="trackers of the recipe runs")
+    p.add_argument("--name", default=None, help="results/work folder name (default: smoke, or the date)")
+    p.add_argument("--results-root", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--work-root", default=os.path.join(REPO, "bench", "work"))
+    p.add_argument("--cache-dir", default=None, help="corpus/tokenizer cache shared by all runs (bench/work/cache)")
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds before one launch is killed")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and every command, run nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing; rebuild the report from bench/work/<name>, else bench/results/<name>/raw")
+    return p
+
+
+def parse_suites(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return list(SUITES)
+    bad = [n for n in names if n not in SUITES]
+    if bad or not names:
+        raise BenchError(f"--suite: unknown suite(s) {bad or names}; choose from {', '.join(SUITES)} or all")
+    return [s for s in SUITES if s in names]
+
+
+def make_plan(args) -> dict:
+    """Settings and runs from the parsed arguments.
+
+    Raises:
+        BenchError: naming the bad option (steps not a multiple of H, a rate tc cannot
+            parse, too few evaluation blocks, an unknown suite or name).
+    """
+    from scripts.netemu import parse_rate
+
+    base = SMOKE if args.smoke else FULL
+    s = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
+    for key, value in s.items():
+        if value < 1:
+            raise BenchError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    if s["steps"] % s["sync_every"]:
+        raise BenchError(f"--steps {s['steps']} must be a multiple of --sync-every {s['sync_every']}: the last step "
+                         f"is then a sync step and evaluations fall on the same steps for every run")
+    rates = None
+    if args.rates is not None or args.smoke:
+        rates = [r.strip() for r in (args.rates or ",".join(SMOKE_RATES)).split(",") if r.strip()]
+        if not rates:
+            raise BenchError("--rates is empty")
+    for r in rates or [r for rs in SUITE_RATES.values() for r in rs]:
+        try:
+            parse_rate(r)
+        except ValueError as exc:
+            raise BenchError(f"--rates: {exc}") from None
+        if not re.fullmatch(r"[A-Za-z0-9.]+", r):
+            raise BenchError(f"--rates: {r!r} must be like 100mbit")
+    suites = parse_suites(args.suite)
+    if "streaming" in suites and s["sync_every"] % 2:
+        raise BenchError(f"--sync-every {s['sync_every']} must be even for the streaming suite (2 fragments)")
+    if "streaming" in suites and s["sync_every"] // 2 < 2:
+        raise BenchError(f"--sync-every {s['sync_every']} must be >= 4 for the streaming suite (delay 1 < H/2)")
+    world = 8 if "hsdp_r2" in suites else 4
+    if s["eval_blocks"] < world * args.micro_batch_size:
+        raise BenchError(f"--eval-blocks must be >= {world * args.micro_batch_size} (one micro-batch per rank)")
+    name = args.name or ("smoke" if args.smoke else datetime.datetime.now().strftime("%Y%m%d-%H%M"))
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise BenchError(f"--name {name!r}: use letters, digits, '.', '_', '-'")
+    s.update(suites=suites, rates=rates, smoke=bool(args.smoke), name=name, report_to=args.report_to,
+             micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, seed=args.seed,
+             work=os.path.join(os.path.abspath(args.work_root), name),
+             results=os.path.join(os.path.abspath(args.results_root), name),
+             cache_dir=os.path.abspath(args.cache_dir or os.path.join(args.work_root, "cache")),
+             nodes=NODES, command=" ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"] + sys.argv[1:]))
+    s["run_timeout"] = args.run_timeout or (600.0 + 60.0 * max(s["steps"], s["calib_steps"], s["overhead_steps"]))
+    s["runs"] = [dataclasses.asdict(r) for r in build_runs(s)]
+    return s
+
+
+def runs_of(plan: dict) -> list[RunSpec]:
+    """The RunSpecs of a plan; a plan saved before suites existed gets the runs it had
+    (the four baselines per rate, calibration, overhead)."""
+    if "runs" in plan:
+        return [RunSpec(**{**r, "tags": tuple(r.get("tags", ()))}) for r in plan["runs"]]
+    legacy = dict(plan, suites=["baselines", "overhead"], report_to=plan.get("report_to", "wandb"))
+    legacy.setdefault("rates", list(SUITE_RATES["baselines"]))
+    runs = build_runs(legacy)
+    # Old calibration folders are named after the algorithm, as the new ones are for the four baselines.
+    return runs
+
+
+def tokens_per_step(plan: dict, spec: RunSpec) -> int:
+    return spec.world * plan["micro_batch_size"] * plan["seq_len"]
+
+
+def recipe_args(plan: dict, spec: RunSpec, out_dir: str) -> list[str]:
+    """The recipe's command line for ``spec``. Runs of one suite and link differ only in the
+    federation flags (``--algorithm``, ``--sync_every`` and the streaming/compression flags)."""
+    args = [RECIPE, "--model", "tiny", "--seq_len", str(plan["seq_len"]),
+            "--micro_batch_size", str(plan["micro_batch_size"]), "--max_steps", str(spec.steps),
+            "--mixed_precision", "no", "--seed", str(plan["seed"]),
+            "--algorithm", spec.algorithm, "--num_groups", str(spec.num_groups),
+            "--hsdp_shard_size", str(spec.shard_size), "--sync_every", str(spec.sync_every)]
+    if spec.num_fragments > 1:
+        args += ["--num_fragments", str(spec.num_fragments), "--sync_delay", str(spec.sync_delay)]
+    if spec.sync_dtype != "fp32":
+        args += ["--sync_dtype", spec.sync_dtype]
+    if spec.error_feedback:
+        args += ["--error_feedback"]
+    run_name = f"{spec.phase}-{spec.id}" + (f"-{spec.link}" if spec.link else "")
+    return args + ["--eval_every", str(spec.eval_every), "--log_every", "1", "--max_eval_blocks",
+                   str(plan["eval_blocks"]), "--cache_dir", plan["cache_dir"], "--output_dir", out_dir,
+                   "--experiment", f"bench-{plan['name']}", "--run_name", run_name, "--report_to", spec.report_to]
+
+
+def run_env(plan: dict) -> dict[str, str]:
+    """Environment of every launched process: fl_accel.launch.child_env plus the shared caches."""
+    from fl_accel.launch import child_env
+
+    return child_env({"HF_DATASETS_CACHE": os.path.join(plan["cache_dir"], "hf_datasets"), "WANDB_MODE": "offline",
+                      "WANDB_SILENT": "true", "FL_TIMEOUT_S": "600"}, pythonpath=[REPO])

@@ -1,0 +1,94 @@
+"""scripts/compare.py on run folders written here (the recipe's all_results.json / metrics.jsonl format)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts import compare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(root, name, algorithm, tps, ppl, *, world=4, F=1, R=1, S=4, steps=40, tokens_per_step=4096, host=None,
+         comm_bytes=None):
+    d = root / name
+    d.mkdir(parents=True)
+    res = {"algorithm": algorithm, "world_size": world, "num_groups": F, "group_size": world // F, "replicas": R,
+           "shards": S, "sync_every": 8 if algorithm.startswith("fl_") else None, "eval_perplexity": ppl,
+           "train_tokens": steps * tokens_per_step, "steps": steps, "tokens_per_s": tps,
+           "comm": {a: {"bytes": b} for a, b in (comm_bytes or {"dp_shard": 40 * 2**20}).items()}}
+    if host is not None:
+        res["host"] = {"background_cpu_share": host, "cpus": 2}
+    (d / "all_results.json").write_text(json.dumps(res))
+    recs = [{"step": s, "tokens": s * tokens_per_step, "time_s": s * 1.0, "eval/perplexity": ppl * 40 / s}
+            for s in (8, 16, 40)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_quickstart_pair_table_and_verdict(tmp_path, capsys):
+    _run(tmp_path, "fl_fsdp-F2", "fl_fsdp", 2790.0, 3400.0, F=2, S=2, host=0.01,
+         comm_bytes={"fl": 40 * 2**20, "dp_shard": 400 * 2**20})
+    _run(tmp_path, "fsdp", "fsdp", 996.4, 3307.0, host=0.02, comm_bytes={"dp_shard": 800 * 2**20})
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "| world " in header and "| R " in header and "| tokens/step " in header
+    assert "FL+FSDP ran at 2,790 tokens/s vs FSDP 996 (2.80x)" in out
+    assert "3,400.00 vs 3,307.00 (FL+FSDP 2.8% higher)" in out
+    assert "Per rank and step FL+FSDP sent 11.00 MiB, FSDP 20.00 MiB" in out
+    assert "under 5% in every run" in out and "note:" not in out and "warning:" not in out
+    assert (tmp_path / "comparison.md").read_text().startswith("| run ")
+
+
+def test_background_load_and_mismatched_runs_are_flagged(tmp_path, capsys):
+    _run(tmp_path, "a", "fl_fsdp", 2800.0, 3400.0, F=2, S=2, host=0.35)
+    _run(tmp_path, "b", "fsdp", 1000.0, 3300.0, world=8, S=8, tokens_per_step=8192, host=0.0)
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the runs differ in world size (a: 4, b: 8)" in out
+    assert "note: the runs differ in tokens per step (a: 4,096, b: 8,192)" in out
+    assert "warning: other processes kept 35% of the machine's CPUs busy during a" in out
+    assert "35% (!)" in out
+    assert "makes the throughput comparison unreliable" in out
+    assert "after different token counts" in out
+
+
+def test_old_results_without_host_field(tmp_path, capsys):
+    _run(tmp_path, "fl_hsdp", "fl_hsdp", 2500.0, 3400.0, F=2, S=2)
+    _run(tmp_path, "hsdp", "hsdp", 1600.0, 3307.0, R=2, S=2)
+    assert compare.main([str(tmp_path), "--no-plot", "--baseline", "hsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "FL+HSDP ran at 2,500 tokens/s vs HSDP 1,600 (1.56x)" in out
+    assert "not recorded for fl_hsdp, hsdp" in out
+
+
+def test_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _run(tmp_path, "fl_fsdp", "fl_fsdp", 2800.0, 3400.0, F=2, S=2)
+    _run(tmp_path, "fsdp", "fsdp", 1000.0, 3300.0)
+    assert compare.main([str(tmp_path)]) == 0
+    assert (tmp_path / "comparison.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_missing_or_empty_folder_is_one_error_line(tmp_path, how):
+    (tmp_path / "empty").mkdir()
+    cmd = [sys.executable, "scripts/compare.py"] if how == "script" else [sys.executable, "-m", "scripts.compare"]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for target, what in ((tmp_path / "missing", "no such folder"), (tmp_path / "empty", "no runs")):
+        proc = subprocess.run(cmd + [str(target)], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and what in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_bad_json_and_bad_baseline(tmp_path, capsys):
+    _run(tmp_path, "fsdp", "fsdp", 1000.0, 3300.0)
+    assert compare.main([str(tmp_path), "--no-plot", "--baseline", "nope"]) == 2
+    assert "matches no run" in capsys.readouterr().err
+    (tmp_path / "fsdp" / "all_results.json").write_text("{not json")
+    assert compare.main([str(tmp_path), "--no-plot"]) == 2
+    assert "all_results.json: not valid JSON" in capsys.readouterr().err
