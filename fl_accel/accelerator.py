@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import socket
 import warnings
 from datetime import timedelta
 
@@ -456,6 +454,23 @@ class FLAccelerator(Accelerator):
             return True
         return False
 
+    def register_pre_sync_hook(self, hook):
+        """Call ``hook(synchronizer, full)`` right before every sync event (``full`` is
+        True for a sync of every fragment), e.g. to evaluate each group's own model
+        before the groups are averaged. Needs ``prepare(model, optimizer)`` first.
+        Returns a handle whose ``remove()`` unregisters it."""
+        if self.synchronizer is None:
+            raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
+        hooks = self.synchronizer.pre_sync_hooks
+        hooks.append(hook)
+
+        class _Handle:
+            def remove(self):
+                if hook in hooks:
+                    hooks.remove(hook)
+
+        return _Handle()
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_io(self):
         from .checkpoint import CheckpointIO
@@ -473,7 +488,8 @@ class FLAccelerator(Accelerator):
         return CheckpointIO(
             models=list(self._models), optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
             synchronizer=self.synchronizer, layout=self.layout, config=self.fl_config,
-            group_index=self.group_index, is_main_process=self.is_main_process, barrier=self.wait_for_everyone,
+            group_index=self.group_index, rank=self.process_index, is_main_process=self.is_main_process,
+            barrier=self.wait_for_everyone,
             save_extras=lambda path: accelerate_call("save_state", path),
             load_extras=lambda path: accelerate_call("load_state", path))
 
@@ -482,13 +498,15 @@ class FLAccelerator(Accelerator):
 
         Safe mid-round (see :mod:`fl_accel.checkpoint`); atomic (``.partial`` + rename).
         Collective: call on every rank. ``output_dir`` is required; ``extra_meta`` (a
-        JSON-able dict) is stored in the checkpoint's metadata.
+        JSON-able dict) is stored in the checkpoint's metadata, ``rank_state`` (JSON-able)
+        per rank; ``load_state`` returns them as its metadata and ``meta["rank_state"]``.
         """
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
         from .checkpoint import save_federated_state
 
-        return save_federated_state(self._checkpoint_io(), output_dir, extra_meta=kwargs.get("extra_meta"))
+        return save_federated_state(self._checkpoint_io(), output_dir, extra_meta=kwargs.get("extra_meta"),
+                                    rank_state=kwargs.get("rank_state"))
 
     def load_state(self, input_dir: str | None = None, **kwargs):
         """Restore a checkpoint written by :meth:`save_state`; returns its metadata dict.

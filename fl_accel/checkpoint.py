@@ -14,6 +14,7 @@ Layout of ``step_N/``::
 
     __0_0.distcp ... .metadata        torch.distributed.checkpoint (sharded, parallel writes)
     random_states_{rank}.pkl, scheduler.bin, ...   Accelerate (RNG, scheduler, samplers)
+    rank_state/rank{k}.json           optional per-rank JSON (e.g. a data stream's position)
     fl_accel_checkpoint.json          written last: layout, step, counters; marks it complete
 
 A save writes into ``step_N.partial`` and renames it when every rank has finished,
@@ -54,6 +55,7 @@ class CheckpointIO:
         synchronizer: the FederatedSynchronizer, or None.
         layout, config: the FLLayout and FLConfig of this run.
         group_index: this rank's federation group.
+        rank: this rank's global rank.
         is_main_process: rank 0.
         barrier: waits for every rank.
         save_extras, load_extras: write/read the state that is not models and
@@ -66,6 +68,7 @@ class CheckpointIO:
     layout: Any
     config: Any
     group_index: int
+    rank: int
     is_main_process: bool
     barrier: Callable[[], None]
     save_extras: Callable[[str], None]
@@ -208,10 +211,15 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     return state
 
 
-def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | None = None) -> str:
+def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | None = None,
+                         rank_state: dict | None = None) -> str:
     """Save models, optimizers and synchronizer state (DCP) plus Accelerate's RNG,
     scheduler and sampler state. Collective: every rank calls it. Returns ``output_dir``.
-    Atomic: writes ``output_dir + ".partial"`` and renames it after all ranks finished."""
+    Atomic: writes ``output_dir + ".partial"`` and renames it after all ranks finished.
+
+    ``extra_meta``: JSON-able, stored once in the metadata; ``rank_state``: JSON-able,
+    stored per rank (``rank_state/rank{k}.json``) and returned by the load as
+    ``meta["rank_state"]`` on the same rank."""
     import torch.distributed.checkpoint as dcp
 
     output_dir = os.path.normpath(output_dir)
@@ -224,6 +232,10 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     scopes = _scopes(io)
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
     io.save_extras(tmp)
+    if rank_state is not None:
+        os.makedirs(os.path.join(tmp, "rank_state"), exist_ok=True)
+        with open(os.path.join(tmp, "rank_state", f"rank{io.rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump(rank_state, fh)
     io.barrier()
     if io.is_main_process:
         sync = io.synchronizer
@@ -284,4 +296,8 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
             parsed.append(out)
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
     io.load_extras(input_dir)
+    rank_file = os.path.join(input_dir, "rank_state", f"rank{io.rank}.json")
+    if os.path.isfile(rank_file):
+        with open(rank_file, encoding="utf-8") as fh:
+            meta["rank_state"] = json.load(fh)
     return meta

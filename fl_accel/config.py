@@ -145,7 +145,7 @@ class FLConfig:
     # ------------------------------------------------------------------ validation
     def _check_fields(self) -> None:
         """Types, ranges and constraints between fields; no world size needed."""
-        hints = _type_hints()
+        hints = _type_hints(type(self))
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         if self.group_sizes is not None:
@@ -270,6 +270,11 @@ class FLConfig:
         return dict(_field_docs(cls))
 
     @classmethod
+    def env_names(cls) -> dict[str, str]:
+        """``FL_ACCEL_<FIELD>`` variable name -> field name, for every field."""
+        return {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "dict") -> "FLConfig":
         """Build from a mapping; unknown keys raise ValueError naming them and the source."""
         unknown = sorted(set(values) - set(cls.field_names()))
@@ -305,11 +310,11 @@ class FLConfig:
         Raises:
             ValueError: for unreadable YAML, unknown keys, or values of the wrong type.
         """
-        values, _ = resolve_sources(yaml_path, yaml_values, environ, overrides, source)
+        values, _ = resolve_sources(yaml_path, yaml_values, environ, overrides, source, cls=cls)
         return cls.from_dict(values, source=str(yaml_path or source or "defaults"))
 
 
-def resolve_sources(yaml_path=None, yaml_values=None, environ=None, overrides=None, source=None):
+def resolve_sources(yaml_path=None, yaml_values=None, environ=None, overrides=None, source=None, cls=None):
     """The merged FLConfig values and, for each value, where it came from.
 
     Returns ``(values, sources)``: ``sources[field]`` is the YAML path (or ``source``),
@@ -332,7 +337,7 @@ def resolve_sources(yaml_path=None, yaml_values=None, environ=None, overrides=No
     if yaml_values:
         values.update(yaml_values)
         sources.update({k: source or "yaml" for k in yaml_values})
-    env = env_overrides(os.environ if environ is None else environ)
+    env = env_overrides(os.environ if environ is None else environ, cls=cls or FLConfig)
     values.update(env)
     sources.update({k: ENV_PREFIX + k.upper() for k in env})
     for k, v in (overrides or {}).items():
@@ -362,8 +367,8 @@ def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
 
 # ---------------------------------------------------------------------- field helpers
 @functools.lru_cache(maxsize=None)
-def _type_hints() -> dict[str, Any]:
-    return typing.get_type_hints(FLConfig)
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _gcd_all(values) -> int:
@@ -415,13 +420,13 @@ def _field_docs(cls) -> list[tuple[str, str]]:
     return out
 
 
-def parse_env_value(name: str, raw: str) -> Any:
+def parse_env_value(name: str, raw: str, cls=None) -> Any:
     """Parse the text of ``FL_ACCEL_<NAME>`` into the field's type (from its annotation).
 
     Raises:
         ValueError: naming the variable when the text does not parse.
     """
-    hint = _type_hints()[name]
+    hint = _type_hints(cls or FLConfig)[name]
     args = get_args(hint)
     text = raw.strip()
     var = f"{ENV_PREFIX}{name.upper()}"
@@ -453,18 +458,19 @@ def parse_env_value(name: str, raw: str) -> Any:
     return text
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Parse ``FL_ACCEL_<FIELD>`` variables into typed FLConfig values.
+def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
+    """Parse ``FL_ACCEL_<FIELD>`` variables into typed values of ``cls`` (FLConfig).
 
     Raises:
         ValueError: for an unknown ``FL_ACCEL_*`` name or an unparsable value.
     """
-    by_env = {ENV_PREFIX + name.upper(): name for name in FLConfig.field_names()}
+    cls = cls or FLConfig
+    by_env = cls.env_names()
     out: dict[str, Any] = {}
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
         if key not in by_env:
             raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
-        out[by_env[key]] = parse_env_value(by_env[key], raw)
+        out[by_env[key]] = parse_env_value(by_env[key], raw, cls)
     return out

@@ -143,7 +143,8 @@ class FederatedSynchronizer:
         self.outer_optimizer: torch.optim.Optimizer | None = None
         self.residuals: list[torch.Tensor] | None = None
         self.needs_anchor = config.outer_optimizer == "nesterov" or self.compressed
-        if self.num_groups > 1:
+        self.pre_sync_hooks: list = []
+        if self.num_groups > 1 and not any(_local(p).is_meta for p in self.params):
             self.reset_anchor()
 
     # ------------------------------------------------------------------ outer state
@@ -225,8 +226,13 @@ class FederatedSynchronizer:
         return fragment, results
 
     # ------------------------------------------------------------------ sync events
+    def _pre_sync(self, full: bool) -> None:
+        for hook in list(self.pre_sync_hooks):
+            hook(self, full)
+
     @torch.no_grad()
     def _apply_fragment(self, fragment: int) -> None:
+        self._pre_sync(full=False)
         if self._inflight is None:
             self._launch(fragment)
         if self._check_finite():
@@ -249,6 +255,7 @@ class FederatedSynchronizer:
         if self.num_groups <= 1:
             self.local_step, self.in_sync = 0, True
             return
+        self._pre_sync(full=True)
         healthy = self._check_finite()
         done = self._finish_inflight()
         if healthy:

@@ -15,203 +15,59 @@ Run it (from the repository root; the embedded Shakespeare corpus needs no netwo
         --config recipes/configs/cpu_fl_fsdp.yaml --algorithm fsdp
     # torchrun works too
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 recipes/pretrain.py --algorithm fl_fsdp --num_groups 2
+    # one plain process, no launcher (debugging)
+    python recipes/pretrain.py --algorithm fsdp --max_steps 4
 
-Outputs in --output_dir: metrics.jsonl (one JSON record per log/eval step),
-all_results.json (final perplexity, eval loss, tokens/s, tokens, wall time),
-curves.png, checkpoints/step_N, and the offline W&B run under wandb/.
+Every FLConfig field is a flag (``python recipes/pretrain.py --help``), a YAML key under
+``fl:`` and an ``FL_ACCEL_<FIELD>`` variable. Outputs in --output_dir: metrics.jsonl (one
+JSON record per log/eval step, the whole history), all_results.json (whole-run figures),
+curves.png, checkpoints/step_N, final_model/ (save_pretrained), the offline W&B run
+under wandb/.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
-# Runnable as a script from anywhere: make the repository root importable.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-import yaml  # noqa: E402
-
-from fl_accel.config import FLConfig  # noqa: E402
-
-PRESETS = {
-    # ~3M parameters: trains on 2 CPU cores in minutes. vocab_size follows the tokenizer.
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                 tie_word_embeddings=False),
-    # The exact Llama-3.1-8B shape (Meta's config.json for meta-llama/Llama-3.1-8B).
-    "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
-                        eos_token_id=128001,
-                        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                             low_freq_factor=1.0, high_freq_factor=4.0,
-                                             original_max_position_embeddings=8192)),
-}
-
-FL_FIELDS = ("algorithm", "num_groups", "hsdp_shard_size", "sync_every", "outer_optimizer", "outer_lr",
-             "outer_momentum", "average_optimizer_state", "data_sharding", "on_nonfinite", "sync_bucket_mb")
-
-
-class RecipeError(ValueError):
-    """A bad argument or input; reported on every rank with a non-zero exit."""
-
-
-# =========================================================================== arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=None, help="recipe YAML: any option below; FL options under 'fl:'")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", help=f"preset {sorted(PRESETS)}, a config.json, or a model dir/name")
-    g.add_argument("--seq_len", type=int, default=256, help="tokens per block")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset_name", default="shakespeare",
-                   help="'shakespeare' (embedded, offline) or a datasets hub name")
-    g.add_argument("--dataset_config_name", default=None, help="config of a hub dataset, e.g. 'tiny'")
-    g.add_argument("--train_file", default=None, help="local .txt/.json/.jsonl/.csv/.parquet file")
-    g.add_argument("--validation_file", default=None, help="local validation text (else a split of the train file)")
-    g.add_argument("--text_column", default="text", help="column holding the text")
-    g.add_argument("--validation_split_percentage", type=float, default=5.0,
-                   help="held-out share when the dataset has no validation split")
-    g.add_argument("--tokenizer", default="bpe", help="'bpe' (train one on the train split) or a name/path")
-    g.add_argument("--vocab_size", type=int, default=8192, help="vocabulary of the trained BPE")
-    g.add_argument("--cache_dir", default=None, help="corpus/tokenizer cache; unset: ~/.cache/fl_accel")
-    g.add_argument("--preprocessing_num_workers", type=int, default=None, help="datasets.map processes")
-    g = p.add_argument_group("training")
-    g.add_argument("--micro_batch_size", type=int, default=4, help="blocks per rank per forward")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--max_steps", type=int, default=None, help="optimizer steps; unset: --num_epochs epochs")
-    g.add_argument("--num_epochs", type=int, default=1, help="passes over the training blocks")
-    g.add_argument("--learning_rate", type=float, default=3e-4, help="AdamW peak learning rate (paper)")
-    g.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--adam_beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay")
-    g.add_argument("--warmup_ratio", type=float, default=0.1, help="share of steps in linear warmup")
-    g.add_argument("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
-                   help="auto: bf16 on GPUs that support it, else fp32")
-    g.add_argument("--seed", type=int, default=42, help="model init and data order")
-    g = p.add_argument_group("federation (FLConfig; also FL_ACCEL_* env vars or the YAML 'fl:' section)")
-    g.add_argument("--algorithm", default=None, choices=["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"],
-                   help="FLConfig.algorithm; unset: YAML/env, else fl_fsdp")
-    g.add_argument("--num_groups", type=int, default=None, help="F")
-    g.add_argument("--hsdp_shard_size", type=int, default=None, help="S")
-    g.add_argument("--sync_every", type=int, default=None, help="H, optimizer steps between syncs")
-    g.add_argument("--outer_optimizer", default=None, choices=["avg", "nesterov"], help="avg (FedAvg) or nesterov (DiLoCo)")
-    g.add_argument("--outer_lr", type=float, default=None, help="nesterov outer learning rate (0.7)")
-    g.add_argument("--outer_momentum", type=float, default=None, help="nesterov outer momentum (0.9)")
-    g.add_argument("--average_optimizer_state", action="store_true", default=None,
-                   help="also average AdamW moments at each sync")
-    g.add_argument("--data_sharding", default=None, choices=["global", "group"],
-                   help="global: disjoint slice per rank (paper); group: each group reads all data")
-    g.add_argument("--on_nonfinite", default=None, choices=["abort", "reset"], help="NaN/Inf in a group at a sync")
-    g.add_argument("--sync_bucket_mb", type=int, default=None, help="fp32 MiB per sync collective (256)")
-    g = p.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--eval_every", type=int, default=0,
-                   help="optimizer steps between evaluations (rounded up to a multiple of H); 0: end only")
-    g.add_argument("--max_eval_blocks", type=int, default=None, help="cap on validation blocks")
-    g.add_argument("--log_every", type=int, default=5, help="optimizer steps between log records")
-    g.add_argument("--output_dir", default=None, help="unset: outputs/<experiment>/<run_name>")
-    g.add_argument("--checkpoint_every", type=int, default=0, help="optimizer steps; 0 disables")
-    g.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a step_N directory")
-    g.add_argument("--report_to", default="wandb", choices=["wandb", "none"],
-                   help="wandb (offline unless WANDB_MODE says otherwise) or none")
-    g.add_argument("--wandb_project", default="fl_accel", help="W&B project")
-    g.add_argument("--experiment", default="shakespeare-tiny",
-                   help="W&B group: runs of one comparison share it")
-    g.add_argument("--run_name", default=None, help="unset: algorithm and F/G/S/H sizes")
-    return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """CLI > YAML (--config) > defaults for recipe options; FL options via FLConfig.resolve.
-
-    Raises:
-        RecipeError: unreadable YAML, unknown keys, or values of the wrong type.
-    """
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
-    fl_yaml: dict = {}
-    if known.config:
-        try:
-            with open(known.config, encoding="utf-8") as fh:
-                values = yaml.safe_load(fh) or {}
-        except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise RecipeError(f"cannot read --config {known.config}: {exc}") from exc
-        if not isinstance(values, dict):
-            raise RecipeError(f"--config {known.config} must be a YAML mapping")
-        fl_yaml = values.pop("fl", {}) or {}
-        if not isinstance(fl_yaml, dict):
-            raise RecipeError(f"'fl:' in {known.config} must be a mapping")
-        actions = {a.dest: a for a in parser._actions}
-        for key, value in values.items():
-            if key not in actions or key in FL_FIELDS or key in ("config", "help"):
-                where = "under 'fl:'" if key in FL_FIELDS else ""
-                raise RecipeError(f"unknown key {key!r} in {known.config} {where}".strip())
-            want = actions[key].type
-            if value is not None and want in (int, float) and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or (want is int and not isinstance(value, int))
-            ):
-                raise RecipeError(f"{key} in {known.config} must be {want.__name__}, got {value!r}")
-            if value is not None and actions[key].choices and value not in actions[key].choices:
-                raise RecipeError(f"{key} in {known.config} must be one of {actions[key].choices}, got {value!r}")
-        parser.set_defaults(**values)
-    args = parser.parse_args(argv)
-    try:
-        args.fl = FLConfig.resolve(yaml_values=fl_yaml, overrides={k: getattr(args, k) for k in FL_FIELDS},
-                                   source=f"'fl:' of {known.config}" if known.config else "the command line")
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
-    for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "vocab_size",
-                 "log_every"):
-        if getattr(args, name) < 1:
-            raise RecipeError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    for name in ("max_steps", "max_eval_blocks"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise RecipeError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_every", "checkpoint_every"):
-        if getattr(args, name) < 0:
-            raise RecipeError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if not args.learning_rate > 0:
-        raise RecipeError(f"--learning_rate must be > 0, got {args.learning_rate}")
-    if not 0 <= args.warmup_ratio < 1:
-        raise RecipeError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
-    return args
-
-
-def model_config(args, vocab_size: int):
-    """LlamaConfig of the preset or path. Raises RecipeError if seq_len exceeds max positions."""
-    from transformers import AutoConfig, LlamaConfig
-
-    if args.model in PRESETS:
-        values = dict(PRESETS[args.model])
-        values.setdefault("vocab_size", vocab_size)
-        config = LlamaConfig(**values)
-    else:
-        try:
-            config = AutoConfig.from_pretrained(args.model)
-        except (OSError, ValueError) as exc:
-            raise RecipeError(f"--model {args.model!r} is neither a preset {sorted(PRESETS)} nor a loadable "
-                              f"config: {exc}") from exc
-    if args.seq_len > config.max_position_embeddings:
-        raise RecipeError(f"--seq_len {args.seq_len} exceeds the model's max_position_embeddings "
-                          f"{config.max_position_embeddings}")
-    if vocab_size > config.vocab_size:
-        raise RecipeError(f"tokenizer has {vocab_size} tokens but the model's vocab_size is {config.vocab_size}")
-    return config
+from recipes.args import RecipeError, describe_sources, parse_args, run_identity
+from recipes.modeling import check_seq_len
 
 
 # =========================================================================== helpers
-def default_run_name(fl: FLConfig, num_groups: int, group_size: int, shards: int) -> str:
-    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (H=0 for the baselines): sortable in W&B."""
-    return f"{fl.algorithm}-F{num_groups}-G{group_size}-S{shards}-H{fl.sync_every if fl.is_federated else 0}"
+def default_run_name(layout, fl) -> str:
+    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``), plus the
+    streaming settings when they differ from the defaults: sortable in W&B."""
+    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}-" \
+           f"H{fl.sync_every if fl.is_federated else 0}"
+    if fl.is_federated:
+        if fl.num_fragments > 1 or fl.sync_delay:
+            name += f"-P{fl.num_fragments}-tau{fl.sync_delay}"
+        if fl.fragment_update_alpha:
+            name += f"-a{fl.fragment_update_alpha:g}"
+        if fl.sync_dtype != "fp32":
+            name += f"-{fl.sync_dtype}" + ("ef" if fl.error_feedback else "")
+    return name
+
+
+def plan_layout(fl, world: int):
+    """The FLLayout for ``world`` ranks, with launch hints in the error."""
+    from fl_accel.mesh import FLLayout
+
+    try:
+        return FLLayout.from_config(fl, world, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    except ValueError as exc:
+        hint = ""
+        if world == 1 and fl.is_federated:
+            hint = (" A single process holds one federation group: pass --num_groups 1 or --algorithm fsdp, or "
+                    "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
+                    "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
+        raise RecipeError(f"{exc}.{hint}") from exc
 
 
 def main_first(accelerator, fn):
@@ -219,7 +75,9 @@ def main_first(accelerator, fn):
 
     Unlike ``accelerator.main_process_first()``, a failure on the main process is
     broadcast, so every rank raises the same error instead of waiting in a barrier.
+    The flag travels as a tensor on ``accelerator.device`` (NCCL needs device tensors).
     """
+    import torch
     import torch.distributed as dist
 
     result, error = None, None
@@ -229,7 +87,10 @@ def main_first(accelerator, fn):
         except Exception as exc:  # re-raised below on every rank
             error = f"{type(exc).__name__}: {exc}"
     box = [error]
-    if accelerator.num_processes > 1:
+    if dist.is_initialized():
+        # broadcast_object_list moves its byte tensors to the current CUDA device on NCCL
+        if accelerator.device.type == "cuda":
+            torch.cuda.set_device(accelerator.device)
         dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise RecipeError(box[0])
@@ -238,122 +99,160 @@ def main_first(accelerator, fn):
     return result
 
 
-def eval_batches(blocks, rank: int, world: int, micro_batch: int):
-    """Split validation blocks over the world with no duplicates.
+def eval_batches(blocks, index: int, count: int, micro_batch: int):
+    """Split validation blocks over ``count`` ranks with no duplicates.
 
-    Rank ``k`` takes rows ``k, k+world, ...``. Every rank gets the same number of
-    batches (FSDP needs every rank of a group in each forward); missing rows are
-    filled with row 0 and a weight of 0. Yields (input_ids [b, L], weight [b]).
+    Rank ``index`` takes rows ``index, index+count, ...``. Every rank gets the same
+    number of batches (FSDP needs every rank of a group in each forward); missing rows
+    are filled with row 0 and a weight of 0. Yields (input_ids [b, L], weight [b]).
     """
     import torch
 
-    mine = list(range(rank, len(blocks), world))
-    per_rank = math.ceil(len(blocks) / world)
-    n_batches = math.ceil(per_rank / micro_batch)
-    for b in range(n_batches):
+    mine = list(range(index, len(blocks), count))
+    per_rank = math.ceil(len(blocks) / count)
+    for b in range(math.ceil(per_rank / micro_batch)):
         idx = mine[b * micro_batch:(b + 1) * micro_batch]
         weight = [1.0] * len(idx) + [0.0] * (micro_batch - len(idx))
         idx = idx + [0] * (micro_batch - len(idx))
         yield torch.tensor([blocks[i] for i in idx]), torch.tensor(weight, dtype=torch.float64)
 
 
-def evaluate(model, accelerator, blocks, micro_batch: int) -> tuple[float, float, int]:
+def evaluate(model, accelerator, blocks, micro_batch: int, per_group: bool = False):
     """Token-weighted perplexity over the whole validation set.
 
-    ppl = exp(sum of token NLL / number of predicted tokens), summed over all ranks
-    (not the mean of per-batch means). Returns (perplexity, mean NLL in nats, tokens).
+    ppl = exp(sum of token NLL / number of predicted tokens), summed over ranks (not the
+    mean of per-batch means). The totals live on ``accelerator.device`` and are
+    all-reduced over the world (also at world size 1), so the same code runs on gloo
+    and NCCL. ``per_group=False``: the world's ranks split the rows. ``per_group=True``:
+    each federation group evaluates every row with its own model, split over its own
+    ranks. Returns a list of (perplexity, mean NLL in nats, tokens): one entry, or one
+    per group.
     """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    layout, rank = accelerator.layout, accelerator.process_index
+    slots = layout.num_groups if per_group else 1
+    slot = accelerator.group_index if per_group else 0
+    index, count = ((layout.group_local_rank(rank), layout.group_size_of(accelerator.group_index)) if per_group
+                    else (rank, accelerator.num_processes))
+    was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(slots, 2, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
-        for ids, weight in eval_batches(blocks, accelerator.process_index, accelerator.num_processes, micro_batch):
-            ids = ids.to(accelerator.device)
+        for ids, weight in eval_batches(blocks, index, count, micro_batch):
+            ids, weight = ids.to(accelerator.device), weight.to(accelerator.device)
             logits = model(input_ids=ids).logits.float()
             nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
-                                  reduction="none").view(ids.size(0), -1).sum(1).double().cpu()
-            totals[0] += (nll * weight).sum()
-            totals[1] += weight.sum() * (ids.size(1) - 1)
-    if accelerator.num_processes > 1:
-        dist.all_reduce(totals)
-    model.train()
-    mean_nll = (totals[0] / totals[1]).item()
-    return math.exp(mean_nll), mean_nll, int(totals[1].item())
+                                  reduction="none").view(ids.size(0), -1).sum(1).double()
+            totals[slot, 0] += (nll * weight).sum()
+            totals[slot, 1] += weight.sum() * (ids.size(1) - 1)
+    dist.all_reduce(totals)  # a group's ranks evaluated disjoint rows: the sum is the group's total
+    if was_training:
+        model.train()
+    out = []
+    for s in range(slots):
+        mean_nll = (totals[s, 0] / totals[s, 1]).item()
+        out.append((math.exp(mean_nll), mean_nll, int(totals[s, 1].item())))
+    return out
 
 
-def write_curves(records: list[dict], path: str, title: str) -> None:
-    """Train loss and eval perplexity against tokens, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in records if "train/loss" in r]
-    evals = [r for r in records if "eval/perplexity" in r]
-    from matplotlib.ticker import EngFormatter
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax in (a, b):
-        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
-    a.plot([r["tokens"] for r in train], [r["train/loss"] for r in train])
-    a.set_xlabel("tokens"), a.set_ylabel("train loss"), a.grid(alpha=0.3)
-    b.plot([r["tokens"] for r in evals], [r["eval/perplexity"] for r in evals], marker="o")
-    b.set_xlabel("tokens"), b.set_ylabel("eval perplexity"), b.set_yscale("log"), b.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
 
 
-# =========================================================================== main
-def preflight(args) -> None:
-    """Checks that need no process group, run on every rank before any collective.
+# =========================================================================== checks before any collective
+def preflight(args, fl, layout, identity: dict) -> str | None:
+    """Checks that need no process group, on every rank before any collective.
 
-    Local data files exist, are UTF-8 and hold text; a checkpoint to resume from is
-    complete and was written by the same algorithm, world size and mesh. Sets
-    ``args.resume_path`` (None when there is nothing to resume).
+    Local data files exist, are UTF-8 and hold text; the validation cap fits the world;
+    a checkpoint to resume from is complete, written by the same layout and run, and not
+    past ``--max_steps``; a fresh run does not silently mix with another run's files.
+    Returns the checkpoint path to resume from (None: start at step 0).
 
     Raises:
-        RecipeError: naming the file or the mismatching setting.
+        RecipeError: naming the file, flag or mismatching setting.
     """
     from recipes import data as data_lib
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        layout = args.fl.sizes(world)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
+    from fl_accel.checkpoint import CheckpointError, check_compatible, find_latest, layout_meta, list_checkpoints, \
+        read_meta
+
+    world = layout.world_size
     for flag in ("train_file", "validation_file"):
         path = getattr(args, flag)
-        if path:
+        if path and not args.streaming:
             if not os.path.isfile(path):
                 raise RecipeError(f"--{flag} {path} does not exist")
             data_lib.check_text_file(path, flag)
-    args.resume_path = None
+    if args.max_eval_blocks is not None and args.max_eval_blocks < world * args.micro_batch_size:
+        raise RecipeError(f"--max_eval_blocks {args.max_eval_blocks} is fewer than one micro-batch per rank "
+                          f"({world} ranks x --micro_batch_size {args.micro_batch_size} = "
+                          f"{world * args.micro_batch_size} blocks): raise --max_eval_blocks or lower "
+                          f"--micro_batch_size")
+    checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
+    resume = None
     if args.resume_from_checkpoint:
-        from fl_accel.checkpoint import CheckpointError, check_compatible, find_latest, layout_meta, read_meta
-        from fl_accel.mesh import FLLayout
+        resume = find_latest(checkpoints_dir) if args.resume_from_checkpoint == "latest" \
+            else args.resume_from_checkpoint
+    elif not args.overwrite_output_dir:
+        old = list_checkpoints(checkpoints_dir)
+        done = os.path.isfile(os.path.join(args.output_dir, "all_results.json"))
+        if old or done:
+            what = f"checkpoints {[os.path.basename(p) for _, p in old][-3:]}" if old else "the results of a run"
+            raise RecipeError(f"the output folder {args.output_dir} already holds {what}. Continue that run with "
+                              f"--resume_from_checkpoint latest, start over with --overwrite_output_dir (deletes "
+                              f"them), or choose another --output_dir / --run_name")
+    if resume:
+        try:
+            meta = read_meta(resume)
+            check_compatible(meta, layout_meta(fl, layout))
+        except CheckpointError as exc:
+            raise RecipeError(str(exc)) from exc
+        theirs = meta.get("run_identity")
+        if theirs is not None and theirs != json.loads(json.dumps(identity)):
+            diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
+            raise RecipeError(f"checkpoint {resume} was written by another run: {diff} differ "
+                              f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {identity.get(diff[0])!r} here). "
+                              f"Resume with that run's settings, or start over with --overwrite_output_dir")
+        steps, their_max = meta.get("completed_steps", 0), meta.get("max_steps")
+        if args.max_steps is not None and steps > args.max_steps:
+            raise RecipeError(f"checkpoint {resume} is at step {steps}, past --max_steps {args.max_steps}")
+        if args.max_steps is not None and their_max is not None and their_max != args.max_steps:
+            raise RecipeError(f"checkpoint {resume} belongs to a run of {their_max} steps; resuming with --max_steps "
+                              f"{args.max_steps} would rebuild the {args.lr_scheduler_type} LR schedule for another "
+                              f"length (the LR at every later step would change). Resume with --max_steps "
+                              f"{their_max}, or start a new run")
+    return resume
 
-        if args.resume_from_checkpoint == "latest":
-            args.resume_path = find_latest(os.path.join(args.output_dir, "checkpoints"))
-        else:
-            args.resume_path = args.resume_from_checkpoint
-        if args.resume_path:
-            try:
-                check_compatible(read_meta(args.resume_path), layout_meta(args.fl, FLLayout(*layout)))
-            except CheckpointError as exc:
-                raise RecipeError(str(exc)) from exc
+
+def classify_failure(exc: BaseException) -> str | None:
+    """'collective' when ``exc`` came out of torch.distributed (a peer died or hung: gloo
+    raises a plain RuntimeError from inside torch.distributed, NCCL a DistBackendError),
+    else None."""
+    import torch.distributed as dist
+
+    if isinstance(exc, (dist.DistError,)):
+        return "collective"
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return "collective"
+        tb = tb.tb_next
+    return None
 
 
 class FaultInjector:
     """Test hook: ``FL_FAULT_INJECT=<kind>:<rank>:<step>`` acts on one rank after that optimizer step.
 
     kind ``kill`` sends SIGKILL to the process (a crashed rank); ``stop`` sends SIGSTOP
-    (a hung rank). Only in the first attempt of a torchrun job
-    (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts`` runs recover. Unset: inert.
+    (a hung rank); ``nan`` makes that rank's loss NaN at that step (the NaN then flows
+    through the gradients into the optimizer state). Only in the first attempt of a
+    torchrun job (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts`` runs recover.
     """
 
     def __init__(self, rank: int):
@@ -361,13 +260,17 @@ class FaultInjector:
         self.kind, self.step = None, None
         if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             kind, fault_rank, step = spec.split(":")
-            if kind not in ("kill", "stop"):
-                raise RecipeError(f"FL_FAULT_INJECT kind must be kill or stop, got {kind!r}")
+            if kind not in ("kill", "stop", "nan"):
+                raise RecipeError(f"FL_FAULT_INJECT kind must be kill, stop or nan, got {kind!r}")
             if int(fault_rank) == rank:
                 self.kind, self.step = kind, int(step)
 
+    def loss_scale(self, step: int) -> float:
+        """NaN for the configured step of a ``nan`` fault, else 1."""
+        return float("nan") if self.kind == "nan" and step == self.step else 1.0
+
     def after_step(self, step: int) -> None:
-        if self.kind and step == self.step:
+        if self.kind in ("kill", "stop") and step == self.step:
             import signal
 
             print(f"[fl_accel] FL_FAULT_INJECT: {self.kind} rank {os.environ.get('RANK')} at step {step}",
@@ -375,88 +278,124 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
 
+# =========================================================================== main
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    parsed = parse_args(argv)
+    args, fl = parsed.args, parsed.fl
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = plan_layout(fl, world)
+    run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
-        F0, R0, S0 = args.fl.sizes(int(os.environ.get("WORLD_SIZE", "1")))
-        args.output_dir = os.path.join("outputs", args.experiment,
-                                       args.run_name or default_run_name(args.fl, F0, R0 * S0, S0))
-    preflight(args)
+        args.output_dir = os.path.join("outputs", args.experiment, run_name)
+    check_seq_len(args.model, args.seq_len)
+    identity = run_identity(args, fl)
+    resume_path = preflight(args, fl, layout, identity)
     os.environ.setdefault("WANDB_MODE", "offline")  # never prompt for a login
     os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
     import torch
+    import torch.distributed as dist
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from transformers import LlamaForCausalLM, default_data_collator, get_scheduler
+    from transformers import default_data_collator, get_scheduler
 
     from fl_accel import FLAccelerator
+    from fl_accel.checkpoint import prune_checkpoints
+    from fl_accel.launch import HostLoad
+    from fl_accel.plots import plot_run_curves
     from recipes import data as data_lib
+    from recipes.modeling import build_model, export_final_model, model_config, peak_host_mb
 
-    if args.model in PRESETS and args.seq_len > PRESETS[args.model]["max_position_embeddings"]:
-        raise RecipeError(f"--seq_len {args.seq_len} exceeds the model's max_position_embeddings "
-                          f"{PRESETS[args.model]['max_position_embeddings']}")
     mixed = args.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    os.makedirs(args.output_dir, exist_ok=True)
+    wall_t0 = time.perf_counter()
     accelerator = FLAccelerator(
-        args.fl,
+        fl,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=mixed,
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
-    fl = args.fl
-    F_, R_, S_ = accelerator.layout.shape
-    G_ = accelerator.layout.group_size
-    world = accelerator.num_processes
-    set_seed(args.seed)
+    F_, S_ = layout.num_groups, layout.shards
+    if accelerator.is_main_process:
+        if args.overwrite_output_dir and not args.resume_from_checkpoint:
+            for name in ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png"):
+                path = os.path.join(args.output_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
 
     # ---------------------------------------------------------------- data
     cache_dir = args.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "fl_accel")
+    num_shards, shard_index, data_seed = accelerator.data_shard()
+    if args.streaming:
+        source = main_first(accelerator, lambda: data_lib.stream_source(args, cache_dir))
+        tokenizer = main_first(accelerator, lambda: data_lib.get_stream_tokenizer(args, source, cache_dir))
+        val_blocks = main_first(accelerator, lambda: data_lib.build_validation_blocks(
+            source, tokenizer, args.seq_len, args.max_eval_blocks))
+        stream = data_lib.build_train_stream(source, tokenizer, args.seq_len, num_shards, shard_index,
+                                             args.seed if data_seed is None else data_seed)
+        train_loader, train_size = DataLoader(stream, batch_size=args.micro_batch_size), None
+    else:
+        def prepare_data():
+            raw = data_lib.load_raw(args, cache_dir)
+            tok = data_lib.get_tokenizer(args, raw, cache_dir)
+            packed = data_lib.tokenize_and_pack_cached(raw, tok, args.text_column, args.seq_len, cache_dir,
+                                                       args.preprocessing_num_workers)
+            return tok, packed.dataset
 
-    def prepare_data():
-        raw = data_lib.load_raw(args, cache_dir)
-        tokenizer = data_lib.get_tokenizer(args, raw, cache_dir)
-        packed = data_lib.tokenize_and_pack(raw, tokenizer, args.text_column, args.seq_len,
-                                            args.preprocessing_num_workers)
-        return tokenizer, packed
-
-    tokenizer, packed = main_first(accelerator, prepare_data)
-    config = model_config(args, len(tokenizer))
-    train_set, val_set = packed["train"], packed["validation"]
-    val_blocks = val_set["input_ids"][: args.max_eval_blocks] if args.max_eval_blocks else val_set["input_ids"]
-    if len(val_blocks) < world * args.micro_batch_size:
-        raise RecipeError(f"validation split has {len(val_blocks)} blocks of {args.seq_len} tokens; need at least "
-                          f"{world * args.micro_batch_size} (one micro-batch of {args.micro_batch_size} per rank "
-                          f"x {world} ranks). Lower --seq_len/--micro_batch_size or add validation text.")
-    if len(train_set) < world * args.micro_batch_size * args.gradient_accumulation_steps:
-        raise RecipeError(f"training split has {len(train_set)} blocks; one optimizer step needs "
-                          f"{world * args.micro_batch_size * args.gradient_accumulation_steps}")
-
-    train_loader = DataLoader(train_set.with_format("torch"), batch_size=args.micro_batch_size, shuffle=True,
-                              drop_last=True, collate_fn=default_data_collator)
+        tokenizer, packed = main_first(accelerator, prepare_data)
+        train_set, val_set = packed["train"], packed["validation"]
+        val_blocks = val_set["input_ids"][: args.max_eval_blocks] if args.max_eval_blocks else val_set["input_ids"]
+        if len(val_blocks) < world * args.micro_batch_size:
+            raise RecipeError(f"the validation split has {len(val_blocks)} blocks of {args.seq_len} tokens; one "
+                              f"micro-batch per rank needs {world * args.micro_batch_size} ({world} ranks x "
+                              f"--micro_batch_size {args.micro_batch_size}). Lower --seq_len or --micro_batch_size, "
+                              f"or give more validation text (--validation_file)")
+        if len(train_set) < world * args.micro_batch_size:
+            raise RecipeError(f"the training split has {len(train_set)} blocks; one micro-batch per rank needs "
+                              f"{world * args.micro_batch_size}")
+        train_loader = DataLoader(train_set.with_format("torch"), batch_size=args.micro_batch_size, shuffle=True,
+                                  drop_last=True, collate_fn=default_data_collator)
+        train_size = len(train_set)
 
     # ---------------------------------------------------------------- model, optimizer
-    model = LlamaForCausalLM(config)
+    config = model_config(args.model, args.seq_len, len(tokenizer))
+    set_seed(args.seed)  # right before the model: every rank (every group) builds the same weights
+    model = build_model(config, args.init_device)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                   betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    if args.streaming:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    if args.init_device == "meta":
+        accelerator.materialize(model, model._init_weights, seed=args.seed)
+    peak = torch.tensor([peak_host_mb()], dtype=torch.float64, device=accelerator.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak_host_mb_after_prepare = peak.item()
 
-    batches_per_epoch = len(train_loader)
-    steps_per_epoch = batches_per_epoch // args.gradient_accumulation_steps
-    if steps_per_epoch < 1:
-        raise RecipeError("fewer micro-batches per rank than --gradient_accumulation_steps")
-    max_steps = args.max_steps or args.num_epochs * steps_per_epoch
-    num_epochs = math.ceil(max_steps / steps_per_epoch)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
+    if args.streaming:
+        steps_per_epoch = None
+        max_steps = args.max_steps
+    else:
+        # Accelerate forces an optimizer step at the end of the dataloader, so an epoch of
+        # B micro-batches per rank has ceil(B / accumulation) optimizer steps.
+        batches_per_epoch = len(train_loader)
+        steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+        max_steps = args.max_steps or args.num_epochs * steps_per_epoch
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio *
+                                                                                            max_steps),
                               num_training_steps=max_steps)
-    accelerator.register_for_checkpointing(scheduler)
+    scheduler = accelerator.prepare(scheduler)  # FLAccelerator: one scheduler step per optimizer step
     if fl.is_federated and fl.sync_every > max_steps:
         accelerator.print(f"WARNING: sync_every={fl.sync_every} exceeds the {max_steps} training steps: groups "
                           f"only synchronize once, at the end")
@@ -468,96 +407,138 @@ def main(argv=None) -> dict:
 
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * world
-    run_name = args.run_name or default_run_name(fl, F_, G_, S_)
     accelerator.print(
-        f"[fl_accel] {fl.algorithm}: world {world} = {F_} group(s) x {G_} ranks "
-        f"(R={R_} replicas x S={S_} shards), sync_every H={fl.sync_every if fl.is_federated else '-'}, "
-        f"outer={fl.outer_optimizer if fl.is_federated else '-'}\n"
+        f"[fl_accel] {layout.describe(fl.sync_every)}, outer={fl.outer_optimizer if fl.is_federated else '-'}"
+        + (f", fragments P={fl.num_fragments} delay={fl.sync_delay} alpha={fl.fragment_update_alpha} "
+           f"exchange={fl.sync_dtype}{' +error feedback' if fl.error_feedback else ''}"
+           if fl.is_federated and fl.streaming else "") + "\n"
+        f"[fl_accel] FLConfig: {'; '.join(describe_sources(parsed)) or 'all defaults'}\n"
         f"[fl_accel] model {args.model}: {n_params / 1e6:.2f}M params, vocab {config.vocab_size}, "
-        f"seq_len {args.seq_len}, precision {mixed}\n"
+        f"seq_len {args.seq_len}, precision {mixed}, init on {args.init_device} "
+        f"(peak host memory {peak_host_mb_after_prepare:.0f} MiB per rank)\n"
         f"[fl_accel] micro-batch {args.micro_batch_size} blocks/rank x accumulation {args.gradient_accumulation_steps}"
-        f" = {tokens_per_rank_step} tokens/rank/step; {tokens_per_rank_step * G_} tokens/step per group; "
-        f"{tokens_per_step} tokens/step in total (global batch {tokens_per_step // args.seq_len} blocks)\n"
-        f"[fl_accel] train {len(train_set)} blocks ({steps_per_epoch} steps/epoch), {max_steps} steps, "
-        f"validation {len(val_blocks)} blocks"
+        f" = {tokens_per_rank_step} tokens/rank/step; {tokens_per_step} tokens/step in total "
+        f"(global batch {tokens_per_step // args.seq_len} blocks)\n"
+        + (f"[fl_accel] train {train_size} blocks ({steps_per_epoch} steps/epoch), {max_steps} steps, "
+           if not args.streaming else f"[fl_accel] streaming training data, {max_steps} steps, ")
+        + f"validation {len(val_blocks)} blocks"
     )
 
-    # ---------------------------------------------------------------- trackers
-    run_config = {k: v for k, v in vars(args).items() if k != "fl"}
-    run_config.update({f"fl/{k}": v for k, v in fl.to_dict().items()})
-    run_config.update(world_size=world, num_groups=F_, group_size=G_, replicas=R_, shards=S_,
-                      n_params=n_params, tokens_per_step=tokens_per_step, max_steps=max_steps)
-    if args.report_to != "none":
-        init_kwargs = {"wandb": {"group": args.experiment, "name": run_name, "dir": args.output_dir,
-                                 "tags": [fl.algorithm]}}
-        accelerator.init_trackers(args.wandb_project, config=run_config, init_kwargs=init_kwargs)
+    # ---------------------------------------------------------------- resume
+    checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    records: list[dict] = []
+    completed_steps, restored = 0, {}
+    if resume_path:
+        meta = accelerator.load_state(resume_path)
+        completed_steps = int(meta["completed_steps"])
+        restored = meta.get("totals", {})
+        rank_state = meta.get("rank_state", {})
+        accelerator.comm_stats.load_dict(rank_state.get("comm", {}))
+        if args.streaming:
+            stream.load_state_dict(rank_state["data"])
+        accelerator.print(f"[fl_accel] resumed from {resume_path} at step {completed_steps}")
+    elif args.resume_from_checkpoint:
+        accelerator.print(f"[fl_accel] no complete checkpoint in {checkpoints_dir}; starting from step 0")
+    if accelerator.is_main_process:
+        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= completed_steps] if completed_steps \
+            else []
+        with open(metrics_path, "w", encoding="utf-8") as fh:  # the history up to the checkpoint
+            fh.writelines(json.dumps(r) + "\n" for r in kept)
+
+    # ---------------------------------------------------------------- trackers
+    wandb_id = restored.get("wandb_id")
+    if args.report_to != "none":
+        import secrets
+
+        wandb_id = wandb_id or secrets.token_hex(4)  # only the main process's is used (it owns the tracker)
+        run_config = {**{k: v for k, v in dataclasses.asdict(args).items()},
+                      **{f"fl/{k}": v for k, v in fl.to_dict().items()},
+                      "world_size": world, "num_groups": F_, "group_sizes": list(layout.group_sizes), "shards": S_,
+                      "n_params": n_params, "tokens_per_step": tokens_per_step, "max_steps": max_steps}
+        init_kwargs = {"wandb": {"group": args.experiment, "name": run_name, "dir": args.output_dir,
+                                 "tags": [fl.algorithm], "id": wandb_id, "resume": "allow"}}
+        accelerator.init_trackers(args.wandb_project, config=run_config, init_kwargs=init_kwargs)
 
     def log(record: dict) -> None:
-        records.append(record)
         if args.report_to != "none":
-            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                            step=record["step"])
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
         if accelerator.is_main_process:
             with open(metrics_path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
 
-    # ---------------------------------------------------------------- resume
-    completed_steps, resumed_train_seconds = 0, 0.0
-    checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
-    if args.resume_from_checkpoint:
-        path = args.resume_path
-        if path is None:
-            accelerator.print(f"[fl_accel] no complete checkpoint in {checkpoints_dir}; starting from step 0")
-        else:
-            meta = accelerator.load_state(path)
-            completed_steps = int(meta["completed_steps"])
-            resumed_train_seconds = float(meta.get("train_seconds", 0.0))
-            accelerator.print(f"[fl_accel] resumed from {path} at step {completed_steps}")
-    elif accelerator.is_main_process and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    if accelerator.is_main_process and completed_steps and os.path.exists(metrics_path):
-        with open(metrics_path, encoding="utf-8") as fh:  # keep the history up to the checkpoint
-            kept = [line for line in fh if json.loads(line).get("step", 0) <= completed_steps]
-        with open(metrics_path, "w", encoding="utf-8") as fh:
-            fh.writelines(kept)
+    # ---------------------------------------------------------------- per-group evaluation
+    eval_steps_groups: dict[int, list] = {}
+    if args.eval_groups and F_ > 1:
+        def evaluate_groups_before_sync(synchronizer, full):
+            step = synchronizer.global_step
+            if eval_every and step % eval_every == 0 and step < max_steps:
+                eval_steps_groups[step] = evaluate(model, accelerator, val_blocks, args.micro_batch_size,
+                                                   per_group=True)
+
+        accelerator.register_pre_sync_hook(evaluate_groups_before_sync)
+
+    def group_eval_record(results) -> dict:
+        return {f"eval/perplexity_group{f}": r[0] for f, r in enumerate(results)} | \
+            {f"eval/loss_group{f}": r[1] for f, r in enumerate(results)}
+
+    # ---------------------------------------------------------------- checkpoints
+    train_seconds = float(restored.get("train_seconds", 0.0))
+    eval_seconds = float(restored.get("eval_and_checkpoint_seconds", 0.0))
+    wall_before = float(restored.get("wall_seconds", 0.0))
 
     def save_checkpoint(step: int) -> None:
+        totals = {"train_seconds": train_seconds, "eval_and_checkpoint_seconds": eval_seconds,
+                  "wall_seconds": wall_before + time.perf_counter() - wall_t0, "wandb_id": wandb_id}
+        rank_state = {"comm": accelerator.comm_stats.as_dict()}
+        if args.streaming:
+            rank_state["data"] = stream.state_dict()
         accelerator.save_state(os.path.join(checkpoints_dir, f"step_{step}"),
-                               extra_meta={"completed_steps": step, "train_seconds": train_seconds})
+                               extra_meta={"completed_steps": step, "max_steps": max_steps, "totals": totals,
+                                           "run_identity": identity, "run_name": run_name},
+                               rank_state=rank_state)
+        if args.checkpoints_total_limit and accelerator.is_main_process:
+            prune_checkpoints(checkpoints_dir, args.checkpoints_total_limit)
 
     # ---------------------------------------------------------------- train
     resumed_steps = completed_steps
     faults = FaultInjector(accelerator.process_index)
+    host = HostLoad(pid=os.getppid() if "LOCAL_RANK" in os.environ else None).start()
     progress = tqdm(total=max_steps, initial=completed_steps, disable=not accelerator.is_local_main_process,
                     desc=run_name, unit="step", dynamic_ncols=True)
-    start_epoch = completed_steps // steps_per_epoch
-    skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
-    train_seconds, eval_seconds = resumed_train_seconds, 0.0
-    # Loss summed on the device: no host sync per micro-batch, one .item() per log step.
-    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_n, window_t0 = 0, time.perf_counter()
-    window_tokens = 0
     tokens_seen = completed_steps * tokens_per_step
-    wall_t0 = time.perf_counter()
+    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # summed on the device
+    window_n, window_tokens, window_t0 = 0, 0, time.perf_counter()
+    grad_norm = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     t_step = time.perf_counter()
+    session_t0 = time.perf_counter()
     model.train()
-    done = completed_steps >= max_steps
-    for epoch in range(start_epoch, num_epochs):
-        if done:
-            break
-        train_loader.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if (epoch == start_epoch and skip) else train_loader
-        for batch in loader:
+
+    def batches():
+        """Micro-batches from the resume point on: epochs of the map-style loader, or the endless stream."""
+        if args.streaming:
+            while True:
+                for batch in train_loader:
+                    yield {"input_ids": batch["input_ids"].to(accelerator.device)}
+        epoch = completed_steps // steps_per_epoch
+        skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
+        while True:
+            train_loader.set_epoch(epoch)
+            yield from (accelerator.skip_first_batches(train_loader, skip) if skip else train_loader)
+            epoch, skip = epoch + 1, 0
+
+    with accelerator.meter_comm():
+        for batch in (batches() if completed_steps < max_steps else ()):
             with accelerator.accumulate(model):
                 out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                loss = out.loss * faults.loss_scale(completed_steps + 1)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                    grad_norm = torch.as_tensor(norm, device=accelerator.device).double()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            window_loss += out.loss.detach().double()
+            window_loss += loss.detach().double()
             window_n += 1
             if not accelerator.sync_gradients:
                 continue
@@ -570,18 +551,20 @@ def main(argv=None) -> dict:
             progress.update(1)
             faults.after_step(completed_steps)
             if completed_steps % args.log_every == 0 or completed_steps == max_steps:
-                loss = window_loss / window_n
-                if world > 1:
-                    torch.distributed.all_reduce(loss)
-                    loss /= world
+                stats = torch.zeros(1 + F_, dtype=torch.float64, device=accelerator.device)
+                stats[0] = window_loss / window_n / world
+                stats[1 + accelerator.group_index] = grad_norm / layout.group_size_of(accelerator.group_index)
+                dist.all_reduce(stats)  # counted in the "world" bucket of comm_stats
                 elapsed = now - window_t0
                 comm = accelerator.comm_stats
                 record = {"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
-                          "train/loss": loss.item(),
-                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": window_tokens / elapsed,
+                          "train/loss": stats[0].item(), "lr": scheduler.get_last_lr()[0],
+                          "train/grad_norm": stats[1:].mean().item(),
+                          **{f"train/grad_norm_group{f}": stats[1 + f].item() for f in range(F_) if F_ > 1},
+                          "tokens_per_s": window_tokens / elapsed,
                           "tokens_per_s_per_process": window_tokens / elapsed / world,
                           "step_time_s": elapsed / max(1, window_n // args.gradient_accumulation_steps),
-                          "sync_time_share": comm["fl"].seconds / max(train_seconds - resumed_train_seconds, 1e-9),
+                          "sync_time_share": comm["fl"].seconds / max(now - session_t0, 1e-9),
                           **comm.flat()}
                 log(record)
                 progress.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -590,9 +573,10 @@ def main(argv=None) -> dict:
                 window_n, window_tokens = 0, 0
             extra = time.perf_counter()
             if eval_every and completed_steps % eval_every == 0 and completed_steps < max_steps:
-                ppl, nll, _ = evaluate(model, accelerator, val_blocks, args.micro_batch_size)
+                ppl, nll, _ = evaluate(model, accelerator, val_blocks, args.micro_batch_size)[0]
                 log({"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
-                     "eval/perplexity": ppl, "eval/loss": nll})
+                     "eval/perplexity": ppl, "eval/loss": nll,
+                     **group_eval_record(eval_steps_groups.pop(completed_steps, []))})
             if args.checkpoint_every and completed_steps % args.checkpoint_every == 0 and completed_steps < max_steps:
                 save_checkpoint(completed_steps)
             spent = time.perf_counter() - extra
@@ -600,48 +584,66 @@ def main(argv=None) -> dict:
             window_t0 += spent  # keep throughput about training only
             t_step = time.perf_counter()
             if completed_steps >= max_steps:
-                done = True
                 break
-    progress.close()
+        progress.close()
 
-    # ---------------------------------------------------------------- final sync + eval
-    if accelerator.sync_if_pending():
-        accelerator.print("[fl_accel] final synchronization of the federation groups done")
-    ppl, nll, n_tokens = evaluate(model, accelerator, val_blocks, args.micro_batch_size)
-    log({"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
-         "eval/perplexity": ppl, "eval/loss": nll})
-    wall = time.perf_counter() - wall_t0
-    comm = accelerator.comm_stats.as_dict()
+        # ------------------------------------------------------------ final sync, evaluation, exports
+        extra = time.perf_counter()
+        if accelerator.sync_if_pending():
+            accelerator.print("[fl_accel] final synchronization of the federation groups done")
+        ppl, nll, n_tokens = evaluate(model, accelerator, val_blocks, args.micro_batch_size)[0]
+        final = {"step": completed_steps, "tokens": tokens_seen, "time_s": train_seconds,
+                 "eval/perplexity": ppl, "eval/loss": nll}
+        if args.eval_groups and F_ > 1:
+            final.update(group_eval_record(evaluate(model, accelerator, val_blocks, args.micro_batch_size,
+                                                    per_group=True)))
+        log(final)
+        if args.checkpoint_every:
+            save_checkpoint(completed_steps)
+        if args.save_final_model:
+            export_final_model(model, config, tokenizer, os.path.join(args.output_dir, "final_model"),
+                               accelerator.is_main_process)
+        eval_seconds += time.perf_counter() - extra
+    host_load = host.stop()
+    wall = wall_before + time.perf_counter() - wall_t0
+    session_steps = completed_steps - resumed_steps
     results = {
-        "algorithm": fl.algorithm, "world_size": world, "num_groups": F_, "group_size": G_, "replicas": R_,
-        "shards": S_, "sync_every": fl.sync_every if fl.is_federated else None,
+        "algorithm": fl.algorithm, "world_size": world, "num_groups": F_, "group_sizes": list(layout.group_sizes),
+        "group_size": layout.group_sizes[0], "replicas": layout.group_sizes[0] // S_, "shards": S_,
+        "sync_every": fl.sync_every if fl.is_federated else None, "fl": fl.to_dict(),
         "eval_perplexity": ppl, "eval_loss": nll, "eval_tokens": n_tokens,
-        "train_tokens": tokens_seen, "steps": completed_steps,
-        "tokens_per_s": (tokens_per_step * (completed_steps - resumed_steps) / (train_seconds - resumed_train_seconds)
-                         if completed_steps > resumed_steps else None),
+        "train_tokens": tokens_seen, "steps": completed_steps, "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_seen / train_seconds if train_seconds > 0 else None,
         "train_seconds": train_seconds, "wall_seconds": wall, "eval_and_checkpoint_seconds": eval_seconds,
-        "comm": comm, "n_params": n_params, "run_name": run_name, "vocab_size": config.vocab_size,
+        "comm": accelerator.comm_stats.as_dict(), "n_params": n_params, "run_name": run_name,
+        "vocab_size": config.vocab_size, "peak_host_mb_after_prepare": peak_host_mb_after_prepare,
+        "host": host_load,
+        "session": {"resumed_from_step": resumed_steps, "steps": session_steps,
+                    "wall_seconds": time.perf_counter() - wall_t0},
+        "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
+        "wandb_id": wandb_id,
     }
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
-        try:
-            write_curves(records, os.path.join(args.output_dir, "curves.png"), f"{run_name} ({args.model})")
+        try:  # the whole history, also after a resume
+            plot_run_curves(read_metrics(metrics_path), os.path.join(args.output_dir, "curves.png"),
+                            f"{run_name} ({args.model})")
         except Exception as exc:  # a plot must never fail a training run
             print(f"[fl_accel] could not draw curves.png: {exc}", file=sys.stderr)
-    if args.checkpoint_every:
-        save_checkpoint(completed_steps)
     accelerator.end_training()
     if accelerator.is_main_process:
         wandb_dir = os.path.join(args.output_dir, "wandb")
         print(f"[fl_accel] done: eval perplexity {ppl:.2f} (loss {nll:.4f}) after {completed_steps} steps, "
               f"{results['tokens_per_s'] or 0:.0f} tokens/s\n"
-              f"[fl_accel] results: {os.path.join(args.output_dir, 'all_results.json')}, metrics.jsonl, curves.png\n"
+              f"[fl_accel] results: {os.path.join(args.output_dir, 'all_results.json')}, metrics.jsonl, curves.png"
+              + (", final_model/" if args.save_final_model else "") + "\n"
               + (f"[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
                  if args.report_to == "wandb" else ""))
     return results
 
 
+# =========================================================================== entry point
 def _say(line: str) -> None:
     """One write per line, so lines of concurrent ranks sharing a pipe do not interleave."""
     sys.stderr.write(line.replace("\n", " ") + "\n")
@@ -655,6 +657,20 @@ def _on_sigterm(signum, frame):
     sys.exit(143)
 
 
+def _record_for_launcher(message: str) -> None:
+    """Hand the one-line error to torchrun's failure summary (its "Root Cause" box, printed
+    last), through the error file torchelastic gives each worker (TORCHELASTIC_ERROR_FILE)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                    "timestamp": str(int(time.time()))}}}, fh)
+    except OSError:
+        pass
+
+
 def cli(argv=None) -> int:
     import signal
 
@@ -662,18 +678,21 @@ def cli(argv=None) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         main(argv)
-    except (RecipeError, ValueError) as exc:
-        _say(f"[fl_accel] error (rank {rank}): {exc}")
+    except ValueError as exc:  # RecipeError, DataError, CheckpointError, FLConfig errors
+        message = f"[fl_accel] error (rank {rank}): {exc}"
+        _say(message)
+        _record_for_launcher(message)
         return 2
     except KeyboardInterrupt:
         _say(f"[fl_accel] rank {rank}: interrupted; resume with --resume_from_checkpoint latest "
              f"(checkpoints every --checkpoint_every steps)")
         return 130
     except RuntimeError as exc:
-        text = str(exc)
-        if any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "Timed out", "timed out")):
-            _say(f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung "
-                 f"(collective timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {text[:500]}")
+        if classify_failure(exc) == "collective":
+            message = (f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung (collective "
+                       f"timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {str(exc)[:500]}")
+            _say(message)
+            _record_for_launcher(message)
             return 1
         raise
     return 0

@@ -1,0 +1,289 @@
+"""The recipe's arguments: one dataclass for the recipe, FLConfig for the federation.
+
+Flags are derived from the dataclasses with ``transformers.HfArgumentParser``: every
+field of :class:`RecipeArguments` and of :class:`fl_accel.FLConfig` is a flag
+(``--sync_every 16``), a YAML key (recipe options at the top level, FLConfig fields
+under ``fl:``) and, for FLConfig, an ``FL_ACCEL_<FIELD>`` variable, with no other
+code to edit. Precedence, lowest to highest: defaults < ``--config`` YAML <
+``FL_ACCEL_*`` < flags. :func:`parse_args` also reports where each non-default value
+came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from fl_accel.config import ENV_PREFIX, FLConfig, env_overrides, read_yaml_mapping
+
+
+class RecipeError(ValueError):
+    """A bad argument or input; reported on every rank with a non-zero exit."""
+
+
+def _help(text: str) -> dict:
+    return {"help": " ".join(text.split())}
+
+
+@dataclass
+class RecipeArguments:
+    """Everything of the pretraining recipe that is not an FLConfig field."""
+
+    # ------------------------------------------------------------------ model
+    model: str = field(default="tiny", metadata=_help(
+        "preset (tiny, tiny-tied, llama3.2-1b, llama3.1-8b), a config.json, a model folder or a hub id"))
+    init_device: Literal["meta", "cpu"] = field(default="meta", metadata=_help(
+        "meta: build on the meta device and initialize each rank's shard only (little host memory); "
+        "cpu: build the full model on every rank first (an escape hatch)"))
+    seq_len: int = field(default=256, metadata=_help("tokens per block"))
+    # ------------------------------------------------------------------ data
+    dataset_name: str = field(default="shakespeare", metadata=_help(
+        "'shakespeare' (embedded, offline) or a datasets hub id"))
+    dataset_config_name: str | None = field(default=None, metadata=_help("config of a hub dataset, e.g. 'tiny'"))
+    train_file: str | None = field(default=None, metadata=_help(
+        "local .txt/.json/.jsonl/.csv/.parquet file (with --streaming also a glob or comma list)"))
+    validation_file: str | None = field(default=None, metadata=_help(
+        "local validation text (else the dataset's validation split or a held-out part)"))
+    text_column: str = field(default="text", metadata=_help("column holding the text"))
+    validation_split_percentage: float = field(default=5.0, metadata=_help(
+        "held-out share of the training rows when there is no validation split (map-style data)"))
+    validation_holdout_docs: int = field(default=1000, metadata=_help(
+        "--streaming without validation data: the first N training documents are held out for validation"))
+    streaming: bool = field(default=False, metadata=_help(
+        "stream and pack the training data on the fly (corpora that do not fit in memory); needs --max_steps"))
+    tokenizer: str = field(default="bpe", metadata=_help(
+        "'bpe' (train one on the training text) or a tokenizer name/path, e.g. meta-llama/Llama-3.1-8B"))
+    vocab_size: int = field(default=8192, metadata=_help("vocabulary of the trained BPE"))
+    cache_dir: str | None = field(default=None, metadata=_help("corpus/tokenizer cache; unset: ~/.cache/fl_accel"))
+    preprocessing_num_workers: int | None = field(default=None, metadata=_help("datasets.map processes"))
+    # ------------------------------------------------------------------ training
+    micro_batch_size: int = field(default=4, metadata=_help("blocks per rank per forward (micro-batch)"))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
+    max_steps: int | None = field(default=None, metadata=_help("optimizer steps; unset: --num_epochs epochs"))
+    num_epochs: int = field(default=1, metadata=_help("passes over the training blocks (map-style data)"))
+    learning_rate: float = field(default=3e-4, metadata=_help("AdamW peak learning rate (paper)"))
+    adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1"))
+    adam_beta2: float = field(default=0.95, metadata=_help("AdamW beta2"))
+    weight_decay: float = field(default=0.1, metadata=_help("AdamW weight decay"))
+    warmup_ratio: float = field(default=0.1, metadata=_help("share of steps in linear warmup"))
+    lr_scheduler_type: str = field(default="cosine", metadata=_help("transformers.get_scheduler name"))
+    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm; 0 disables clipping"))
+    mixed_precision: Literal["auto", "no", "bf16"] = field(default="auto", metadata=_help(
+        "auto: bf16 on GPUs that support it, else fp32. fp16 is not offered: its loss scaler can skip a step "
+        "in one federation group only"))
+    seed: int = field(default=42, metadata=_help("model init and data order (the same on every rank)"))
+    # ------------------------------------------------------------------ evaluation, logging, checkpoints
+    eval_every: int = field(default=0, metadata=_help(
+        "optimizer steps between evaluations (rounded up to a multiple of H); 0: at the end only"))
+    eval_groups: bool = field(default=False, metadata=_help(
+        "also evaluate each federation group's own model right before the sync of an evaluation step "
+        "(eval/perplexity_group<f>)"))
+    max_eval_blocks: int | None = field(default=None, metadata=_help("cap on validation blocks"))
+    log_every: int = field(default=5, metadata=_help("optimizer steps between log records"))
+    output_dir: str | None = field(default=None, metadata=_help("unset: outputs/<experiment>/<run_name>"))
+    overwrite_output_dir: bool = field(default=False, metadata=_help(
+        "start a fresh run in an output folder that holds another run's checkpoints and results (they are deleted)"))
+    checkpoint_every: int = field(default=0, metadata=_help("optimizer steps between checkpoints; 0 disables"))
+    checkpoints_total_limit: int | None = field(default=None, metadata=_help(
+        "keep only the newest N checkpoints (as Accelerate's ProjectConfiguration.total_limit)"))
+    resume_from_checkpoint: str | None = field(default=None, metadata=_help("'latest' or a step_N directory"))
+    save_final_model: bool = field(default=True, metadata=_help(
+        "export the final synchronized model with save_pretrained (safetensors + tokenizer) to <output_dir>/final_model"))
+    report_to: Literal["wandb", "none"] = field(default="wandb", metadata=_help(
+        "wandb (offline unless WANDB_MODE says otherwise) or none"))
+    wandb_project: str = field(default="fl_accel", metadata=_help("W&B project"))
+    experiment: str = field(default="shakespeare-tiny", metadata=_help(
+        "W&B group: runs of one comparison share it"))
+    run_name: str | None = field(default=None, metadata=_help("unset: algorithm and layout sizes"))
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(RecipeArguments)
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "vocab_size",
+                     "log_every", "validation_holdout_docs"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "max_eval_blocks", "checkpoints_total_limit", "preprocessing_num_workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise RecipeError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "max_grad_norm", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise RecipeError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise RecipeError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 < self.validation_split_percentage < 100:
+            raise RecipeError(f"--validation_split_percentage must be in (0, 100), got "
+                              f"{self.validation_split_percentage}")
+        if self.streaming and self.max_steps is None:
+            raise RecipeError("--streaming needs --max_steps: a stream has no length (each rank restarts its shard "
+                              "in a new epoch when it runs out, so every rank has data until the last step)")
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        if value not in args:
+            raise RecipeError(f"--{name} must be one of {list(args)}, got {value!r}")
+        return
+    if type(None) in args:
+        if value is None:
+            return
+        hint = next(a for a in args if a is not type(None))
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(hint, lambda v: True)
+    if not ok(value):
+        raise RecipeError(f"--{name} must be {getattr(hint, '__name__', hint)}, got {value!r} "
+                          f"({type(value).__name__})")
+
+
+@dataclass
+class ParsedArgs:
+    """What :func:`parse_args` returns."""
+
+    args: RecipeArguments
+    fl: FLConfig
+    sources: dict[str, str]
+    """Where each non-default value came from: the YAML path, ``FL_ACCEL_<FIELD>``, or "flag"."""
+
+
+def build_parser(fl_cls=FLConfig):
+    """The HfArgumentParser over RecipeArguments and ``fl_cls``, plus ``--config``."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0])
+    docs = fl_cls.field_docs()
+    for action in parser._actions:
+        if action.dest in docs and not action.help:
+            action.help = docs[action.dest]
+    parser.add_argument("--config", default=None, help="recipe YAML: any option at the top level, FLConfig "
+                                                       "fields under 'fl:'")
+    return parser
+
+
+def _expand_lists(argv: list[str], list_flags: set[str]) -> list[str]:
+    """``--group_sizes 2,4`` -> ``--group_sizes 2 4`` (HfArgumentParser takes lists space-separated)."""
+    out, expand = [], False
+    for token in argv:
+        if token.startswith("--"):
+            expand = token.split("=")[0] in list_flags
+            if expand and "=" in token:
+                flag, value = token.split("=", 1)
+                out.append(flag)
+                out.extend(v for v in value.split(",") if v)
+                expand = True
+                continue
+            out.append(token)
+        elif expand and "," in token:
+            out.extend(v for v in token.split(",") if v)
+        else:
+            out.append(token)
+    return out
+
+
+def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> ParsedArgs:
+    """Parse defaults < YAML (``--config``) < ``FL_ACCEL_*`` < flags into the two dataclasses.
+
+    Raises:
+        RecipeError: unreadable YAML, unknown keys (naming the file; an FLConfig field at
+            the top level "belongs under 'fl:'"), values of the wrong type or range.
+        SystemExit: argparse's own errors (an unknown flag, a value outside the choices).
+    """
+    argv = list(os.sys.argv[1:] if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(fl_cls)
+    list_flags = {f"--{n}" for n, h in hints.items() if list in (typing.get_origin(h),
+                                                                   *map(typing.get_origin, typing.get_args(h)))}
+    argv = _expand_lists(argv, list_flags)
+    parser = build_parser(fl_cls)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    recipe_names = {f.name for f in fields(RecipeArguments)}
+    fl_names = set(fl_cls.field_names())
+    defaults: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if known.config:
+        try:
+            values = read_yaml_mapping(known.config, what="--config")
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from exc
+        fl_yaml = values.pop("fl", None) or {}
+        if not isinstance(fl_yaml, dict):
+            raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
+        for key in values:
+            if key in fl_names:
+                raise RecipeError(f"key {key!r} in {known.config} is an FLConfig field: it belongs under 'fl:'")
+            if key not in recipe_names:
+                raise RecipeError(f"unknown key {key!r} in {known.config}; recipe options: {sorted(recipe_names)}")
+        for key in fl_yaml:
+            if key not in fl_names:
+                where = " (a recipe option: put it at the top level)" if key in recipe_names else ""
+                raise RecipeError(f"unknown FLConfig field {key!r} under 'fl:' in {known.config}{where}; "
+                                  f"known: {sorted(fl_names)}")
+        defaults.update(values)
+        defaults.update(fl_yaml)
+        sources.update({k: known.config for k in (*values, *fl_yaml)})
+    try:
+        env = env_overrides(environ, cls=fl_cls)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
+    defaults.update(env)
+    sources.update({k: ENV_PREFIX + k.upper() for k in env})
+    if defaults:
+        parser.set_defaults(**defaults)
+    # Which flags were given explicitly: parse once with a sentinel as every default.
+    sentinel = object()
+    probe = build_parser(fl_cls)
+    probe.set_defaults(**{a.dest: sentinel for a in probe._actions if a.dest != "help"})
+    given, _ = probe.parse_known_args(argv)
+    sources.update({k: "flag" for k, v in vars(given).items() if v is not sentinel and k != "config"})
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
+                                                    return_remaining_strings=True)
+        recipe_args, fl, _rest = parsed[0], parsed[1], parsed[-1]  # (a namespace with --config in between)
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(_yaml_hint(str(exc), known.config)) from exc
+    if _rest:
+        parser.error(f"unrecognized arguments: {' '.join(_rest)}")
+    defaults_of = {f.name: f.default for f in (*fields(RecipeArguments), *fields(fl_cls))}
+    sources = {k: v for k, v in sources.items() if k in defaults_of}
+    return ParsedArgs(recipe_args, fl, sources)
+
+
+def _yaml_hint(message: str, config: str | None) -> str:
+    return message + (f" (check --config {config})" if config and "--" not in message and "FL_ACCEL" not in message
+                      else "")
+
+
+def describe_sources(parsed: ParsedArgs) -> list[str]:
+    """One line per non-default FLConfig value, saying where it came from; values from
+    ``FL_ACCEL_*`` variables are marked, since a leftover variable silently changes a run."""
+    lines = []
+    for f in fields(parsed.fl):
+        value = getattr(parsed.fl, f.name)
+        if value != f.default or f.name in parsed.sources:
+            where = parsed.sources.get(f.name, "default")
+            mark = "  <- environment variable" if where.startswith(ENV_PREFIX) else ""
+            lines.append(f"{f.name}={value!r} ({where}){mark}")
+    return lines
+
+
+def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
+    """The settings a checkpoint must share with a run that resumes it: everything that
+    shapes the model, the data order and the optimization, except the step count."""
+    keep = ("model", "seq_len", "dataset_name", "dataset_config_name", "train_file", "text_column", "streaming",
+            "tokenizer", "vocab_size", "micro_batch_size", "gradient_accumulation_steps", "learning_rate",
+            "adam_beta1", "adam_beta2", "weight_decay", "warmup_ratio", "lr_scheduler_type", "max_grad_norm",
+            "seed", "mixed_precision")
+    out = {k: getattr(args, k) for k in keep}
+    out["fl"] = dataclasses.asdict(fl)
+    return out
