@@ -97,6 +97,29 @@ def test_nan_in_one_group_reset_to_healthy_mean(tmp_path):
     assert not math.isnan(recs[2]["losses"][3])
 
 
+@pytest.mark.parametrize("state", ["own", "avg"], ids=["own_optimizer_state", "averaged_optimizer_state"])
+def test_nan_through_the_loss_is_recovered_by_reset(tmp_path, state):
+    """A NaN loss in group 1 at step 2 poisons its gradients and AdamW moments. With
+    on_nonfinite="reset" the sync at step 2 resets group 1's parameters AND moments to the
+    healthy group's; every rank then stays finite through steps 3-4 and the groups are
+    equal after the sync at step 4. With average_optimizer_state the NaN moments are kept
+    out of the average (else every group would be NaN at step 3)."""
+    result = run_torchrun(4, WORKER, "nan_loss", str(tmp_path), "avg_state" if state == "avg" else "", timeout=180)
+    assert result.returncode == 0, result.tail()
+    recs = load(tmp_path, f"nan_loss-{state}")
+    assert "dropped federation group(s) [1]" in result.stderr, result.tail()
+    for r in range(4):
+        assert recs[r]["finite"][1], r
+        assert recs[r]["finite"][2] and recs[r]["finite"][3] and recs[r]["finite"][4], (r, recs[r]["finite"])
+        assert recs[r]["num_syncs"][4] == 2
+    for a, b in ((0, 2), (1, 3)):  # same shard coordinate, different groups
+        for step in (2, 4):
+            assert all(torch.equal(x, y) for x, y in zip(recs[a]["params"][step], recs[b]["params"][step])), step
+        # after the reset at step 2 group 1 took group 0's moments (the healthy mean of one group)
+        assert all(torch.equal(x, y) for x, y in zip(recs[a]["moments"][2], recs[b]["moments"][2]))
+        assert not all(torch.equal(x, y) for x, y in zip(recs[a]["params"][3], recs[b]["params"][3]))
+
+
 def test_average_optimizer_state_makes_adamw_moments_equal_across_groups(tmp_path):
     """With average_optimizer_state the AdamW moments are averaged at the sync too; without, they differ."""
     for flag in ("on", "off"):

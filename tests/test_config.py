@@ -31,20 +31,24 @@ def _no_fl_env(monkeypatch):
 
 # ====================================================================== defaults
 def test_defaults():
-    """The defaults are the paper's FL+FSDP setting with H=8 and plain FedAvg."""
+    """The defaults are the paper's FL+FSDP setting with H=8 and plain FedAvg; the streaming,
+    compression and unequal-group fields default to the paper's blocking fp32 sync."""
     c = FLConfig()
     assert c.to_dict() == {
-        "algorithm": "fl_fsdp", "num_groups": 2, "hsdp_shard_size": None, "sync_every": 8,
+        "algorithm": "fl_fsdp", "num_groups": 2, "group_sizes": None, "group_weighting": "size",
+        "hsdp_shard_size": None, "sync_every": 8, "num_fragments": 1, "sync_delay": 0,
+        "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256,
     }
     assert c.validate() is c
     assert c.validate(world_size=4) is c
-    assert c.is_federated and not c.uses_hsdp
+    assert c.is_federated and not c.uses_hsdp and not c.streaming
 
 
 def test_every_field_has_an_attribute_docstring():
-    """Issue 2: every FLConfig field carries an attribute docstring (a string right after it)."""
+    """Every FLConfig field carries an attribute docstring (a string right after it); the
+    recipe's --help text is derived from them."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(FLConfig)))
     body = tree.body[0].body
     documented = set()
@@ -53,6 +57,7 @@ def test_every_field_has_an_attribute_docstring():
                 and isinstance(nxt.value.value, str) and nxt.value.value.strip():
             documented.add(node.target.id)
     assert documented == {f.name for f in fields(FLConfig)}
+    assert set(FLConfig.field_docs()) == documented
 
 
 def test_importing_config_and_mesh_does_not_load_accelerate():
@@ -62,8 +67,17 @@ def test_importing_config_and_mesh_does_not_load_accelerate():
     assert out.stdout.strip() == "False"
 
 
+def test_import_checks_the_versions_it_relies_on(monkeypatch):
+    """``import fl_accel`` refuses torch/accelerate releases whose internals it was not read against."""
+    import fl_accel
+
+    monkeypatch.setattr(fl_accel, "_version", lambda name: {"torch": "2.99.0", "accelerate": "1.15.0"}[name])
+    with pytest.raises(ImportError, match=r"torch 2\.99\.0 is installed, fl_accel needs torch 2\.13"):
+        fl_accel._check_versions()
+
+
 # ====================================================================== sizes
-@pytest.mark.parametrize("kwargs,world,sizes", [
+@pytest.mark.parametrize("kwargs,world,shape", [
     ({"algorithm": "fl_fsdp", "num_groups": 2}, 4, (2, 1, 2)),
     ({"algorithm": "fl_fsdp", "num_groups": 4}, 4, (4, 1, 1)),
     ({"algorithm": "fl_fsdp", "num_groups": 1}, 4, (1, 1, 4)),
@@ -73,16 +87,27 @@ def test_importing_config_and_mesh_does_not_load_accelerate():
     ({"algorithm": "hsdp", "num_groups": 3, "hsdp_shard_size": 2}, 8, (1, 4, 2)),
     ({"algorithm": "fl_fsdp", "num_groups": 2, "hsdp_shard_size": 3}, 4, (2, 1, 2)),  # S ignored without HSDP
 ])
-def test_sizes(kwargs, world, sizes):
+def test_layout_shape(kwargs, world, shape):
     """(F, R, S) for a world size; F*R*S == world."""
     c = FLConfig(**kwargs).validate(world)
-    assert c.sizes(world) == sizes
-    assert FLLayout.from_config(c, world).shape == sizes
+    layout = FLLayout.from_config(c, world)
+    assert layout.shape == shape and layout.world_size == world
+
+
+def test_hsdp_shard_size_defaults_to_ranks_per_node():
+    """Unset S under HSDP: the ranks per node that divide every group (shard in a node, replicate across)."""
+    assert FLLayout.from_config(FLConfig(algorithm="hsdp"), 8, ranks_per_node=4).shape == (1, 2, 4)
+    assert FLLayout.from_config(FLConfig(algorithm="fl_hsdp", num_groups=2), 4, ranks_per_node=4).shape == (2, 1, 2)
+    with pytest.raises(ValueError, match="hsdp_shard_size must be set"):
+        FLLayout.from_config(FLConfig(algorithm="hsdp"), 8)
 
 
 def test_describe():
-    assert FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2, sync_every=3).describe(8) == \
-        "fl_hsdp F=2 G=4 R=2 S=2 H=3"
+    layout = FLLayout.from_config(FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2), 8)
+    assert layout.describe(3) == "fl_hsdp F=2 G=4 R=2 S=2 H=3"
+    unequal = FLLayout.from_config(FLConfig(algorithm="fl_hsdp", group_sizes=[2, 4], hsdp_shard_size=2), 6)
+    assert unequal.describe(8) == "fl_hsdp F=2 G=[2, 4] R=[1, 2] S=2 H=8"
+    assert unequal.sizes_label() == "G2_4" and layout.sizes_label() == "G4"
 
 
 # ====================================================================== validation
@@ -90,7 +115,7 @@ def test_describe():
     ({"num_groups": 3}, 4, "num_groups"),  # world size not divisible by F
     ({"algorithm": "fl_hsdp", "num_groups": 2, "hsdp_shard_size": 3}, 4, "hsdp_shard_size"),  # S does not divide G
     ({"algorithm": "hsdp", "hsdp_shard_size": 3}, 8, "hsdp_shard_size"),
-    ({"algorithm": "fl_hsdp", "num_groups": 2}, 8, "hsdp_shard_size"),  # S missing
+    ({"algorithm": "fl_hsdp", "num_groups": 2}, 8, "hsdp_shard_size"),  # S missing (no ranks per node known)
     ({"sync_every": 0}, None, "sync_every"),
     ({"sync_every": -2}, None, "sync_every"),
     ({"sync_every": 2.0}, None, "sync_every"),
@@ -109,16 +134,55 @@ def test_describe():
     ({"data_sharding": "local"}, None, "data_sharding"),
     ({"on_nonfinite": "ignore"}, None, "on_nonfinite"),
     ({"sync_bucket_mb": 0}, None, "sync_bucket_mb"),
+    ({"sync_every": 6, "num_fragments": 4}, None, "num_fragments"),  # H not a multiple of P
+    ({"sync_every": 8, "num_fragments": 2, "sync_delay": 4}, None, "sync_delay"),  # tau >= H/P
+    ({"sync_delay": -1}, None, "sync_delay"),
+    ({"fragment_update_alpha": 1.5}, None, "fragment_update_alpha"),
+    ({"fragment_update_alpha": -0.1}, None, "fragment_update_alpha"),
+    ({"sync_dtype": "fp8"}, None, "sync_dtype"),
+    ({"error_feedback": "yes"}, None, "error_feedback"),
+    ({"group_sizes": [2, 2], "num_groups": 3}, None, "num_groups"),  # disagrees with an explicit num_groups
+    ({"group_sizes": [2, 4]}, None, "fl_hsdp"),  # fl_fsdp with unequal sizes: suggests fl_hsdp
+    ({"algorithm": "fl_hsdp", "group_sizes": [2, 4], "hsdp_shard_size": 4}, None, "hsdp_shard_size"),
+    ({"algorithm": "fl_hsdp", "group_sizes": [2, 4]}, None, "hsdp_shard_size"),  # S needed for unequal groups
+    ({"algorithm": "fl_hsdp", "group_sizes": [2, 4], "hsdp_shard_size": 2}, 8, "group_sizes"),  # sum != world
+    ({"group_sizes": [2, 0]}, None, "group_sizes"),
+    ({"group_sizes": []}, None, "group_sizes"),
+    ({"group_sizes": ["2", 2]}, None, "group_sizes"),
+    ({"group_weighting": "tokens"}, None, "group_weighting"),
 ])
 def test_validate_names_the_field(kwargs, world, field):
-    """Each invalid value raises ValueError whose message names the offending field."""
+    """Each invalid value raises ValueError whose message names the offending field, at
+    construction (types, ranges, constraints between fields) or in validate(world_size)."""
     with pytest.raises(ValueError, match=field):
         FLConfig(**kwargs).validate(world)
 
 
-def test_layout_from_config_raises_too():
-    with pytest.raises(ValueError, match="num_groups"):
-        FLLayout.from_config(FLConfig(num_groups=3), 8)
+def test_construction_validates_and_validate_rechecks_mutations():
+    """__post_init__ rejects bad values at once; a later mutation is caught by validate()."""
+    with pytest.raises(ValueError, match="sync_every"):
+        FLConfig(sync_every=0)
+    c = FLConfig()
+    c.sync_every = 0
+    with pytest.raises(ValueError, match="sync_every"):
+        c.validate()
+
+
+def test_single_process_error_names_the_fix():
+    with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 1"):
+        FLLayout.from_config(FLConfig(num_groups=2), 1)
+
+
+def test_ignored_settings_are_named():
+    """Settings the algorithm ignores are reported, so a leftover flag does not pass silently."""
+    notes = FLConfig(algorithm="fsdp", num_groups=3, sync_every=4).ignored_settings()
+    assert any("num_groups=3" in n and "'fsdp'" in n for n in notes)
+    assert any("sync_every=4" in n for n in notes)
+    assert any("hsdp_shard_size=2" in n for n in FLConfig(hsdp_shard_size=2).ignored_settings())
+    assert any("error_feedback" in n for n in FLConfig(error_feedback=True).ignored_settings())
+    assert FLConfig().ignored_settings() == []
+    assert FLConfig(algorithm="fl_hsdp", hsdp_shard_size=2, sync_dtype="int8", error_feedback=True,
+                    outer_optimizer="nesterov", outer_lr=0.5).ignored_settings() == []
 
 
 # ====================================================================== YAML and environment
@@ -183,9 +247,11 @@ def test_missing_yaml_file(tmp_path):
 
 def test_env_values_are_typed():
     env = {"FL_ACCEL_NUM_GROUPS": "4", "FL_ACCEL_HSDP_SHARD_SIZE": "none", "FL_ACCEL_OUTER_LR": "0.5",
-           "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "true", "FL_ACCEL_ALGORITHM": "fl_hsdp", "PATH": "/bin"}
+           "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "true", "FL_ACCEL_ALGORITHM": "fl_hsdp", "PATH": "/bin",
+           "FL_ACCEL_GROUP_SIZES": "2,4", "FL_ACCEL_SYNC_DTYPE": "int8", "FL_ACCEL_FRAGMENT_UPDATE_ALPHA": "0.5"}
     assert env_overrides(env) == {"num_groups": 4, "hsdp_shard_size": None, "outer_lr": 0.5,
-                                  "average_optimizer_state": True, "algorithm": "fl_hsdp"}
+                                  "average_optimizer_state": True, "algorithm": "fl_hsdp", "group_sizes": [2, 4],
+                                  "sync_dtype": "int8", "fragment_update_alpha": 0.5}
     assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}) == \
         {"hsdp_shard_size": 2, "average_optimizer_state": False}
 
@@ -204,6 +270,7 @@ def test_from_env_reads_os_environ(monkeypatch):
     ({"FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "maybe"}, "FL_ACCEL_AVERAGE_OPTIMIZER_STATE"),
     ({"FL_ACCEL_SYNC_EVERY": "0"}, "sync_every"),
     ({"FL_ACCEL_ALGORITHM": "fedprox"}, "algorithm"),
+    ({"FL_ACCEL_GROUP_SIZES": "2,x"}, "FL_ACCEL_GROUP_SIZES"),
 ])
 def test_env_errors(env, match):
     with pytest.raises(ValueError, match=match):
@@ -257,44 +324,79 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("shape", list(LAYOUTS))
 def test_layout_axis_ranks(shape):
-    """axis_ranks(axis, k) is the hand-written block containing k, for every rank and axis."""
-    layout = FLLayout(*shape)
+    """axis_ranks(axis, k) is the hand-written block containing k, for every rank and axis;
+    axis_groups(axis) lists exactly those blocks."""
+    layout = FLLayout.equal(*shape)
     for axis, blocks in LAYOUTS[shape].items():
         assert sorted(x for b in blocks for x in b) == list(range(layout.world_size))
+        assert sorted(layout.axis_groups(axis)) == sorted(blocks)
         for block in blocks:
             for k in block:
                 assert layout.axis_ranks(axis, k) == block, (axis, k)
 
 
-@pytest.mark.parametrize("shape", list(LAYOUTS) + [(4, 1, 1), (3, 2, 2), (2, 4, 3)])
+@pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 2), (3, 2, 1), (1, 4, 2), (4, 1, 3)])
 def test_layout_coords_round_trip_and_device_mesh_order(shape):
-    """coords/rank are inverse bijections; rank k sits at the same coordinate as in
-    init_device_mesh's row-major ``arange(world).reshape(F, R, S)``; groups are contiguous."""
+    """coords/rank invert each other and follow DeviceMesh's row-major order of
+    ``torch.arange(N).view(F, R, S)`` (what init_device_mesh builds)."""
     F, R, S = shape
-    layout = FLLayout(F, R, S)
+    layout = FLLayout.equal(F, R, S)
     assert (layout.world_size, layout.group_size) == (F * R * S, R * S)
-    grid = torch.arange(F * R * S).reshape(F, R, S)
+    grid = torch.arange(F * R * S).view(F, R, S)
     seen = set()
     for k in range(layout.world_size):
         f, r, s = layout.coords(k)
-        assert 0 <= f < F and 0 <= r < R and 0 <= s < S
-        assert layout.rank(f, r, s) == k and grid[f, r, s].item() == k
         seen.add((f, r, s))
+        assert layout.rank(f, r, s) == k and grid[f, r, s].item() == k
         assert layout.axis_ranks("fl", k) == tuple(grid[:, r, s].tolist())
         assert layout.axis_ranks("dp_replicate", k) == tuple(grid[f, :, s].tolist())
         assert layout.axis_ranks("dp_shard", k) == tuple(grid[f, r, :].tolist())
-        assert k in layout.group_ranks(f)
+        assert k in layout.group_ranks(f) and layout.group_local_rank(k) == k - f * R * S
     assert len(seen) == layout.world_size
-    for f in range(F):
-        assert layout.group_ranks(f) == tuple(range(f * R * S, (f + 1) * R * S))
 
 
 def test_layout_errors():
-    layout = FLLayout(2, 1, 2)
+    layout = FLLayout.equal(2, 1, 2)
     assert AXES == ("fl", "dp_replicate", "dp_shard")
     with pytest.raises(ValueError):
         layout.coords(4)
     with pytest.raises(ValueError):
         layout.coords(-1)
-    with pytest.raises(ValueError, match="unknown mesh axis"):
+    with pytest.raises(ValueError):
         layout.axis_ranks("tp", 0)
+    with pytest.raises(ValueError, match="shards=3 must divide"):
+        FLLayout((2, 4), 3, "fl_hsdp")
+
+
+def test_unequal_layout_by_hand():
+    """group_sizes (2, 4), S=2: group 0 = ranks 0-1 (1 replica), group 1 = ranks 2-5 (2 replicas).
+    The shard is exchanged in R_min = 1 chunk by replica 0 of each group; ranks 4, 5 take no
+    part in the "fl" exchange and receive the result inside their group."""
+    layout = FLLayout.from_config(FLConfig(algorithm="fl_hsdp", group_sizes=[2, 4], hsdp_shard_size=2), 6)
+    assert [layout.coords(k) for k in range(6)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0),
+                                                     (1, 1, 1)]
+    assert (layout.min_replicas, layout.replicas_of(0), layout.replicas_of(1)) == (1, 1, 2)
+    assert layout.axis_groups("fl") == [(0, 2), (1, 3)]
+    assert layout.axis_groups("dp_replicate") == [(0,), (1,), (2, 4), (3, 5)]
+    assert layout.axis_groups("dp_shard") == [(0, 1), (2, 3), (4, 5)]
+    assert layout.axis_ranks("fl", 4) == () and layout.axis_ranks("fl", 3) == (1, 3)
+    assert layout.group_local_rank(5) == 3 and layout.group_ranks(1) == (2, 3, 4, 5)
+    assert layout.weights("size") == (2 / 6, 4 / 6) and layout.weights("uniform") == (0.5, 0.5)
+    assert FLLayout.equal(2, 1, 2).weights("size") == (0.5, 0.5)
+    with pytest.raises(ValueError, match="group_size is not defined for unequal groups"):
+        layout.group_size
+
+
+@pytest.mark.parametrize("shape,rpn,spans,share", [
+    ((2, 1, 2), 2, {"fl": True, "dp_replicate": False, "dp_shard": False}, {"fl": 2, "dp_shard": 0}),
+    ((1, 1, 4), 2, {"fl": False, "dp_replicate": False, "dp_shard": True}, {"fl": 0, "dp_shard": 1}),
+    ((1, 2, 2), 2, {"fl": False, "dp_replicate": True, "dp_shard": False}, {"dp_replicate": 2, "dp_shard": 0}),
+    ((2, 2, 2), 4, {"fl": True, "dp_replicate": False, "dp_shard": False}, {"fl": 4, "dp_replicate": 0}),
+])
+def test_node_spans_and_link_share(shape, rpn, spans, share):
+    """Which axes leave a node (ranks numbered node by node) and how many ring hops of an axis
+    share one node's link per direction (FSDP over 2 nodes x 2: 1; the fl axis of 2x2: 2)."""
+    layout = FLLayout.equal(*shape)
+    assert {a: layout.spans_nodes(a, rpn) for a in AXES} == spans
+    for axis, n in share.items():
+        assert layout.link_share(axis, rpn) == n, axis

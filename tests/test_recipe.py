@@ -123,13 +123,12 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
     record = next(r for r in read_metrics(out) if r.get("step") == 3 and "train/loss" in r)
-    from recipes.pretrain import PRESETS
+    from recipes.modeling import PRESETS
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**{**PRESETS["tiny"], "vocab_size": results["vocab_size"]}))
     cfg = FLConfig(algorithm=algorithm, num_groups=2, hsdp_shard_size=2, sync_every=3)
-    est = estimate_from_config(cfg, 4, units_from_module(model), param_bytes=4, grad_bytes=4, sync_bytes=4,
-                               total_steps=3)
+    est = estimate_from_config(cfg, 4, units_from_module(model), param_bytes=4, grad_bytes=4, total_steps=3)
     predicted = {axis: 3 * b for axis, b in est.by_axis(amortized=True).items()}
     for axis in ("fl", "dp_replicate", "dp_shard"):
         measured = record[f"comm/{axis}/bytes"]

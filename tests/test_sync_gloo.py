@@ -45,18 +45,27 @@ class _FakeFL:
             tensor.mul_(self.num_groups).add_(self.offset * (self.num_groups - 1))
         # ReduceOp.MAX: the non-finite flags; identical elsewhere, nothing to do
 
+        class _Done:
+            def wait(self):
+                return True
+
+        return _Done() if async_op else None
+
 
 def _fake_synchronizer(monkeypatch, sync_every=3, offset=2.0, **config):
     import torch.distributed as dist
 
+    from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.sync import FederatedSynchronizer
 
     fake = _FakeFL(2, offset)
     monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
     params = [torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3)), torch.nn.Parameter(torch.ones(5))]
     cfg = FLConfig(sync_every=sync_every, **config).validate()
-    sync = FederatedSynchronizer(params, torch.optim.SGD(params, lr=0.1), fl_group=None, replicate_group=None,
-                                 num_groups=2, replicas=1, replica_index=0, group_index=0, config=cfg)
+    layout = FLLayout.equal(2, 1, 1)
+    mesh = FLMesh(layout, None, {"fl": object()})  # the fake collective ignores the group
+    sync = FederatedSynchronizer(list(zip(["a", "b"], params)), torch.optim.SGD(params, lr=0.1), layout=layout,
+                                 mesh=mesh, rank=0, config=cfg)
     return sync, params, fake
 
 

@@ -31,6 +31,8 @@ def batch(step: int, rank: int) -> torch.Tensor:
 def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     extra = sys.argv[3] if len(sys.argv) > 3 else ""
+    if mode == "nan_loss":
+        return nan_through_loss(out_dir, average_state=(extra == "avg_state"))
     on_nonfinite = extra if mode == "nan" else "abort"
     outer = "avg" if mode == "opt_state" else "nesterov"
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer=outer,
@@ -84,6 +86,33 @@ def main() -> None:
     torch.save(rec, f"{out_dir}/{mode}-{extra}-rank{acc.process_index}.pt")
     if rec["error"] is None:
         acc.end_training()
+
+
+def nan_through_loss(out_dir: str, average_state: bool) -> None:
+    acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=2, on_nonfinite="reset",
+                                 average_optimizer_state=average_state), cpu=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    rec = {"params": {}, "moments": {}, "finite": {}, "num_syncs": {}}
+    for step in range(4):
+        x = batch(step, acc.process_index)
+        loss = model(input_ids=x, labels=x).loss
+        if step + 1 == 2 and acc.group_index == 1:
+            loss = loss * float("nan")
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        moments = [opt.optimizer.state[p][k].to_local().detach().clone() for p in model.parameters()
+                   for k in ("exp_avg", "exp_avg_sq")]
+        rec["params"][step + 1], rec["moments"][step + 1] = params, moments
+        rec["finite"][step + 1] = all(torch.isfinite(t).all().item() for t in params + moments)
+        rec["num_syncs"][step + 1] = acc.synchronizer.num_syncs
+    torch.save(rec, f"{out_dir}/nan_loss-{'avg' if average_state else 'own'}-rank{acc.process_index}.pt")
+    acc.end_training()
 
 
 if __name__ == "__main__":

@@ -136,16 +136,16 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     rec = {"scenario": sc["name"], "rank": rank, "world": world,
            "coords": [acc.group_index, acc.replica_index, acc.shard_index],
-           "layout": list(acc.layout.shape), "num_groups": acc.num_groups, "is_fsdp2": bool(acc.is_fsdp2),
+           "layout": list(acc.layout.shape), "fragments": sync.fragments if (sync := acc.synchronizer) else None, "num_groups": acc.num_groups, "is_fsdp2": bool(acc.is_fsdp2),
            "names": names, "meta": meta(), "init": snap(),
            "pre_sync": [], "post_sync": [], "sync_meta": [], "sync_global_step": [], "steps": [], "snaps": []}
 
     sync = acc.synchronizer
     real_sync = sync.sync
 
-    def spy_sync():
+    def spy_sync(*args, **kwargs):
         pre, pre_meta = snap(), meta()
-        real_sync()
+        real_sync(*args, **kwargs)
         rec["pre_sync"].append(pre)
         rec["post_sync"].append(snap())
         rec["sync_meta"].append([pre_meta, meta()])
@@ -153,6 +153,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     sync.sync = spy_sync
 
+    acc.meter_comm().__enter__()  # left by end_training
     for i, batch in enumerate(loader):
         with acc.accumulate(model):
             loss = model(input_ids=batch, labels=batch).loss
