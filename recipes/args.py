@@ -229,6 +229,15 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
                 where = " (a recipe option: put it at the top level)" if key in recipe_names else ""
                 raise RecipeError(f"unknown FLConfig field {key!r} under 'fl:' in {known.config}{where}; "
                                   f"known: {sorted(fl_names)}")
+        # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
+        try:
+            RecipeArguments(**values)
+        except RecipeError as exc:
+            raise RecipeError(f"{exc} (in {known.config})".replace("--", "", 1)) from exc
+        try:
+            fl_cls(**fl_yaml)
+        except ValueError as exc:
+            raise RecipeError(f"{exc} (under 'fl:' in {known.config})") from exc
         defaults.update(values)
         defaults.update(fl_yaml)
         sources.update({k: known.config for k in (*values, *fl_yaml)})

@@ -474,6 +474,9 @@ def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cac
         except Exception:  # unreadable entry (e.g. truncated by a full disk): rebuild it
             shutil.rmtree(path, ignore_errors=True)
     packed = tokenize_and_pack(raw, tokenizer, text_column, seq_len, num_proc)
+    if any(len(split) == 0 for split in packed.values()):
+        # datasets cannot save an empty split; the caller reports the too-small split
+        return PackedCache(packed, None, False, time.perf_counter() - t0)
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     packed.save_to_disk(tmp)

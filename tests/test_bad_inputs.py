@@ -36,8 +36,9 @@ def _foreign_checkpoint(tmp_path, **overrides):
     """A complete-looking checkpoint whose metadata says another setup wrote it."""
     ckpt = tmp_path / "ckpt" / "step_4"
     ckpt.mkdir(parents=True)
-    meta = {"format_version": 1, "algorithm": "fl_fsdp", "world_size": 4, "num_groups": 2, "replicas": 1,
-            "shards": 2, "outer_optimizer": "avg", "completed_steps": 4, **overrides}
+    meta = {"format_version": 2, "algorithm": "fl_fsdp", "world_size": 4, "group_sizes": [2, 2], "shards": 2,
+            "outer_optimizer": "avg", "sync_dtype": "fp32", "error_feedback": False, "num_fragments": 1,
+            "completed_steps": 4, **overrides}
     (ckpt / "fl_accel_checkpoint.json").write_text(json.dumps(meta))
     (ckpt / ".metadata").write_bytes(b"")
     return str(ckpt)
@@ -45,7 +46,7 @@ def _foreign_checkpoint(tmp_path, **overrides):
 
 CASES = {
     # name: (builder(tmp_path) -> extra args, expected message fragment)
-    "yaml_wrong_type": (lambda t: _yaml(t, "micro_batch_size: four\n"), "micro_batch_size in"),
+    "yaml_wrong_type": (lambda t: _yaml(t, "micro_batch_size: four\n"), "micro_batch_size must be int"),
     "yaml_fl_wrong_type": (lambda t: _yaml(t, "fl:\n  num_groups: '2'\n"), "FLConfig.num_groups must be an integer"),
     "yaml_not_a_mapping": (lambda t: _yaml(t, "- a\n- b\n"), "must be a YAML mapping"),
     "yaml_unknown_key": (lambda t: _yaml(t, "learning_rat: 0.1\n"), "unknown key 'learning_rat'"),
@@ -66,7 +67,7 @@ CASES = {
     "checkpoint_other_world_size": (lambda t: ["--num_groups", "2", "--resume_from_checkpoint", _foreign_checkpoint(t)],
                                     "world_size=4 vs 2"),
     "checkpoint_other_algorithm": (lambda t: ["--algorithm", "fsdp", "--resume_from_checkpoint",
-                                              _foreign_checkpoint(t, world_size=2, num_groups=1, shards=2)],
+                                              _foreign_checkpoint(t, world_size=2, group_sizes=[2], shards=2)],
                                    "algorithm='fl_fsdp' vs 'fsdp'"),
     "checkpoint_incomplete": (lambda t: ["--resume_from_checkpoint", str(t)], "is not a complete fl_accel checkpoint"),
     "checkpoint_corrupt_metadata": (
@@ -89,19 +90,16 @@ def test_bad_input_fails_fast_on_every_rank(case, tmp_path):
 
 
 def assert_every_rank_failed(result, expected: str) -> None:
-    """Each rank printed the error, or was stopped by torchrun after a peer printed it first.
-
-    The error is raised identically on every rank before any collective; whichever rank
-    exits first makes torchrun SIGTERM the others, which may not have printed yet.
-    """
-    errored, stopped = set(), set()
-    for line in result.stderr.splitlines():
-        if line.startswith("[fl_accel] error (rank ") and expected in line:
-            errored.add(line.split("(rank ")[1].split(")")[0])
-        elif "stopped by the launcher" in line:
-            stopped.add(line.split("rank ")[1].split(":")[0])
+    """The error reached the user: at least one rank printed it (each rank raises it before any
+    collective; whichever exits first makes torchrun stop the others, possibly before they
+    print, or even before they install their SIGTERM handler, so that part is not asserted)."""
+    errored = {line.split("(rank ")[1].split(")")[0] for line in result.stderr.splitlines()
+               if line.startswith("[fl_accel] error (rank ") and expected in line}
     assert errored, result.tail()
-    assert errored | stopped == {str(r) for r in range(NPROC)}, result.tail()
+    # torchrun's failure summary, printed last, repeats the one-line error (the recipe hands it
+    # over through TORCHELASTIC_ERROR_FILE) instead of "To enable traceback see ..."
+    summary = result.stderr.rsplit("Root Cause", 1)[-1]
+    assert expected in summary, result.tail()
 
 
 def test_validation_split_too_small_fails_on_every_rank(tmp_path):
@@ -114,3 +112,9 @@ def test_validation_split_too_small_fails_on_every_rank(tmp_path):
     assert not result.timed_out, result.tail()
     assert result.returncode != 0
     assert_every_rank_failed(result, "validation split has 0 blocks")
+    # Both ranks were well past start-up (their SIGTERM handler installed): each either printed
+    # the error itself or was stopped by torchrun after its peer failed; none waited in a collective.
+    reported = {line.split("rank ")[1].split(")")[0].split(":")[0] for line in result.stderr.splitlines()
+                if "validation split has 0 blocks" in line and line.startswith("[fl_accel] error")
+                or "stopped by the launcher" in line}
+    assert reported == {"0", "1"}, result.tail()
