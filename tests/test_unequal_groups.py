@@ -369,12 +369,17 @@ def test_global_data_sharding_gives_six_disjoint_slices(six):
 def test_group_data_sharding_splits_the_whole_dataset_inside_each_group(six):
     """data_sharding="group": each group's ranks split the whole dataset among
     themselves (disjoint, complete): 96 / 2 = 48 samples per rank in group 0, 96 / 4 = 24
-    in group 1."""
-    sets = _index_sets(six("uniform"))
+    in group 1; and each group shuffles in its own order (the loader shuffles, with
+    Accelerate's default DataLoaderConfiguration): the first batch of group-local rank 0
+    differs between the groups."""
+    recs = six("uniform")
+    sets = _index_sets(recs)
     for f in (0, 1):
         ranks = LAYOUT.group_ranks(f)
         assert all(len(sets[k]) == len(set(sets[k])) == W.DATASET // len(ranks) for k in ranks)
         assert sorted(i for k in ranks for i in sets[k]) == list(range(W.DATASET))
+    first = [recs[LAYOUT.group_offset(f)]["index_batches"][0] for f in (0, 1)]
+    assert first[0] != first[1], first
 
 
 # ====================================================================== 6. the recipe
