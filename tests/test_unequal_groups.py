@@ -413,20 +413,36 @@ def test_recipe_trains_unequal_groups_on_six_processes(tmp_path, data_cache):
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
 
 
+UNEQUAL_YAML = REPO_ROOT / "recipes" / "configs" / "cpu_fl_hsdp_unequal.yaml"
+
+
+def test_unequal_recipe_yaml_parses_to_the_2_4_layout():
+    """recipes/configs/cpu_fl_hsdp_unequal.yaml parses (recipe argument parser, no
+    environment) into fl_hsdp, group_sizes [2, 4], S=2, and validates on 6 ranks."""
+    from recipes.args import parse_args
+
+    fl = parse_args(["--config", str(UNEQUAL_YAML)], environ={}).fl
+    assert (fl.algorithm, fl.group_sizes, fl.hsdp_shard_size, fl.group_weighting) == ("fl_hsdp", [2, 4], 2, "size")
+    assert FLLayout.from_config(fl.validate(world_size=WORLD), WORLD) == LAYOUT
+
+
 def test_accelerate_launch_with_cpu_6proc_yaml_starts_six_processes(tmp_path, data_cache):
-    """``accelerate launch --config_file accelerate_configs/cpu_6proc.yaml recipes/pretrain.py``
-    on this CPU-only machine runs 6 processes (not one): the recipe's results say world
-    size 6, layout [2, 4]."""
+    """``accelerate launch --config_file accelerate_configs/cpu_6proc.yaml recipes/pretrain.py
+    --config recipes/configs/cpu_fl_hsdp_unequal.yaml`` (shortened to 1 step) on this
+    CPU-only machine runs 6 processes, not one: the recipe's results say world size 6,
+    layout [2, 4], run name ``fl_hsdp-F2-G2_4-S2-H8``."""
     out = str(tmp_path / "run")
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO_ROOT / "accelerate_configs" / "cpu_6proc.yaml"), "--main_process_port", str(free_port()),
-            str(RECIPE), *RECIPE_ARGS, "--max_steps", "1", "--max_eval_blocks", "12", "--output_dir", out,
+            str(RECIPE), "--config", str(UNEQUAL_YAML), "--max_steps", "1", "--seq_len", "64",
+            "--micro_batch_size", "2", "--max_eval_blocks", "12", "--report_to", "none", "--output_dir", out,
             "--cache_dir", data_cache]
     res = run_cmd(argv, timeout=600, env=launch_env(), cwd=REPO_ROOT)
     assert res.returncode == 0, res.tail()
     MEASURED["recipe accelerate launch s"] = res.seconds
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
     assert results["world_size"] == WORLD and results["group_sizes"] == [2, 4], results
+    assert results["run_name"] == "fl_hsdp-F2-G2_4-S2-H8", results["run_name"]
 
 
 def test_zz_print_measured_figures():
