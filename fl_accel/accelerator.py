@@ -412,7 +412,10 @@ class FLAccelerator(Accelerator):
 
         ``data_sharding="global"``: a disjoint slice per rank of the world (paper setting).
         ``"group"``: the group's G ranks split the whole dataset, and each group
-        shuffles with its own seed (``data_seed + group_index``).
+        shuffles with its own seed (``data_seed + group_index``). "group" always uses
+        Accelerate's seedable sampler: without it Accelerate re-synchronizes the
+        sampler's generator from rank 0 over the whole world at every epoch, so every
+        group would get rank 0's order and the group seed would be ignored.
         """
         if getattr(data_loader, "_is_accelerate_prepared", False):
             if data_loader not in self._dataloaders:
@@ -421,12 +424,13 @@ class FLAccelerator(Accelerator):
         if device_placement is None:
             device_placement = self.device_placement
         num, index, seed = self.data_shard()
+        per_group = self.fl_config.data_sharding == "group" and self.fl_config.is_federated
         prepared = prepare_data_loader(
             data_loader, self.device, num_processes=num, process_index=index,
             split_batches=self.split_batches, put_on_device=device_placement,
             rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches,
             even_batches=self.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=self.use_seedable_sampler, data_seed=seed,
+            use_seedable_sampler=self.use_seedable_sampler or per_group, data_seed=seed,
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
