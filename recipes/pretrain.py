@@ -419,7 +419,8 @@ def main(argv=None) -> dict:
         f"[fl_accel] micro-batch {args.micro_batch_size} blocks/rank x accumulation {args.gradient_accumulation_steps}"
         f" = {tokens_per_rank_step} tokens/rank/step; {tokens_per_step} tokens/step in total "
         f"(global batch {tokens_per_step // args.seq_len} blocks)\n"
-        + (f"[fl_accel] train {train_size} blocks ({steps_per_epoch} steps/epoch), {max_steps} steps, "
+        + (f"[fl_accel] train {train_size} blocks ({batches_per_epoch} micro-batches per rank per epoch, "
+           f"{steps_per_epoch} steps/epoch), {max_steps} steps, "
            if not args.streaming else f"[fl_accel] streaming training data, {max_steps} steps, ")
         + f"validation {len(val_blocks)} blocks"
     )

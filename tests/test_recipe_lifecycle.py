@@ -1,0 +1,184 @@
+"""The recipe over a run's whole life: epochs under gradient accumulation, interrupted and
+resumed runs, stale output folders, whole-run results, and a plain single process.
+
+One uninterrupted 4-process run (FL+FSDP 2x2, H=2, micro-batch 1, accumulation 2, two
+epochs of a 20-block training file: 5 micro-batches per rank per epoch, so Accelerate
+steps after micro-batches 2, 4 and 5 of each epoch) checkpoints after every step. Each
+checkpoint k = 1..5 is then resumed in a copy of the run's folder that ends at step k, as
+a crashed run would leave it, and must reproduce the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from _launch import REPO_ROOT, launch_env, run_torchrun
+
+RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
+WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows outrageous fortune".split()
+
+
+def _corpus(tmp):
+    """52 training lines pack into 21 blocks of 64 tokens with the recipe's 300-token BPE: 5 per rank."""
+    random.seed(0)
+    lines = [" ".join(random.choice(WORDS) for _ in range(12)) for _ in range(152)]
+    (tmp / "train.txt").write_text("\n".join(lines[:52]))
+    (tmp / "val.txt").write_text("\n".join(lines[52:]))
+    return ["--train_file", str(tmp / "train.txt"), "--validation_file", str(tmp / "val.txt"), "--vocab_size", "300",
+            "--seq_len", "64", "--cache_dir", str(tmp / "cache")]
+
+
+def _args(data, out, *extra):
+    return ["--model", "tiny", "--micro_batch_size", "1", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
+            "--sync_every", "2", "--num_groups", "2", "--log_every", "1", "--checkpoint_every", "1",
+            "--save_final_model", "false", "--output_dir", str(out), *data, *extra]
+
+
+def _launch(args, timeout=420):
+    return run_torchrun(4, RECIPE, *args, timeout=timeout, env={"WANDB_MODE": "offline"})
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _results(out):
+    with open(os.path.join(out, "all_results.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    data = _corpus(tmp)
+    out = tmp / "full"
+    proc = _launch(_args(data, out))
+    assert proc.returncode == 0, proc.tail()
+    return tmp, data, out, proc
+
+
+def test_epochs_count_the_forced_step_at_the_end_of_the_loader(full):
+    """5 micro-batches per rank and accumulation 2: Accelerate forces a step at the end of the
+    loader, so an epoch has ceil(5/2) = 3 optimizer steps and --num_epochs 2 gives 6."""
+    _, _, out, proc = full
+    assert "5 micro-batches per rank per epoch, 3 steps/epoch), 6 steps" in proc.stdout, proc.stdout[-3000:]
+    results = _results(out)
+    assert results["steps"] == 6
+    assert [r["step"] for r in _metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(out / "checkpoints")) == [f"step_{k}" for k in range(1, 7)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
+    """Resume from step_k in a copy of the folder cut at step k (later checkpoints and the final
+    results removed, metrics.jsonl still holding later records, as after a crash): the later
+    steps train on the same data (losses within 1e-6), the run ends at the same step with the
+    same eval loss, and the whole-run figures of all_results.json equal the uninterrupted
+    run's: bytes per axis, tokens, steps; tokens/s = tokens / training seconds. metrics.jsonl
+    holds every step once and curves.png is drawn from it (the whole history)."""
+    _, data, out, _ = full
+    cut = tmp_path / "run"
+    shutil.copytree(out, cut)
+    for name in os.listdir(cut / "checkpoints"):
+        if int(name.split("_")[1]) > k:
+            shutil.rmtree(cut / "checkpoints" / name)
+    for name in ("all_results.json", "curves.png"):
+        os.remove(cut / name)
+    proc = _launch(_args(data, cut, "--resume_from_checkpoint", "latest"))
+    assert proc.returncode == 0, proc.tail()
+    assert f"resumed from {cut / 'checkpoints' / f'step_{k}'} at step {k}" in proc.stdout
+    a, b = _results(out), _results(cut)
+    assert b["steps"] == a["steps"] == 6 and b["train_tokens"] == a["train_tokens"]
+    assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-6, (a["eval_loss"], b["eval_loss"])
+    for axis in ("fl", "dp_shard", "dp_replicate"):
+        assert b["comm"][axis]["bytes"] == a["comm"][axis]["bytes"], axis
+        assert b["comm"][axis]["calls"] == a["comm"][axis]["calls"], axis
+    assert b["tokens_per_s"] == pytest.approx(b["train_tokens"] / b["train_seconds"])
+    assert b["wall_seconds"] >= b["train_seconds"] and b["session"]["resumed_from_step"] == k
+    assert b["wandb_id"] == a["wandb_id"]  # the resumed session logs to the same W&B run id
+    full_loss = {r["step"]: r["train/loss"] for r in _metrics(out) if "train/loss" in r}
+    records = _metrics(cut)
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for r in train:
+        assert abs(r["train/loss"] - full_loss[r["step"]]) <= 1e-6, (r["step"], r["train/loss"])
+
+    from fl_accel.plots import plot_run_curves
+
+    redrawn = tmp_path / "redrawn.png"
+    plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)")
+    assert redrawn.read_bytes() == (cut / "curves.png").read_bytes()
+
+
+def test_wandb_offline_resume_keeps_the_run_id(full):
+    """Offline, W&B ignores resume (wandb/wandb#2423): a resumed session writes a second
+    offline-run folder, under the same run id (stored in the checkpoint)."""
+    _, _, out, _ = full
+    run_id = _results(out)["wandb_id"]
+    runs = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
+    assert runs and all(d.endswith(run_id) for d in runs), (runs, run_id)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "already holds checkpoints"),
+    (["--resume_from_checkpoint", "latest", "--seed", "7"], "written by another run: ['seed'] differ"),
+    (["--resume_from_checkpoint", "latest", "--max_steps", "3"], "is at step 6, past --max_steps 3"),
+    (["--resume_from_checkpoint", "CKPT2", "--max_steps", "8"], "belongs to a run of 6 steps"),
+], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length"])
+def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
+    """A new run into a folder holding another run's checkpoints, a checkpoint of another run
+    (run identity: seed, data, model, optimizer, FLConfig), one past --max_steps, or a resume
+    that would rebuild the LR schedule for another length: refused on every rank before any
+    collective, with a message naming the fix; nothing is written."""
+    _, data, out, _ = full
+    extra = [str(out / "checkpoints" / "step_2") if e == "CKPT2" else e for e in extra]
+    before = sorted(os.listdir(out / "checkpoints"))
+    proc = _launch(_args(data, out, *extra), timeout=180)
+    assert proc.returncode != 0 and not proc.timed_out, proc.tail()
+    assert message in proc.stderr, proc.tail()
+    assert sorted(os.listdir(out / "checkpoints")) == before
+
+
+def test_overwrite_output_dir_starts_over(full, tmp_path):
+    """--overwrite_output_dir deletes the old checkpoints and results and trains from step 0."""
+    _, data, out, _ = full
+    copy = tmp_path / "over"
+    shutil.copytree(out, copy)
+    args = _args(data, copy, "--overwrite_output_dir", "--max_steps", "2")
+    args[args.index("--checkpoint_every") + 1] = "0"
+    proc = _launch(args)
+    assert proc.returncode == 0, proc.tail()
+    assert not (copy / "checkpoints").exists()
+    assert _results(copy)["steps"] == 2
+    assert [r["step"] for r in _metrics(copy) if "train/loss" in r] == [1, 2]
+
+
+def _plain_python(args, tmp):
+    """``python recipes/pretrain.py ...`` with no launcher variables at all."""
+    env = {k: v for k, v in launch_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, str(RECIPE), *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_single_plain_process_runs_and_fl_on_one_process_names_the_fix(full, tmp_path):
+    """One plain process (no torchrun, no RANK) trains with --algorithm fsdp; FL with two groups on
+    one process fails at once with a message that suggests --num_groups 1 or --algorithm fsdp."""
+    _, data, _, _ = full
+    common = ["--model", "tiny", "--micro_batch_size", "2", "--max_steps", "2", "--report_to", "none",
+              "--save_final_model", "false", *data]
+    bad = _plain_python([*common, "--output_dir", str(tmp_path / "fl")], tmp_path)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "--num_groups 1 or --algorithm fsdp" in bad.stderr
+    ok = _plain_python([*common, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "one")], tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    results = _results(tmp_path / "one")
+    assert results["world_size"] == 1 and results["steps"] == 2 and results["eval_loss"] > 0
