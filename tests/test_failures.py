@@ -19,7 +19,7 @@ from fl_accel import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 FAST = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--log_every", "1",
-        "--max_eval_blocks", "16", "--report_to", "none", "--algorithm", "fl_fsdp", "--num_groups", "2"]
+        "--max_eval_blocks", "16", "--report_to", "none", "--num_groups", "2", "--save_final_model", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,8 @@ def torchrun(args, env, timeout, *torchrun_flags, cache_dir):
 
 def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     """kill -9 of rank 1 mid-training: torchrun stops the other ranks, which say why, and the job fails."""
-    rc, out, err, seconds = torchrun([*FAST, "--max_steps", "8", "--sync_every", "4", "--output_dir", str(tmp_path)],
+    rc, out, err, seconds = torchrun([*FAST, "--algorithm", "fl_fsdp", "--max_steps", "8", "--sync_every", "4",
+                                      "--output_dir", str(tmp_path)],
                                      {"FL_FAULT_INJECT": "kill:1:2", "FL_TIMEOUT_S": "60"}, timeout=240,
                                      cache_dir=cache)
     assert rc != 0, out[-2000:]
@@ -50,20 +51,28 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     assert not os.path.exists(tmp_path / "all_results.json")
 
 
-def test_hung_rank_makes_peers_time_out(tmp_path, cache):
-    """A frozen rank (SIGSTOP): its peers' collectives time out after FL_TIMEOUT_S and the job ends."""
-    rc, out, err, seconds = torchrun([*FAST, "--max_steps", "8", "--sync_every", "4", "--output_dir", str(tmp_path)],
-                                     {"FL_FAULT_INJECT": "stop:1:2", "FL_TIMEOUT_S": "15"}, timeout=300,
+@pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
+def test_hung_rank_makes_peers_time_out(tmp_path, cache, algorithm):
+    """A frozen rank (SIGSTOP after step 2): its peers' collectives time out after FL_TIMEOUT_S
+    and the job ends, for every algorithm. Every process group carries the timeout, also the
+    mesh sub-groups ("dp_shard", "dp_replicate", "fl"): "hsdp" has no collective on the world
+    per step, so with the backend's 30-minute default on the sub-groups it would hang."""
+    args = [*FAST, "--algorithm", algorithm, "--hsdp_shard_size", "2", "--max_steps", "8", "--sync_every", "4",
+            "--output_dir", str(tmp_path)]
+    rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "stop:3:2", "FL_TIMEOUT_S": "10"}, timeout=300,
                                      cache_dir=cache)
     assert rc != 0
-    assert "FL_FAULT_INJECT: stop rank 1 at step 2" in err
-    assert "a collective failed; a peer rank died or hung (collective timeout FL_TIMEOUT_S=15 s)" in err, err[-5000:]
+    assert "FL_FAULT_INJECT: stop rank 3 at step 2" in err
+    assert "a collective failed; a peer rank died or hung (collective timeout FL_TIMEOUT_S=10 s)" in err, err[-5000:]
+    failed = {line.split("(rank ")[1].split(")")[0] for line in err.splitlines() if "a collective failed" in line}
+    assert failed and "3" not in failed, err[-5000:]
 
 
 def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
     """kill -9 at step 3 with --max-restarts 1: the restarted job resumes from step_2 and finishes."""
     out_dir = tmp_path / "run"
-    args = [*FAST, "--max_steps", "4", "--sync_every", "6", "--checkpoint_every", "2", "--output_dir", str(out_dir),
+    args = [*FAST, "--algorithm", "fl_fsdp", "--max_steps", "4", "--sync_every", "6", "--checkpoint_every", "2",
+            "--output_dir", str(out_dir),
             "--resume_from_checkpoint", "latest"]
     rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1",
                                      cache_dir=cache)
