@@ -218,9 +218,15 @@ class FederatedSynchronizer:
         return not self.in_sync
 
     # ------------------------------------------------------------------ exchange
+    @torch.no_grad()
     def _start(self, indices: Sequence[int]):
         """Launch the exchange of what these parameters send: theta (exact "fp32" mode) or
-        Delta = anchor - theta (compressed), computed one tensor at a time while packing."""
+        Delta = anchor - theta (compressed), computed one tensor at a time while packing.
+
+        Without autograd: the optimizer's post-step hook runs in the caller's grad mode,
+        and packing parameters that require grad would record a graph into the buffers;
+        an exchange finished outside ``no_grad`` (``state_tensors``, for a checkpoint)
+        then fails in its in-place all-gather over "dp_replicate"."""
         if self.compressed:
             sources = [(lambda i=i: self.anchor[i] - _local(self.params[i]).float()) for i in indices]
         else:

@@ -27,7 +27,9 @@ instance; nothing else changes).
 Scenario keys: ``name``, ``fl`` (FLConfig fields), ``steps``, ``lr``, optional
 ``save_at`` (steps after which to ``save_state`` into ``OUT_DIR/<name>/step_<k>``),
 ``resume`` (``[scenario, k]``: ``load_state`` that checkpoint first and continue from
-step k), ``record_load_error`` (record an exception of that ``load_state`` instead of
+step k), ``roundtrip_at`` (steps among ``save_at`` after which the checkpoint is loaded
+straight back, recording the parameters, anchors and residuals before and after),
+``record_load_error`` (record an exception of that ``load_state`` instead of
 raising it, and train no step), ``momentum`` (of the inner SGD, default 0), ``spy``.
 
 Several scenarios run in one launch (a launch costs ~10 s of imports): between
@@ -112,6 +114,11 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     def snap():
         return [local(p).detach().clone() for p in params]
 
+    def sync_tensors():
+        return {"params": snap(),
+                "anchor": None if sync.anchor is None else [a.detach().clone() for a in sync.anchor],
+                "residual": None if sync.residuals is None else [r.clone() for r in sync.residuals]}
+
     rec = {"scenario": sc["name"], "rank": rank, "coords": [acc.group_index, acc.replica_index, acc.shard_index],
            "layout": list(acc.layout.shape), "names": list(sync.names),
            "fragment_indices": [list(f) for f in sync.fragment_indices], "init": snap(),
@@ -169,6 +176,10 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             if step + 1 in sc.get("save_at", ()):
                 acc.save_state(str(out / sc["name"] / f"step_{step + 1}"), extra_meta={"completed_steps": step + 1})
                 rec["saved"].append({"step": step + 1, "sync_state": sync.state_dict(), "params": snap()})
+                if step + 1 in sc.get("roundtrip_at", ()):  # load it back at once: nothing may change
+                    before = sync_tensors()
+                    acc.load_state(str(out / sc["name"] / f"step_{step + 1}"))
+                    rec["roundtrip"] = {"step": step + 1, "before": before, "after": sync_tensors()}
         if last:
             acc.end_training()
         else:
