@@ -15,7 +15,10 @@ a tiny Llama, inner SGD, fixed per-rank batches):
    below, recording every rank's local shards after every optimizer step;
 2. one launch resumes the runs checkpointed mid-exchange in launch 1 (section e);
 3. one 8-process launch (FL+HSDP 2 groups x 2 replicas x 2 shards) for the bitwise
-   FedAvg and the chunked int8 exchange.
+   FedAvg, the chunked int8 exchange and a mid-exchange checkpoint round trip.
+
+Three tests are ``xfail(strict=True)``: they expose checkpoint bugs outside the
+synchronizer (reasons on each); a fix turns them into failures until the mark goes.
 
 References:
 
