@@ -85,13 +85,16 @@ def dequantize(buf: torch.Tensor, sync_dtype: str) -> torch.Tensor:
 
 
 def quantization_error_bound(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
-    """Per-element bound of ``|dequantize(quantize(x)) - x|``: half an int8 step of the
-    element's block, or bf16's half-ulp (2^-9 relative)."""
+    """Per-element bound of ``|dequantize(quantize(x)) - x|`` as computed in fp32: half an
+    int8 step ``scale / 2`` of the element's block, widened by the fp32 roundings of
+    ``x / scale`` (|q| <= 127, so at most 127 * 2^-24 of a step) and of ``q * scale`` and
+    the difference (2^-23 |x|); or, for bf16, half an ulp of its 8 significant bits
+    (at most 2^-8 |x|)."""
     if sync_dtype == "bf16":
         return x.abs() * 2.0 ** -8 + torch.finfo(torch.float32).tiny
     blocks = x.reshape(-1, BLOCK)
     scale = blocks.abs().amax(dim=1, keepdim=True) / QMAX
-    return (scale * 0.5 * (1 + 1e-6)).expand_as(blocks).reshape(x.shape)
+    return (scale * 0.5 * (1 + 2.0 ** -15)).expand_as(blocks).reshape(x.shape) + x.abs() * 2.0 ** -23
 
 
 # ---------------------------------------------------------------------- transport

@@ -45,6 +45,7 @@ healthy mean state. The outer momentum is kept.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Sequence
@@ -144,6 +145,7 @@ class FederatedSynchronizer:
         self.residuals: list[torch.Tensor] | None = None
         self.needs_anchor = config.outer_optimizer == "nesterov" or self.compressed
         self.pre_sync_hooks: list = []
+        self._suspended = 0
         if self.num_groups > 1 and not any(_local(p).is_meta for p in self.params):
             self.reset_anchor()
 
@@ -169,8 +171,22 @@ class FederatedSynchronizer:
             self.residuals = [torch.zeros_like(a) for a in self.anchor]
 
     # ------------------------------------------------------------------ the hook
+    @contextlib.contextmanager
+    def suspended(self):
+        """Ignore optimizer steps taken inside (not training steps: e.g. the zero-lr step
+        with which torch.distributed.checkpoint's get/set_optimizer_state_dict initialize
+        an optimizer that has no state yet)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
     def on_optimizer_step(self) -> bool:
-        """Call after every real optimizer step. Returns True if a sync event completed."""
+        """Call after every real optimizer step. Returns True if a sync event completed.
+        A no-op inside :meth:`suspended`."""
+        if self._suspended:
+            return False
         self.local_step += 1
         self.global_step += 1
         self.in_sync = False
@@ -202,9 +218,15 @@ class FederatedSynchronizer:
         return not self.in_sync
 
     # ------------------------------------------------------------------ exchange
+    @torch.no_grad()
     def _start(self, indices: Sequence[int]):
         """Launch the exchange of what these parameters send: theta (exact "fp32" mode) or
-        Delta = anchor - theta (compressed), computed one tensor at a time while packing."""
+        Delta = anchor - theta (compressed), computed one tensor at a time while packing.
+
+        Without autograd: the optimizer's post-step hook runs in the caller's grad mode,
+        and packing parameters that require grad would record a graph into the buffers;
+        an exchange finished outside ``no_grad`` (``state_tensors``, for a checkpoint)
+        then fails in its in-place all-gather over "dp_replicate"."""
         if self.compressed:
             sources = [(lambda i=i: self.anchor[i] - _local(self.params[i]).float()) for i in indices]
         else:
