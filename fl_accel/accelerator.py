@@ -305,6 +305,8 @@ class FLAccelerator(Accelerator):
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         sync = self.synchronizer
+        if sync._suspended:
+            return
         if sync.needs_anchor and sync.anchor is None:
             raise RuntimeError("the model was prepared on the meta device: call accelerator.materialize(model, "
                                "init_fn) before training")
@@ -492,7 +494,8 @@ class FLAccelerator(Accelerator):
         return CheckpointIO(
             models=list(self._models), optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
             synchronizer=self.synchronizer, layout=self.layout, config=self.fl_config,
-            group_index=self.group_index, rank=self.process_index, is_main_process=self.is_main_process,
+            group_index=self.group_index, replica_index=self.replica_index, rank=self.process_index,
+            is_main_process=self.is_main_process,
             barrier=self.wait_for_everyone,
             save_extras=lambda path: accelerate_call("save_state", path),
             load_extras=lambda path: accelerate_call("load_state", path))

@@ -27,6 +27,7 @@ rest), built by ``FLAccelerator``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -55,6 +56,7 @@ class CheckpointIO:
         synchronizer: the FederatedSynchronizer, or None.
         layout, config: the FLLayout and FLConfig of this run.
         group_index: this rank's federation group.
+        replica_index: this rank's HSDP replica inside its group.
         rank: this rank's global rank.
         is_main_process: rank 0.
         barrier: waits for every rank.
@@ -68,6 +70,7 @@ class CheckpointIO:
     layout: Any
     config: Any
     group_index: int
+    replica_index: int
     rank: int
     is_main_process: bool
     barrier: Callable[[], None]
@@ -182,9 +185,20 @@ def _scopes(io: CheckpointIO) -> dict[str, str]:
     return {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
 
 
+def _not_a_training_step(io: CheckpointIO):
+    """DCP's get/set_optimizer_state_dict take a zero-lr optimizer step when the optimizer has
+    no state yet (plain SGD always has none): the sync must not count it as a training step."""
+    return io.synchronizer.suspended() if io.synchronizer is not None else contextlib.nullcontext()
+
+
 def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: int | None = None) -> dict[str, Any]:
     """The DCP state dict of this rank. For a load, ``inflight_fragment`` adds templates
-    for the in-flight exchange result the checkpoint holds."""
+    for the in-flight exchange result the checkpoint holds.
+
+    Keys: ``model_0``/``optimizer_0`` (shared) or ``group{f}.model_0``/``group{f}.optimizer_0``;
+    ``fl.{anchor,momentum,inflight}/<param>`` (identical in every group);
+    ``group{f}.replica{r}.residual/<param>`` (error feedback: each replica keeps the residual of
+    the chunk it sends, so replicas differ and must not be de-duplicated)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     group_key = f"group{io.group_index}"
@@ -196,18 +210,22 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     for i, model in enumerate(io.models):
         put(scopes["model"], f"model_{i}", get_model_state_dict(model))
         if i < len(io.optimizers):
-            put(scopes["optimizer"], f"optimizer_{i}", get_optimizer_state_dict(model, io.optimizers[i]))
+            with _not_a_training_step(io):
+                put(scopes["optimizer"], f"optimizer_{i}", get_optimizer_state_dict(model, io.optimizers[i]))
     sync = io.synchronizer
     if sync is not None and io.layout.num_groups > 1:
-        shared, per_group = sync.state_tensors()
+        shared, per_rank = sync.state_tensors()
         if inflight_fragment is not None:
             for i in sync.fragment_indices[inflight_fragment]:
                 shared.setdefault(i, {})["inflight"] = torch.zeros_like(_local(sync.params[i]), dtype=torch.float32)
-        for source, scope in ((shared, "shared"), (per_group, "group")):
-            entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
-                       for i, kinds in source.items() for kind, t in kinds.items()}
-            if entries:
-                put(scope, "fl", entries)
+        entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
+                   for i, kinds in shared.items() for kind, t in kinds.items()}
+        if entries:
+            put("shared", "fl", entries)
+        entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
+                   for i, kinds in per_rank.items() for kind, t in kinds.items()}
+        if entries:
+            put("group", f"replica{io.replica_index}", entries)
     return state
 
 
@@ -283,12 +301,13 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     for i, model in enumerate(io.models):
         set_model_state_dict(model, get(scopes["model"], f"model_{i}"))
         if i < len(io.optimizers):
-            set_optimizer_state_dict(model, io.optimizers[i], get(scopes["optimizer"], f"optimizer_{i}"))
+            with _not_a_training_step(io):
+                set_optimizer_state_dict(model, io.optimizers[i], get(scopes["optimizer"], f"optimizer_{i}"))
     sync = io.synchronizer
     if sync is not None and meta.get("sync"):
         index = {name: i for i, name in enumerate(sync.names)}
         parsed: list[dict[int, dict[str, torch.Tensor]]] = []
-        for source in (state.get("fl", {}), group_state.get("fl", {})):
+        for source in (state.get("fl", {}), group_state.get(f"replica{io.replica_index}", {})):
             out: dict[int, dict[str, torch.Tensor]] = {}
             for key, t in source.items():
                 kind, name = key.split("/", 1)

@@ -405,10 +405,12 @@ class FederatedSynchronizer:
     def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
         """This rank's synchronizer tensors, by parameter index, for checkpoints.
 
-        Returns ``(shared, per_group)``: ``shared[i]`` holds what is identical in every
-        group ("anchor", "momentum", and "inflight", the completed result of an exchange
-        in flight: finishing it here changes no value), ``per_group[i]`` what differs
-        ("residual"). Each tensor has the shape of parameter i's local shard.
+        Returns ``(shared, per_rank)``: ``shared[i]`` holds what is identical in every
+        group and replica ("anchor", "momentum", and "inflight", the completed result of an
+        exchange in flight: finishing it here changes no value), ``per_rank[i]`` what
+        differs between groups and between the replicas of a group ("residual": each
+        replica keeps the error of the chunk it sends). Each tensor has the shape of
+        parameter i's local shard.
         """
         if self._inflight is not None and not isinstance(self._inflight[1], list):
             fragment, results = self._finish_inflight()

@@ -17,8 +17,10 @@ a tiny Llama, inner SGD, fixed per-rank batches):
 3. one 8-process launch (FL+HSDP 2 groups x 2 replicas x 2 shards) for the bitwise
    FedAvg, the chunked int8 exchange and a mid-exchange checkpoint round trip.
 
-Three tests are ``xfail(strict=True)``: they expose checkpoint bugs outside the
-synchronizer (reasons on each); a fix turns them into failures until the mark goes.
+Three tests pin checkpoint behaviour outside the synchronizer: DCP's zero-lr "fake"
+optimizer step (taken by get/set_optimizer_state_dict when an optimizer has no state)
+must not advance the sync schedule, and each HSDP replica's error-feedback residual is
+its own.
 
 References:
 
@@ -729,23 +731,12 @@ def test_resume_mid_exchange_is_the_same_run(four, resumed, name, saved, k):
     _check_resume(four, resumed, name, saved, k)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "load_state's set_optimizer_state_dict runs a fake optimizer step on the fresh "
-    "optimizer (torch.distributed.checkpoint _init_optim_state); FLAccelerator's step hook counts it, and when "
-    "local step 1 is a launch step (tau = H/P - 1) it launches a spurious exchange whose in-flight result then "
-    "makes the DCP load fail ('Missing key in checkpoint state_dict: fl.inflight/...'). Fix: call "
-    "get/set_optimizer_state_dict inside synchronizer.suspended() in fl_accel/checkpoint.py"))
 def test_resume_when_launch_is_at_local_step_1(four, resumed):
     """int8 + error feedback, H/P=3, tau=2 (launch at local step 1), saved at step 4
     with an exchange in flight: the resumed run must be the uninterrupted one."""
     _check_resume(four, resumed, "launch1_int8_from4", "launch1_int8", 4)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.distributed.checkpoint's get/set_optimizer_state_dict run a fake optimizer "
-    "step (_init_optim_state) when the optimizer has no state (SGD without momentum, or any optimizer before "
-    "its first step); that step fires FLAccelerator's step hook, so save_state/load_state advance the sync "
-    "schedule by one step. Fix: call them inside synchronizer.suspended() in fl_accel/checkpoint.py"))
 def test_save_with_stateless_optimizer_keeps_the_schedule(four):
     """exact_a with a save_state after step 5 (plain SGD: no optimizer state) must be the
     same run as exact_a: the same fragment-sync counter and bitwise-equal shards after
@@ -820,10 +811,6 @@ def test_suspended_steps_do_not_advance_the_schedule():
     assert (sync.local_step, sync.global_step, sync.pending) == (2, 2, True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fl_accel/checkpoint.py stores the error-feedback residual per group as a DTensor with the parameter's "
-    "placements (Replicate over dp_replicate), so DCP de-duplicates the R replicas' residuals, which differ "
-    "(each replica keeps the residual of its own chunk): after a load every replica holds the same one"))
 def test_checkpoint_keeps_each_replicas_residual_hsdp(eight):
     """FL+HSDP 2x2x2, int8 + error feedback: the checkpoint of step 4 (below), loaded
     straight back, restores every rank's residual bitwise. Not vacuous: the two replicas
