@@ -610,7 +610,8 @@ def main(argv=None) -> dict:
     session_steps = completed_steps - resumed_steps
     results = {
         "algorithm": fl.algorithm, "world_size": world, "num_groups": F_, "group_sizes": list(layout.group_sizes),
-        "group_size": layout.group_sizes[0], "replicas": layout.group_sizes[0] // S_, "shards": S_,
+        "group_size": layout.group_size if layout.is_uniform else list(layout.group_sizes),
+        "replicas": layout.replicas if layout.is_uniform else [g // S_ for g in layout.group_sizes], "shards": S_,
         "sync_every": fl.sync_every if fl.is_federated else None, "fl": fl.to_dict(),
         "eval_perplexity": ppl, "eval_loss": nll, "eval_tokens": n_tokens,
         "train_tokens": tokens_seen, "steps": completed_steps, "tokens_per_step": tokens_per_step,

@@ -1,4 +1,4 @@
-"""Failure behaviour of real 4-process recipe runs (issue: federated state survives).
+"""Failure behaviour of real 4-process recipe runs: dead and hung ranks, restarts.
 
 Faults are injected with the recipe's ``FL_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook:
 ``kill`` is a kill -9 of one rank after that optimizer step, ``stop`` freezes it (a hung
