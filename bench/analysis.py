@@ -149,7 +149,7 @@ def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> di
 
         vocab = run.get("vocab_size", 8192)
         if vocab not in _UNITS:
-            from recipes.pretrain import PRESETS
+            from recipes.modeling import PRESETS
 
             with torch.device("meta"):
                 model = LlamaForCausalLM(LlamaConfig(**dict(PRESETS["tiny"], vocab_size=vocab)))

@@ -6,8 +6,8 @@ Suites (``--suite``, comma-separated, default ``all``):
   group = a node), S=2 (an HSDP replica = a node), at every rate (1gbit, 100mbit,
   10mbit);
 * ``streaming``: FL+FSDP blocking fp32 (P=1; the same run as the baselines' FL+FSDP),
-  streaming (P=2 fragments, delay tau=1, fp32) and streaming int8 with error feedback, at
-  100mbit and 10mbit;
+  streaming (P=2 fragments, delay tau=1, fp32) and streaming int8 with error feedback
+  (P=2, tau=2), at 100mbit and 10mbit;
 * ``hsdp_r2``: 8 processes = 2 nodes x 4: HSDP (R=4, S=2) and FL+HSDP with F=2 groups x
   R=2 replicas x S=2 shards, so each replica sends 1/R of the sync across the link;
 * ``overhead``: FL+FSDP with sync off against two concurrent 2-process FSDP jobs, one
@@ -53,7 +53,7 @@ class RunSpec:
     """One recipe launch over the emulated nodes (sizes in processes, steps in optimizer steps)."""
 
     id: str
-    """Folder name inside the phase folder, e.g. ``fl_fsdp-p2-tau1-int8-ef``."""
+    """Folder name inside the phase folder, e.g. ``fl_fsdp-p2-tau2-int8-ef``."""
     phase: str
     """"calibration", "main" or "overhead"."""
     suite: str
@@ -138,8 +138,12 @@ def _main_rows(suite: str, link: str, s: dict) -> list[RunSpec]:
                     RunSpec("hsdp", algorithm="hsdp", sync_every=H, **four),
                     RunSpec("fl_hsdp", algorithm="fl_hsdp", sync_every=H, baseline="hsdp", **four), limit]
         stream = dict(four, algorithm="fl_fsdp", sync_every=H, baseline="fl_fsdp", num_fragments=2, sync_delay=1)
+        # int8 takes two collectives (all-to-all, then all-gather of the re-quantized sum); with
+        # tau=2 both run behind compute (the second is launched one step after the first).
+        tau = min(2, H // 2 - 1)  # tau < H/P
         return [blocking, RunSpec("fl_fsdp-p2-tau1", **stream),
-                RunSpec("fl_fsdp-p2-tau1-int8-ef", sync_dtype="int8", error_feedback=True, **stream), limit]
+                RunSpec(f"fl_fsdp-p2-tau{tau}-int8-ef", sync_dtype="int8", error_feedback=True,
+                        **dict(stream, sync_delay=tau)), limit]
     if suite == "hsdp_r2":
         eight = dict(common, nproc_per_node=4, num_groups=2, shard_size=2, limit="fl_hsdp-r2-8p-limit")
         return [RunSpec("hsdp-8p", algorithm="hsdp", sync_every=H, **eight),

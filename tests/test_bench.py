@@ -47,11 +47,11 @@ def test_full_plan_suites_links_and_shared_rows():
     at10 = _rows(plan, "10mbit")
     # the blocking FL+FSDP row and the limit serve both the baselines and the streaming suite: launched once
     assert sum(r.id == "fl_fsdp" for r in main if r.link == "10mbit") == 1
-    assert {"fl_fsdp-p2-tau1", "fl_fsdp-p2-tau1-int8-ef", "hsdp-8p", "fl_hsdp-r2-8p", "fl_hsdp-r2-8p-limit"} <= set(at10)
+    assert {"fl_fsdp-p2-tau1", "fl_fsdp-p2-tau2-int8-ef", "hsdp-8p", "fl_hsdp-r2-8p", "fl_hsdp-r2-8p-limit"} <= set(at10)
     assert len({r.path for r in bp.runs_of(plan)}) == len(bp.runs_of(plan))
     # one calibration per distinct configuration, none for the limits
     calib = _rows(plan, phase="calibration")
-    assert set(calib) == {"fsdp", "fl_fsdp", "hsdp", "fl_hsdp", "fl_fsdp-p2-tau1", "fl_fsdp-p2-tau1-int8-ef",
+    assert set(calib) == {"fsdp", "fl_fsdp", "hsdp", "fl_hsdp", "fl_fsdp-p2-tau1", "fl_fsdp-p2-tau2-int8-ef",
                           "hsdp-8p", "fl_hsdp-r2-8p"}
     assert all(r.link is None and r.eval_every == 0 for r in calib.values())
 
@@ -68,13 +68,13 @@ def test_rows_and_their_recipe_flags():
     assert flag("fl_fsdp", "--num_fragments") is None and flag("fl_fsdp", "--sync_every") == "8"
     assert (flag("fl_fsdp-p2-tau1", "--num_fragments"), flag("fl_fsdp-p2-tau1", "--sync_delay")) == ("2", "1")
     assert flag("fl_fsdp-p2-tau1", "--sync_dtype") is None and "--error_feedback" not in args["fl_fsdp-p2-tau1"]
-    assert flag("fl_fsdp-p2-tau1-int8-ef", "--sync_dtype") == "int8" and "--error_feedback" in args["fl_fsdp-p2-tau1-int8-ef"]
+    assert flag("fl_fsdp-p2-tau2-int8-ef", "--sync_dtype") == "int8" and "--error_feedback" in args["fl_fsdp-p2-tau2-int8-ef"]
     assert flag("fl_fsdp-limit", "--sync_every") == str(bp.LIMIT_SYNC_EVERY)
     r2 = rows["fl_hsdp-r2-8p"]
     assert (r2.world, r2.nproc_per_node, r2.replicas, flag("fl_hsdp-r2-8p", "--hsdp_shard_size")) == (8, 4, 2, "2")
     assert analysis.layout_of(r2).shape == (2, 2, 2) and analysis.layout_of(rows["hsdp-8p"]).shape == (1, 4, 2)
     assert r2.label == "FL+HSDP 2x2x2 (8 proc)" and r2.baseline == "hsdp-8p" and r2.limit == "fl_hsdp-r2-8p-limit"
-    assert rows["fl_fsdp-p2-tau1-int8-ef"].label == "FL+FSDP P=2 tau=1 int8+EF"
+    assert rows["fl_fsdp-p2-tau2-int8-ef"].label == "FL+FSDP P=2 tau=2 int8+EF"
 
 
 def test_baseline_runs_differ_only_in_algorithm():
@@ -223,14 +223,14 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
     monkeypatch.setitem(sys.modules, "fl_accel.cost_model", fake)
     pytest.importorskip("transformers")
     plan = _plan("--suite", "streaming", "--rates", "10mbit")
-    spec = _rows(plan, "10mbit")["fl_fsdp-p2-tau1-int8-ef"]
+    spec = _rows(plan, "10mbit")["fl_fsdp-p2-tau2-int8-ef"]
     p = analysis.predict(plan, spec, {"vocab_size": 8192, "num_groups": 2, "replicas": 1, "shards": 2}, 1.5)
     assert "error" not in p, p
     assert seen["layout"].shape == (2, 1, 2)
     assert seen["estimate"] == {"sync_every": 8, "num_fragments": 2, "sync_dtype": "int8", "param_bytes": 4,
                                 "grad_bytes": 4, "micro_batches": 1, "ranks_per_node": 2, "total_steps": 40}
     assert seen["time"] == {"compute_s": 1.5, "intra_node_bw": 1e18, "inter_node_bw": 10e6 / 8,
-                            "ranks_per_nic": None, "sync_delay": 1}
+                            "ranks_per_nic": None, "sync_delay": 2}
     assert p["tokens_per_s"] == 4096 / 2.0 and p["bytes_run"]["fl"] == 4000.0
     bad = analysis.predict(plan, spec, {"vocab_size": 8192, "num_groups": 1, "replicas": 1, "shards": 4}, 1.5)
     assert "differs from the planned layout" in bad["error"]
