@@ -404,6 +404,11 @@ def main(argv=None) -> dict:
         eval_every = math.ceil(eval_every / fl.sync_every) * fl.sync_every
         accelerator.print(f"eval_every rounded up to {eval_every}, a multiple of sync_every, so the "
                           f"synchronized model is evaluated")
+    if eval_every and fl.is_federated and (fl.num_fragments > 1 or fl.fragment_update_alpha):
+        accelerator.print("note: with streaming fragments (or alpha > 0) the groups are never fully synchronized "
+                          "mid-run; a mid-run evaluation scores each rank's rows with its own group's model "
+                          "(--eval_groups scores every group's model separately); the final one follows the "
+                          "final full sync")
 
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * world
