@@ -42,7 +42,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, In
 
 from .comm import CommMeter, CommStats
 from .config import FLConfig
-from .mesh import AXES, DP_REPLICATE, DP_SHARD, FL, FSDP_SHARD_DIM, FLLayout, build_mesh
+from .mesh import AXES, DP_REPLICATE, DP_SHARD, FSDP_SHARD_DIM, FLLayout, build_mesh
 from .sync import FederatedSynchronizer
 
 logger = logging.getLogger(__name__)

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+import _scenario
+
 MODEL = dict(  # tiny Llama: units layer0, layer1, root (embed, norm, lm_head); vocab 255 shards 128/127 rows
     vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
@@ -94,8 +96,6 @@ def run_bad_cases(cases: list[dict], out: Path, rank: int) -> None:
 # ---------------------------------------------------------------------- training scenarios
 def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     import torch
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
@@ -180,13 +180,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     before = sync_tensors()
                     acc.load_state(str(out / sc["name"] / f"step_{step + 1}"))
                     rec["roundtrip"] = {"step": step + 1, "before": before, "after": sync_tensors()}
-        if last:
-            acc.end_training()
-        else:
-            from unittest import mock
-
-            with mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None):
-                acc.end_training()
+        _scenario.end_training(acc, last)
     rec["final"] = snap()
     rec["final_comm"] = acc.comm_stats.as_dict()
     rec["num_syncs"] = sync.num_syncs
@@ -194,9 +188,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     (out / sc["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
     if not last:
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        _scenario.reset_for_next_scenario()
 
 
 def main() -> None:

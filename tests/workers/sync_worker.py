@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import _scenario
+
 MODEL = dict(  # tiny Llama; vocab 255 makes FSDP2 shard the embeddings unevenly (128/127 rows)
     vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
@@ -97,8 +99,6 @@ def run_bad_configs(spec: dict, out: Path, rank: int, world: int) -> None:
 # ---------------------------------------------------------------------- training scenarios
 def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None:
     import torch
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
@@ -168,23 +168,14 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
         if sc.get("snap_steps"):
             rec["snaps"].append(snap())
 
-    if last:
-        acc.end_training()
-    else:
-        from unittest import mock
-
-        with mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None):
-            acc.end_training()
+    _scenario.end_training(acc, last)
     rec["final"] = snap()
     rec["final_num_syncs"] = sync.num_syncs
     rec["final_comm"] = acc.comm_stats.as_dict()
     (out / sc["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
     if not last:
-        # Keep the world process group (PartialState); forget everything else, as a new process would.
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+        _scenario.reset_for_next_scenario()
 
 
 def main() -> None:

@@ -42,6 +42,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import _scenario
+
 MODEL = dict(  # tiny Llama; vocab 255: FSDP2 shards the embeddings unevenly (128 / 127 rows at S=2)
     vocab_size=255, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
@@ -84,8 +86,6 @@ def run_bad_configs(cases: list, out: Path, rank: int) -> None:
 
 def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     import torch
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType
 
     from fl_accel import FLAccelerator, FLConfig
 
@@ -134,22 +134,14 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     acc.save_state(f"{sc['save_dir']}/step_{t + 1}", extra_meta={"completed_steps": t + 1})
     rec["num_syncs_before_end"] = sync.num_syncs
     with acc.meter_comm():  # the final sync's bytes count too (end_training stops the meter)
-        if last:
-            acc.end_training()
-        else:
-            from unittest import mock
-
-            with mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None):
-                acc.end_training()
+        _scenario.end_training(acc, last)
     rec["final"] = snap()
     rec["final_comm"] = {axis: acc.comm_stats[axis].bytes for axis in ("fl", "dp_replicate", "world")}
     rec["num_syncs"] = sync.num_syncs
     (out / sc["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
-    if not last:  # keep the world process group (PartialState); forget the rest, as a new process would
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+    if not last:
+        _scenario.reset_for_next_scenario()
 
 
 def main() -> None:

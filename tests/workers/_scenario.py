@@ -1,0 +1,31 @@
+"""Several training scenarios in one launch (a launch costs ~10 s of imports on a small CPU box).
+
+Between scenarios ``end_training`` runs with the process-group teardown suppressed, and
+Accelerate's singletons are reset so the next FLAccelerator builds a fresh mesh on the same
+world process group, as a new process would. The last scenario's end_training is the real one.
+"""
+
+from __future__ import annotations
+
+
+def end_training(acc, last: bool) -> None:
+    """``acc.end_training()``; before the last scenario, without destroying the process groups."""
+    from accelerate.state import AcceleratorState
+
+    if last:
+        acc.end_training()
+        return
+    from unittest import mock
+
+    with mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None):
+        acc.end_training()
+
+
+def reset_for_next_scenario() -> None:
+    """Keep the world process group (PartialState); forget everything else."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
