@@ -278,6 +278,26 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
 
+class BlockRecorder:
+    """Test hook: ``FL_RECORD_BLOCKS=<dir>`` makes every rank append one JSON line per
+    micro-batch to ``<dir>/rank<k>.jsonl``: ``{"step": the optimizer step it belongs to,
+    "epoch": the data stream's epoch after this micro-batch (``PackedStream.epoch``;
+    None for map-style data), "input_ids": the blocks as lists of token ids}``. Tests
+    read which samples each rank trained on (disjoint shards, nothing seen twice after a
+    resume). Unset: no cost."""
+
+    def __init__(self, rank: int):
+        folder = os.environ.get("FL_RECORD_BLOCKS")
+        self.path = os.path.join(folder, f"rank{rank}.jsonl") if folder else None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+
+    def record(self, step: int, input_ids, epoch: int | None = None) -> None:
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"step": step, "epoch": epoch, "input_ids": input_ids.tolist()}) + "\n")
+
+
 # =========================================================================== main
 def main(argv=None) -> dict:
     parsed = parse_args(argv)
@@ -508,6 +528,7 @@ def main(argv=None) -> dict:
     # ---------------------------------------------------------------- train
     resumed_steps = completed_steps
     faults = FaultInjector(accelerator.process_index)
+    recorder = BlockRecorder(accelerator.process_index)
     host = HostLoad(pid=os.getppid() if "LOCAL_RANK" in os.environ else None).start()
     progress = tqdm(total=max_steps, initial=completed_steps, disable=not accelerator.is_local_main_process,
                     desc=run_name, unit="step", dynamic_ncols=True)
@@ -534,6 +555,7 @@ def main(argv=None) -> dict:
 
     with accelerator.meter_comm():
         for batch in (batches() if completed_steps < max_steps else ()):
+            recorder.record(completed_steps + 1, batch["input_ids"], stream.epoch if args.streaming else None)
             with accelerator.accumulate(model):
                 out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
                 loss = out.loss * faults.loss_scale(completed_steps + 1)
