@@ -428,11 +428,12 @@ class FLAccelerator(Accelerator):
                     differ.add(self.layout.coords(k)[:2])
         if differ:
             groups = sorted({f for f, _ in differ})
+            where = f"group(s) {groups}" + (f" (group, HSDP replica): {sorted(differ)}" if self.layout.uses_hsdp else "")
             raise ValueError(
-                f"the federation groups do not start from identical parameters: group(s) {groups} (and/or "
-                f"replicas {sorted(differ)}) differ from group 0. Seed identically on every rank before building the "
-                f"model (accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized "
-                f"models destroys training at the first sync.")
+                f"the federation groups do not start from identical parameters: {where} differ from group 0's "
+                f"first replica. Seed identically on every rank before building the model "
+                f"(accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized models "
+                f"destroys training at the first sync.")
 
     # ------------------------------------------------------------------ data
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
