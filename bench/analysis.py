@@ -70,18 +70,22 @@ def steady_step_times(run: dict, exclude: set[int] = frozenset(), skip: int = 2)
 def split_comm(run: dict) -> dict:
     """Training-only and per-evaluation bytes/seconds by axis for one run (rank 0).
 
-    ``all_results.json``'s comm counts everything rank 0 sent, evaluations included. The
-    last metrics record (step T, logged before the final evaluation; with T a multiple
-    of H the last sync is in it) subtracted from the total is one evaluation; every
-    evaluation is the same, so training = total - n_evals x one evaluation.
+    ``all_results.json``'s comm counts everything rank 0 sent, evaluations included. An
+    evaluation's collectives are FSDP's forward all-gathers ("dp_shard") and its totals
+    (the "world" bucket); it sends nothing on "fl" or "dp_replicate", whose bytes are all
+    training's (including ``end_training``'s final sync, which follows the last metrics
+    record when the groups still differ, e.g. with streaming fragments). For "dp_shard":
+    the last metrics record (step T, logged before the final evaluation) subtracted from
+    the total is one evaluation; every evaluation is the same, so training = total -
+    n_evals x one evaluation.
     """
     tr, n_evals = train_records(run), len(eval_records(run))
     last = tr[-1] if tr else {}
     out = {"n_evals": n_evals, "train": {}, "eval": {}, "total": {}}
     for a in AXES:
         tot = run.get("comm", {}).get(a, {"bytes": 0, "seconds": 0.0})
-        e_b = tot["bytes"] - last.get(f"comm/{a}/bytes", 0)
-        e_s = tot["seconds"] - last.get(f"comm/{a}/seconds", 0.0)
+        e_b = tot["bytes"] - last.get(f"comm/{a}/bytes", 0) if a == "dp_shard" else 0
+        e_s = tot["seconds"] - last.get(f"comm/{a}/seconds", 0.0) if a == "dp_shard" else 0.0
         out["total"][a] = {"bytes": tot["bytes"], "seconds": tot["seconds"]}
         out["eval"][a] = {"bytes": e_b, "seconds": e_s}
         out["train"][a] = {"bytes": tot["bytes"] - n_evals * e_b, "seconds": max(0.0, tot["seconds"] - n_evals * e_s)}
