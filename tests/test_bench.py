@@ -1,6 +1,5 @@
 """bench/: plan, layout figures, analysis and report on the committed results (no emulator, no training)."""
 
-import inspect
 import json
 import os
 import shutil
@@ -159,8 +158,7 @@ def test_step_times_and_ppl_interpolation(tmp_path):
 
 
 def _committed_copy(tmp_path):
-    if not os.path.isdir(COMMITTED):
-        pytest.skip("bench/results/2026-11-30-cpu2 is not in this checkout")
+    assert os.path.isdir(COMMITTED), "the committed bench/results/2026-11-30-cpu2 is missing"
     dst = tmp_path / "results" / "2026-11-30-cpu2"
     shutil.copytree(COMMITTED, dst)
     return dst
@@ -221,7 +219,6 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
 
     monkeypatch.setattr(fl_accel, "cost_model", fake, raising=False)
     monkeypatch.setitem(sys.modules, "fl_accel.cost_model", fake)
-    pytest.importorskip("transformers")
     plan = _plan("--suite", "streaming", "--rates", "10mbit")
     spec = _rows(plan, "10mbit")["fl_fsdp-p2-tau2-int8-ef"]
     p = analysis.predict(plan, spec, {"vocab_size": 8192, "num_groups": 2, "replicas": 1, "shards": 2}, 1.5)
@@ -237,11 +234,7 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
 
 
 def test_predict_with_the_real_cost_model(tmp_path):
-    """Once fl_accel.cost_model has estimate(layout, ...), its fl bytes equal the recipe's count."""
-    from fl_accel import cost_model as cm
-
-    if "num_fragments" not in inspect.signature(cm.estimate).parameters:
-        pytest.skip("fl_accel.cost_model.estimate(layout, units, ...) has not landed yet")
+    """With the real fl_accel.cost_model, the predicted fl bytes equal the recipe's count."""
     raw = _committed_copy(tmp_path) / "raw"
     plan = _plan("--suite", "baselines", "--rates", "100mbit")
     spec = _rows(plan, "100mbit")["fl_fsdp"]

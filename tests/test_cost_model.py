@@ -425,7 +425,6 @@ def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
     import json
     import os
 
-    pytest.importorskip("transformers")
     script = tmp_path / "measure.py"
     script.write_text(_MEASURE_SCRIPT)
     out = tmp_path / "out.json"
