@@ -308,7 +308,8 @@ def recipe_args(plan: dict, spec: RunSpec, out_dir: str) -> list[str]:
     run_name = f"{spec.phase}-{spec.id}" + (f"-{spec.link}" if spec.link else "")
     return args + ["--eval_every", str(spec.eval_every), "--log_every", "1", "--max_eval_blocks",
                    str(plan["eval_blocks"]), "--cache_dir", plan["cache_dir"], "--output_dir", out_dir,
-                   "--experiment", f"bench-{plan['name']}", "--run_name", run_name, "--report_to", spec.report_to]
+                   "--experiment", f"bench-{plan['name']}", "--run_name", run_name, "--report_to", spec.report_to,
+                   "--save_final_model", "false"]
 
 
 def run_env(plan: dict) -> dict[str, str]:
