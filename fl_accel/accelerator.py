@@ -173,7 +173,10 @@ class FLAccelerator(Accelerator):
         notes = list(cfg.ignored_settings())
         if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
             notes.append(f"hsdp_shard_size not set: using S={self.layout.shards} (the ranks per node, "
-                         f"LOCAL_WORLD_SIZE={_ranks_per_node(self.layout.world_size)}, that divide every group)")
+                         f"LOCAL_WORLD_SIZE={_ranks_per_node(self.layout.world_size)}, that divide every group)"
+                         + (f"; that leaves one replica per group (R=1), i.e. plain {'FL+' if cfg.is_federated else ''}"
+                            f"FSDP: pass hsdp_shard_size={self.layout.shards // 2} for 2 replicas"
+                            if self.layout.max_replicas == 1 and self.layout.shards % 2 == 0 else ""))
         if self.device.type == "cpu" and self.mixed_precision != "no":
             notes.append(f"mixed_precision={self.mixed_precision!r} on CPU runs several times slower than fp32 "
                          f"(no bf16 matrix units); use it on GPUs")
@@ -209,7 +212,9 @@ class FLAccelerator(Accelerator):
             if pg is not None:
                 groups[pg] = axis
         for name, axis in ((FSDP_SHARD_DIM, DP_SHARD), (DP_SHARD, DP_SHARD), (DP_REPLICATE, DP_REPLICATE)):
-            with contextlib.suppress(KeyError, RuntimeError, ValueError):
+            with contextlib.suppress(KeyError, RuntimeError, ValueError), warnings.catch_warnings():
+                # the same slice Accelerate takes (see prepare); torch 2.13 warns about it
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
                 sub = self.device_mesh[name]
                 if sub.size() > 1:
                     groups[sub.get_group()] = axis

@@ -235,7 +235,8 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     scheduler and sampler state. Collective: every rank calls it. Returns ``output_dir``.
     Atomic: writes ``output_dir + ".partial"`` and renames it after all ranks finished.
 
-    ``extra_meta``: JSON-able, stored once in the metadata; ``rank_state``: JSON-able,
+    ``extra_meta``: JSON-able, stored once in the metadata; ``rank_state``: JSON-able (or a
+    callable returning it, called after the model and optimizer state are written),
     stored per rank (``rank_state/rank{k}.json``) and returned by the load as
     ``meta["rank_state"]`` on the same rank."""
     import torch.distributed.checkpoint as dcp
@@ -250,6 +251,8 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     scopes = _scopes(io)
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
     io.save_extras(tmp)
+    if callable(rank_state):  # evaluated after the save's own collectives (e.g. comm counters)
+        rank_state = rank_state()
     if rank_state is not None:
         os.makedirs(os.path.join(tmp, "rank_state"), exist_ok=True)
         with open(os.path.join(tmp, "rank_state", f"rank{io.rank}.json"), "w", encoding="utf-8") as fh:
@@ -291,8 +294,16 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
         dcp.load(state, checkpoint_id=input_dir)
     except (Exception, CheckpointException) as exc:
         # DCP gathers the per-rank read failures and raises CheckpointException (a
-        # BaseException) on every rank, so every rank reports the same error.
-        raise CheckpointError(f"cannot load checkpoint {input_dir}: {str(exc)[:2000]}") from exc
+        # BaseException) on every rank, so every rank reports the same error. Its text holds
+        # every rank's traceback: keep the gist in the message, the rest in the chain.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        gist = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+        earlier = [os.path.basename(p) for _, p in list_checkpoints(os.path.dirname(os.path.normpath(input_dir)))
+                   if os.path.normpath(p) != os.path.normpath(input_dir)]
+        hint = (f"; resume from an earlier checkpoint ({', '.join(earlier[-3:])}) or delete this one"
+                if earlier else "")
+        raise CheckpointError(f"cannot load checkpoint {input_dir}: its files are truncated or corrupt "
+                              f"({type(exc).__name__}: {gist[:300]}){hint}") from exc
     group_state = state.get(f"group{io.group_index}", {})
 
     def get(scope: str, key: str):

@@ -173,6 +173,11 @@ class FLLayout:
         return self.group_sizes[f] // self.shards
 
     @property
+    def max_replicas(self) -> int:
+        """The largest R_f."""
+        return max(self.group_sizes) // self.shards
+
+    @property
     def min_replicas(self) -> int:
         """R_min: the number of chunks a shard is exchanged in across groups."""
         return min(self.group_sizes) // self.shards

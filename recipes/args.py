@@ -155,11 +155,17 @@ class ParsedArgs:
     """Where each non-default value came from: the YAML path, ``FL_ACCEL_<FIELD>``, or "flag"."""
 
 
-def build_parser(fl_cls=FLConfig):
-    """The HfArgumentParser over RecipeArguments and ``fl_cls``, plus ``--config``."""
+def build_parser(fl_cls=FLConfig, **kwargs):
+    """The HfArgumentParser over RecipeArguments and ``fl_cls``, plus ``--config``. A bad
+    flag raises RecipeError (one line on every rank, repeated in torchrun's summary) instead
+    of argparse printing its usage block and exiting."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0])
+    class _Parser(HfArgumentParser):
+        def error(self, message):
+            raise RecipeError(f"{message} (python recipes/pretrain.py --help lists the options)")
+
+    parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], **kwargs)
     docs = fl_cls.field_docs()
     for action in parser._actions:
         if action.dest in docs and not action.help:
@@ -251,8 +257,8 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         parser.set_defaults(**defaults)
     # Which flags were given explicitly: parse once with a sentinel as every default.
     sentinel = object()
-    probe = build_parser(fl_cls)
-    probe.set_defaults(**{a.dest: sentinel for a in probe._actions if a.dest != "help"})
+    probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
+    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
     given, _ = probe.parse_known_args(argv)
     sources.update({k: "flag" for k, v in vars(given).items() if v is not sentinel and k != "config"})
     try:

@@ -145,7 +145,7 @@ def load_raw(args, cache_dir: str):
         files = write_shakespeare(os.path.join(cache_dir, "shakespeare"))
         raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=True)
     else:
-        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        raw = load_hub_dataset(args.dataset_name, args.dataset_config_name)
     if "validation" not in raw:
         pct = args.validation_split_percentage
         n = len(raw["train"])
@@ -356,6 +356,36 @@ def _load_hub_object(kind: str, name: str, loader, download: str):
         return loader(name)
     except Exception as exc:
         raise _hub_error(kind, name, exc, download) from None
+
+
+def load_hub_dataset(name: str, config: str | None = None):
+    """``datasets.load_dataset(name, config)`` (map-style), from the local cache when the Hub
+    is unreachable.
+
+    Raises:
+        DataError: one line naming the dataset: not cached while the Hub is unreachable (with
+            the download command, and --train_file as the local alternative), or the
+            library's reason.
+    """
+    import datasets
+
+    label = name + (f" (config {config})" if config else "")
+    download = (f"hf download {name} --repo-type dataset, then pass its files with --train_file / "
+                f"--validation_file")
+    reason = hub_unreachable_reason()
+    if reason:
+        previous = datasets.config.HF_HUB_OFFLINE
+        try:
+            datasets.config.HF_HUB_OFFLINE = True  # the cache only: no 30 s of retries
+            return datasets.load_dataset(name, config)
+        except Exception:
+            raise _offline_error("dataset", label, reason, download) from None
+        finally:
+            datasets.config.HF_HUB_OFFLINE = previous
+    try:
+        return datasets.load_dataset(name, config)
+    except Exception as exc:
+        raise _hub_error("dataset", label, exc, download) from None
 
 
 def load_tokenizer(name: str):

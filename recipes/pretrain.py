@@ -52,6 +52,8 @@ def default_run_name(layout, fl) -> str:
             name += f"-a{fl.fragment_update_alpha:g}"
         if fl.sync_dtype != "fp32":
             name += f"-{fl.sync_dtype}" + ("ef" if fl.error_feedback else "")
+        if fl.outer_optimizer != "avg":
+            name += f"-{fl.outer_optimizer}"
     return name
 
 
@@ -202,10 +204,14 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
     elif not args.overwrite_output_dir:
         old = list_checkpoints(checkpoints_dir)
         done = os.path.isfile(os.path.join(args.output_dir, "all_results.json"))
-        if old or done:
-            what = f"checkpoints {[os.path.basename(p) for _, p in old][-3:]}" if old else "the results of a run"
-            raise RecipeError(f"the output folder {args.output_dir} already holds {what}. Continue that run with "
+        if old:
+            raise RecipeError(f"the output folder {args.output_dir} already holds checkpoints "
+                              f"{[os.path.basename(p) for _, p in old][-3:]} of a run. Continue that run with "
                               f"--resume_from_checkpoint latest, start over with --overwrite_output_dir (deletes "
+                              f"them), or choose another --output_dir / --run_name")
+        if done:
+            raise RecipeError(f"the output folder {args.output_dir} holds the results of a finished run (and no "
+                              f"checkpoint to continue from). Start over with --overwrite_output_dir (deletes "
                               f"them), or choose another --output_dir / --run_name")
     if resume:
         try:
@@ -220,6 +226,10 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
                               f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {identity.get(diff[0])!r} here). "
                               f"Resume with that run's settings, or start over with --overwrite_output_dir")
         steps, their_max = meta.get("completed_steps", 0), meta.get("max_steps")
+        if their_max is not None and steps >= their_max and args.max_steps in (None, their_max):
+            raise RecipeError(f"checkpoint {resume} is the end of a finished run ({steps} of {their_max} steps): "
+                              f"nothing is left to train. Its results are in {args.output_dir}; start over with "
+                              f"--overwrite_output_dir or choose another --output_dir / --run_name")
         if args.max_steps is not None and steps > args.max_steps:
             raise RecipeError(f"checkpoint {resume} is at step {steps}, past --max_steps {args.max_steps}")
         if args.max_steps is not None and their_max is not None and their_max != args.max_steps:
@@ -228,6 +238,29 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
                               f"length (the LR at every later step would change). Resume with --max_steps "
                               f"{their_max}, or start a new run")
     return resume
+
+
+def resolve_mixed_precision(flag: str) -> str:
+    """The precision to train in: the flag; "auto" takes bf16 from `accelerate launch
+    --mixed_precision bf16` (ACCELERATE_MIXED_PRECISION), else bf16 on GPUs that support it,
+    else fp32 ("no").
+
+    Raises:
+        RecipeError: fp16 requested by the launcher (see FLAccelerator: its per-rank loss
+            scaler can skip a step in one federation group only).
+    """
+    import torch
+
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
+    if launcher == "fp16":
+        raise RecipeError("the launcher asks for mixed_precision fp16 (accelerate launch --mixed_precision fp16 or "
+                          "ACCELERATE_MIXED_PRECISION=fp16), which fl_accel does not support: use bf16 (its loss "
+                          "scaler can skip a step in one federation group only)")
+    if flag != "auto":
+        return flag
+    if launcher == "bf16":
+        return "bf16"
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
 def classify_failure(exc: BaseException) -> str | None:
@@ -328,9 +361,7 @@ def main(argv=None) -> dict:
     from recipes import data as data_lib
     from recipes.modeling import build_model, export_final_model, model_config, peak_host_mb
 
-    mixed = args.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    mixed = resolve_mixed_precision(args.mixed_precision)
     wall_t0 = time.perf_counter()
     accelerator = FLAccelerator(
         fl,
@@ -515,9 +546,12 @@ def main(argv=None) -> dict:
     def save_checkpoint(step: int) -> None:
         totals = {"train_seconds": train_seconds, "eval_and_checkpoint_seconds": eval_seconds,
                   "wall_seconds": wall_before + time.perf_counter() - wall_t0, "wandb_id": wandb_id}
-        rank_state = {"comm": accelerator.comm_stats.as_dict()}
-        if args.streaming:
-            rank_state["data"] = stream.state_dict()
+        def rank_state():  # after the save's own collectives, so a resumed run counts them too
+            state = {"comm": accelerator.comm_stats.as_dict()}
+            if args.streaming:
+                state["data"] = stream.state_dict()
+            return state
+
         accelerator.save_state(os.path.join(checkpoints_dir, f"step_{step}"),
                                extra_meta={"completed_steps": step, "max_steps": max_steps, "totals": totals,
                                            "run_identity": identity, "run_name": run_name},
@@ -680,10 +714,12 @@ def _say(line: str) -> None:
 
 
 def _on_sigterm(signum, frame):
-    # torchrun sends SIGTERM to the surviving ranks when one rank fails.
+    # torchrun sends SIGTERM to the surviving ranks when one rank fails. Exit at once: an
+    # interpreter shutdown would run atexit handlers that wait on the dead peers.
     _say(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed "
          f"or the job was cancelled)")
-    sys.exit(143)
+    sys.stdout.flush()
+    os._exit(143)
 
 
 def _record_for_launcher(message: str) -> None:

@@ -131,6 +131,9 @@ def choose_baseline(runs: list[dict], baseline: str | None) -> dict:
 
 
 def _num(x: Any, fmt: str) -> str:
+    """``x`` formatted, "-" when unknown; a list (unequal groups: replicas per group) as "1/2"."""
+    if isinstance(x, (list, tuple)):
+        return "/".join(_num(v, fmt) for v in x)
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 

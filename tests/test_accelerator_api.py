@@ -44,12 +44,32 @@ def test_fp16_is_refused_before_any_collective(monkeypatch, how):
     assert not dist.is_initialized()
 
 
-def test_recipe_does_not_offer_fp16():
+def test_recipe_does_not_offer_fp16(monkeypatch):
+    """--mixed_precision fp16 is not a choice, and fp16 requested by the launcher
+    (`accelerate launch --mixed_precision fp16` sets ACCELERATE_MIXED_PRECISION) is refused too."""
+    from recipes.args import RecipeError, parse_args
+    from recipes.pretrain import resolve_mixed_precision
+
+    with pytest.raises(RecipeError, match="invalid choice: 'fp16'"):
+        parse_args(["--mixed_precision", "fp16"], environ={})
+    assert parse_args(["--mixed_precision", "bf16"], environ={}).args.mixed_precision == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(RecipeError, match="fp16"):
+        resolve_mixed_precision("auto")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert resolve_mixed_precision("auto") == "bf16" and resolve_mixed_precision("no") == "no"
+
+
+def test_help_shows_the_real_defaults(capsys):
+    """`--help` lists every option with its default (FLConfig's fields included)."""
     from recipes.args import parse_args
 
     with pytest.raises(SystemExit):
-        parse_args(["--mixed_precision", "fp16"], environ={})
-    assert parse_args(["--mixed_precision", "bf16"], environ={}).args.mixed_precision == "bf16"
+        parse_args(["--help"], environ={})
+    out = capsys.readouterr().out
+    assert "object object" not in out
+    assert re.search(r"--sync_every SYNC_EVERY.*?\(default: 8\)", out, re.S)
+    assert re.search(r"--seq_len SEQ_LEN.*?\(default: 256\)", out, re.S)
 
 
 # ====================================================================== scheduler

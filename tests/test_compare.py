@@ -92,3 +92,12 @@ def test_bad_json_and_bad_baseline(tmp_path, capsys):
     (tmp_path / "fsdp" / "all_results.json").write_text("{not json")
     assert compare.main([str(tmp_path), "--no-plot"]) == 2
     assert "all_results.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_unequal_groups_run_is_tabled(tmp_path, capsys):
+    """A run of unequal federation groups lists its replicas per group (a list in all_results.json)."""
+    _run(tmp_path, "fl_hsdp-F2-G2_4", "fl_hsdp", 3000.0, 3300.0, world=6, F=2, R=[1, 2], S=2)
+    _run(tmp_path, "hsdp", "hsdp", 2000.0, 3200.0, world=6, R=3, S=2)
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1/2 " in out and "1.50x" in out

@@ -132,7 +132,8 @@ def test_wandb_offline_resume_keeps_the_run_id(full):
     (["--resume_from_checkpoint", "latest", "--seed", "7"], "written by another run: ['seed'] differ"),
     (["--resume_from_checkpoint", "latest", "--max_steps", "3"], "is at step 6, past --max_steps 3"),
     (["--resume_from_checkpoint", "CKPT2", "--max_steps", "8"], "belongs to a run of 6 steps"),
-], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length"])
+    (["--resume_from_checkpoint", "latest"], "is the end of a finished run (6 of 6 steps)"),
+], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length", "finished_run"])
 def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
     """A new run into a folder holding another run's checkpoints, a checkpoint of another run
     (run identity: seed, data, model, optimizer, FLConfig), one past --max_steps, or a resume
@@ -145,6 +146,20 @@ def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
     assert proc.returncode != 0 and not proc.timed_out, proc.tail()
     assert message in proc.stderr, proc.tail()
     assert sorted(os.listdir(out / "checkpoints")) == before
+
+
+def test_finished_run_without_checkpoints_says_to_start_over(full, tmp_path):
+    """A folder holding only a finished run's results (no checkpoint to continue from): a new run
+    into it is refused with advice that works (--overwrite_output_dir, another folder), not
+    "--resume_from_checkpoint latest"."""
+    _, data, out, _ = full
+    copy = tmp_path / "done"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints")
+    proc = _launch(_args(data, copy), timeout=180)
+    assert proc.returncode != 0 and not proc.timed_out, proc.tail()
+    assert "holds the results of a finished run (and no checkpoint to continue from)" in proc.stderr, proc.tail()
+    assert "--overwrite_output_dir" in proc.stderr and "--resume_from_checkpoint latest" not in proc.stderr
 
 
 def test_overwrite_output_dir_starts_over(full, tmp_path):
