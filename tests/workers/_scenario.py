@@ -29,3 +29,18 @@ def reset_for_next_scenario() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+
+
+def local_shards(params) -> list:
+    """Copies of this rank's local shards (``to_local()`` of DTensor parameters)."""
+    return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
+
+
+def save_record(rec: dict, out, name: str, rank: int, last: bool) -> None:
+    """Write ``out/<name>/rank<k>.pt``; before the next scenario, reset Accelerate's singletons."""
+    import torch
+
+    (out / name).mkdir(parents=True, exist_ok=True)
+    torch.save(rec, out / name / f"rank{rank}.pt")
+    if not last:
+        reset_for_next_scenario()

@@ -26,9 +26,10 @@ Each rank writes ``OUT_DIR/<mode>-<scenario>-rank<k>.pt``.
 from __future__ import annotations
 
 import sys
-from unittest import mock
 
 import torch
+
+import _scenario
 
 STEPS, H, SEQ, VOCAB, SEED = 4, 2, 32, 512, 42
 
@@ -42,25 +43,11 @@ def local(p):
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def fresh_state() -> None:
-    """Forget Accelerate's singletons but keep the world process group, as a new process would."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from accelerate.utils import DistributedType
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
-
-
 def end(acc, last: bool) -> None:
-    from accelerate.state import AcceleratorState
-
-    if last:
-        acc.end_training()
-        return
-    with mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None):
-        acc.end_training()
-    fresh_state()
+    """end_training; before the next scenario keep the world group and reset Accelerate's singletons."""
+    _scenario.end_training(acc, last)
+    if not last:
+        _scenario.reset_for_next_scenario()
 
 
 def accelerator(outer: str = "avg"):

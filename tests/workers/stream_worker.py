@@ -112,7 +112,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         return p.to_local() if hasattr(p, "to_local") else p
 
     def snap():
-        return [local(p).detach().clone() for p in params]
+        return _scenario.local_shards(params)
 
     def sync_tensors():
         return {"params": snap(),
@@ -185,10 +185,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     rec["final_comm"] = acc.comm_stats.as_dict()
     rec["num_syncs"] = sync.num_syncs
     rec["num_fragment_syncs"] = sync.num_fragment_syncs
-    (out / sc["name"]).mkdir(parents=True, exist_ok=True)
-    torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
-    if not last:
-        _scenario.reset_for_next_scenario()
+    _scenario.save_record(rec, out, sc["name"], rank, last)
 
 
 def main() -> None:

@@ -127,7 +127,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
         return p.to_local() if hasattr(p, "to_local") else p
 
     def snap():
-        return [local(p).detach().clone() for p in params]
+        return _scenario.local_shards(params)
 
     def meta():
         return [{"type": type(p).__name__, "placements": str(getattr(p, "placements", None)),
@@ -172,10 +172,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
     rec["final"] = snap()
     rec["final_num_syncs"] = sync.num_syncs
     rec["final_comm"] = acc.comm_stats.as_dict()
-    (out / sc["name"]).mkdir(parents=True, exist_ok=True)
-    torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
-    if not last:
-        _scenario.reset_for_next_scenario()
+    _scenario.save_record(rec, out, sc["name"], rank, last)
 
 
 def main() -> None:

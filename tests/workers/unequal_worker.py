@@ -138,10 +138,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     rec["final"] = snap()
     rec["final_comm"] = {axis: acc.comm_stats[axis].bytes for axis in ("fl", "dp_replicate", "world")}
     rec["num_syncs"] = sync.num_syncs
-    (out / sc["name"]).mkdir(parents=True, exist_ok=True)
-    torch.save(rec, out / sc["name"] / f"rank{rank}.pt")
-    if not last:
-        _scenario.reset_for_next_scenario()
+    _scenario.save_record(rec, out, sc["name"], rank, last)
 
 
 def main() -> None:
