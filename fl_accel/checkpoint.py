@@ -164,9 +164,21 @@ def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
 
 
 def _as_dtensor_like(local: torch.Tensor, param) -> torch.Tensor:
+    """``local`` as a DTensor sharded like ``param`` (DCP then stores every rank's shard
+    at its offset). A local tensor on another device than the mesh (the synchronizer's
+    host state with ``anchor_device="cpu"``) stays where it is: ``DTensor.from_local``
+    would copy it to the accelerator, all of it at once, which is the memory that
+    setting spares. DCP reads and writes such a DTensor through its local tensor only
+    (``__create_write_items__``, ``__get_tensor_shard__``)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
+        if local.device.type != param.device_mesh.device_type and not local.is_meta:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+            spec = DTensorSpec(param.device_mesh, tuple(param.placements),
+                               tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
+            return DTensor(local.view_as(local), spec, requires_grad=False)
         return DTensor.from_local(local, device_mesh=param.device_mesh, placements=param.placements,
                                   shape=param.shape, stride=param.stride(), run_check=False)
     return local

@@ -37,10 +37,16 @@ DataSharding = Literal["global", "group"]
 OnNonfinite = Literal["abort", "reset"]
 SyncDtype = Literal["fp32", "bf16", "int8"]
 GroupWeighting = Literal["size", "uniform"]
+AnchorDevice = Literal["same", "cpu"]
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
 assert get_args(Algorithm) == ALGORITHMS
 
 ENV_PREFIX = "FL_ACCEL_"
+
+PLACEMENT_ONLY_FIELDS = ("anchor_device",)
+"""FLConfig fields that choose where state lives, not what its values are: a run may
+resume a checkpoint written with another value of them (checkpoint and run identity
+checks leave them out)."""
 
 
 @dataclass
@@ -139,6 +145,15 @@ class FLConfig:
     """Size, in MiB of fp32, of the flat buffers the sync packs local shards into.
     Larger buckets mean fewer collectives; smaller ones less extra memory."""
 
+    anchor_device: AnchorDevice = "same"
+    """Where the sync's fp32 outer state lives: the anchor (kept for "nesterov" or a
+    compressed ``sync_dtype``), the "nesterov" momentum and the ``error_feedback``
+    residuals. "same": on the parameters' device. "cpu": in host memory (pinned when
+    the parameters are on CUDA), sparing per rank 4 bytes x the local shard's numel
+    of accelerator memory for the anchor, and as much again for the momentum and for
+    the residuals when used; the exchange stays on the accelerator and the values are
+    the same (a checkpoint resumes with either setting)."""
+
     def __post_init__(self) -> None:
         self._check_fields()
 
@@ -230,6 +245,12 @@ class FLConfig:
         return (self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0
                 or self.sync_dtype != "fp32")
 
+    @property
+    def keeps_outer_state(self) -> bool:
+        """True when the sync keeps an fp32 anchor (and so honours ``anchor_device``):
+        outer optimizer "nesterov" or a compressed ``sync_dtype``."""
+        return self.outer_optimizer == "nesterov" or self.sync_dtype != "fp32"
+
     def ignored_settings(self) -> list[str]:
         """Non-default settings the chosen ``algorithm`` ignores, one sentence each.
 
@@ -240,7 +261,7 @@ class FLConfig:
             fl_only = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fragments", "sync_delay",
                        "fragment_update_alpha", "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr",
                        "outer_momentum", "average_optimizer_state", "on_nonfinite", "sync_bucket_mb",
-                       "data_sharding")
+                       "data_sharding", "anchor_device")
             for name in fl_only:
                 if name in self._explicit:
                     out.append(f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} "
@@ -254,6 +275,9 @@ class FLConfig:
                     out.append(f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'")
         if self.error_feedback and self.sync_dtype == "fp32":
             out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
+        if self.is_federated and self.anchor_device != "same" and not self.keeps_outer_state:
+            out.append(f"anchor_device={self.anchor_device!r} is ignored with outer_optimizer 'avg' and "
+                       f"sync_dtype 'fp32' (the sync keeps no anchor)")
         return out
 
     # ------------------------------------------------------------------ loading

@@ -166,7 +166,8 @@ class Transport:
                 weights are renormalized over the others (the non-finite reset).
             residuals: error feedback, one fp32 tensor per input (same shape): added to
                 the values before quantization and overwritten with what quantization
-                dropped from this rank's chunk.
+                dropped from this rank's chunk. They may live in host memory while the
+                exchange runs on ``device``.
         """
         compressed = (self.sync_dtype != "fp32") if compressed is None else compressed
         weights = list(self.weights)
@@ -208,8 +209,8 @@ class Exchange:
                     value = tensors[i]() if callable(tensors[i]) else tensors[i]
                     flat[offset:offset + n].copy_(value.reshape(-1))
                     del value
-                    if residuals is not None:
-                        flat[offset:offset + n].add_(residuals[i].reshape(-1))
+                    if residuals is not None:  # a host residual (anchor_device="cpu") is copied here per tensor
+                        flat[offset:offset + n].add_(residuals[i].reshape(-1).to(device, non_blocking=True))
                     offset += n
                 self.buckets.append(_Bucket(idx, flat))
             self._launch(residuals)
@@ -245,8 +246,13 @@ class Exchange:
         self.stage = 1
 
     def _store_residual(self, b: "_Bucket", dropped: torch.Tensor, residuals) -> None:
-        """residual <- (value + old residual) - dequantized(sent), on this rank's chunk only."""
+        """residual <- (value + old residual) - dequantized(sent), on this rank's chunk only.
+
+        Residuals in host memory (``anchor_device="cpu"``) receive it through one blocking
+        device-to-host copy of this bucket's chunk."""
         t = self.t
+        if residuals[b.idx[0]].device != dropped.device:
+            dropped = dropped.to(residuals[b.idx[0]].device)
         size = b.flat.numel() // t.num_chunks
         lo, hi = t.chunk_index * size, (t.chunk_index + 1) * size
         offset = 0

@@ -99,12 +99,32 @@ class FederatedSynchronizer:
         units: parameter indices per FSDP unit, in forward order (default: one unit per
             parameter); fragments are dealt from them.
 
-    Memory (per rank, besides the model): an fp32 anchor of the local shards when
-    ``outer_optimizer="nesterov"`` or ``sync_dtype != "fp32"``; one outer momentum
-    buffer per shard for "nesterov"; one fp32 error-feedback residual per shard with
-    ``error_feedback``; during an exchange, one fp32 buffer of the fragment's shards
-    (split into ``sync_bucket_mb`` buckets, padded to a multiple of the chunk count)
-    plus, compressed, its quantized copies (1/2 or ~1/4 of it) in flight.
+    Memory (per rank, besides the model; n = numel of this rank's local shards): an
+    fp32 anchor of the local shards (4n bytes) when ``outer_optimizer="nesterov"`` or
+    ``sync_dtype != "fp32"``; one outer momentum buffer per shard for "nesterov" (4n
+    bytes); one fp32 error-feedback residual per shard with ``error_feedback`` (4n
+    bytes); during an exchange, one fp32 buffer of the fragment's shards (split into
+    ``sync_bucket_mb`` buckets, padded to a multiple of the chunk count) plus,
+    compressed, its quantized copies (1/2 or ~1/4 of it) in flight.
+
+    Placement (``anchor_device``). "same": the anchor, momentum and residuals live on
+    the parameters' device. "cpu": they live in host memory, which spares per rank 4n
+    bytes of accelerator memory for the anchor, plus 4n for the momentum ("nesterov")
+    and 4n for the residuals (``error_feedback``) when used: with both, 12n bytes, i.e.
+    3 fp32 copies of the local shards. The anchor and the residuals, which are copied to
+    the accelerator at every exchange, are pinned when the parameters are on CUDA; the
+    momentum never leaves the host and stays pageable. Everything a collective touches
+    stays on the accelerator (NCCL rejects CPU tensors): Delta = anchor - theta is
+    computed on the accelerator one tensor at a time while packing, by copying that
+    anchor tensor there (``non_blocking`` from pinned memory) and subtracting theta in
+    place, so the placement adds at most one shard-sized tensor (and, with error
+    feedback, one residual tensor) of accelerator memory at a time beside the bucket;
+    taking theta to the host instead would need a blocking device-to-host copy of every
+    tensor before the exchange could start. The means come back to the host (one
+    blocking copy per tensor), the outer step runs there, where the anchor lives, and the
+    global values are copied to the parameters. What quantization drops is copied back
+    to the host residuals once per bucket. The values are those of "same" (bitwise on
+    CPU; on CUDA up to the fp32 rounding differences of the outer step's CPU kernels).
 
     Counters: ``global_step`` (optimizer steps), ``local_step`` (steps since the last
     sync event), ``num_syncs`` (completed sync events: fragment syncs and full syncs),
@@ -144,6 +164,7 @@ class FederatedSynchronizer:
         self.outer_optimizer: torch.optim.Optimizer | None = None
         self.residuals: list[torch.Tensor] | None = None
         self.needs_anchor = config.outer_optimizer == "nesterov" or self.compressed
+        self._h2d_events: list = []  # CUDA events after non-blocking copies out of the host state
         self.pre_sync_hooks: list = []
         self._suspended = 0
         if self.num_groups > 1 and not any(_local(p).is_meta for p in self.params):
@@ -155,20 +176,68 @@ class FederatedSynchronizer:
         """The P fragments as lists of parameter names (as in ``model.named_parameters()``)."""
         return [[self.names[i] for i in frag] for frag in self.fragment_indices]
 
+    @property
+    def _pin(self) -> bool:
+        """Host outer state is pinned when the parameters are on CUDA (fast, non-blocking copies)."""
+        return self.config.anchor_device == "cpu" and _local(self.params[0]).device.type == "cuda" \
+            and torch.cuda.is_available()
+
+    def _host_zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32, device="cpu", pin_memory=self._pin)
+
     @torch.no_grad()
     def reset_anchor(self) -> None:
         """(Re)take the anchor from the current parameters: call after (re)initializing
-        the model's weights. Resets the outer momentum and residuals."""
+        the model's weights. Resets the outer momentum and residuals. The anchor and the
+        residuals are placed per ``anchor_device`` (see the class docstring)."""
         if not self.needs_anchor:
             return
-        self.anchor = [torch.nn.Parameter(_local(p).detach().to(torch.float32).clone(), requires_grad=False)
-                       for p in self.params]
+        self._fence()
+        if self.config.anchor_device == "cpu":
+            self.anchor = [torch.nn.Parameter(self._host_zeros(_local(p).shape).copy_(_local(p).detach()),
+                                              requires_grad=False) for p in self.params]
+        else:
+            self.anchor = [torch.nn.Parameter(_local(p).detach().to(torch.float32).clone(), requires_grad=False)
+                           for p in self.params]
         if self.config.outer_optimizer == "nesterov":
             momentum = float(self.config.outer_momentum)
             self.outer_optimizer = torch.optim.SGD(self.anchor, lr=float(self.config.outer_lr),
                                                    momentum=momentum, nesterov=momentum > 0)
         if self.compressed and self.config.error_feedback:
-            self.residuals = [torch.zeros_like(a) for a in self.anchor]
+            if self.config.anchor_device == "cpu":
+                self.residuals = [self._host_zeros(a.shape) for a in self.anchor]
+            else:
+                self.residuals = [torch.zeros_like(a) for a in self.anchor]
+
+    def _state_on_host(self) -> bool:
+        """True when the outer state lives on another device than the parameters
+        (``anchor_device="cpu"`` with parameters on an accelerator)."""
+        return self.anchor is not None and self.anchor[0].device != _local(self.params[0]).device
+
+    def _after_h2d(self, stream=None) -> None:
+        """Record that non-blocking copies out of the (pinned) host state were queued on
+        ``stream`` (default: the current stream): the host must not write that state
+        before they ran (see :meth:`_fence`)."""
+        if self._state_on_host() and torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record(stream if stream is not None else torch.cuda.current_stream())
+            self._h2d_events.append(event)
+
+    def _fence(self) -> None:
+        """Wait for the queued non-blocking copies out of the host state; call before the
+        host writes the anchor or the residuals (outer step, reset, checkpoint load)."""
+        for event in self._h2d_events:
+            event.synchronize()
+        self._h2d_events.clear()
+
+    def _delta(self, i: int) -> torch.Tensor:
+        """Delta = anchor - theta of parameter i, on the parameter's device, in fp32."""
+        theta = _local(self.params[i])
+        anchor = self.anchor[i]
+        if anchor.device == theta.device:
+            return anchor - theta.float()
+        # host anchor: one device copy of this tensor (non-blocking from pinned memory), theta subtracted in place
+        return anchor.detach().to(theta.device, non_blocking=True).sub_(theta.float())
 
     # ------------------------------------------------------------------ the hook
     @contextlib.contextmanager
@@ -228,12 +297,14 @@ class FederatedSynchronizer:
         an exchange finished outside ``no_grad`` (``state_tensors``, for a checkpoint)
         then fails in its in-place all-gather over "dp_replicate"."""
         if self.compressed:
-            sources = [(lambda i=i: self.anchor[i] - _local(self.params[i]).float()) for i in indices]
+            sources = [(lambda i=i: self._delta(i)) for i in indices]
         else:
             sources = [_local(self.params[i]) for i in indices]
         residuals = [self.residuals[i] for i in indices] if self.residuals is not None else None
-        return self.transport.start(sources, shapes=[tuple(_local(self.params[i]).shape) for i in indices],
-                                    device=_local(self.params[0]).device, residuals=residuals)
+        exchange = self.transport.start(sources, shapes=[tuple(_local(self.params[i]).shape) for i in indices],
+                                        device=_local(self.params[0]).device, residuals=residuals)
+        self._after_h2d(exchange.stream)  # the anchor (and residual) copies were queued on the packing stream
+        return exchange
 
     def _launch(self, fragment: int) -> None:
         self._inflight = (fragment, self._start(self.fragment_indices[fragment]))
@@ -296,8 +367,15 @@ class FederatedSynchronizer:
 
     @torch.no_grad()
     def _apply(self, indices: Sequence[int], means: list[torch.Tensor], alpha: float) -> None:
-        """global = outer step with the means; anchor <- global; theta <- global + alpha (theta - global)."""
+        """global = outer step with the means; anchor <- global; theta <- global + alpha (theta - global).
+
+        With the outer state in host memory the means are copied there first and the
+        outer step runs on the host; the global values are then copied to the parameters."""
         locals_ = [_local(self.params[i]) for i in indices]
+        host = self._state_on_host()
+        if host:
+            self._fence()
+            means = [m.to(self.anchor[i].device) for i, m in zip(indices, means)]
         if self.compressed:  # means are mean(Delta)
             if self.outer_optimizer is None:
                 globals_ = [self.anchor[i].sub_(m) for i, m in zip(indices, means)]
@@ -314,9 +392,13 @@ class FederatedSynchronizer:
                 globals_ = self._outer_step(indices, grads)
         for t, g in zip(locals_, globals_):
             if alpha:
+                if g.device != t.device:
+                    g = g.to(t.device, non_blocking=True)
                 t.copy_(torch.lerp(g, t.to(g.dtype), alpha))
             else:
-                t.copy_(g)
+                t.copy_(g, non_blocking=g.device != t.device)
+        if host:
+            self._after_h2d()
         if self.config.average_optimizer_state:
             self._average_optimizer_state(indices)
 
@@ -379,6 +461,7 @@ class FederatedSynchronizer:
         means = self.transport.start(locals_, compressed=False, mask=mask).finish()
         for t, m in zip(locals_, means):
             t.copy_(m)
+        self._fence()
         if self.anchor is not None:
             for a, m in zip(self.anchor, means):
                 a.copy_(m)
@@ -415,6 +498,7 @@ class FederatedSynchronizer:
         if self._inflight is not None and not isinstance(self._inflight[1], list):
             fragment, results = self._finish_inflight()
             self._inflight = (fragment, results)
+        self._fence()  # a checkpoint load writes into these tensors
         shared: dict[int, dict[str, torch.Tensor]] = {}
         per_group: dict[int, dict[str, torch.Tensor]] = {}
         if self.anchor is not None:
@@ -441,6 +525,7 @@ class FederatedSynchronizer:
         self.num_fragment_syncs = int(state.get("num_fragment_syncs", 0))
         self.in_sync = bool(state.get("in_sync", self.local_step == 0))
         shared, per_group = shared or {}, per_group or {}
+        self._fence()
         with torch.no_grad():
             if self.anchor is not None:
                 for i, a in enumerate(self.anchor):

@@ -161,6 +161,33 @@ def test_a_new_flconfig_field_is_a_flag_a_yaml_key_and_an_env_variable(tmp_path)
     assert parsed.fl.gossip_rounds == 11 and parsed.sources["gossip_rounds"] == "flag"
 
 
+def test_anchor_device_is_a_flag_a_yaml_key_and_an_env_variable_but_not_run_identity(tmp_path, capsys):
+    """anchor_device comes through the derived flag (with its choices in --help), the YAML's 'fl:'
+    section and FL_ACCEL_ANCHOR_DEVICE; a bad value is refused naming the allowed ones; and it
+    is left out of the run identity a resume compares (it places state, the values are equal)."""
+    from recipes.args import RecipeError, parse_args, run_identity
+
+    assert parse_args([], environ={}).fl.anchor_device == "same"
+    assert parse_args(["--anchor_device", "cpu"], environ={}).fl.anchor_device == "cpu"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("fl:\n  anchor_device: cpu\n")
+    assert parse_args(["--config", str(yaml_file)], environ={}).fl.anchor_device == "cpu"
+    parsed = parse_args([], environ={"FL_ACCEL_ANCHOR_DEVICE": "cpu"})
+    assert parsed.fl.anchor_device == "cpu" and parsed.sources["anchor_device"] == "FL_ACCEL_ANCHOR_DEVICE"
+    with pytest.raises(RecipeError, match="invalid choice: 'gpu'"):
+        parse_args(["--anchor_device", "gpu"], environ={})
+    with pytest.raises((RecipeError, ValueError), match="anchor_device must be one of"):
+        parse_args([], environ={"FL_ACCEL_ANCHOR_DEVICE": "gpu"})
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], environ={})
+    assert re.search(r"--anchor_device \{same,cpu\}.*?\(default: same\)", capsys.readouterr().out, re.S)
+    same, cpu = parse_args([], environ={}), parse_args(["--anchor_device", "cpu"], environ={})
+    assert run_identity(same.args, same.fl) == run_identity(cpu.args, cpu.fl)
+    assert "anchor_device" not in run_identity(cpu.args, cpu.fl)["fl"]
+    other = parse_args(["--sync_dtype", "int8"], environ={})
+    assert run_identity(other.args, other.fl) != run_identity(same.args, same.fl)
+
+
 def test_recipe_argument_precedence_and_sources(tmp_path):
     """defaults < YAML < FL_ACCEL_* < flags, for FLConfig fields and recipe options; lists as '2,4';
     a top-level FLConfig key in the YAML is said to belong under 'fl:'; the start-up lines mark

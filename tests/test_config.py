@@ -39,7 +39,7 @@ def test_defaults():
         "hsdp_shard_size": None, "sync_every": 8, "num_fragments": 1, "sync_delay": 0,
         "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
-        "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256,
+        "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "anchor_device": "same",
     }
     assert c.validate() is c
     assert c.validate(world_size=4) is c
@@ -150,6 +150,8 @@ def test_describe():
     ({"group_sizes": []}, None, "group_sizes"),
     ({"group_sizes": ["2", 2]}, None, "group_sizes"),
     ({"group_weighting": "tokens"}, None, "group_weighting"),
+    ({"anchor_device": "cuda"}, None, r"anchor_device must be one of \['same', 'cpu'\]"),
+    ({"anchor_device": None}, None, "anchor_device"),
 ])
 def test_validate_names_the_field(kwargs, world, field):
     """Each invalid value raises ValueError whose message names the offending field, at
@@ -181,6 +183,11 @@ def test_ignored_settings_are_named():
     assert any("hsdp_shard_size=2" in n for n in FLConfig(hsdp_shard_size=2).ignored_settings())
     assert any("error_feedback" in n for n in FLConfig(error_feedback=True).ignored_settings())
     assert FLConfig().ignored_settings() == []
+    assert any("anchor_device='cpu'" in n and "no anchor" in n for n in FLConfig(anchor_device="cpu").ignored_settings())
+    assert any("anchor_device='cpu'" in n and "'fsdp'" in n
+               for n in FLConfig(algorithm="fsdp", anchor_device="cpu").ignored_settings())
+    assert FLConfig(anchor_device="cpu", sync_dtype="bf16").ignored_settings() == []
+    assert FLConfig(anchor_device="cpu", outer_optimizer="nesterov").ignored_settings() == []
     assert FLConfig(algorithm="fl_hsdp", hsdp_shard_size=2, sync_dtype="int8", error_feedback=True,
                     outer_optimizer="nesterov", outer_lr=0.5).ignored_settings() == []
 
@@ -254,6 +261,9 @@ def test_env_values_are_typed():
                                   "sync_dtype": "int8", "fragment_update_alpha": 0.5}
     assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}) == \
         {"hsdp_shard_size": 2, "average_optimizer_state": False}
+    assert FLConfig.from_env(environ={"FL_ACCEL_ANCHOR_DEVICE": "cpu"}).anchor_device == "cpu"
+    with pytest.raises(ValueError, match="anchor_device must be one of"):
+        FLConfig.from_env(environ={"FL_ACCEL_ANCHOR_DEVICE": "gpu"})
 
 
 def test_from_env_reads_os_environ(monkeypatch):
