@@ -17,7 +17,8 @@ a tiny Llama, inner SGD, fixed per-rank batches):
 3. one 8-process launch (FL+HSDP 2 groups x 2 replicas x 2 shards) for the bitwise
    FedAvg, the chunked int8 exchange and a mid-exchange checkpoint round trip.
 
-Three tests pin checkpoint behaviour outside the synchronizer: DCP's zero-lr "fake"
+Section g runs anchor_device="cpu" against "same" (bitwise, also across a resume that
+switches the setting). Three tests pin checkpoint behaviour outside the synchronizer: DCP's zero-lr "fake"
 optimizer step (taken by get/set_optimizer_state_dict when an optimizer has no state)
 must not advance the sync schedule, and each HSDP replica's error-feedback residual is
 its own.
@@ -68,6 +69,9 @@ WIRE = {**STREAM, "sync_delay": 2}  # launch at local step 1, all-gather at 2, a
 RESUME_INT8 = {**FL2, "sync_every": 8, "num_fragments": 2, "sync_delay": 2, "sync_dtype": "int8",
                "error_feedback": True, **NESTEROV}
 LAUNCH_AT_1 = {**WIRE, "sync_dtype": "int8", "error_feedback": True, **NESTEROV}  # launch at local step 1
+# anchor_device: H/P = 3, tau = 1 (launch at local step 2, apply at 3), int8 + EF, "nesterov": every kind of outer state
+ANCHOR_SAME = {**STREAM, "sync_delay": 1, "sync_dtype": "int8", "error_feedback": True, **NESTEROV}
+ANCHOR_CPU = {**ANCHOR_SAME, "anchor_device": "cpu"}
 
 
 def _sc(name, fl, steps=STEPS, **extra):
@@ -90,12 +94,17 @@ SCENARIOS = [
     _sc("launch1_int8", LAUNCH_AT_1, momentum=0.9),
     _sc("launch1_int8_saved", LAUNCH_AT_1, momentum=0.9, save_at=[4]),
     _sc("stateless_saved", EXACT_A, save_at=[5]),
+    _sc("anchor_same", ANCHOR_SAME, momentum=0.9, save_at=[5]),
+    _sc("anchor_cpu", ANCHOR_CPU, momentum=0.9, save_at=[5]),
 ]
 RESUMES = [
     _sc("resume_fp32_from5", EXACT_A, momentum=0.9, resume=["resume_fp32_saved", 5]),
     _sc("resume_int8_from6", RESUME_INT8, momentum=0.9, resume=["resume_int8_saved", 6]),
     _sc("resume_int8_from7", RESUME_INT8, momentum=0.9, resume=["resume_int8_saved", 7]),
     _sc("launch1_int8_from4", LAUNCH_AT_1, momentum=0.9, resume=["launch1_int8_saved", 4], record_load_error=True),
+    _sc("anchor_cpu_from_cpu5", ANCHOR_CPU, momentum=0.9, resume=["anchor_cpu", 5]),
+    _sc("anchor_same_from_cpu5", ANCHOR_SAME, momentum=0.9, resume=["anchor_cpu", 5]),
+    _sc("anchor_cpu_from_same5", ANCHOR_CPU, momentum=0.9, resume=["anchor_same", 5]),
 ]
 FL2_HSDP = {"algorithm": "fl_hsdp", "num_groups": F, "hsdp_shard_size": 2}
 HSDP_SCENARIOS = [
@@ -116,11 +125,13 @@ BAD_CASES = [
     ("alpha_negative", {"fragment_update_alpha": -0.1}, {}, "fragment_update_alpha"),
     ("alpha_nan", {"fragment_update_alpha": float("nan")}, {}, "fragment_update_alpha"),
     ("unknown_sync_dtype", {"sync_dtype": "fp8"}, {}, "sync_dtype"),
+    ("unknown_anchor_device", {"anchor_device": "gpu"}, {}, "anchor_device"),
     # valid when built, broken afterwards: FLAccelerator's own validation must catch it
     ("set_h_not_multiple_of_p", {"sync_every": 6}, {"num_fragments": 4}, "num_fragments"),
     ("set_tau_too_large", {"sync_every": 6, "num_fragments": 2}, {"sync_delay": 3}, "sync_delay"),
     ("set_alpha_above_one", {}, {"fragment_update_alpha": 2.0}, "fragment_update_alpha"),
     ("set_unknown_sync_dtype", {}, {"sync_dtype": "int4"}, "sync_dtype"),
+    ("set_unknown_anchor_device", {}, {"anchor_device": "cuda"}, "anchor_device"),
 ]
 
 
@@ -839,3 +850,77 @@ def test_checkpoint_mid_exchange_hsdp_round_trip(eight):
         for key in ("params", "anchor"):
             assert all(torch.equal(a, b) for a, b in zip(rt["before"][key], rt["after"][key])), (rec["rank"], key)
         assert rec["num_fragment_syncs"] == 2
+
+
+# ====================================================================== g. anchor_device="cpu"
+def test_anchor_device_cpu_is_bitwise_the_same_run(four):
+    """int8 + error feedback, "nesterov", P=2, H=6, tau=1, inner SGD with momentum, 11 steps
+    + end_training, each saving a checkpoint at step 5: the run with the outer state in host
+    memory (anchor_device="cpu") has every loss and every rank's shards after every step and
+    after end_training bitwise equal to the run with anchor_device="same". On this CPU machine
+    both are host memory: what differs is only how the state is allocated (never pinned
+    without CUDA); the GPU placement is checked in tests/test_cuda.py. Not vacuous: the groups
+    differ between syncs, and the anchor, momentum and residuals all exist."""
+    same, cpu = four("anchor_same"), four("anchor_cpu")
+    _assert_same_run(same, cpu, 1)
+    got = trajectory(same)
+    assert max_diff(got[4][0], got[4][1]) > 1e-3  # step 5: the groups differ
+    for rec in same + cpu:
+        devices = rec["state_devices"]
+        for kind in ("anchor", "momentum", "residual"):
+            assert devices[kind] == [["cpu"], False], (rec["rank"], kind, devices)
+
+
+@pytest.mark.parametrize("name,saved", [("anchor_cpu_from_cpu5", "anchor_cpu"),
+                                        ("anchor_same_from_cpu5", "anchor_cpu"),
+                                        ("anchor_cpu_from_same5", "anchor_same")])
+def test_anchor_device_resume_mid_exchange_is_bitwise(four, resumed, name, saved):
+    """The checkpoint of step 5 (mid-round, fragment 1's int8 exchange launched at step 5 and
+    in flight), resumed in fresh processes with anchor_device "cpu" from a "cpu" checkpoint,
+    and switched either way ("same" from "cpu", "cpu" from "same": the setting places state, it
+    does not change values, so a resume may switch it): every later loss and shard, and the
+    state after end_training, are bitwise those of the uninterrupted "same" run."""
+    ref = four("anchor_same")
+    for rec in four(saved):
+        assert {s["step"]: s for s in rec["saved"]}[5]["sync_state"]["inflight_fragment"] == 1
+    res = resumed(name)
+    for rec in res:
+        assert rec["load_error"] is None, rec["load_error"]
+        assert rec["start"] == 5 and rec["resumed_sync_state"]["inflight_fragment"] == 1
+        assert [st["step"] for st in rec["steps"]] == list(range(6, STEPS + 1))
+        assert rec["state_devices"]["anchor"] == [["cpu"], False]
+    _assert_same_run(ref, res, 6)
+
+
+def test_anchor_device_cpu_places_the_outer_state_on_the_host():
+    """No processes: with anchor_device="cpu" the anchor, the residuals and (after an outer
+    step) the momentum are CPU tensors, pinned only when the parameters are on CUDA (never
+    here), all fp32, and two outer steps (``_apply`` with given means, alpha 0.5) give bitwise
+    the parameters, anchors and momentum of anchor_device="same"."""
+    from fl_accel.mesh import FLLayout
+    from fl_accel.sync import FederatedSynchronizer
+
+    class _NoMesh:
+        def group(self, axis):
+            return None
+
+    out = {}
+    for where in ("same", "cpu"):
+        cfg = FLConfig(sync_every=100, num_fragments=2, sync_dtype="int8", error_feedback=True, anchor_device=where,
+                       **NESTEROV)
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(40, generator=gen)), torch.nn.Parameter(torch.randn(3, 5, generator=gen))]
+        sync = FederatedSynchronizer([("a", params[0]), ("b", params[1])], torch.optim.SGD(params, lr=0.1),
+                                     layout=FLLayout.from_config(cfg, 4), mesh=_NoMesh(), rank=0, config=cfg)
+        assert sync.anchor is not None and sync.residuals is not None and not sync._state_on_host()
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen))
+            for _ in range(2):  # the second step uses the momentum taken by the first
+                sync._apply([0, 1], [torch.randn(p.shape, generator=gen) for p in params], 0.5)
+        momentum = [s["momentum_buffer"] for s in sync.outer_optimizer.state.values()]
+        assert len(momentum) == 2
+        for t in list(sync.anchor) + sync.residuals + momentum:
+            assert t.device.type == "cpu" and not t.is_pinned() and t.dtype == torch.float32
+        out[where] = [p.detach().clone() for p in params] + [a.detach().clone() for a in sync.anchor] + momentum
+    assert all(torch.equal(a, b) for a, b in zip(out["same"], out["cpu"]))

@@ -22,7 +22,8 @@ after every optimizer step and after ``end_training``, the losses, the batches, 
 cumulative ``comm_stats`` after every step, the fragments, and with ``spy`` what the
 exchange saw: the pseudo-gradients and error-feedback residuals at every launch and
 the means at every apply (by wrapping ``_start``/``_apply`` on the synchronizer
-instance; nothing else changes).
+instance; nothing else changes), and where the synchronizer's outer state lives
+(``state_devices``: the devices and pinned flags of the anchor, momentum and residuals).
 
 Scenario keys: ``name``, ``fl`` (FLConfig fields), ``steps``, ``lr``, optional
 ``save_at`` (steps after which to ``save_state`` into ``OUT_DIR/<name>/step_<k>``),
@@ -182,10 +183,22 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     rec["roundtrip"] = {"step": step + 1, "before": before, "after": sync_tensors()}
         _scenario.end_training(acc, last)
     rec["final"] = snap()
+    rec["state_devices"] = state_devices(sync)
     rec["final_comm"] = acc.comm_stats.as_dict()
     rec["num_syncs"] = sync.num_syncs
     rec["num_fragment_syncs"] = sync.num_fragment_syncs
     _scenario.save_record(rec, out, sc["name"], rank, last)
+
+
+def state_devices(sync) -> dict:
+    """``{kind: [sorted device names, any pinned]}`` of the synchronizer's outer state (None: none kept)."""
+    momentum = None if sync.outer_optimizer is None else \
+        [s["momentum_buffer"] for s in sync.outer_optimizer.state.values() if "momentum_buffer" in s]
+
+    def where(tensors):
+        return None if tensors is None else [sorted({str(t.device) for t in tensors}), any(t.is_pinned() for t in tensors)]
+
+    return {"anchor": where(sync.anchor), "momentum": where(momentum), "residual": where(sync.residuals)}
 
 
 def main() -> None:
