@@ -50,3 +50,52 @@ def test_recipe_on_one_gpu_in_bf16(tmp_path):
     results = json.loads((out / "all_results.json").read_text())
     assert results["steps"] == 4 and results["eval_loss"] > 0
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+def test_anchor_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
+    """One GPU, a 1-process NCCL group (F=1 on the world group: the "fl" collectives still
+    run), the synchronizer's outer step driven through four fragment syncs, each launched,
+    advanced and applied with the parameters moving in between (training meanwhile), for fp32
+    + "nesterov" and for int8 + error feedback + "nesterov" (P=2, alpha 0.5). With
+    anchor_device="cpu": the anchor and the residuals are pinned CPU tensors and the momentum
+    a CPU tensor; the parameters, every tensor given to a collective, the exchange's buffers
+    and the means stay on cuda; the outer state holds (almost) no device memory, while "same"
+    holds at least 4 bytes x numel for each of anchor, momentum and residuals. The parameters
+    equal those of "same" after every sync: within fp32 rounding for fp32 (the outer step runs
+    on CPU kernels instead of CUDA ones), and for int8 within two quantization steps, with
+    almost every value equal (an fp32 rounding difference can flip an int8 rounding). State
+    moves between the placements unchanged, and DCP saves and loads a host tensor wrapped like
+    a sharded parameter without moving it to the GPU."""
+    res = run_torchrun(1, WORKERS / "api_worker.py", "anchor_device", str(tmp_path), timeout=600)
+    assert res.returncode == 0, res.tail()
+    rec = json.loads((tmp_path / "anchor_device-rank0.json").read_text())
+    assert rec["backend"] == "nccl" and rec["device"].startswith("cuda") and rec["ok"]
+    n = rec["numel"]
+    for label in ("fp32", "int8_ef"):
+        same, cpu = rec["runs"][f"{label}/same"], rec["runs"][f"{label}/cpu"]
+        for run in (same, cpu):
+            for key in ("param_devices", "collective_devices"):
+                assert all(d.startswith("cuda") for d in run[key]), (label, key, run[key])
+            assert all(d.startswith("cuda") for d in run["buffers"] + run["means"]), label
+        assert cpu["anchor"] == {"devices": ["cpu"], "pinned": [True] * 3}, cpu["anchor"]
+        assert cpu["momentum"]["devices"] == ["cpu"] and len(cpu["momentum"]["pinned"]) == 3
+        assert same["anchor"]["devices"][0].startswith("cuda") and same["momentum"]["devices"][0].startswith("cuda")
+        kinds = 3 if label == "int8_ef" else 2
+        if label == "int8_ef":
+            assert cpu["residual"] == {"devices": ["cpu"], "pinned": [True] * 3}, cpu["residual"]
+            assert same["residual"]["devices"][0].startswith("cuda")
+        assert same["state_bytes_on_device"] >= kinds * 4 * n, same["state_bytes_on_device"]
+        assert cpu["state_bytes_on_device"] < 4 * n, cpu["state_bytes_on_device"]  # at most a freed bucket pending
+        for k, (ps, pc) in enumerate(zip(same["params"], cpu["params"])):
+            for x, y in zip(ps, pc):
+                x, y = torch.tensor(x).flatten(), torch.tensor(y).flatten()
+                diff = (x - y).abs()
+                if label == "fp32":
+                    assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), (k, diff.max().item())
+                else:
+                    assert diff.max() <= 2e-2 and (diff > 1e-5).float().mean() <= 0.02, (k, diff.max().item())
+        moved = (torch.tensor(same["params"][-1][0]) - torch.tensor(same["params"][0][0])).abs().max()
+        assert moved > 0.1  # not vacuous: the parameters moved over the syncs
+    assert rec["state_round_trip_equal"] == {"cpu->same": True, "same->cpu": True}
+    assert rec["dcp_host"] == {"wrapped_local_device": "cpu", "same_storage": True, "loaded_equal": True,
+                               "mesh": "cuda"}

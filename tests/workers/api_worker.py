@@ -8,8 +8,10 @@ optimizer step. MODE ``collectives``: every collective of the library and the re
 this machine's default process group and device (the CUDA test runs it on a 1-process
 NCCL group, which rejects CPU tensors as a multi-GPU job would): the recipe's evaluate()
 and main_first(), the sync's exchange in fp32/bf16/int8, its non-finite check, the
-start-up checksum, a federated checkpoint save and load. Each rank writes
-``OUT_DIR/<mode>-rank<k>.json``.
+start-up checksum, a federated checkpoint save and load. MODE ``anchor_device``: the
+synchronizer's outer step with ``anchor_device`` "same" and "cpu" on this device (a
+1-process group, driven through its ``_start``/``_apply``; see :func:`anchor_device`).
+Each rank writes ``OUT_DIR/<mode>-rank<k>.json``.
 """
 
 from __future__ import annotations
@@ -81,5 +83,142 @@ def collectives(out_dir: str) -> None:
     acc.end_training()
 
 
+def anchor_device(out_dir: str) -> None:
+    """anchor_device "same" vs "cpu" on this machine's device, one process (F=1 on the
+    world group: the "fl" exchange is a real collective over one rank, as in
+    ``collectives``). Two settings: fp32 exchange + "nesterov" (alpha 0), and int8 + error
+    feedback + "nesterov" with P=2 and alpha 0.5. Four fragment syncs, each launched, then
+    the parameters move (training meanwhile), then advanced, moved again, finished and
+    applied. Records, per setting and placement: the parameters after every sync, where the
+    anchor, momentum and residuals live (device, pinned), the devices of every tensor given
+    to a collective and of the exchange's buffers, and the device memory the outer state
+    holds afterwards; plus cross-placement state round trips (``state_tensors`` ->
+    ``load_state_dict``) and a DCP save/load of a host tensor wrapped like a sharded
+    parameter (``checkpoint._as_dtensor_like``), which must not move it to the device."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fl_accel.checkpoint import _as_dtensor_like
+    from fl_accel.mesh import FL, FLLayout
+    from fl_accel.sync import FederatedSynchronizer
+
+    acc = FLAccelerator(FLConfig(algorithm="fsdp"))  # fp32 parameters
+    dev = acc.device
+    cuda = dev.type == "cuda"
+    rec = {"backend": dist.get_backend(), "device": str(dev), "runs": {}}
+    seen: list[str] = []
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.extend(str(a.device) for a in list(args) + list(kwargs.values()) if torch.is_tensor(a))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "all_gather_single")}
+    for name, fn in real.items():
+        setattr(dist, name, spy(fn))
+
+    class _WorldMesh:
+        def group(self, axis):
+            return dist.group.WORLD if axis == FL else None
+
+    shapes = [(1000,), (64, 33), (257,)]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    settings = {"fp32": dict(sync_dtype="fp32", num_fragments=1, alpha=0.0),
+                "int8_ef": dict(sync_dtype="int8", error_feedback=True, num_fragments=2, alpha=0.5)}
+
+    def make(where: str, setting: dict):
+        fields = {k: v for k, v in setting.items() if k != "alpha"}
+        cfg = FLConfig(algorithm="fl_fsdp", num_groups=1, sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
+                       outer_momentum=0.9, anchor_device=where, **fields)
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                                     layout=FLLayout.from_config(cfg, 1), mesh=_WorldMesh(), rank=0, config=cfg)
+        sync.reset_anchor()  # F=1: the constructor takes none
+        return sync, params, base, gen
+
+    def where_is(tensors):
+        return None if tensors is None else {"devices": sorted({str(t.device) for t in tensors}),
+                                             "pinned": [bool(t.is_pinned()) for t in tensors]}
+
+    syncs = {}
+    for label, setting in settings.items():
+        for where in ("same", "cpu"):
+            sync, params, base, gen = make(where, setting)
+            seen.clear()
+            run = {"params": [], "buffers": [], "means": []}
+
+            def move():
+                with torch.no_grad():
+                    for p in params:
+                        p.add_((0.1 * torch.randn(p.shape, generator=gen)).to(dev))
+
+            for k in range(4):
+                move()
+                idx = sync.fragment_indices[k % len(sync.fragment_indices)]
+                ex = sync._start(idx)
+                if ex.stream is not None:  # in training a forward and backward separate packing from the next write
+                    torch.cuda.current_stream().wait_stream(ex.stream)
+                run["buffers"] += [str(b.flat.device) for b in ex.buckets]
+                move()
+                ex.advance()
+                move()
+                means = ex.finish()
+                run["means"] += [str(m.device) for m in means]
+                sync._apply(idx, means, setting["alpha"])
+                del ex, means
+                run["params"].append([p.detach().cpu().tolist() for p in params])
+            if cuda:  # release the exchange buffers still awaiting their streams' events
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+            run["state_bytes_on_device"] = (torch.cuda.memory_allocated(dev) - base) if cuda else 0
+            run["param_devices"] = sorted({str(p.device) for p in params})
+            run["collective_devices"] = sorted(set(seen))
+            run["anchor"] = where_is(list(sync.anchor))
+            run["momentum"] = where_is([s["momentum_buffer"] for s in sync.outer_optimizer.state.values()])
+            run["residual"] = where_is(sync.residuals)
+            rec["runs"][f"{label}/{where}"] = run
+            syncs[(label, where)] = sync
+    rec["numel"] = numel
+
+    # a checkpoint's tensors move between placements unchanged (values only)
+    rec["state_round_trip_equal"] = {}
+    for src, dst in (("cpu", "same"), ("same", "cpu")):
+        a = syncs[("int8_ef", src)]
+        b, _, _, _ = make(dst, settings["int8_ef"])
+        shared, per_rank = a.state_tensors()
+        b.load_state_dict(a.state_dict(), shared, per_rank)
+        got, want = b.state_tensors(), a.state_tensors()
+        rec["state_round_trip_equal"][f"{src}->{dst}"] = all(
+            torch.equal(got[j][i][kind].cpu(), want[j][i][kind].cpu())
+            for j in range(2) for i in want[j] for kind in want[j][i]) and \
+            {t.device.type for t in b.anchor} == {"cpu" if dst == "cpu" else dev.type}
+
+    # DCP: a host tensor wrapped like a sharded parameter is saved and loaded where it is
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    param = next(model.parameters())
+    host = torch.randn(param.to_local().shape, pin_memory=cuda)
+    wrapped = _as_dtensor_like(host, param)
+    target = torch.zeros_like(host)
+    with tempfile.TemporaryDirectory(dir=out_dir) as ckpt:
+        dcp.save({"x": wrapped}, checkpoint_id=ckpt)
+        loaded = _as_dtensor_like(target, param)
+        dcp.load({"x": loaded}, checkpoint_id=ckpt)
+    rec["dcp_host"] = {"wrapped_local_device": str(wrapped.to_local().device),
+                       "same_storage": wrapped.to_local().data_ptr() == host.data_ptr(),
+                       "loaded_equal": bool(torch.equal(target, host)), "mesh": param.device_mesh.device_type}
+    for name, fn in real.items():
+        setattr(dist, name, fn)
+    rec["ok"] = True
+    json.dump(rec, open(f"{out_dir}/anchor_device-rank{acc.process_index}.json", "w"))
+    acc.end_training()
+
+
 if __name__ == "__main__":
-    {"scheduler": scheduler, "collectives": collectives}[sys.argv[1]](sys.argv[2])
+    {"scheduler": scheduler, "collectives": collectives, "anchor_device": anchor_device}[sys.argv[1]](sys.argv[2])
