@@ -140,7 +140,9 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
 
 def layout_meta(config, layout) -> dict[str, Any]:
     """What a checkpoint must share with the run loading it: the layout, and the
-    settings that decide which synchronizer state exists."""
+    settings that decide which synchronizer state exists. ``anchor_device`` is left out
+    on purpose: it decides where that state lives, not what it is, so a run may resume a
+    checkpoint written with the other placement (the tensors are loaded into its own)."""
     federated = layout.num_groups > 1
     return {
         **layout.as_dict(),
@@ -169,7 +171,9 @@ def _as_dtensor_like(local: torch.Tensor, param) -> torch.Tensor:
     host state with ``anchor_device="cpu"``) stays where it is: ``DTensor.from_local``
     would copy it to the accelerator, all of it at once, which is the memory that
     setting spares. DCP reads and writes such a DTensor through its local tensor only
-    (``__create_write_items__``, ``__get_tensor_shard__``)."""
+    (``__create_write_items__``, ``__get_tensor_shard__``). Relies on torch 2.13's
+    ``DTensor(local, DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride,
+    dtype)), requires_grad=False)``, what ``from_local`` itself builds."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
