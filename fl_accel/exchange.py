@@ -198,6 +198,7 @@ class Exchange:
         self.stage = 0
         self.buckets = []
         self.stream = _side_stream(device)
+        compute = torch.cuda.current_stream(device) if self.stream is not None else None
         with self._on_stream():
             for idx in transport.buckets(self.shapes):
                 numel = sum(math.prod(self.shapes[i]) for i in idx)
@@ -213,6 +214,11 @@ class Exchange:
                         flat[offset:offset + n].add_(residuals[i].reshape(-1).to(device, non_blocking=True))
                     offset += n
                 self.buckets.append(_Bucket(idx, flat))
+            if compute is not None:
+                # Packing read theta on the side stream; the next optimizer step writes theta
+                # on the compute stream, which must not overtake it (waits for packing only:
+                # the collectives launched next run on the process group's own stream).
+                compute.wait_stream(self.stream)
             self._launch(residuals)
 
     # ------------------------------------------------------------------ stages
