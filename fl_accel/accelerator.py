@@ -24,6 +24,11 @@ relies on (accelerate 1.15, torch 2.13):
 * ``Accelerator.save_state``/``load_state`` with ``_models``/``_optimizers`` emptied
   save and restore only RNG, schedulers, samplers and registered objects; the
   federated model/optimizer state goes through :mod:`fl_accel.checkpoint`.
+* FSDP2 appends every unit to its post-forward order also in a forward without grad
+  (``FSDPParamGroup.post_forward`` -> ``_record_post_forward``) and clears that order only
+  at the end of a backward (``FSDPState._root_post_backward_final_callback``). The public
+  ``FSDPModule.reset_iter_state()`` (torch 2.13) reshards every unit and clears it; see
+  :meth:`FLAccelerator._track_forward_only`.
 """
 
 from __future__ import annotations
@@ -165,6 +170,8 @@ class FLAccelerator(Accelerator):
         self.synchronizer: FederatedSynchronizer | None = None
         self._step_hook = None
         self._last_loss: torch.Tensor | None = None
+        self._grads_accumulating = False  # micro-batch gradients wait for their optimizer step
+        self._forward_only_hooks: dict[int, object] = {}
         if self.is_main_process:
             for note in self._start_notes(fl_config):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
@@ -269,6 +276,9 @@ class FLAccelerator(Accelerator):
             for p in stand_ins:
                 del p.data_ptr
         items = result if isinstance(result, (list, tuple)) else [result]
+        for obj in items:
+            if isinstance(obj, torch.nn.Module):
+                self._track_forward_only(obj)
         model = next((o for o in items if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)
         if model is not None and optimizer is not None and self.synchronizer is None:
@@ -313,12 +323,12 @@ class FLAccelerator(Accelerator):
         """Free every FSDP2 unit's unsharded parameters before the sync writes the shards.
 
         A forward without a backward (an evaluation, e.g. in a pre-sync hook) leaves the
-        root unit unsharded: FSDP2 does not reshard the root after forward, only after
-        backward. The sync writes the local shards only, and the next forward's
-        ``unshard()`` is a no-op on an unsharded unit, so it would compute with the
-        pre-sync embedding/lm_head/final norm (seen: a different loss at the step after
-        an ``--eval_groups`` evaluation). ``FSDPModule.reshard()`` is a no-op on a
-        sharded unit.
+        tail unit (final norm + lm_head, which Accelerate shards with
+        ``reshard_after_forward=False``) unsharded: it is resharded after backward only.
+        The sync writes the local shards only, and the next forward's ``unshard()`` is a
+        no-op on an unsharded unit, so it would compute with the pre-sync lm_head/final
+        norm (seen: a different loss at the step after an ``--eval_groups`` evaluation).
+        ``FSDPModule.reshard()`` is a no-op on a sharded unit.
         """
         from torch.distributed.fsdp import FSDPModule
 
@@ -326,6 +336,49 @@ class FLAccelerator(Accelerator):
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def _track_forward_only(self, model) -> None:
+        """Reset FSDP2's per-iteration state before the first forward with grad that follows
+        forwards without grad (an evaluation), so that the next backward does no wasted
+        all-gather.
+
+        FSDP2 records the post-forward order of the units also under ``no_grad``
+        (``FSDPParamGroup.post_forward`` -> ``_record_post_forward``) and clears it only at
+        the end of a backward (``FSDPState._root_post_backward_final_callback``: the
+        order, and ``finalize_backward`` for each unit's indices). An evaluation's entries
+        therefore survive into the next training step, where the first unit of the forward
+        order (the embedding) finds a non-zero index and ``FSDPParamGroup._backward_prefetch``
+        all-gathers ``post_forward_order[index - 1]``: the evaluation's last unit, the tail,
+        already resharded by its own post-backward. ``finalize_backward`` discards that
+        result unused: one wasted tail all-gather per evaluation. (Without a checkpoint in
+        between it was hidden: the tail, still unsharded from the evaluation, skipped its
+        forward all-gather instead; a checkpoint's ``state_dict`` reshards it, and a
+        resumed run has no stale entries, so a resumed run counted one tail all-gather
+        less per evaluation before its checkpoint.)
+
+        ``FSDPModule.reset_iter_state()`` (public, torch 2.13) reshards every unit and
+        clears these trackers; it is called on the root in a forward pre-hook (ahead of
+        FSDP2's own) when grad is enabled and forwards without grad ran since. It
+        discards no-sync gradient-accumulation state, so it is skipped while micro-batch
+        gradients wait for their optimizer step (``backward`` with ``sync_gradients``
+        False); the waste then stays. Values are unchanged: the next forward gathers the
+        same shards.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule) or id(model) in self._forward_only_hooks:
+            return
+        forward_only = [False]
+
+        def before_forward(module, args):
+            if not torch.is_grad_enabled():
+                forward_only[0] = True
+            elif forward_only[0]:
+                forward_only[0] = False
+                if not self._grads_accumulating:
+                    module.reset_iter_state()
+
+        self._forward_only_hooks[id(model)] = model.register_forward_pre_hook(before_forward, prepend=True)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         sync = self.synchronizer
@@ -341,6 +394,7 @@ class FLAccelerator(Accelerator):
     def backward(self, loss, **kwargs):
         """Accelerate's backward; also remembers the loss for the sync's non-finite check."""
         self._last_loss = loss.detach()
+        self._grads_accumulating = not self.sync_gradients
         return super().backward(loss, **kwargs)
 
     # ------------------------------------------------------------------ initial weights

@@ -3,7 +3,8 @@ resumed runs, stale output folders, whole-run results, and a plain single proces
 
 One uninterrupted 4-process run (FL+FSDP 2x2, H=2, micro-batch 1, accumulation 2, two
 epochs of a 20-block training file: 5 micro-batches per rank per epoch, so Accelerate
-steps after micro-batches 2, 4 and 5 of each epoch) checkpoints after every step. Each
+steps after micro-batches 2, 4 and 5 of each epoch) evaluates after the syncs of steps 2
+and 4 (also each group's model, before the sync) and checkpoints after every step. Each
 checkpoint k = 1..5 is then resumed in a copy of the run's folder that ends at step k, as
 a crashed run would leave it, and must reproduce the uninterrupted run.
 """
@@ -38,7 +39,8 @@ def _corpus(tmp):
 def _args(data, out, *extra):
     return ["--model", "tiny", "--micro_batch_size", "1", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
             "--sync_every", "2", "--num_groups", "2", "--log_every", "1", "--checkpoint_every", "1",
-            "--save_final_model", "false", "--output_dir", str(out), *data, *extra]
+            "--eval_every", "2", "--eval_groups", "--save_final_model", "false", "--output_dir", str(out),
+            *data, *extra]
 
 
 def _launch(args, timeout=420):
@@ -83,7 +85,13 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     steps train on the same data (losses within 1e-6), the run ends at the same step with the
     same eval loss, and the whole-run figures of all_results.json equal the uninterrupted
     run's: bytes per axis, tokens, steps; tokens/s = tokens / training seconds. metrics.jsonl
-    holds every step once and curves.png is drawn from it (the whole history)."""
+    holds every step once and curves.png is drawn from it (the whole history).
+
+    The bytes are equal at every step, also at the first step after an evaluation (k = 2, 4:
+    the checkpoint follows the evaluation of step k). FSDP2 keeps an evaluation's
+    post-forward order until the next backward, whose backward prefetch then all-gathered the
+    tail unit once more for nothing; a resumed run has no such leftovers, so it counted one
+    tail all-gather less (fixed by FLAccelerator._track_forward_only)."""
     _, data, out, _ = full
     cut = tmp_path / "run"
     shutil.copytree(out, cut)
@@ -110,6 +118,12 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     for r in train:
         assert abs(r["train/loss"] - full_loss[r["step"]]) <= 1e-6, (r["step"], r["train/loss"])
+    full_comm = {r["step"]: r for r in _metrics(out) if "train/loss" in r}
+    for r in train:
+        for key in ("comm/dp_shard/bytes", "comm/dp_shard/calls", "comm/fl/bytes"):
+            assert r[key] == full_comm[r["step"]][key], (r["step"], key, r[key], full_comm[r["step"]][key])
+    evals = [r["step"] for r in records if "eval/loss_group0" in r]
+    assert evals == [2, 4, 6], evals  # the evaluations the resumed steps follow (6: the final one)
 
     from fl_accel.plots import plot_run_curves
 
