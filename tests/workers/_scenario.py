@@ -31,9 +31,14 @@ def reset_for_next_scenario() -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
 
 
+def local(p):
+    """This rank's local shard of a parameter (``to_local()`` of a DTensor; the tensor itself otherwise)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def local_shards(params) -> list:
-    """Copies of this rank's local shards (``to_local()`` of DTensor parameters)."""
-    return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
+    """Copies of this rank's local shards."""
+    return [local(p).detach().clone() for p in params]
 
 
 def save_record(rec: dict, out, name: str, rank: int, last: bool) -> None:

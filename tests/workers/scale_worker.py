@@ -30,6 +30,7 @@ import sys
 import torch
 
 import _scenario
+from _scenario import local
 
 STEPS, H, SEQ, VOCAB, SEED = 4, 2, 32, 512, 42
 
@@ -37,10 +38,6 @@ STEPS, H, SEQ, VOCAB, SEED = 4, 2, 32, 512, 42
 def batch(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)  # different data per rank and step
     return torch.randint(0, VOCAB, (2, SEQ), generator=g)
-
-
-def local(p):
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def end(acc, last: bool) -> None:

@@ -109,9 +109,6 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     sync = acc.synchronizer
     params = [p for _, p in model.named_parameters()]
 
-    def local(p):
-        return p.to_local() if hasattr(p, "to_local") else p
-
     def snap():
         return _scenario.local_shards(params)
 
@@ -132,7 +129,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             indices = list(indices)
             with torch.no_grad():
                 entry = {"step": sync.global_step, "indices": indices,
-                         "theta": [local(params[i]).detach().clone() for i in indices],
+                         "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
                          "anchor": None if sync.anchor is None else [sync.anchor[i].detach().clone() for i in indices],
                          "residual_before": None if sync.residuals is None else
                          [sync.residuals[i].clone() for i in indices]}

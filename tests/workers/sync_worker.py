@@ -123,16 +123,13 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
 
-    def local(p):
-        return p.to_local() if hasattr(p, "to_local") else p
-
     def snap():
         return _scenario.local_shards(params)
 
     def meta():
         return [{"type": type(p).__name__, "placements": str(getattr(p, "placements", None)),
-                 "shape": list(p.shape), "stride": list(p.stride()), "local_shape": list(local(p).shape),
-                 "data_ptr": local(p).data_ptr()} for p in params]
+                 "shape": list(p.shape), "stride": list(p.stride()), "local_shape": list(_scenario.local(p).shape),
+                 "data_ptr": _scenario.local(p).data_ptr()} for p in params]
 
     rec = {"scenario": sc["name"], "rank": rank, "world": world,
            "coords": [acc.group_index, acc.replica_index, acc.shard_index],
