@@ -338,7 +338,7 @@ def _populate(cache, repo_type: str, repo_id: str, files: dict[str, bytes]) -> N
 
 def _needs_unreachable_hub():
     if D.hub_unreachable_reason() is None:
-        pytest.skip("the Hugging Face Hub is reachable from here")
+        pytest.skip("checks the offline fast-fail path, but the Hugging Face Hub is reachable from here")
 
 
 @pytest.mark.parametrize("kind,load,name", [
