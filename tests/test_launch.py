@@ -145,8 +145,12 @@ def test_run_torchrun_retries_on_a_taken_port(monkeypatch):
 
 def test_real_torchrun_two_processes(tmp_path):
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
-                      "'omp', os.environ['OMP_NUM_THREADS'], flush=True)\n")
+    # One os.write per rank: a single write of under PIPE_BUF bytes to a pipe is atomic, whereas
+    # print() may flush its pieces separately and the two ranks' lines can interleave.
+    script.write_text("import os\nline = 'rank %s of %s omp %s\\n' % (os.environ['RANK'], "
+                      "os.environ['WORLD_SIZE'], os.environ['OMP_NUM_THREADS'])\n"
+                      "os.write(1, line.encode())\n")
     res = launch.run_torchrun(2, script, timeout=120, env=launch.child_env())
     assert res.ok, res.tail()
-    assert "rank 0 of 2 omp 1" in res.stdout and "rank 1 of 2 omp 1" in res.stdout
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2 omp 1", "rank 1 of 2 omp 1"], res.stdout
