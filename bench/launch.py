@@ -1,6 +1,6 @@
 """Runs the plan's launches inside the network emulator (scripts/netemu.py).
 
-Every launch is metered: wall seconds, CPU with :class:`fl_accel.launch.HostLoad`
+Every launch is metered: wall seconds, CPU with :class:`scripts.launch.HostLoad`
 (this process and everything it started count as ours; the share of the CPUs other
 processes used is the background load), and the bytes each node's NIC sent and received
 (the emulator's veth counters). The records go to ``meta["launches"][<run path>]``.
@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Any
 
-from fl_accel import launch
+from scripts import launch
 from scripts import netemu
 
 from bench.plan import NODES, BenchError, RunSpec, recipe_args, run_env, runs_of

@@ -313,8 +313,8 @@ def recipe_args(plan: dict, spec: RunSpec, out_dir: str) -> list[str]:
 
 
 def run_env(plan: dict) -> dict[str, str]:
-    """Environment of every launched process: fl_accel.launch.child_env plus the shared caches."""
-    from fl_accel.launch import child_env
+    """Environment of every launched process: scripts.launch.child_env plus the shared caches."""
+    from scripts.launch import child_env
 
     return child_env({"HF_DATASETS_CACHE": os.path.join(plan["cache_dir"], "hf_datasets"), "WANDB_MODE": "offline",
                       "WANDB_SILENT": "true", "FL_TIMEOUT_S": "600"}, pythonpath=[REPO])

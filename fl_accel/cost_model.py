@@ -37,16 +37,13 @@ fragment sync, plus the blocking chunk sharing and flag all-reduce.
 
 Llama-3.1-8B, bf16, 128 nodes x 4 GPUs: FSDP 3 x 511/512 x 16.06 GB = 48.1 GB per GPU per
 step (47.0 GB as Accelerate wraps: the tail is not resharded); FL+FSDP G = 4, H = 8:
-2 x 127/128 x 8.03 GB / 8 = 1.99 GB inter-node (fp32). CLI: ``python -m fl_accel.cost_model -h``.
+2 x 127/128 x 8.03 GB / 8 = 1.99 GB inter-node (fp32). CLI: ``python -m scripts.cost_model -h``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -438,84 +435,7 @@ def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: flo
     return worst
 
 
-# ---------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------- shapes
 LLAMA_3_1_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
 """Llama-3.1-8B shape (its config.json): 8,030,261,248 parameters."""
-
-
-def _fail(message: Any):
-    print(f"error: {message}", file=sys.stderr)  # bad input: one line, exit status 2
-    raise SystemExit(2)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, streaming, streaming int8."""
-    p = argparse.ArgumentParser(prog="python -m fl_accel.cost_model", description=main.__doc__)
-    p.error = _fail
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--params", type=float, help="a parameter count (P equal resharded units), not Llama-3.1-8B")
-    src.add_argument("--llama-config", metavar="JSON", help="a Llama config.json, not Llama-3.1-8B")
-    for flag, kind, default, text in [
-            ("world-size", int, 512, "N"), ("ranks-per-node", int, 4, ""), ("group-size", int, 4, "G"),
-            ("shard-size", int, None, "S (default G)"), ("sync-every", int, 8, "H"), ("num-fragments", int, 4, "P"),
-            ("sync-delay", int, 1, "tau"), ("total-steps", int, None, "count a T-step run's syncs"),
-            ("param-bytes", float, 2.0, "per gathered element"), ("compute-s", float, None, "seconds per step"),
-            ("intra-node-gbs", float, None, "GB/s"), ("inter-node-gbs", float, None, "GB/s per NIC"),
-            ("ranks-per-nic", int, None, "default: one NIC per node"), ("latency-us", float, 0.0, "per collective"),
-            ("tokens-per-rank", float, None, "per step")]:
-        p.add_argument("--" + flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        if a.params is not None:
-            units, model = units_from_param_count(a.params, max(1, a.num_fragments)), f"{a.params:.4g} parameters"
-        elif a.llama_config:
-            with open(a.llama_config, encoding="utf-8") as fh:
-                units, model = llama_units(json.load(fh)), a.llama_config
-        else:
-            units, model = llama_units(LLAMA_3_1_8B), "Llama-3.1-8B"
-        N, G = _int("--world-size", a.world_size), _int("--group-size", a.group_size)
-        S = G if a.shard_size is None else _int("--shard-size", a.shard_size)
-        if N % G or G % S:
-            raise ValueError(f"--group-size {G} must divide --world-size {N}, and --shard-size {S} the group size")
-        if len({x is None for x in (a.compute_s, a.intra_node_gbs, a.inter_node_gbs)}) > 1:
-            raise ValueError("--compute-s, --intra-node-gbs and --inter-node-gbs go together")
-        fl, name = FLLayout.equal(N // G, G // S, S), "FL+FSDP" if S == G else "FL+HSDP"
-        base = FLLayout.equal(1, 1, N) if S == G else FLLayout.equal(1, N // S, S)
-        rows = [(base.algorithm.upper(), base, 1, 0, "fp32"),
-                (f"{name} fp32, blocking", fl, 1, 0, "fp32"),
-                ("streaming fp32", fl, a.num_fragments, a.sync_delay, "fp32"),
-                ("streaming int8", fl, a.num_fragments, a.sync_delay, "int8")]
-        out = []
-        for label, layout, P, tau, dtype in rows:
-            e = estimate(layout, units, sync_every=a.sync_every, num_fragments=P, sync_delay=tau, sync_dtype=dtype,
-                         param_bytes=a.param_bytes, ranks_per_node=a.ranks_per_node, total_steps=a.total_steps)
-            t = None if a.compute_s is None else predict_step_time(
-                e, compute_s=a.compute_s, intra_node_bw=a.intra_node_gbs * GB, inter_node_bw=a.inter_node_gbs * GB,
-                ranks_per_nic=a.ranks_per_nic, latency_s=a.latency_us * 1e-6, tokens_per_rank=a.tokens_per_rank)
-            out.append((label, e, t))
-    except (ValueError, OSError) as exc:
-        _fail(exc)
-    if a.json:
-        print(json.dumps([{"setting": lb, **e.as_dict(), "time": t and t.__dict__} for lb, e, t in out], indent=1))
-        return 0
-    from tabulate import tabulate
-
-    head = ["setting", "H", "P", "tau", "inter-node GB/step", "intra-node GB/step", "fl GB/sync (peak)"]
-    head += ["step s", "comm s", "exposed sync s", "tokens/s"] if a.compute_s is not None else []
-    table = []
-    for label, e, t in out:
-        fed = [e.sync_every, e.num_fragments, e.sync_delay] if e.fragments else ["-"] * 3
-        table.append([label, *fed, f"{e.inter_node / GB:.3f}", f"{e.intra_node / GB:.3f}",
-                      f"{e.peak_sync_bytes / GB:.3f}" if e.fragments else "-"] + ([] if t is None else [
-            f"{t.step_s:.3f}", f"{t.comm_s:.3f}", f"{t.exposed_sync_s:.3f}",
-            "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}"]))
-    print(f"{model}: {sum(u.numel for u in units):,} parameters, {len(units)} FSDP units; N={N}, "
-          f"{a.ranks_per_node} ranks/node, G={G}, S={S}; bytes per GPU (GB = 1e9 B), syncs amortized")
-    print(tabulate(table, headers=head, tablefmt="github", disable_numparse=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

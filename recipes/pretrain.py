@@ -35,6 +35,9 @@ import shutil
 import sys
 import time
 
+if __package__ in (None, ""):  # run as a script (accelerate launch / torchrun / python recipes/pretrain.py)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from recipes.args import RecipeError, describe_sources, parse_args, run_identity
 from recipes.modeling import check_seq_len
 
@@ -356,8 +359,8 @@ def main(argv=None) -> dict:
 
     from fl_accel import FLAccelerator
     from fl_accel.checkpoint import prune_checkpoints
-    from fl_accel.launch import HostLoad
-    from fl_accel.plots import plot_run_curves
+    from scripts.launch import HostLoad
+    from scripts.plots import plot_run_curves
     from recipes import data as data_lib
     from recipes.modeling import build_model, export_final_model, model_config, peak_host_mb
 

@@ -18,7 +18,7 @@ Fields read from ``all_results.json`` (written by ``recipes/pretrain.py``): ``al
     results["host"] = {"background_cpu_share": float, "cpus": int}
 
 the share of all CPUs that other processes kept busy during the run, as measured by
-``fl_accel.launch.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
+``scripts.launch.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
 other work, and the throughput comparison is unreliable.
 
 Exit status: 0, or 2 with one ``error:`` line when the folder is missing or holds no runs.
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(text)
     print(text)
     if not args.no_plot:
-        from fl_accel.plots import plot_comparison
+        from scripts.plots import plot_comparison
 
         png = plot_comparison(runs, os.path.join(args.root, "comparison.png"),
                               os.path.basename(os.path.normpath(args.root)))

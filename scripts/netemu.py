@@ -31,7 +31,7 @@ and its arguments). ``run`` returns the worst exit code of the per-node torchrun
 Teardown runs on normal exit, on exceptions, and on SIGINT/SIGTERM.
 
 Also runs as ``python -m scripts.netemu ...`` from the repository root. Processes are
-started and ended with :mod:`fl_accel.launch` (own session; SIGTERM, then SIGKILL, to
+started and ended with :mod:`scripts.launch` (own session; SIGTERM, then SIGKILL, to
 the whole process group).
 
 Importable (``from scripts.netemu import Emulator``)::
@@ -57,8 +57,8 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
-from fl_accel import launch
-from fl_accel.launch import terminate
+from scripts import launch
+from scripts.launch import terminate
 
 NS_PREFIX = "flnetemu-"
 IF_PREFIX = "fln"

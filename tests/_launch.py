@@ -1,4 +1,4 @@
-"""The tests' launch names, as thin wrappers over :mod:`fl_accel.launch`.
+"""The tests' launch names, as thin wrappers over :mod:`scripts.launch`.
 
 Every launch uses ``sys.executable -m torch.distributed.run`` (the interpreter that
 runs pytest), a fresh free ``--master_port`` (retried once if another suite took it),
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fl_accel import launch as _launch
-from fl_accel.launch import free_port  # noqa: F401  (re-exported for the tests)
+from scripts import launch as _launch
+from scripts.launch import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"

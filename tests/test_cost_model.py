@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fl_accel import FLConfig
 from fl_accel import cost_model as cm
 from fl_accel import exchange
+from scripts import cost_model as cost_cli
 from fl_accel.comm import ring_bytes as measured_ring_bytes
 from fl_accel.mesh import FLLayout
 
@@ -317,7 +318,7 @@ def test_8b_fl_fsdp_inter_node_per_step():
 
 # ------------------------------------------------------------------ CLI
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "fl_accel.cost_model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "scripts.cost_model", *args], capture_output=True, text=True,
                           timeout=60)
 
 
@@ -334,7 +335,7 @@ def test_cli_prints_the_paper_setting():
 
 
 def test_cli_json(capsys):
-    assert cm.main(["--params", "8.03e9", "--json"]) == 0
+    assert cost_cli.main(["--params", "8.03e9", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [d["num_fragments"] for d in data] == [1, 1, 4, 4] and data[0]["time"] is None
     assert data[1]["inter_node"] == pytest.approx(1.992e9, rel=1e-3)
@@ -429,7 +430,7 @@ def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
     script.write_text(_MEASURE_SCRIPT)
     out = tmp_path / "out.json"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    from fl_accel.launch import child_env, run_torchrun
+    from scripts.launch import child_env, run_torchrun
 
     res = run_torchrun(4, script, out, timeout=120, env=child_env(pythonpath=[repo]), cwd=repo)
     assert res.returncode == 0, res.tail(3000)

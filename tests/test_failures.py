@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from _launch import REPO_ROOT, launch_env
-from fl_accel import launch
+from scripts import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 FAST = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--log_every", "1",

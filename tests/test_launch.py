@@ -1,4 +1,4 @@
-"""fl_accel.launch: argv, environment, process groups, timeouts, CPU metering (no torch needed
+"""scripts.launch: argv, environment, process groups, timeouts, CPU metering (no torch needed
 except the one real torchrun launch)."""
 
 import os
@@ -11,13 +11,13 @@ import time
 import psutil
 import pytest
 
-from fl_accel import launch
+from scripts import launch
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 
 
 def test_import_pulls_in_neither_torch_nor_accelerate():
-    code = "import sys, fl_accel.launch; print('torch' in sys.modules, 'accelerate' in sys.modules)"
+    code = "import sys, scripts.launch; print('torch' in sys.modules, 'accelerate' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
     assert out.split() == ["False", "False"]

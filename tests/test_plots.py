@@ -1,11 +1,11 @@
-"""fl_accel.plots: real matplotlib figures (Agg), inspected before they are closed."""
+"""scripts.plots: real matplotlib figures (Agg), inspected before they are closed."""
 
 import subprocess
 import sys
 
 import pytest
 
-from fl_accel import plots
+from scripts import plots
 
 pytest.importorskip("matplotlib")
 
@@ -37,7 +37,7 @@ def _records(scale=1.0, groups=0):
 
 
 def test_import_is_lazy():
-    out = subprocess.run([sys.executable, "-c", "import sys, fl_accel.plots; print('matplotlib' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, scripts.plots; print('matplotlib' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -125,7 +125,7 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     evals = [r["step"] for r in records if "eval/loss_group0" in r]
     assert evals == [2, 4, 6], evals  # the evaluations the resumed steps follow (6: the final one)
 
-    from fl_accel.plots import plot_run_curves
+    from scripts.plots import plot_run_curves
 
     redrawn = tmp_path / "redrawn.png"
     plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)")

@@ -30,7 +30,7 @@ import torch
 
 from _launch import REPO_ROOT, WORKERS, free_port, launch_env, run_torchrun, write_json
 from fl_accel import FLConfig
-from fl_accel.launch import run as run_cmd
+from scripts.launch import run as run_cmd
 from fl_accel.mesh import DP_REPLICATE, DP_SHARD, FL, FLLayout
 
 sys.path.insert(0, str(WORKERS))

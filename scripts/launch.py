@@ -4,7 +4,7 @@ Everything here starts processes in a new session (their own process group), so 
 timeout or Ctrl-C can end a whole tree (``torchrun`` and the workers it started) at
 once, and measures what the machine did meanwhile:
 
-    from fl_accel.launch import torchrun_argv, run, HostLoad
+    from scripts.launch import torchrun_argv, run, HostLoad
 
     argv = torchrun_argv(4, "recipes/pretrain.py", "--max_steps", "4")
     with HostLoad() as load:                  # this process and everything it starts
