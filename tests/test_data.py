@@ -429,3 +429,62 @@ def test_paper_configs_stream_clean_mc4_it():
         assert cfg["streaming"] is True and cfg["max_steps"] == 64, name
         assert (cfg["dataset_name"], cfg["dataset_config_name"]) in D.KNOWN_HUB_FILES, name
         assert cfg["tokenizer"] == "meta-llama/Llama-3.1-8B" and cfg["seq_len"] == 2048, name
+
+
+# --------------------------------------------------------------------------- golden blocks
+# The blocks the default corpus gives (embedded Shakespeare, the recipe's 8k BPE, 256-token
+# blocks), so that runs stay comparable whatever the data code becomes. Computed with
+# recipes/data.py at main 17f35df (before the rewrite onto datasets' own machinery); a
+# change here changes every benchmark's data: only ever update it on purpose.
+GOLDEN = {
+    "map_train": ("8aeb53ee88a437420f937b2c2b37f5eb", 5355),
+    "map_validation": ("5c81a67cb6ee3123d445fdf239e509a1", 261),
+    "stream_train": ("53c417d40408fb66b1d4cd7ef3c764c9", 64),
+    "stream_validation": ("3227de239f35b58fb0df7bdff36da23c", 32),
+    "vocab": ("6f97b860214dd2cd555a22e25c72ab78", 1),  # the same BPE on both paths
+}
+
+
+def _digest(blocks) -> tuple[str, int]:
+    import hashlib
+
+    blocks = [list(map(int, b)) for b in blocks]
+    return hashlib.sha256(json.dumps(blocks).encode()).hexdigest()[:32], len(blocks)
+
+
+@pytest.fixture(scope="module")
+def golden_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("golden_cache"))
+
+
+def _default_args(**kw):
+    base = dict(dataset_name="shakespeare", dataset_config_name=None, train_file=None, validation_file=None,
+                text_column="text", validation_split_percentage=5.0, validation_holdout_docs=1000,
+                tokenizer="bpe", vocab_size=8192, seed=42, seq_len=256)
+    return types.SimpleNamespace(**(base | kw))
+
+
+def test_default_corpus_blocks_are_unchanged_map_style(golden_cache):
+    """Map-style (the recipe's default): every training and validation block of the embedded corpus."""
+    args = _default_args()
+    raw = D.load_raw(args, golden_cache)
+    tokenizer = D.get_tokenizer(args, raw, golden_cache)
+    packed = D.tokenize_and_pack_cached(raw, tokenizer, "text", args.seq_len, golden_cache).dataset
+    got = {"map_train": _digest(packed["train"]["input_ids"]),
+           "map_validation": _digest(packed["validation"]["input_ids"]),
+           "vocab": _digest([[i for _, i in sorted(tokenizer.get_vocab().items())]])}
+    print(json.dumps(got))
+    assert got == {k: GOLDEN[k] for k in got}
+
+
+def test_default_corpus_blocks_are_unchanged_streaming(golden_cache):
+    """--streaming: the first 64 training blocks of one shard (seed 42) and the first 32 validation blocks."""
+    args = _default_args()
+    source = D.stream_source(args, golden_cache)
+    tokenizer = D.get_stream_tokenizer(args, source, golden_cache)
+    stream = D.build_train_stream(source, tokenizer, args.seq_len, 1, 0, seed=42)
+    got = {"stream_train": _digest(_take(stream, 64)),
+           "stream_validation": _digest(D.build_validation_blocks(source, tokenizer, args.seq_len, 32)),
+           "vocab": _digest([[i for _, i in sorted(tokenizer.get_vocab().items())]])}
+    print(json.dumps(got))
+    assert got == {k: GOLDEN[k] for k in got}
