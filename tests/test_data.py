@@ -429,8 +429,9 @@ def test_paper_dataset_offline_names_it_and_the_download(corpus, hub_cache, offl
     assert "\n" not in msg
     assert msg.startswith("cannot load dataset 'gsarti/clean_mc4_it (config tiny)': not in the local cache")
     assert "hf download gsarti/clean_mc4_it --repo-type dataset --include" in msg
+    source = D.stream_source(_args(corpus, train_file=None, dataset_name="someone/some-corpus"), corpus.cache)
     with pytest.raises(D.DataError, match="cannot load dataset 'someone/some-corpus': not in the local cache"):
-        D.stream_source(_args(corpus, train_file=None, dataset_name="someone/some-corpus"), corpus.cache)
+        D.build_train_stream(source, corpus.tokenizer, SEQ_LEN, 1, 0, seed=0)  # opens the hub dataset
     url = "hf://datasets/someone/some-corpus/data/*.jsonl"
     with pytest.raises(D.DataError, match=f"cannot load data files '{re.escape(url)}': not in the local cache") as info:
         D.stream_source(_args(corpus, train_file=url, validation_file=None), corpus.cache)
