@@ -138,18 +138,14 @@ def resolve_data_files(spec, flag: str = "train_file") -> list[str]:
     return files
 
 
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-             ".parquet": "parquet", ".csv": "csv"}
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
-
-
 def _builder(files: list[str], flag: str) -> str:
-    """The ``datasets`` builder of files by extension (compressed or not), one for all."""
+    """The ``datasets`` builder of files by extension, compressed or not (``datasets``' own inference)."""
+    from datasets.load import infer_module_for_data_files_list
+
     kinds = set()
     for path in files:
-        base = next((path[: -len(e)] for e in _COMPRESSION if path.lower().endswith(e)), path)
-        kinds.add(_BUILDERS.get(os.path.splitext(base)[1].lower()))
-        if None in kinds:
+        kinds.add(infer_module_for_data_files_list([path])[0])
+        if not kinds <= {"text", "json", "csv", "parquet"}:
             raise DataError(f"--{flag} {path}: unknown format (use .txt, .json, .jsonl, .parquet or .csv, "
                             f"optionally compressed)")
     if len(kinds) > 1:
@@ -187,15 +183,12 @@ def _first_line(exc: BaseException) -> str:
 
 def _load_hub_object(kind: str, name: str, loader, download: str):
     """``loader(name)`` from a local path, else the local Hub cache, else the Hub."""
-    if os.path.exists(name):
-        try:
-            return loader(name, local_files_only=True)
-        except Exception as exc:
-            raise DataError(f"cannot load {kind} from local path '{name}': {type(exc).__name__}: "
-                            f"{_first_line(exc)}") from None
     try:
         return loader(name, local_files_only=True)
-    except Exception:
+    except Exception as exc:
+        if os.path.exists(name):
+            raise DataError(f"cannot load {kind} from local path '{name}': {type(exc).__name__}: "
+                            f"{_first_line(exc)}") from None
         if _offline():
             raise _hub_error(kind, name, None, download) from None
     try:
@@ -338,9 +331,8 @@ def load_raw(args, cache_dir: str):
     else:
         files = {"train": source.train_files, "validation": source.validation_files}
         for split, paths in files.items():
-            for path in (p for p in paths if os.path.isfile(p) and source.builder != "parquet"):
-                if not path.lower().endswith(_COMPRESSION):
-                    check_text_file(path, f"{split}_file")
+            for path in (p for p in paths if p.endswith((".txt", ".json", ".jsonl", ".csv")) and os.path.isfile(p)):
+                check_text_file(path, f"{split}_file")
         raw = _load_files(source.builder, {split: paths for split, paths in files.items() if paths})
     if "validation" not in raw:
         pct, n = args.validation_split_percentage, len(raw["train"])

@@ -1,12 +1,13 @@
 """recipes/data.py with real components: jsonl shards, the recipe's own BPE tokenizer, datasets.
 
-Streaming: blocks of exactly seq_len that follow the map path's packing rule, disjoint
-shards over 4 simulated ranks ("global") and per federation group with the group
-seed ("group"), epoch wrap on short shards, exact resume from a JSON state, and
-one-line errors. Map style: the on-disk packed cache hits and misses on the right
-keys. Hub: real offline failures (the Hub is unreachable here; the tests that need
-that skip where it is reachable) and loads from a local directory and from a
-populated Hub cache. All single-process; the whole file runs in a few seconds.
+Streaming: blocks of exactly seq_len that follow the packing rule, disjoint shards over
+4 simulated ranks ("global") and per federation group with the group seed ("group"),
+epoch wrap on short shards, exact resume from a JSON state, the held-out validation
+documents never trained on, and one-line errors. Map style: the packed blocks follow the
+rule written out, and datasets' map cache hits (also in a new process) and misses on the
+right keys. Golden digests pin the default corpus's blocks. Hub: offline (HF_HUB_OFFLINE)
+failures in one line, and loads from a local directory and from a populated Hub cache.
+All single-process except one rerun in a subprocess.
 """
 
 from __future__ import annotations
