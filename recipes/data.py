@@ -546,14 +546,14 @@ def stream_source(args, cache_dir: str) -> StreamSource:
     from huggingface_hub import try_to_load_from_cache
 
     download = f"hf download {name} --repo-type dataset --include " + " ".join(f"'{p}'" for p in known["include"])
-    files = {}
-    for split in ("train", "validation"):
+    files = {"validation": val}
+    for split in ("train",) if val else ("train", "validation"):
         local = [try_to_load_from_cache(name, f, repo_type="dataset") for f in known[split]]
-        if not all(isinstance(p, str) for p in local) and _offline():
+        cached = all(isinstance(p, str) for p in local)
+        if not cached and _offline():
             raise _hub_error("dataset", label, None, download)
-        files[split] = local if all(isinstance(p, str) for p in local) else \
-            [f"hf://datasets/{name}/{f}" for f in known[split]]
-    return StreamSource(label, "json", files["train"], val or files["validation"], download=download, **common)
+        files[split] = local if cached else [f"hf://datasets/{name}/{f}" for f in known[split]]
+    return StreamSource(label, "json", files["train"], files["validation"], download=download, **common)
 
 
 class PackedStream(torch.utils.data.IterableDataset):

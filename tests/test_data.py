@@ -470,6 +470,16 @@ def test_paper_configs_stream_clean_mc4_it():
         assert cfg["tokenizer"] == "meta-llama/Llama-3.1-8B" and cfg["seq_len"] == 2048, name
 
 
+def test_embedded_corpus_holds_out_the_tempest_and_twelfth_night(tmp_path):
+    files = D.write_shakespeare(str(tmp_path))
+    train, val = (open(files[split], encoding="utf-8").read() for split in ("train", "validation"))
+    assert val.startswith("Twelfth Night") and "\n\nThe Tempest\n" in val  # the two plays, in file order
+    for name in ("PROSPERO", "MALVOLIO", "VIOLA", "CALIBAN"):  # their characters: only in validation
+        assert name in val and name not in train, name
+    assert "HAMLET" in train and "**" not in train and "\n#" not in train
+    assert D.write_shakespeare(str(tmp_path)) == files  # idempotent
+
+
 # --------------------------------------------------------------------------- golden blocks
 # The blocks the default corpus gives (embedded Shakespeare, the recipe's 8k BPE, 256-token
 # blocks), so that runs stay comparable whatever the data code becomes. Computed with
