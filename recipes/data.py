@@ -397,9 +397,10 @@ def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cac
     def pack_batch(batch):
         return {"input_ids": pack(tokenizer, batch[text_column], seq_len)[0]}
 
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})  # also when no block
     packed = datasets.DatasetDict({
         split: ds.map(pack_batch, batched=True, batch_size=PACK_BATCH, remove_columns=ds.column_names,
-                      num_proc=num_proc, cache_file_name=os.path.join(path, f"{split}.arrow"),
+                      features=features, num_proc=num_proc, cache_file_name=os.path.join(path, f"{split}.arrow"),
                       load_from_cache_file=True, new_fingerprint=f"{key}-{split}",
                       desc=f"Packing {split} into {seq_len}-token blocks")
         for split, ds in raw.items()})

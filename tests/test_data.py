@@ -317,6 +317,17 @@ def test_packed_cache_hits_and_misses_on_its_key(corpus, tmp_path):
     assert len(os.listdir(os.path.join(cache, "packed"))) == 4
 
 
+def test_a_split_shorter_than_a_block_packs_to_zero_blocks(corpus, tmp_path):
+    """The recipe reports "validation split has 0 blocks" from an empty input_ids column."""
+    import datasets
+
+    raw = datasets.DatasetDict({"train": datasets.load_dataset("json", data_files=corpus.files, split="train"),
+                                "validation": datasets.Dataset.from_dict({"text": ["Brief.\n"]})})
+    for _ in range(2):  # tokenized, then from the cache
+        packed = D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, str(tmp_path)).dataset
+        assert packed["validation"]["input_ids"] == [] and len(packed["train"]) > 0
+
+
 def test_packing_in_two_processes_gives_the_same_blocks(corpus, tmp_path):
     """num_proc=2 (the recipe's --preprocessing_num_workers): the blocks of 2 contiguous halves."""
     import datasets
