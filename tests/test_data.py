@@ -1,12 +1,13 @@
 """recipes/data.py with real components: jsonl shards, the recipe's own BPE tokenizer, datasets.
 
-Streaming: blocks of exactly seq_len that follow the map path's packing rule, disjoint
-shards over 4 simulated ranks ("global") and per federation group with the group
-seed ("group"), epoch wrap on short shards, exact resume from a JSON state, and
-one-line errors. Map style: the on-disk packed cache hits and misses on the right
-keys. Hub: real offline failures (the Hub is unreachable here; the tests that need
-that skip where it is reachable) and loads from a local directory and from a
-populated Hub cache. All single-process; the whole file runs in a few seconds.
+Streaming: blocks of exactly seq_len that follow the packing rule, disjoint shards over
+4 simulated ranks ("global") and per federation group with the group seed ("group"),
+epoch wrap on short shards, exact resume from a JSON state, the held-out validation
+documents never trained on, and one-line errors. Map style: the packed blocks follow the
+rule written out, and datasets' map cache hits (also in a new process) and misses on the
+right keys. Golden digests pin the default corpus's blocks. Hub: offline (HF_HUB_OFFLINE)
+failures in one line, and loads from a local directory and from a populated Hub cache.
+All single-process except one rerun in a subprocess.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ def _write_jsonl(path, docs):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Five uneven jsonl training shards, a validation file, and the recipe's BPE on them."""
-    import datasets
-
     root = tmp_path_factory.mktemp("corpus")
     files, k = [], 0
     for s, n in enumerate(SHARD_SIZES):
@@ -61,8 +60,7 @@ def corpus(tmp_path_factory):
     val = root / "validation.jsonl"
     _write_jsonl(val, [(1000 + i, f"validation text number {i}, alpha beta.\n") for i in range(40)])
     texts = [_doc(i) for i in range(k)] + [f"validation text number {i}, alpha beta.\n" for i in range(40)]
-    tokenizer = D.train_bpe_tokenizer(datasets.Dataset.from_dict({"text": texts}), "text", 320,
-                                      str(root / "bpe320"))
+    tokenizer = D.train_bpe_tokenizer(texts, 320, str(root))
     return types.SimpleNamespace(root=root, files=files, validation=str(val), n_docs=k, tokenizer=tokenizer,
                                  cache=str(root / "cache"))
 
@@ -265,13 +263,11 @@ def test_data_file_errors_name_the_flag(corpus, tmp_path):
     (tmp_path / "a.txt").write_text("some text\n")
     with pytest.raises(D.DataError, match="mix formats"):
         _source(corpus, train_file=[corpus.files[0], str(tmp_path / "a.txt")])
-    assert D.expand_data_files(str(corpus.root / "train-*.jsonl")) == corpus.files  # globs are sorted
-
-
-def test_streaming_needs_max_steps():
-    with pytest.raises(D.DataError, match="--streaming needs --max_steps"):
-        D.check_stream_args(types.SimpleNamespace(max_steps=None, seq_len=16))
-    D.check_stream_args(types.SimpleNamespace(max_steps=10, seq_len=16))
+    assert D.resolve_data_files(str(corpus.root / "train-*.jsonl")) == corpus.files  # globs are sorted
+    assert D.resolve_data_files(f"{corpus.files[3]}, {corpus.root}/train-[01].jsonl") == \
+        [corpus.files[3], *corpus.files[:2]]  # a comma list keeps its order
+    with pytest.raises(D.DataError, match="--validation_file .*/nope.jsonl does not exist"):
+        D.resolve_data_files(str(tmp_path / "nope.jsonl"), "validation_file")
 
 
 def test_bpe_tokenizer_for_a_stream_is_cached(corpus):
@@ -279,9 +275,26 @@ def test_bpe_tokenizer_for_a_stream_is_cached(corpus):
     first = D.get_stream_tokenizer(args, _source(corpus), corpus.cache)
     again = D.get_stream_tokenizer(args, _source(corpus), corpus.cache)
     assert len(first) == 300 and first.name_or_path == again.name_or_path
+    # the one BPE entry point: the same texts give the same cached tokenizer
+    texts = [ex["text"] for ex in _source(corpus).open("train")]
+    assert D.train_bpe_tokenizer(texts, 300, corpus.cache).name_or_path == first.name_or_path
+    held = _source(corpus, validation_file=None, validation_holdout_docs=4)
+    without = D.get_stream_tokenizer(args, held, corpus.cache)  # held-out documents are not trained on
+    assert without.name_or_path == D.train_bpe_tokenizer(texts[4:], 300, corpus.cache).name_or_path
+    assert without.name_or_path != first.name_or_path
 
 
 # --------------------------------------------------------------------------- map-style cache
+def _reference_map_blocks(tokenizer, texts, seq_len):
+    """The map-style packing rule written out: per PACK_BATCH documents, tokenize, concatenate,
+    cut, drop the tail."""
+    blocks = []
+    for i in range(0, len(texts), D.PACK_BATCH):
+        ids = [t for text in texts[i:i + D.PACK_BATCH] for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        blocks += [ids[j:j + seq_len] for j in range(0, len(ids) - seq_len + 1, seq_len)]
+    return blocks
+
+
 def test_packed_cache_hits_and_misses_on_its_key(corpus, tmp_path):
     import datasets
 
@@ -290,11 +303,12 @@ def test_packed_cache_hits_and_misses_on_its_key(corpus, tmp_path):
     miss = D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, cache)
     hit = D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, cache)
     assert (miss.hit, hit.hit) == (False, True) and miss.path == hit.path
-    direct = D.tokenize_and_pack(raw, corpus.tokenizer, "text", SEQ_LEN)
     for split in ("train", "validation"):
-        assert hit.dataset[split]["input_ids"] == direct[split]["input_ids"]
+        expected = _reference_map_blocks(corpus.tokenizer, raw[split]["text"], SEQ_LEN)
+        assert hit.dataset[split]["input_ids"] == miss.dataset[split]["input_ids"] == expected and expected
+        assert all(f["filename"].startswith(hit.path) for f in hit.dataset[split].cache_files)  # datasets' map cache
     assert not D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN // 2, cache).hit  # seq_len
-    other_tok = D.train_bpe_tokenizer(raw["train"], "text", 300, str(tmp_path / "bpe300"))
+    other_tok = D.train_bpe_tokenizer(raw["train"]["text"], 300, str(tmp_path))
     assert not D.tokenize_and_pack_cached(raw, other_tok, "text", SEQ_LEN, cache).hit  # tokenizer
     edited = datasets.DatasetDict({"train": raw["train"].map(lambda ex: {"text": ex["text"] + " "}),
                                    "validation": raw["validation"]})
@@ -303,12 +317,35 @@ def test_packed_cache_hits_and_misses_on_its_key(corpus, tmp_path):
     assert len(os.listdir(os.path.join(cache, "packed"))) == 4
 
 
+def test_a_split_shorter_than_a_block_packs_to_zero_blocks(corpus, tmp_path):
+    """The recipe reports "validation split has 0 blocks" from an empty input_ids column."""
+    import datasets
+
+    raw = datasets.DatasetDict({"train": datasets.load_dataset("json", data_files=corpus.files, split="train"),
+                                "validation": datasets.Dataset.from_dict({"text": ["Brief.\n"]})})
+    for _ in range(2):  # tokenized, then from the cache
+        packed = D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, str(tmp_path)).dataset
+        assert packed["validation"]["input_ids"] == [] and len(packed["train"]) > 0
+
+
+def test_packing_in_two_processes_gives_the_same_blocks(corpus, tmp_path):
+    """num_proc=2 (the recipe's --preprocessing_num_workers): the blocks of 2 contiguous halves."""
+    import datasets
+
+    raw = datasets.DatasetDict({"train": datasets.load_dataset("json", data_files=corpus.files, split="train")})
+    packed = D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, str(tmp_path), num_proc=2)
+    half = (len(raw["train"]) + 1) // 2
+    texts = raw["train"]["text"]
+    expected = [b for part in (texts[:half], texts[half:]) for b in _reference_map_blocks(corpus.tokenizer, part,
+                                                                                            SEQ_LEN)]
+    assert packed.dataset["train"]["input_ids"] == expected and not packed.hit
+    assert D.tokenize_and_pack_cached(raw, corpus.tokenizer, "text", SEQ_LEN, str(tmp_path), num_proc=2).hit
+
+
 def test_tokenizer_fingerprint_sees_the_definition(corpus, tmp_path):
     corpus.tokenizer.save_pretrained(tmp_path / "copy")
     copy = D.load_tokenizer(str(tmp_path / "copy"))
-    assert D.tokenizer_fingerprint(copy) != D.tokenizer_fingerprint(corpus.tokenizer)  # another path
-    copy.name_or_path = corpus.tokenizer.name_or_path
-    assert D.tokenizer_fingerprint(copy) == D.tokenizer_fingerprint(corpus.tokenizer)
+    assert D.tokenizer_fingerprint(copy) == D.tokenizer_fingerprint(corpus.tokenizer)  # loaded from elsewhere
     copy.add_tokens(["<extra>"])
     assert D.tokenizer_fingerprint(copy) != D.tokenizer_fingerprint(corpus.tokenizer)
 
@@ -316,12 +353,21 @@ def test_tokenizer_fingerprint_sees_the_definition(corpus, tmp_path):
 # --------------------------------------------------------------------------- hub
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """An empty Hub cache of our own, and a fresh reachability probe."""
+    """An empty Hub cache of our own."""
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(D, "_HUB_REASON", D._UNSET)
     return tmp_path / "hub"
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """HF_HUB_OFFLINE=1, as set in the environment (huggingface_hub and datasets read it at import)."""
+    import datasets
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
 def _populate(cache, repo_type: str, repo_id: str, files: dict[str, bytes]) -> None:
@@ -336,32 +382,35 @@ def _populate(cache, repo_type: str, repo_id: str, files: dict[str, bytes]) -> N
         path.write_bytes(data)
 
 
-def _needs_unreachable_hub():
-    if D.hub_unreachable_reason() is None:
-        pytest.skip("checks the offline fast-fail path, but the Hugging Face Hub is reachable from here")
-
-
 @pytest.mark.parametrize("kind,load,name", [
     ("tokenizer", D.load_tokenizer, "meta-llama/Llama-3.1-8B"),
     ("model config", D.load_model_config, "meta-llama/Llama-3.1-8B"),
 ])
-def test_uncached_hub_object_fails_in_one_line_offline(hub_cache, kind, load, name):
-    _needs_unreachable_hub()
+def test_uncached_hub_object_fails_in_one_line_offline(hub_cache, offline, kind, load, name):
     with pytest.raises(D.DataError) as info:
         load(name)
     msg = str(info.value)
     assert "\n" not in msg and isinstance(info.value, ValueError)
     assert msg.startswith(f"cannot load {kind} '{name}': not in the local cache and the Hugging Face Hub is "
-                          f"unreachable (offline")
+                          f"unreachable (offline: HF_HUB_OFFLINE=1)")
     assert f"hf download {name}" in msg and "or pass a local path" in msg
 
 
-def test_hf_hub_offline_fails_at_once(hub_cache, monkeypatch):
-    import huggingface_hub.constants as constants
+def test_failed_download_is_one_line_naming_the_download():
+    """Control flow only (the real offline failure is above): a loader that finds nothing in the
+    cache and whose download raises gives one line with the library's first line."""
+    calls = []
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(D.DataError, match=r"unreachable \(offline: HF_HUB_OFFLINE=1\)"):
-        D.load_tokenizer("fl-accel/not-a-tokenizer")
+    def loader(name, local_files_only=False):
+        calls.append(local_files_only)
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
+
+    with pytest.raises(D.DataError) as info:
+        D._load_hub_object("tokenizer", "someone/tok", loader, "hf download someone/tok")
+    assert calls == [True, False]  # the cache first, then the Hub
+    assert str(info.value) == ("cannot load tokenizer 'someone/tok': not in the local cache and not downloadable "
+                               "(OSError: We couldn't connect to 'https://huggingface.co'.). Download it once with "
+                               "network access (hf download someone/tok) or pass a local path.")
 
 
 def test_tokenizer_and_config_load_from_a_local_dir_and_the_hub_cache(corpus, hub_cache, tmp_path):
@@ -383,8 +432,7 @@ def test_tokenizer_and_config_load_from_a_local_dir_and_the_hub_cache(corpus, hu
         D.load_tokenizer(str(tmp_path))  # a directory without a tokenizer
 
 
-def test_paper_dataset_offline_names_it_and_the_download(corpus, hub_cache):
-    _needs_unreachable_hub()
+def test_paper_dataset_offline_names_it_and_the_download(corpus, hub_cache, offline):
     args = _args(corpus, train_file=None, validation_file=None, dataset_name="gsarti/clean_mc4_it",
                  dataset_config_name="tiny")
     with pytest.raises(D.DataError) as info:
@@ -393,14 +441,16 @@ def test_paper_dataset_offline_names_it_and_the_download(corpus, hub_cache):
     assert "\n" not in msg
     assert msg.startswith("cannot load dataset 'gsarti/clean_mc4_it (config tiny)': not in the local cache")
     assert "hf download gsarti/clean_mc4_it --repo-type dataset --include" in msg
+    source = D.stream_source(_args(corpus, train_file=None, dataset_name="someone/some-corpus"), corpus.cache)
     with pytest.raises(D.DataError, match="cannot load dataset 'someone/some-corpus': not in the local cache"):
-        D.stream_source(_args(corpus, train_file=None, dataset_name="someone/some-corpus"), corpus.cache)
+        D.build_train_stream(source, corpus.tokenizer, SEQ_LEN, 1, 0, seed=0)  # opens the hub dataset
     url = "hf://datasets/someone/some-corpus/data/*.jsonl"
-    with pytest.raises(D.DataError, match=f"cannot load data files '{re.escape(url)}': not in the local cache"):
+    with pytest.raises(D.DataError, match=f"cannot load data files '{re.escape(url)}': not in the local cache") as info:
         D.stream_source(_args(corpus, train_file=url, validation_file=None), corpus.cache)
+    assert "hf download someone/some-corpus --repo-type dataset --include 'data/*.jsonl'" in str(info.value)
 
 
-def test_paper_dataset_streams_from_the_hub_cache(corpus, hub_cache):
+def test_paper_dataset_streams_from_the_hub_cache(corpus, hub_cache, offline):
     """The 101 files of clean_mc4_it 'tiny' (tiny stand-ins here) cached: streams offline."""
     import gzip
 
@@ -429,3 +479,101 @@ def test_paper_configs_stream_clean_mc4_it():
         assert cfg["streaming"] is True and cfg["max_steps"] == 64, name
         assert (cfg["dataset_name"], cfg["dataset_config_name"]) in D.KNOWN_HUB_FILES, name
         assert cfg["tokenizer"] == "meta-llama/Llama-3.1-8B" and cfg["seq_len"] == 2048, name
+
+
+def test_embedded_corpus_holds_out_the_tempest_and_twelfth_night(tmp_path):
+    files = D.write_shakespeare(str(tmp_path))
+    train, val = (open(files[split], encoding="utf-8").read() for split in ("train", "validation"))
+    assert val.startswith("Twelfth Night") and "\n\nThe Tempest\n" in val  # the two plays, in file order
+    for name in ("PROSPERO", "MALVOLIO", "VIOLA", "CALIBAN"):  # their characters: only in validation
+        assert name in val and name not in train, name
+    assert "HAMLET" in train and "**" not in train and "\n#" not in train
+    assert D.write_shakespeare(str(tmp_path)) == files  # idempotent
+
+
+# --------------------------------------------------------------------------- golden blocks
+# The blocks the default corpus gives (embedded Shakespeare, the recipe's 8k BPE, 256-token
+# blocks), so that runs stay comparable whatever the data code becomes. Computed with
+# recipes/data.py at main 17f35df (before the rewrite onto datasets' own machinery); a
+# change here changes every benchmark's data: only ever update it on purpose.
+GOLDEN = {
+    "map_train": ("8aeb53ee88a437420f937b2c2b37f5eb", 5355),
+    "map_validation": ("5c81a67cb6ee3123d445fdf239e509a1", 261),
+    "stream_train": ("53c417d40408fb66b1d4cd7ef3c764c9", 64),
+    "stream_validation": ("3227de239f35b58fb0df7bdff36da23c", 32),
+    "vocab": ("6f97b860214dd2cd555a22e25c72ab78", 1),  # the same BPE on both paths
+}
+
+
+def _digest(blocks) -> tuple[str, int]:
+    import hashlib
+
+    blocks = [list(map(int, b)) for b in blocks]
+    return hashlib.sha256(json.dumps(blocks).encode()).hexdigest()[:32], len(blocks)
+
+
+@pytest.fixture(scope="module")
+def golden_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("golden_cache"))
+
+
+def _default_args(**kw):
+    base = dict(dataset_name="shakespeare", dataset_config_name=None, train_file=None, validation_file=None,
+                text_column="text", validation_split_percentage=5.0, validation_holdout_docs=1000,
+                tokenizer="bpe", vocab_size=8192, seed=42, seq_len=256)
+    return types.SimpleNamespace(**(base | kw))
+
+
+def _map_style_digests(cache_dir: str) -> dict:
+    """The recipe's map-style data preparation on the default corpus; digests, cache hit, seconds."""
+    args = _default_args()
+    raw = D.load_raw(args, cache_dir)
+    tokenizer = D.get_tokenizer(args, raw, cache_dir)
+    packed = D.tokenize_and_pack_cached(raw, tokenizer, "text", args.seq_len, cache_dir)
+    return {"map_train": _digest(packed.dataset["train"]["input_ids"]),
+            "map_validation": _digest(packed.dataset["validation"]["input_ids"]),
+            "vocab": _digest([[i for _, i in sorted(tokenizer.get_vocab().items())]]),
+            "hit": packed.hit, "seconds": packed.seconds}
+
+
+@pytest.fixture(scope="module")
+def golden_map(golden_cache):
+    return _map_style_digests(golden_cache)
+
+
+def test_default_corpus_blocks_are_unchanged_map_style(golden_map):
+    """Map-style (the recipe's default): every training and validation block of the embedded corpus."""
+    got = {k: tuple(v) for k, v in golden_map.items() if k in GOLDEN}
+    assert got == {k: GOLDEN[k] for k in got}
+
+
+def test_a_second_run_reuses_the_packed_cache(golden_map, golden_cache):
+    """A new process (a rerun of the recipe) with the same cache folder loads the packed blocks
+    (datasets' map cache) instead of tokenizing: same digests, hit=True."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import json, sys; sys.path[:0] = [{root!r}, {os.path.dirname(os.path.abspath(__file__))!r}]; "
+            f"import test_data; print(json.dumps(test_data._map_style_digests({golden_cache!r})))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rerun = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert golden_map["hit"] is False and rerun["hit"] is True
+    assert {k: tuple(rerun[k]) for k in GOLDEN if k in rerun} == {k: tuple(golden_map[k]) for k in GOLDEN
+                                                                   if k in golden_map}
+    print(f"packing: {golden_map['seconds']:.1f} s, from the cache: {rerun['seconds']:.1f} s")
+
+
+def test_default_corpus_blocks_are_unchanged_streaming(golden_cache):
+    """--streaming: the first 64 training blocks of one shard (seed 42) and the first 32 validation blocks."""
+    args = _default_args()
+    source = D.stream_source(args, golden_cache)
+    tokenizer = D.get_stream_tokenizer(args, source, golden_cache)
+    stream = D.build_train_stream(source, tokenizer, args.seq_len, 1, 0, seed=42)
+    got = {"stream_train": _digest(_take(stream, 64)),
+           "stream_validation": _digest(D.build_validation_blocks(source, tokenizer, args.seq_len, 32)),
+           "vocab": _digest([[i for _, i in sorted(tokenizer.get_vocab().items())]])}
+    print(json.dumps(got))
+    assert got == {k: GOLDEN[k] for k in got}
