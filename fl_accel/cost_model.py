@@ -1,13 +1,14 @@
 r"""Per-rank communication and step-time model of FSDP, HSDP, FL+FSDP and FL+HSDP.
 
-Method: Mittone & Aldinucci, Euro-Par 2026, arXiv 2609.20359, Sec. 3, with the streaming
-and quantized sync of :mod:`fl_accel.sync` / :mod:`fl_accel.exchange`. Layout:
+Method: Mittone & Aldinucci, Euro-Par 2026, arXiv 2609.20359, Sec. 3, with the fragmented
+and compressed sync of :mod:`fl_accel.sync` / :mod:`fl_accel.exchange`. Layout:
 :class:`fl_accel.mesh.FLLayout`, group f = R_f replicas x S shards. Units: bytes sent by
 one rank per optimizer step, seconds, GB = 1e9 bytes. Figures are per group, for its
 busiest rank (replica 0, shard 0); ``by_axis`` and the splits take the max over groups.
 
-Ring collective over p ranks of a full tensor of M bytes (as :func:`fl_accel.comm.ring_bytes`):
-all_gather, reduce_scatter, all_to_all, broadcast (p-1)/p M; all_reduce 2 (p-1)/p M.
+Ring collective over p ranks of a full tensor of M bytes (:func:`ring_bytes`, also what
+:mod:`fl_accel.comm` charges): all_gather, reduce_scatter, all_to_all, broadcast (p-1)/p M;
+all_reduce 2 (p-1)/p M.
 
 FSDP2 (torch 2.13 ``fully_shard`` as accelerate 1.15 ``fsdp2_prepare_model`` applies it):
 unit u holds padded_u elements (each dim 0 padded to a multiple of S), is gathered k_u
@@ -47,13 +48,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .mesh import AXES, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
+from .mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 
-BUCKETS = AXES + (WORLD,)
 GB = 1e9
-BLOCK = 256  # values per int8 scale: fl_accel.exchange.BLOCK, not imported to stay torch-free
+BLOCK = 256
+"""Values per int8 scale of the compressed exchange (one fp32 absmax scale per block)."""
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
-_RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
+"""Bytes per value on the "fl" axis by ``sync_dtype`` (payload and int8 scales)."""
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
+"""Ring factor of each collective: bytes sent per rank = factor (p-1)/p M."""
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
@@ -70,13 +73,13 @@ def _num(name: str, value: Any, zero_ok: bool = False) -> float:
 
 
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring ``op`` (a key of ``_RING``) of a full tensor of
-    ``tensor_bytes`` over ``group_size`` ranks; float :func:`fl_accel.comm.ring_bytes`.
-    Raises ValueError: unknown op, negative bytes, group_size < 1."""
-    if op not in _RING:
-        raise ValueError(f"op must be one of {sorted(_RING)}, got {op!r}")
+    """Bytes one rank sends in a ring ``op`` (a key of ``RING``) of a full tensor of
+    ``tensor_bytes`` over ``group_size`` ranks (exact for integers: ``int()`` of it is the
+    floor). Raises ValueError: unknown op, negative bytes, group_size < 1."""
+    if op not in RING:
+        raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
     p = _int("group_size", group_size)
-    return _RING[op] * (p - 1) / p * _num("tensor_bytes", tensor_bytes, zero_ok=True)
+    return RING[op] * _num("tensor_bytes", tensor_bytes, zero_ok=True) * (p - 1) / p
 
 
 # ---------------------------------------------------------------------- FSDP units
