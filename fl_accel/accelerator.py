@@ -30,7 +30,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
-                              ParallelismConfig)
+                              ParallelismConfig, TorchDynamoPlugin)
 
 from . import fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
@@ -42,13 +42,21 @@ from .sync import FederatedSynchronizer
 
 
 def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
-    """Settings FLAccelerator refuses, raised on every rank before any process group exists."""
+    """Settings FLAccelerator refuses (fp16, whole-model compile, CPU offload with a federated
+    algorithm), raised as ValueError on every rank before any process group exists."""
     precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
     if str(precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower() == "fp16":
         raise ValueError(
             "FLAccelerator does not support mixed_precision='fp16'; use mixed_precision='bf16' (or 'no'). fp16 needs "
             "a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one federation group "
             "only: the groups' step counters then diverge and the sync's collectives mismatch until they time out.")
+    backend = kwargs.get("dynamo_backend")
+    dynamo = TorchDynamoPlugin(backend=backend) if backend is not None else \
+        kwargs.get("dynamo_plugin") or TorchDynamoPlugin()  # as Accelerator.__init__, env included
+    if dynamo.backend != DynamoBackend.NO and not dynamo.use_regional_compilation:
+        raise ValueError("FLAccelerator compiles regionally only: a whole-model torch.compile returns an "
+                         "OptimizedModule that bypasses FSDP2's hooks. Set use_regional_compilation=True "
+                         "(TorchDynamoPlugin, or dynamo_use_regional_compilation in the Accelerate config).")
     plugin = kwargs.get("fsdp_plugin")
     offload = getattr(plugin, "cpu_offload", None) if plugin is not None else \
         os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("true", "1")
@@ -114,11 +122,6 @@ class FLAccelerator(Accelerator):
         super().__init__(kwargs_handlers=handlers, **accelerate_kwargs)
         if self.num_processes != self.layout.world_size:
             raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world}")
-        dynamo = self.state.dynamo_plugin
-        if dynamo.backend != DynamoBackend.NO and not dynamo.use_regional_compilation:
-            raise ValueError("FLAccelerator compiles regionally only: a whole-model torch.compile returns an "
-                             "OptimizedModule that bypasses FSDP2's hooks. Set use_regional_compilation=True "
-                             "(TorchDynamoPlugin, or dynamo_use_regional_compilation in the Accelerate config).")
         self.mesh = build_mesh(self.layout, self.device.type, timeout, self.process_index)
         self.device_mesh = self.mesh.device_mesh
         self.group_index, self.replica_index, self.shard_index = self.layout.coords(self.process_index)

@@ -211,8 +211,9 @@ class _Bucket:
         self.piece = self.work = self.recv = self.sent = self.gathered = None
 
     def nbytes(self) -> int:
-        held = {id(t): t for t in (self.flat, self.piece, self.recv, self.sent, self.gathered) if t is not None}
-        return sum(t.numel() * t.element_size() for t in held.values())
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (self.flat, self.piece, self.recv, self.sent, self.gathered) if t is not None}
+        return sum(held.values())
 
 
 class Exchange:

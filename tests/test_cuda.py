@@ -52,23 +52,23 @@ def test_recipe_on_one_gpu_in_bf16(tmp_path):
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
-def test_anchor_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
+def test_outer_state_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
     """One GPU, a 1-process NCCL group (F=1 on the world group: the "fl" collectives still
     run), the synchronizer's outer step driven through four fragment syncs, each launched,
     advanced and applied with the parameters moving in between (training meanwhile), for fp32
     + "nesterov" and for int8 + error feedback + "nesterov" (P=2, alpha 0.5). With
-    anchor_device="cpu": the anchor and the residuals are pinned CPU tensors and the momentum
+    outer_state_device="cpu": the anchor and the residuals are pinned CPU tensors and the momentum
     a CPU tensor; the parameters, every tensor given to a collective, the exchange's buffers
     and the means stay on cuda; the outer state holds (almost) no device memory, while "same"
     holds at least 4 bytes x numel for each of anchor, momentum and residuals. The parameters
     equal those of "same" after every sync: within fp32 rounding for fp32 (the outer step runs
     on CPU kernels instead of CUDA ones), and for int8 within two quantization steps, with
     almost every value equal (an fp32 rounding difference can flip an int8 rounding). State
-    moves between the placements unchanged, and DCP saves and loads a host tensor wrapped like
-    a sharded parameter without moving it to the GPU."""
-    res = run_torchrun(1, WORKERS / "api_worker.py", "anchor_device", str(tmp_path), timeout=600)
+    moves between the placements unchanged, and DCP saves and loads a host tensor keyed by
+    shard (as the checkpoint keeps the sync's state) without moving it to the GPU."""
+    res = run_torchrun(1, WORKERS / "api_worker.py", "outer_state_device", str(tmp_path), timeout=600)
     assert res.returncode == 0, res.tail()
-    rec = json.loads((tmp_path / "anchor_device-rank0.json").read_text())
+    rec = json.loads((tmp_path / "outer_state_device-rank0.json").read_text())
     assert rec["backend"] == "nccl" and rec["device"].startswith("cuda") and rec["ok"]
     n = rec["numel"]
     for label in ("fp32", "int8_ef"):
