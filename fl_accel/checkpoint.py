@@ -244,7 +244,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     if io.is_main_process:
         sync = io.synchronizer
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
-                "sync": None if sync is None else sync.state_dict(), **(extra_meta or {})}
+                "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()

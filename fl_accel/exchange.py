@@ -29,7 +29,7 @@ Modes (``sync_dtype``), for a buffer of n fp32 values per rank:
   sub-chunks, exchanges them with ``all_to_all_single`` (a reduce-scatter), sums its
   sub-chunk in fp32 with the weights, re-quantizes the sum and all-gathers it. Payload and
   scales travel in one uint8 buffer. Bytes on "fl": 2 (F-1)/F * n * b, with b =
-  :func:`fl_accel.comm.bytes_per_value` (2, or 1 + 4/256).
+  ``fl_accel.cost_model.SYNC_VALUE_BYTES`` (2, or 1 + 4/256).
 
 Padding: n is rounded up to a multiple of C (fp32), or of C * F * BLOCK (compressed).
 """
@@ -44,7 +44,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .cost_model import BLOCK
+from .cost_model import BLOCK, plan_buckets
 from .mesh import DP_REPLICATE, FL
 
 QMAX = 127.0
@@ -176,32 +176,6 @@ def dequantize(buf: torch.Tensor, sync_dtype: str) -> torch.Tensor:
     return (q.view(rows, m // BLOCK, BLOCK) * scale.unsqueeze(2)).view(rows, m)
 
 
-def quantization_error_bound(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
-    """Per-element bound of ``|dequantize(quantize(x)) - x|`` in fp32: half an int8 step
-    ``scale / 2`` of the element's block, widened by the fp32 roundings of ``x / scale``
-    (at most 127 * 2^-24 of a step) and of ``q * scale`` and the difference (2^-23 |x|);
-    for bf16 half an ulp of its 8 significant bits (at most 2^-8 |x|)."""
-    if sync_dtype == "bf16":
-        return x.abs() * 2.0 ** -8 + torch.finfo(torch.float32).tiny
-    blocks = x.reshape(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / QMAX
-    return (scale * 0.5 * (1 + 2.0 ** -15)).expand_as(blocks).reshape(x.shape) + x.abs() * 2.0 ** -23
-
-
-def plan_buckets(shapes: list[tuple[int, ...]], bucket_values: int) -> list[list[int]]:
-    """Indices of the tensors grouped greedily, in order, into buckets of at most
-    ``bucket_values`` values (a tensor larger than that is a bucket of its own)."""
-    out, size = [], 0
-    for i, shape in enumerate(shapes):
-        n = math.prod(shape)
-        if not out or size + n > bucket_values:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += n
-    return out
-
-
 # ---------------------------------------------------------------------- the exchange
 class _Bucket:
     __slots__ = ("idx", "flat", "piece", "work", "recv", "sent", "gathered", "stage")
@@ -245,7 +219,7 @@ class Exchange:
             total = sum(w * m for w, m in zip(self.weights, mask))
             self.weights = [w * m / total for w, m in zip(self.weights, mask)]
         self.scale_first = mask is not None or len(set(rnd.weights)) > 1
-        self.plan = plan_buckets(self.shapes, bucket_values)
+        self.plan = plan_buckets([math.prod(s) for s in self.shapes], bucket_values)
         self.buckets: list[_Bucket] = []
         self.stream = _side_stream(self.device)
         self.peak_bytes = 0

@@ -331,11 +331,11 @@ def test_cli_prints_the_paper_setting():
     assert proc.returncode == 0, proc.stderr
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
             for r in proc.stdout.splitlines() if r.startswith("| ") and "setting" not in r}
-    assert list(rows) == ["FSDP", "FL+FSDP fp32, blocking", "streaming fp32", "streaming int8"]
+    assert list(rows) == ["FSDP", "FL+FSDP fp32, blocking", "fragmented fp32", "fragmented int8"]
     assert rows["FSDP"][3] == "47.049" and rows["FL+FSDP fp32, blocking"][3] == "1.992"
-    assert rows["streaming fp32"][3] == "1.992" and float(rows["streaming int8"][3]) < 0.26 * 1.992
-    assert float(rows["streaming fp32"][5]) < 0.3 * float(rows["FL+FSDP fp32, blocking"][5])  # peak per sync
-    assert float(rows["streaming fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
+    assert rows["fragmented fp32"][3] == "1.992" and float(rows["fragmented int8"][3]) < 0.26 * 1.992
+    assert float(rows["fragmented fp32"][5]) < 0.3 * float(rows["FL+FSDP fp32, blocking"][5])  # peak per sync
+    assert float(rows["fragmented fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
 
 
 def test_cli_json(capsys):

@@ -51,7 +51,20 @@ import torch
 
 from _launch import WORKERS, run_torchrun, write_json
 from fl_accel import FLConfig
-from fl_accel.exchange import BLOCK, dequantize, quantization_error_bound, quantize
+from fl_accel.exchange import BLOCK, QMAX, dequantize, quantize
+
+
+def quantization_error_bound(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
+    """Per-element bound of ``|dequantize(quantize(x)) - x|`` in fp32: half an int8 step
+    ``scale / 2`` of the element's block, widened by the fp32 roundings of ``x / scale``
+    (at most 127 * 2^-24 of a step) and of ``q * scale`` and the difference (2^-23 |x|);
+    for bf16 half an ulp of its 8 significant bits (at most 2^-8 |x|)."""
+    if sync_dtype == "bf16":
+        return x.abs() * 2.0 ** -8 + torch.finfo(torch.float32).tiny
+    blocks = x.reshape(-1, BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / QMAX
+    return (scale * 0.5 * (1 + 2.0 ** -15)).expand_as(blocks).reshape(x.shape) + x.abs() * 2.0 ** -23
+
 
 WORKER = WORKERS / "stream_worker.py"
 LAUNCH_TIMEOUT = 600  # seconds; a hang fails the test instead of blocking the suite
