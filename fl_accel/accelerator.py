@@ -68,39 +68,41 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
                          f"outer state in host memory) or activation checkpointing.")
 
 
+def _start_notes(cfg: FLConfig, layout: FLLayout, device_type: str, mixed_precision: str) -> list[str]:
+    """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
+    notes = list(cfg.ignored_settings())
+    if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
+        notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
+                     f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
+                                  f"{layout.shards // 2} for 2 replicas"
+                                  if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
+    if device_type == "cpu" and mixed_precision != "no":
+        notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
+    return notes
+
+
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
     Args:
-        fl_config: the federation settings; default ``FLConfig.from_env()``. Its
-            ``collective_timeout_s`` bounds every collective (default process group and
-            every mesh sub-group), so a dead rank ends the job instead of hanging it.
-        **accelerate_kwargs: passed to ``accelerate.Accelerator``; ``cpu`` defaults to
-            True without CUDA. ``mixed_precision="bf16"`` shards with FSDP2's
+        fl_config: the federation settings; default ``FLConfig.from_env()``.
+        **accelerate_kwargs: passed to ``accelerate.Accelerator``; ``cpu`` defaults to True
+            without CUDA. Under ``mixed_precision="bf16"`` every unit gets FSDP2's
             ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (no output cast:
             the loss stays fp32) unless the ``fsdp_plugin`` carries a policy, which is kept.
 
     Raises:
         ValueError: on every rank, before any collective: an invalid ``fl_config`` or one
-            that does not fit the launched world (naming the field), fp16, CPU offload
-            with a federated algorithm, or a whole-model compile (use Accelerate's regional
-            compilation: ``TorchDynamoPlugin(use_regional_compilation=True)``).
+            not fitting the world (naming the field), or a refused setting
+            (:func:`_refuse_before_start`).
 
-    Differences from ``Accelerator`` (everything else keeps its meaning):
-
-    * ``prepare(model, optimizer, ...)`` shards over this rank's group only, checks that
-      every group starts from identical parameters and hooks the sync onto the inner
-      optimizer; one model/optimizer pair per accelerator (a second one is refused). A
-      model built on the meta device is sharded there and initialized by :meth:`materialize`.
-    * A prepared scheduler steps once per optimizer step.
-    * ``prepare_data_loader`` shards by ``FLConfig.data_sharding`` (world or group).
-    * ``save_state``/``load_state`` keep every group's state (safe mid-round).
-    * ``end_training`` runs the final sync first.
-
-    Attributes: ``fl_config``, ``layout``, ``mesh``, ``device_mesh``, ``num_groups``,
-    ``group_index``, ``replica_index``, ``shard_index``, ``comm_stats``, ``synchronizer``
-    (after ``prepare``), ``precision_policy``, ``activation_checkpointing``, ``compiled``,
-    ``sync_wait_seconds``.
+    Beyond ``Accelerator``: ``prepare`` shards over this rank's group only, checks that
+    the groups start identical and attaches the :class:`~fl_accel.sync.FederatedSynchronizer`
+    (one model/optimizer pair per accelerator); a prepared scheduler steps once per
+    optimizer step; data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep
+    every group's state; ``end_training`` syncs first. Attributes: ``fl_config``, ``layout``,
+    ``mesh``, ``device_mesh``, ``num_groups``, ``group_index``, ``replica_index``,
+    ``shard_index``, ``comm_stats``, ``synchronizer``.
     """
 
     def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
@@ -134,20 +136,8 @@ class FLAccelerator(Accelerator):
         self._last_loss: torch.Tensor | None = None
         self._grads_accumulating = False  # micro-batch gradients wait for their optimizer step
         if self.is_main_process:
-            for note in self._start_notes():
+            for note in _start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
-
-    def _start_notes(self) -> list[str]:
-        cfg, layout = self.fl_config, self.layout
-        notes = list(cfg.ignored_settings())
-        if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
-            notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
-                         f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
-                                      f"{layout.shards // 2} for 2 replicas"
-                                      if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
-        if self.device.type == "cpu" and self.mixed_precision != "no":
-            notes.append(f"mixed_precision={self.mixed_precision!r} on CPU runs several times slower than fp32")
-        return notes
 
     def _use_fsdp2(self, plugin, user_policy) -> None:
         """Point Accelerate's FSDP2 path at this rank's group with the precision policy."""
@@ -169,7 +159,6 @@ class FLAccelerator(Accelerator):
                                                      dp_shard_size=self.layout.shards)
         state.device_mesh = self.device_mesh
 
-    # ------------------------------------------------------------------ what this run is
     @property
     def num_groups(self) -> int:
         """F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines)."""
@@ -180,11 +169,10 @@ class FLAccelerator(Accelerator):
         """The FSDP2 policy every unit gets: ``{"param", "reduce", "output"}`` dtype names
         ("bf16", "fp32"; "output" None: no cast). Unset fields follow FSDP2's meaning."""
         policy = self.state.fsdp_plugin.mixed_precision_policy
-        names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
         param = getattr(policy, "param_dtype", None)
         reduce, output = getattr(policy, "reduce_dtype", None) or param, getattr(policy, "output_dtype", None)
-        return {"param": names.get(param, "fp32"), "reduce": names.get(reduce, "fp32"),
-                "output": names.get(output) if output is not None else None}
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get
+        return {"param": name(param, "fp32"), "reduce": name(reduce, "fp32"), "output": name(output, output and "fp32")}
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -207,7 +195,6 @@ class FLAccelerator(Accelerator):
         by mesh axis and "world" (the default group); per rank, see :mod:`fl_accel.comm`."""
         return self._comm_meter
 
-    # ------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
         """Accelerate's prepare, with the model sharded over this rank's group only; then
         the synchronizer is attached and the groups' initial parameters compared.
@@ -264,19 +251,14 @@ class FLAccelerator(Accelerator):
         return super().backward(loss, **kwargs)
 
     def materialize(self, model, init_fn, *, seed: int = 0) -> None:
-        """Initialize a model prepared on the meta device, shard by shard
-        (:func:`fl_accel.fsdp.materialize`), check that all groups hold the same values,
-        and take the sync's anchor.
-
-        Raises:
-            ValueError: the groups differ afterwards (a non-deterministic ``init_fn``).
-        """
+        """Initialize a model prepared on the meta device (:func:`fl_accel.fsdp.materialize`),
+        check that all groups hold the same values (ValueError: a non-deterministic
+        ``init_fn``), and take the sync's anchor."""
         fsdp.materialize(model, init_fn, self.device, seed)
         fsdp.check_replicas_identical(model, self.layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
             self.synchronizer.outer.reset()
 
-    # ------------------------------------------------------------------ data
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Shard the data by ``data_sharding``: "global", a disjoint slice per rank of the
         world (the paper's setting); "group", the group's ranks split the whole dataset and
@@ -287,12 +269,13 @@ class FLAccelerator(Accelerator):
                 self._dataloaders.append(data_loader)
             return data_loader
         num, index, seed = self.data_shard()
+        per_group = self.fl_config.data_sharding == "group" and self.fl_config.is_federated
         prepared = prepare_data_loader(
             data_loader, self.device, num_processes=num, process_index=index, split_batches=self.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch, data_seed=seed,
-            use_seedable_sampler=self.use_seedable_sampler or num != self.num_processes,
+            use_seedable_sampler=self.use_seedable_sampler or per_group,
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
         self._dataloaders.append(prepared)
         return prepared
@@ -305,7 +288,6 @@ class FLAccelerator(Accelerator):
                     (seed or 0) + self.group_index)
         return self.num_processes, self.process_index, seed
 
-    # ------------------------------------------------------------------ sync
     def sync_if_pending(self) -> bool:
         """Sync if the groups may differ (the end-of-training sync). Returns True if it synced."""
         sync = self.synchronizer
@@ -323,44 +305,22 @@ class FLAccelerator(Accelerator):
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
         hooks.insert(len(hooks) - 1, hook)  # before the reshard
-        return type("Handle", (), {"remove": lambda _: hook in hooks and hooks.remove(hook)})()
-
-    # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_io(self) -> CheckpointIO:
-        def accelerate_call(method, path):
-            models, optimizers = self._models, self._optimizers
-            try:
-                self._models, self._optimizers = [], []
-                getattr(Accelerator, method)(self, path)
-            finally:
-                self._models, self._optimizers = models, optimizers
-
-        return CheckpointIO(
-            models=list(self._models), optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
-            synchronizer=self.synchronizer, layout=self.layout, config=self.fl_config, group_index=self.group_index,
-            replica_index=self.replica_index, rank=self.process_index, is_main_process=self.is_main_process,
-            barrier=self.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
-            load_extras=lambda path: accelerate_call("load_state", path))
+        return _Handle(hooks, hook)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
-        """Save every group's model/optimizer shards, the sync state, RNG, scheduler and
-        samplers, atomically (:mod:`fl_accel.checkpoint`). Collective. ``extra_meta`` (JSON-able)
-        is stored in the metadata, ``rank_state`` per rank. Raises ValueError without ``output_dir``."""
+        """Save every group's state atomically (:func:`fl_accel.checkpoint.save_federated_state`,
+        ``extra_meta`` and ``rank_state`` included). Collective. ValueError without ``output_dir``."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
-        return save_federated_state(self._checkpoint_io(), output_dir, extra_meta=kwargs.get("extra_meta"),
+        return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
     def load_state(self, input_dir: str | None = None, **kwargs):
-        """Restore a checkpoint written by :meth:`save_state`; returns its metadata dict.
-
-        Raises:
-            fl_accel.checkpoint.CheckpointError (a ValueError): incomplete, corrupt, or
-                written by another algorithm / world size / layout; raised on every rank.
-        """
+        """Restore a checkpoint of :meth:`save_state`; returns its metadata. Raises
+        ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
-        return load_federated_state(self._checkpoint_io(), input_dir)
+        return load_federated_state(_checkpoint_io(self), input_dir)
 
     def end_training(self):
         """The final sync (groups end identical), then Accelerate's end_training (which
@@ -370,3 +330,32 @@ class FLAccelerator(Accelerator):
             self.synchronizer.detach()
         self._comm_meter.stop()
         super().end_training()
+
+
+def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
+    """What :mod:`fl_accel.checkpoint` needs; Accelerate saves the rest (RNG, schedulers,
+    samplers, registered objects) with ``_models``/``_optimizers`` emptied."""
+    def accelerate_call(method, path):
+        models, optimizers = acc._models, acc._optimizers
+        try:
+            acc._models, acc._optimizers = [], []
+            getattr(Accelerator, method)(acc, path)
+        finally:
+            acc._models, acc._optimizers = models, optimizers
+
+    return CheckpointIO(
+        models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
+        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc.process_index,
+        barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
+        load_extras=lambda path: accelerate_call("load_state", path))
+
+
+class _Handle:
+    """Removes ``hook`` from ``hooks`` (``remove()``), as torch's RemovableHandle."""
+
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)

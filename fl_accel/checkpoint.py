@@ -53,34 +53,24 @@ class CheckpointError(ValueError):
 
 @dataclass
 class CheckpointIO:
-    """What a save or load needs from the accelerator.
-
-    Attributes:
-        models: the prepared (FSDP2) models.
-        optimizers: their inner torch optimizers, one per model (or fewer).
-        synchronizer: the FederatedSynchronizer, or None.
-        layout, config: the FLLayout and FLConfig of this run.
-        group_index: this rank's federation group.
-        replica_index: this rank's HSDP replica inside its group.
-        rank: this rank's global rank.
-        is_main_process: rank 0.
-        barrier: waits for every rank.
-        save_extras, load_extras: write/read the state that is not models and
-            optimizers (RNG per rank, schedulers, samplers) into/from a directory.
-    """
+    """What a save or load needs from the accelerator: the prepared (FSDP2) ``models``, their
+    inner torch ``optimizers``, the ``synchronizer`` (or None), the ``layout`` and ``config``,
+    this global ``rank``, a ``barrier``, and ``save_extras``/``load_extras`` writing/reading
+    what is not models and optimizers (RNG per rank, schedulers, samplers) into/from a folder."""
 
     models: list
     optimizers: list
     synchronizer: Any
     layout: Any
     config: Any
-    group_index: int
-    replica_index: int
     rank: int
-    is_main_process: bool
     barrier: Callable[[], None]
     save_extras: Callable[[str], None]
     load_extras: Callable[[str], None]
+
+    group_index = property(lambda self: self.layout.coords(self.rank)[0])
+    replica_index = property(lambda self: self.layout.coords(self.rank)[1])
+    is_main_process = property(lambda self: self.rank == 0)
 
 
 def find_latest(checkpoints_dir: str) -> str | None:

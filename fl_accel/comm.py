@@ -45,16 +45,13 @@ _GROUP_POS = {"all_reduce": 2, "broadcast": 2}
 
 @dataclass
 class AxisStats:
-    """Totals for one bucket on this rank."""
+    """Totals for one bucket on this rank: ring ``bytes`` sent, host ``seconds`` in the
+    collectives (``wait()`` included), ``calls``, and bytes ``by_op`` (collective kind)."""
 
     bytes: int = 0
-    """Ring-algorithm bytes sent by this rank (see module docstring)."""
     seconds: float = 0.0
-    """Host seconds spent in the collectives (including wait())."""
     calls: int = 0
-    """Number of collectives."""
     by_op: dict = field(default_factory=lambda: defaultdict(int))
-    """Bytes per collective kind ("all_gather", "reduce_scatter", "all_reduce", ...)."""
 
 
 class CommStats:
@@ -74,12 +71,6 @@ class CommStats:
         s.calls += 1
         s.by_op[op] += int(nbytes)
 
-    def __repr__(self) -> str:
-        return f"CommStats({ {a: (s.bytes, round(s.seconds, 4), s.calls) for a, s in self._stats.items()} })"
-
-    def reset(self) -> None:
-        self._stats = {a: AxisStats() for a in self.buckets}
-
     def as_dict(self) -> dict:
         """``{"fl": {"bytes": int, "seconds": float, "calls": int, "by_op": {...}}, ...}``."""
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
@@ -92,15 +83,6 @@ class CommStats:
                 s = self._stats[a]
                 s.bytes, s.seconds, s.calls = int(v["bytes"]), float(v["seconds"]), int(v["calls"])
                 s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
-
-    def flat(self, prefix: str = "comm") -> dict:
-        """Flat dict for trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ..."""
-        out = {}
-        for a, s in self._stats.items():
-            out[f"{prefix}/{a}/bytes"] = s.bytes
-            out[f"{prefix}/{a}/seconds"] = s.seconds
-            out[f"{prefix}/{a}/calls"] = s.calls
-        return out
 
 
 class _TimedWork:
@@ -200,10 +182,6 @@ class CommMeter:
 
     def _add_seconds(self, bucket: str, seconds: float) -> None:
         self.stats[bucket].seconds += seconds
-
-    @property
-    def active(self) -> bool:
-        return self._depth > 0
 
     def __enter__(self) -> "CommMeter":
         with _lock:

@@ -131,11 +131,11 @@ class FakeTransport:
         return [rnd.position] if local_bad else []
 
 
-def _synchronizer(transport, sizes=(6, 5, 4), seed=0, **fields):
+def _synchronizer(transport, sizes=(6, 5, 4), seed=0, device="cpu", **fields):
     from fl_accel.sync import FederatedSynchronizer
 
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in sizes]
     cfg = FLConfig(**fields)
     opt = torch.optim.SGD(params, lr=0.1)
     sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], opt, transport=transport, config=cfg)
@@ -147,7 +147,7 @@ def _train(sync, params, steps, start=0):
     for step in range(start, start + steps):
         with torch.no_grad():
             for i, p in enumerate(params):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)) * 0.1)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i)).to(p.device) * 0.1)
         sync.on_optimizer_step()
 
 
