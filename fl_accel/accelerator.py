@@ -17,7 +17,8 @@ in accelerate 1.15.0 (with torch 2.13):
 * ``AcceleratedScheduler.step`` steps ``num_processes`` times per optimizer step unless
   ``split_batches``; ``AcceleratedOptimizer.optimizer`` is the torch optimizer.
 * ``save_state``/``load_state`` with ``_models``/``_optimizers`` emptied save and restore
-  RNG, schedulers, samplers and registered objects only.
+  RNG, schedulers, samplers and registered objects only; ``_dataloaders`` lists the
+  prepared data loaders (their sampler state).
 """
 
 from __future__ import annotations
