@@ -95,20 +95,21 @@ class WaitClock:
     the time between events recorded on the compute stream around each event (the waits
     for NCCL included), resolved when read."""
 
-    def __init__(self, device: torch.device):
-        self.cuda, self.host_seconds, self.pairs, self.depth = device.type == "cuda", 0.0, [], 0
+    def __init__(self):
+        self.host_seconds, self.pairs, self.depth = 0.0, [], 0
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, device: torch.device):
         self.depth += 1
-        start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda and self.depth == 1:
+        cuda = device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda and self.depth == 1:
             start.record()
         try:
             yield
         finally:
             self.depth -= 1
-            if self.depth == 0 and self.cuda:
+            if self.depth == 0 and cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self.pairs.append((start, end))
@@ -160,13 +161,17 @@ class FederatedSynchronizer:
                                      config.fragment_update_alpha, active=transport.begin().num_groups > 1)
         self.outer = OuterState(self.params, config)
         self.guard = NonFiniteGuard(config.on_nonfinite, transport)
-        self.device = local(self.params[0]).device
-        self.clock = WaitClock(self.device)
+        self.clock = WaitClock()
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the local shards live now (meta until a meta-built model is materialized)."""
+        return local(self.params[0]).device
 
     # ------------------------------------------------------------------ the hook
     def attach(self, loss_fn=None) -> None:
@@ -210,7 +215,7 @@ class FederatedSynchronizer:
         if self._suspended:
             return False
         actions = self.schedule.step()
-        with self.clock.measure() if actions else contextlib.nullcontext():
+        with self.clock.measure(self.device) if actions else contextlib.nullcontext():
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
                 if kind == LAUNCH:
@@ -269,7 +274,7 @@ class FederatedSynchronizer:
         """
         if not self.schedule.active:
             return self.schedule.synced(alpha)
-        with self.clock.measure():
+        with self.clock.measure(self.device):
             self._pre_sync(full=True)
             rnd = self.transport.begin()
             if self._healthy(rnd):

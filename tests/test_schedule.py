@@ -265,3 +265,21 @@ def test_nonfinite_abort_names_the_group_and_reset_drops_it():
     assert sync.on_optimizer_step() is True
     assert transport.calls["bad_groups"] == 1 and transport.calls["all_reduce"] == 1  # the masked mean
     assert all(torch.isfinite(p).all() for p in params)  # this group took the healthy groups' values
+
+
+def test_a_synchronizer_built_on_meta_syncs_after_materialization():
+    """Built while the model is on the meta device (prepare before materialize): no anchor
+    yet, and the first sync after the shards were allocated runs on their device."""
+    from fl_accel.sync import FederatedSynchronizer
+
+    params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in (6, 5)]
+    transport = FakeTransport(offset=2.0)
+    sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                                 transport=transport, config=FLConfig(sync_every=1, outer_optimizer="nesterov",
+                                                                      outer_lr=1.0, outer_momentum=0.0))
+    assert sync.outer.anchor is None and sync.device.type == "meta"
+    for p in params:  # as FSDP2's to_empty: the same parameter objects, new storage
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros(p.shape)))
+    sync.outer.reset()
+    assert sync.on_optimizer_step() is True
+    assert all(torch.equal(p.detach(), torch.ones(p.shape)) for p in params)  # mean of 0 and 0 + 2
