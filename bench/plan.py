@@ -317,4 +317,4 @@ def run_env(plan: dict) -> dict[str, str]:
     from scripts.launch import child_env
 
     return child_env({"HF_DATASETS_CACHE": os.path.join(plan["cache_dir"], "hf_datasets"), "WANDB_MODE": "offline",
-                      "WANDB_SILENT": "true", "FL_TIMEOUT_S": "600"}, pythonpath=[REPO])
+                      "WANDB_SILENT": "true", "FL_ACCEL_COLLECTIVE_TIMEOUT_S": "600"}, pythonpath=[REPO])

@@ -1,7 +1,7 @@
 """fl_accel: federated sharded data parallelism (FL+FSDP, FL+HSDP) on Hugging Face Accelerate.
 
 Implements Mittone & Aldinucci, "Accelerating Sharded Data Parallelism at Scale with
-Federated Learning", Euro-Par 2026, arXiv 2609.20359, plus streaming fragments,
+Federated Learning", Euro-Par 2026, arXiv 2609.20359, plus fragments with a sync delay,
 compressed exchange and unequal federation groups.
 
 ``import fl_accel`` is light (config and layout arithmetic); ``FLAccelerator`` imports
@@ -12,8 +12,8 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 __version__ = "0.2.0"
 
-# The internals fl_accel relies on (see fl_accel/accelerator.py and fl_accel/mesh.py) were
-# read in these releases; others may move them.
+# The internals fl_accel relies on (listed in fl_accel/accelerator.py and fl_accel/fsdp.py)
+# were read in these releases; others may move them.
 SUPPORTED = {"torch": ("2.13",), "accelerate": ("1.15",)}
 
 
@@ -40,9 +40,7 @@ from .mesh import AXES, FLLayout  # noqa: E402
 __all__ = ["FLConfig", "FLAccelerator", "FLLayout", "AXES", "__version__"]
 
 
-def __getattr__(name):
-    # Import the Accelerate-dependent part lazily: config and layout arithmetic stay
-    # importable (and fast) without initialising torch.distributed machinery.
+def __getattr__(name):  # FLAccelerator imports Accelerate on first use
     if name == "FLAccelerator":
         from .accelerator import FLAccelerator
 

@@ -1,104 +1,85 @@
 """FLAccelerator: an ``accelerate.Accelerator`` whose FSDP2 mesh is one federation group.
 
-This is the only module that imports ``accelerate`` or touches its internals. What it
-relies on (accelerate 1.15, torch 2.13):
+The only module that imports ``accelerate``. The Accelerate internals it relies on, read
+in accelerate 1.15.0 (with torch 2.13):
 
-* ``Accelerator.prepare`` shards with ``fsdp2_prepare_model`` when
-  ``state.distributed_type == FSDP`` and the plugin has ``fsdp_version=2``; that
-  function slices ``state.device_mesh[parallelism_config.fsdp_dim_names]``, i.e.
-  ``("dp_shard_cp",)`` or ``("dp_replicate", "dp_shard_cp")``. We preset the device
-  mesh (:func:`fl_accel.mesh.build_mesh`), so the slice is this rank's own group and
-  FSDP2 never communicates across groups.
-* Accelerate does not select FSDP on CPU (it silently falls back to MULTI_CPU/DDP),
-  so the state is set to FSDP after construction, identically on CPU and GPU: the
-  same ``fully_shard`` code path runs on gloo and NCCL.
-* ``AcceleratedOptimizer`` has no ``register_step_post_hook``; the wrapped
-  ``optimizer.optimizer`` does, and it fires once per real optimizer step (not per
-  micro-batch under gradient accumulation).
-* ``_prepare_fsdp2`` maps old to new parameters by ``data_ptr()``; parameters on the
-  meta device all report 0, so for a meta-built model each gets a distinct stand-in
-  ``data_ptr`` for the duration of ``prepare``.
-* ``AcceleratedScheduler.step`` steps the wrapped scheduler ``num_processes`` times per
-  optimizer step unless ``split_batches``; FLAccelerator sets ``split_batches`` on the
-  schedulers it prepares, so a schedule advances once per optimizer step.
-* ``Accelerator.save_state``/``load_state`` with ``_models``/``_optimizers`` emptied
-  save and restore only RNG, schedulers, samplers and registered objects; the
-  federated model/optimizer state goes through :mod:`fl_accel.checkpoint`.
-* FSDP2 appends every unit to its post-forward order also in a forward without grad
-  (``FSDPParamGroup.post_forward`` -> ``_record_post_forward``) and clears that order only
-  at the end of a backward (``FSDPState._root_post_backward_final_callback``). The public
-  ``FSDPModule.reset_iter_state()`` (torch 2.13) reshards every unit and clears it; see
-  :meth:`FLAccelerator._track_forward_only`.
+* ``Accelerator._prepare_fsdp2`` applies activation checkpointing (``fsdp2_apply_ac``),
+  then compile (``compile_regions_fsdp2`` when ``use_regional_compilation``), then
+  ``fsdp2_prepare_model``, which shards over ``state.device_mesh[fsdp_dim_names]``
+  ("dp_shard_cp", or "dp_replicate" and "dp_shard_cp") with the plugin's
+  ``mixed_precision_policy``; it maps old to new parameters by ``data_ptr()``.
+* FSDP is not selected on CPU (the plugin is ignored, MULTI_CPU), so the state is set to
+  FSDP after construction, with ``state.fsdp_plugin``, ``state.parallelism_config`` and
+  ``PartialState._shared_state["distributed_type"]`` (copied back by every later
+  ``AcceleratorState()``): the same ``fully_shard`` path runs on gloo and NCCL.
+* ``AcceleratorState`` calls ``fsdp_plugin.set_mixed_precision`` only when the plugin has
+  no policy: a user's policy is the plugin's before ``Accelerator.__init__``.
+* ``AcceleratedScheduler.step`` steps ``num_processes`` times per optimizer step unless
+  ``split_batches``; ``AcceleratedOptimizer.optimizer`` is the torch optimizer.
+* ``save_state``/``load_state`` with ``_models``/``_optimizers`` emptied save and restore
+  RNG, schedulers, samplers and registered objects only; ``_dataloaders`` lists the
+  prepared data loaders (their sampler state).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import warnings
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig
+from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
+                              ParallelismConfig, TorchDynamoPlugin)
 
+from . import fsdp
+from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig
-from .mesh import AXES, DP_REPLICATE, DP_SHARD, FSDP_SHARD_DIM, FLLayout, build_mesh
+from .exchange import MeshTransport
+from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .sync import FederatedSynchronizer
 
-logger = logging.getLogger(__name__)
 
-
-def _env_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _ranks_per_node(world: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def _init_process_group(backend: str, timeout: timedelta) -> None:
-    """Create the default process group where Accelerate's own start would fail or hang.
-
-    * Under ``torchrun --max-restarts`` the workers of attempt n>0 connect to the
-      launcher's store with the same keys as attempt 0, and gloo then dials the dead
-      processes' addresses ("Gloo connectFullMesh failed ... Connection refused"; seen
-      with torch 2.13, cf. pytorch/pytorch#167288). Prefixing the store with the attempt
-      number (``TORCHELASTIC_RESTART_COUNT``) gives each attempt fresh keys.
-    * A plain ``python script.py`` (no launcher, no ``RANK``) gets a one-process group
-      on an in-memory store, so the same FSDP2 code runs without a launcher.
-
-    Accelerate then finds the group initialized and uses it.
-    """
-    if dist.is_initialized():
-        return
-    world = _env_world_size()
-    if "RANK" not in os.environ and world == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
-    if world <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/fl_accel/attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
-
-
-def _check_mixed_precision(kwargs: dict) -> None:
-    """Reject fp16 on every rank before any collective (Raises ValueError)."""
-    value = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    value = getattr(value, "value", value)
-    if str(value).lower() == "fp16":
+def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
+    """Settings FLAccelerator refuses (fp16, whole-model compile, CPU offload with a federated
+    algorithm), raised as ValueError on every rank before any process group exists."""
+    precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
+    if str(precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower() == "fp16":
         raise ValueError(
             "FLAccelerator does not support mixed_precision='fp16'; use mixed_precision='bf16' (or 'no'). fp16 needs "
             "a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one federation group "
-            "only: the groups' step counters then diverge and the sync's collectives mismatch until they time out "
-            "(on CPU fp16 even trains without any loss scaling). bf16 has fp32's range and needs no scaler.")
+            "only: the groups' step counters then diverge and the sync's collectives mismatch until they time out.")
+    backend = kwargs.get("dynamo_backend")
+    dynamo = TorchDynamoPlugin(backend=backend) if backend is not None else \
+        kwargs.get("dynamo_plugin") or TorchDynamoPlugin()  # as Accelerator.__init__, env included
+    if dynamo.backend != DynamoBackend.NO and not dynamo.use_regional_compilation:
+        raise ValueError("FLAccelerator compiles regionally only: a whole-model torch.compile returns an "
+                         "OptimizedModule that bypasses FSDP2's hooks. Set use_regional_compilation=True "
+                         "(TorchDynamoPlugin, or dynamo_use_regional_compilation in the Accelerate config).")
+    plugin = kwargs.get("fsdp_plugin")
+    offload = getattr(plugin, "cpu_offload", None) if plugin is not None else \
+        os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("true", "1")
+    if layout.num_groups > 1 and (offload is True or type(offload).__name__ == "CPUOffloadPolicy"
+                                  or getattr(offload, "offload_params", False)):
+        raise ValueError(f"FLAccelerator: CPU offload (fsdp_offload_params / FSDP_OFFLOAD_PARAMS=true) is not "
+                         f"supported with algorithm {config.algorithm!r}: the sync's collectives need the parameters "
+                         f"on the accelerator. To save accelerator memory, set outer_state_device='cpu' (the sync's "
+                         f"outer state in host memory) or activation checkpointing.")
+
+
+def _start_notes(cfg: FLConfig, layout: FLLayout, device_type: str, mixed_precision: str) -> list[str]:
+    """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
+    notes = list(cfg.ignored_settings())
+    if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
+        notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
+                     f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
+                                  f"{layout.shards // 2} for 2 replicas"
+                                  if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
+    if device_type == "cpu" and mixed_precision != "no":
+        notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
+    return notes
 
 
 class FLAccelerator(Accelerator):
@@ -106,290 +87,163 @@ class FLAccelerator(Accelerator):
 
     Args:
         fl_config: the federation settings; default ``FLConfig.from_env()``.
-        collective_timeout_s: seconds a collective may wait for a peer before it fails
-            (default 300, env ``FL_TIMEOUT_S``), on the default process group and on
-            every mesh sub-group: a dead or hung rank makes the others exit with an
-            error instead of hanging.
-        **accelerate_kwargs: passed to ``accelerate.Accelerator``. ``cpu`` defaults to
-            True when no CUDA device is present.
+        **accelerate_kwargs: passed to ``accelerate.Accelerator``; ``cpu`` defaults to True
+            without CUDA. Under ``mixed_precision="bf16"`` every unit gets FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (no output cast:
+            the loss stays fp32) unless the ``fsdp_plugin`` carries a policy, which is kept.
 
     Raises:
-        ValueError: on every rank, before any collective, when ``fl_config`` is invalid
-            or does not fit the launched world size (the message names the field), or
-            for ``mixed_precision="fp16"``.
+        ValueError: on every rank, before any collective: an invalid ``fl_config`` or one
+            not fitting the world (naming the field), or a refused setting
+            (:func:`_refuse_before_start`).
 
-    Differences from ``Accelerator`` (everything else keeps its meaning):
-
-    * ``prepare(model, optimizer, ...)`` shards the model over this rank's federation
-      group only, checks that every group starts from identical parameters, and hooks
-      the sync onto the inner optimizer; a model built on the meta device is sharded
-      there and initialized by :meth:`materialize`.
-    * A scheduler passed to ``prepare`` steps once per optimizer step (Accelerate steps
-      it ``num_processes`` times, for its data-parallel batch scaling).
-    * ``prepare_data_loader`` shards by ``FLConfig.data_sharding`` (world or group).
-    * ``save_state``/``load_state`` keep every group's state (safe mid-round).
-    * ``end_training`` runs the final sync first.
-
-    Public attributes: ``fl_config``, ``layout`` (:class:`~fl_accel.mesh.FLLayout`),
-    ``mesh`` (:class:`~fl_accel.mesh.FLMesh`), ``device_mesh``, ``num_groups``,
-    ``group_index``, ``replica_index``, ``shard_index``, ``comm_stats``; after
-    ``prepare(model, optimizer)``: ``synchronizer``.
+    Beyond ``Accelerator``: ``prepare`` shards over this rank's group only, checks that
+    the groups start identical and attaches the :class:`~fl_accel.sync.FederatedSynchronizer`
+    (one model/optimizer pair per accelerator); a prepared scheduler steps once per
+    optimizer step; data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep
+    every group's state; ``end_training`` syncs first. Attributes: ``fl_config``, ``layout``,
+    ``mesh``, ``device_mesh``, ``num_groups``, ``group_index``, ``replica_index``,
+    ``shard_index``, ``comm_stats``, ``synchronizer``.
     """
 
-    def __init__(self, fl_config: FLConfig | None = None, *, collective_timeout_s: float | None = None,
-                 **accelerate_kwargs):
+    def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
         fl_config = FLConfig.from_env() if fl_config is None else fl_config
         if not isinstance(fl_config, FLConfig):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
-        world_size = _env_world_size()
-        # Validate before Accelerator.__init__ creates the process group: the error is
-        # raised on every rank and no rank is left waiting in a collective.
-        fl_config.validate()
-        self.layout = FLLayout.from_config(fl_config, world_size, ranks_per_node=_ranks_per_node(world_size))
-        self.fl_config = fl_config
-        _check_mixed_precision(accelerate_kwargs)
-        if "cpu" not in accelerate_kwargs and not torch.cuda.is_available():
-            accelerate_kwargs["cpu"] = True
-        if collective_timeout_s is None:
-            collective_timeout_s = float(os.environ.get("FL_TIMEOUT_S", "300"))
-        self.collective_timeout = timedelta(seconds=collective_timeout_s)
+        world = world_size_from_env()
+        self.fl_config = fl_config.validate()
+        self.layout = FLLayout.from_config(fl_config, world, ranks_per_node=ranks_per_node(world))
+        _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
+        accelerate_kwargs.setdefault("cpu", not torch.cuda.is_available())
+        timeout = timedelta(seconds=fl_config.collective_timeout_s)
         handlers = list(accelerate_kwargs.pop("kwargs_handlers", None) or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-            handlers.append(InitProcessGroupKwargs(timeout=self.collective_timeout))
-        _init_process_group("gloo" if accelerate_kwargs.get("cpu") else "nccl", self.collective_timeout)
+            handlers.append(InitProcessGroupKwargs(timeout=timeout))
+        plugin = accelerate_kwargs.get("fsdp_plugin")
+        user_policy = getattr(plugin, "mixed_precision_policy", None)
+        init_process_group("gloo" if accelerate_kwargs["cpu"] else "nccl", timeout)
         super().__init__(kwargs_handlers=handlers, **accelerate_kwargs)
         if self.num_processes != self.layout.world_size:
-            raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world_size}")
-
-        self.mesh = build_mesh(self.layout, self.device.type, self.collective_timeout, self.process_index)
+            raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world}")
+        self.mesh = build_mesh(self.layout, self.device.type, timeout, self.process_index)
         self.device_mesh = self.mesh.device_mesh
         self.group_index, self.replica_index, self.shard_index = self.layout.coords(self.process_index)
-        self._use_fsdp2()
+        self._use_fsdp2(plugin, user_policy)
         self.comm_stats = CommStats()
-        self._comm_meter = self._make_meter()
+        groups = {pg: axis for axis, pg in self.mesh.groups.items()}
+        ranks = {tuple(sorted(self.layout.axis_ranks(a, self.process_index))): a for a in AXES}
+        self._comm_meter = CommMeter(self.comm_stats, groups, {r: a for r, a in ranks.items() if len(r) > 1})
         self.synchronizer: FederatedSynchronizer | None = None
-        self._step_hook = None
         self._last_loss: torch.Tensor | None = None
         self._grads_accumulating = False  # micro-batch gradients wait for their optimizer step
-        self._forward_only_hooks: dict[int, object] = {}
         if self.is_main_process:
-            for note in self._start_notes(fl_config):
+            for note in _start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
 
-    def _start_notes(self, cfg: FLConfig) -> list[str]:
-        notes = list(cfg.ignored_settings())
-        if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
-            notes.append(f"hsdp_shard_size not set: using S={self.layout.shards} (the ranks per node, "
-                         f"LOCAL_WORLD_SIZE={_ranks_per_node(self.layout.world_size)}, that divide every group)"
-                         + (f"; that leaves one replica per group (R=1), i.e. plain {'FL+' if cfg.is_federated else ''}"
-                            f"FSDP: pass hsdp_shard_size={self.layout.shards // 2} for 2 replicas"
-                            if self.layout.max_replicas == 1 and self.layout.shards % 2 == 0 else ""))
-        if self.device.type == "cpu" and self.mixed_precision != "no":
-            notes.append(f"mixed_precision={self.mixed_precision!r} on CPU runs several times slower than fp32 "
-                         f"(no bf16 matrix units); use it on GPUs")
-        return notes
+    def _use_fsdp2(self, plugin, user_policy) -> None:
+        """Point Accelerate's FSDP2 path at this rank's group with the precision policy."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    # ------------------------------------------------------------------ setup
-    def _use_fsdp2(self) -> None:
-        """Point Accelerate's FSDP2 path at this rank's group (see module docstring)."""
         state = self.state
-        plugin = state.fsdp_plugin if getattr(state, "fsdp_plugin", None) is not None else None
+        plugin = plugin or getattr(state, "fsdp_plugin", None)
         if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
             # Reads the FSDP_* environment variables `accelerate launch` sets for the rest.
             plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2,
-                auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"),
-            )
-        if self.mixed_precision != "no":
-            plugin.set_mixed_precision(self.mixed_precision, override=True)
+                fsdp_version=2, auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+        if user_policy is None:
+            plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if self.mixed_precision == "bf16" else None
         state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
-        # As AcceleratorState.__init__ does for FSDP: every later AcceleratorState() (e.g.
-        # in AcceleratedOptimizer) copies PartialState's distributed_type back over ours.
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        f = self.layout.group_of(self.process_index)
-        state.parallelism_config = ParallelismConfig(dp_replicate_size=self.layout.replicas_of(f),
+        state.parallelism_config = ParallelismConfig(dp_replicate_size=self.layout.replicas_of(self.group_index),
                                                      dp_shard_size=self.layout.shards)
         state.device_mesh = self.device_mesh
-
-    def _make_meter(self) -> CommMeter:
-        groups = {}
-        for axis in AXES:
-            pg = self.mesh.group(axis)
-            if pg is not None:
-                groups[pg] = axis
-        for name, axis in ((FSDP_SHARD_DIM, DP_SHARD), (DP_SHARD, DP_SHARD), (DP_REPLICATE, DP_REPLICATE)):
-            with contextlib.suppress(KeyError, RuntimeError, ValueError), warnings.catch_warnings():
-                # the same slice Accelerate takes (see prepare); torch 2.13 warns about it
-                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-                sub = self.device_mesh[name]
-                if sub.size() > 1:
-                    groups[sub.get_group()] = axis
-        ranks = {}
-        for axis in AXES:
-            members = tuple(sorted(self.layout.axis_ranks(axis, self.process_index)))
-            if len(members) > 1:
-                ranks[members] = axis
-        return CommMeter(self.comm_stats, groups, ranks)
-
-    def meter_comm(self) -> CommMeter:
-        """Count collectives into ``comm_stats`` while entered::
-
-            with accelerator.meter_comm():
-                train()
-
-        Buckets: the mesh axes "fl", "dp_replicate", "dp_shard" and "world" (the default
-        process group: the non-finite check of each sync, a loss all-reduce, ...). The
-        counts are per rank; see :mod:`fl_accel.comm` for the byte formulas.
-        """
-        return self._comm_meter
 
     @property
     def num_groups(self) -> int:
         """F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines)."""
         return self.layout.num_groups
 
-    def group_process_group(self, axis: str):
-        """The torch ProcessGroup of mesh ``axis`` that contains this rank (None if it has one rank)."""
-        return self.mesh.group(axis)
+    @property
+    def precision_policy(self) -> dict:
+        """The FSDP2 policy every unit gets: ``{"param", "reduce", "output"}`` dtype names
+        ("bf16", "fp32"; "output" None: no cast). Unset fields follow FSDP2's meaning."""
+        policy = self.state.fsdp_plugin.mixed_precision_policy
+        param = getattr(policy, "param_dtype", None)
+        reduce, output = getattr(policy, "reduce_dtype", None) or param, getattr(policy, "output_dtype", None)
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get
+        return {"param": name(param, "fp32"), "reduce": name(reduce, "fp32"), "output": name(output, output and "fp32")}
 
-    # ------------------------------------------------------------------ prepare
+    @property
+    def activation_checkpointing(self) -> bool:
+        """True when Accelerate wraps each auto-wrapped block in a checkpoint wrapper."""
+        return bool(self.state.fsdp_plugin.activation_checkpointing)
+
+    @property
+    def compiled(self) -> bool:
+        """True when Accelerate compiles each block in place (regional compilation)."""
+        return self.state.dynamo_plugin.backend != DynamoBackend.NO
+
+    @property
+    def sync_wait_seconds(self) -> float:
+        """Seconds the training stream spent in sync events so far (waits for the other
+        groups included): host time on CPU, CUDA events on the compute stream on GPUs."""
+        return self.synchronizer.clock.seconds if self.synchronizer is not None else 0.0
+
+    def meter_comm(self) -> CommMeter:
+        """Count collectives into ``comm_stats`` while entered (``with accelerator.meter_comm():``),
+        by mesh axis and "world" (the default group); per rank, see :mod:`fl_accel.comm`."""
+        return self._comm_meter
+
     def prepare(self, *args, device_placement=None):
-        """Accelerate's prepare, with the model sharded over this rank's group only.
-
-        Also attaches the federated synchronizer (once a model and its optimizer were
-        prepared) and, unless the model is still on the meta device, checks that every
-        group starts from the same parameters.
+        """Accelerate's prepare, with the model sharded over this rank's group only; then
+        the synchronizer is attached and the groups' initial parameters compared.
 
         Raises:
-            ValueError: on every rank, when the groups' initial parameters differ
-                (a per-rank seed, or a forgotten ``set_seed``), naming the groups.
+            ValueError: on every rank: the groups' initial parameters differ (a per-rank
+                seed), or a second model/optimizer pair on a federated run (it would not
+                be federated, and its checkpoint could lose a group's state).
         """
-        stand_ins = self._meta_stand_ins(args)
+        pairs = [a for a in args if isinstance(a, (torch.nn.Module, torch.optim.Optimizer))]
+        if self.synchronizer is not None and pairs and self.num_groups > 1:
+            raise ValueError("FLAccelerator.prepare: this accelerator already federates one model and optimizer; a "
+                             "second model/optimizer pair (e.g. an EMA or teacher model) would train unfederated. "
+                             "Use one FLAccelerator per prepared model, or keep the second model out of prepare.")
+        stand_ins = []
+        for model in (a for a in args if isinstance(a, torch.nn.Module)):
+            for i, p in enumerate(dict.fromkeys(model.parameters())):
+                if p.is_meta:  # meta parameters all report data_ptr 0 to Accelerate's old->new map
+                    p.data_ptr = (lambda v: (lambda: v))(-(i + 1))
+                    stand_ins.append(p)
         try:
-            with warnings.catch_warnings():
-                # Accelerate slices the flattened "dp_shard_cp" alias from the root mesh (the
-                # name its fsdp2_prepare_model looks up); torch 2.13 warns that this will change.
-                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-                result = super().prepare(*args, device_placement=device_placement)
+            result = super().prepare(*args, device_placement=device_placement)
         finally:
             for p in stand_ins:
                 del p.data_ptr
         items = result if isinstance(result, (list, tuple)) else [result]
-        for obj in items:
-            if isinstance(obj, torch.nn.Module):
-                self._track_forward_only(obj)
         model = next((o for o in items if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)
+        if model is not None:
+            fsdp.track_forward_only(model, lambda: self._grads_accumulating)
         if model is not None and optimizer is not None and self.synchronizer is None:
-            self._attach_synchronizer(model, optimizer)
-            if not self._is_meta(model):
-                self.check_groups_identical(model)
+            named = list(model.named_parameters())
+            transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
+                                                self.device)
+            self.synchronizer = FederatedSynchronizer(
+                named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
+                units=fsdp.fsdp_units(model, [p for _, p in named]))
+            self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(self._models))  # always the last
+            self.synchronizer.attach(loss_fn=lambda: self._last_loss)
+            if not any(p.is_meta for p in model.parameters()):
+                fsdp.check_replicas_identical(model, self.layout, self.process_index, self.device)
         return result
 
-    @staticmethod
-    def _is_meta(model) -> bool:
-        return any(p.is_meta for p in model.parameters())
-
-    @staticmethod
-    def _meta_stand_ins(args) -> list:
-        """Give each meta parameter a distinct ``data_ptr`` for Accelerate's old->new map."""
-        out = []
-        for obj in args:
-            if isinstance(obj, torch.nn.Module):
-                for i, p in enumerate(dict.fromkeys(obj.parameters())):
-                    if p.is_meta:
-                        p.data_ptr = (lambda v: (lambda: v))(-(i + 1))
-                        out.append(p)
-        return out
-
     def prepare_scheduler(self, scheduler):
-        """Accelerate's prepare_scheduler, stepping once per optimizer step (see class docstring)."""
+        """Accelerate's prepare_scheduler, stepping once per optimizer step."""
         prepared = super().prepare_scheduler(scheduler)
         prepared.split_batches = True
         return prepared
-
-    def _attach_synchronizer(self, model, optimizer) -> None:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        named = list(model.named_parameters())
-        self.synchronizer = FederatedSynchronizer(
-            named, inner, layout=self.layout, mesh=self.mesh, rank=self.process_index, config=self.fl_config,
-            units=_fsdp_units(model, [p for _, p in named]))
-        self.synchronizer.pre_sync_hooks.append(self._reshard_models)  # always the last pre-sync hook
-        if self.num_groups > 1:  # num_groups == 1: no hook at all, a strict no-op
-            self._step_hook = inner.register_step_post_hook(self._after_optimizer_step)
-
-    def _reshard_models(self, *_) -> None:
-        """Free every FSDP2 unit's unsharded parameters before the sync writes the shards.
-
-        A forward without a backward (an evaluation, e.g. in a pre-sync hook) leaves the
-        tail unit (final norm + lm_head, which Accelerate shards with
-        ``reshard_after_forward=False``) unsharded: it is resharded after backward only.
-        The sync writes the local shards only, and the next forward's ``unshard()`` is a
-        no-op on an unsharded unit, so it would compute with the pre-sync lm_head/final
-        norm (seen: a different loss at the step after an ``--eval_groups`` evaluation).
-        ``FSDPModule.reshard()`` is a no-op on a sharded unit.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        for model in self._models:
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-
-    def _track_forward_only(self, model) -> None:
-        """Reset FSDP2's per-iteration state before the first forward with grad that follows
-        forwards without grad (an evaluation), so that the next backward does no wasted
-        all-gather.
-
-        FSDP2 records the post-forward order of the units also under ``no_grad``
-        (``FSDPParamGroup.post_forward`` -> ``_record_post_forward``) and clears it only at
-        the end of a backward (``FSDPState._root_post_backward_final_callback``: the
-        order, and ``finalize_backward`` for each unit's indices). An evaluation's entries
-        therefore survive into the next training step, where the first unit of the forward
-        order (the embedding) finds a non-zero index and ``FSDPParamGroup._backward_prefetch``
-        all-gathers ``post_forward_order[index - 1]``: the evaluation's last unit, the tail,
-        already resharded by its own post-backward. ``finalize_backward`` discards that
-        result unused: one wasted tail all-gather per evaluation. (Without a checkpoint in
-        between it was hidden: the tail, still unsharded from the evaluation, skipped its
-        forward all-gather instead; a checkpoint's ``state_dict`` reshards it, and a
-        resumed run has no stale entries, so a resumed run counted one tail all-gather
-        less per evaluation before its checkpoint.)
-
-        ``FSDPModule.reset_iter_state()`` (public, torch 2.13) reshards every unit and
-        clears these trackers; it is called on the root in a forward pre-hook (ahead of
-        FSDP2's own) when grad is enabled and forwards without grad ran since. It
-        discards no-sync gradient-accumulation state, so it is skipped while micro-batch
-        gradients wait for their optimizer step (``backward`` with ``sync_gradients``
-        False); the waste then stays. Values are unchanged: the next forward gathers the
-        same shards.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(model, FSDPModule) or id(model) in self._forward_only_hooks:
-            return
-        forward_only = [False]
-
-        def before_forward(module, args):
-            if not torch.is_grad_enabled():
-                forward_only[0] = True
-            elif forward_only[0]:
-                forward_only[0] = False
-                if not self._grads_accumulating:
-                    module.reset_iter_state()
-
-        self._forward_only_hooks[id(model)] = model.register_forward_pre_hook(before_forward, prepend=True)
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        sync = self.synchronizer
-        if sync._suspended:
-            return
-        if sync.needs_anchor and sync.anchor is None:
-            raise RuntimeError("the model was prepared on the meta device: call accelerator.materialize(model, "
-                               "init_fn) before training")
-        if self._last_loss is not None and sync.sync_due():
-            sync.last_loss = float(self._last_loss)
-        sync.on_optimizer_step()
 
     def backward(self, loss, **kwargs):
         """Accelerate's backward; also remembers the loss for the sync's non-finite check."""
@@ -397,130 +251,33 @@ class FLAccelerator(Accelerator):
         self._grads_accumulating = not self.sync_gradients
         return super().backward(loss, **kwargs)
 
-    # ------------------------------------------------------------------ initial weights
-    @torch.no_grad()
     def materialize(self, model, init_fn, *, seed: int = 0) -> None:
-        """Allocate a model prepared on the meta device and initialize it, shard by shard.
+        """Initialize a model prepared on the meta device (:func:`fl_accel.fsdp.materialize`),
+        check that all groups hold the same values (ValueError: a non-deterministic
+        ``init_fn``), and take the sync's anchor."""
+        fsdp.materialize(model, init_fn, self.device, seed)
+        fsdp.check_replicas_identical(model, self.layout, self.process_index, self.device)
+        if self.synchronizer is not None and self.synchronizer.schedule.active:
+            self.synchronizer.outer.reset()
 
-        Each module's parameters are created at their full shape one module at a time
-        on ``self.device``, ``init_fn(module)`` initializes them (e.g. a transformers
-        model's ``_init_weights``, which also recomputes RoPE buffers), and every rank
-        keeps only its own shard. Peak memory is the sharded model plus the largest
-        module; the values are those a full initialization with ``seed`` gives, so all
-        groups and replicas start identical (checked afterwards). Modules are visited
-        children first (transformers' order); a tied parameter is initialized once.
-        Then the sync's anchor is taken.
-
-        Raises:
-            ValueError: the groups' parameters differ afterwards (a non-deterministic
-                ``init_fn``).
-        """
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        model.to_empty(device=self.device)
-        torch.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        done: set[int] = set()
-
-        def visit(module):
-            for child in module.children():
-                visit(child)
-            swapped = {}
-            for name, p in list(module._parameters.items()):
-                if p is None:
-                    continue
-                full = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
-                                          requires_grad=p.requires_grad)
-                swapped[name] = (p, full)
-                module._parameters[name] = full
-            try:
-                init_fn(module)
-            finally:
-                for name, (p, full) in swapped.items():
-                    module._parameters[name] = p
-            for name, (p, full) in swapped.items():
-                if id(p) in done:
-                    continue
-                done.add(id(p))
-                if isinstance(p, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-                    p.to_local().copy_(full.data[index])
-                else:
-                    p.data.copy_(full.data)
-
-        visit(model)
-        self.check_groups_identical(model)
-        if self.synchronizer is not None:
-            self.synchronizer.reset_anchor()
-
-    @torch.no_grad()
-    def check_groups_identical(self, model) -> None:
-        """Raise ValueError on every rank unless all groups (and replicas) hold identical
-        parameters: fp64 checksums of each rank's shards, all-reduced over the world
-        (3 values per rank), compared between ranks with the same shard coordinate.
-
-        The shards are summed in chunks of 2**20 values, so the fp64 temporaries take a
-        few MiB whatever the model (whole-shard fp64 copies of a 162M-parameter model's
-        embedding shard added ~150 MiB to the peak host memory of ``materialize``)."""
-        world = self.num_processes
-        sums = torch.zeros(world, 3, dtype=torch.float64, device=self.device)
-        chunk = 1 << 20
-        for p in model.parameters():
-            t = (p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
-            for start in range(0, t.numel(), chunk):
-                c = t[start:start + chunk].to(torch.float64)
-                w = torch.arange(start + 1, start + c.numel() + 1, dtype=torch.float64, device=c.device)
-                w.remainder_(97)
-                sums[self.process_index] += torch.stack([c.sum(), (c * c).sum(), (c * w).sum()])
-        dist.all_reduce(sums)
-        by_shard: dict[int, list[int]] = {}
-        for k in range(world):
-            by_shard.setdefault(self.layout.coords(k)[2], []).append(k)
-        differ = set()
-        for ranks in by_shard.values():
-            ref = sums[ranks[0]]
-            for k in ranks[1:]:
-                if not torch.equal(sums[k], ref):
-                    differ.add(self.layout.coords(k)[:2])
-        if differ:
-            groups = sorted({f for f, _ in differ})
-            where = f"group(s) {groups}" + (f" (group, HSDP replica): {sorted(differ)}" if self.layout.uses_hsdp else "")
-            raise ValueError(
-                f"the federation groups do not start from identical parameters: {where} differ from group 0's "
-                f"first replica. Seed identically on every rank before building the model "
-                f"(accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized models "
-                f"destroys training at the first sync.")
-
-    # ------------------------------------------------------------------ data
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """Shard the data ourselves: Accelerate, given our mesh, would mix sizes and ranks.
-
-        ``data_sharding="global"``: a disjoint slice per rank of the world (paper setting).
-        ``"group"``: the group's G ranks split the whole dataset, and each group
-        shuffles with its own seed (``data_seed + group_index``). "group" always uses
-        Accelerate's seedable sampler: without it Accelerate re-synchronizes the
-        sampler's generator from rank 0 over the whole world at every epoch, so every
-        group would get rank 0's order and the group seed would be ignored.
-        """
+        """Shard the data by ``data_sharding``: "global", a disjoint slice per rank of the
+        world (the paper's setting); "group", the group's ranks split the whole dataset and
+        each group shuffles with ``data_seed + group_index`` (always Accelerate's seedable
+        sampler: without it the sampler's generator is re-synchronized from rank 0)."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             if data_loader not in self._dataloaders:
                 self._dataloaders.append(data_loader)
             return data_loader
-        if device_placement is None:
-            device_placement = self.device_placement
         num, index, seed = self.data_shard()
         per_group = self.fl_config.data_sharding == "group" and self.fl_config.is_federated
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=num, process_index=index,
-            split_batches=self.split_batches, put_on_device=device_placement,
-            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches,
-            even_batches=self.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=self.use_seedable_sampler or per_group, data_seed=seed,
-            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader,
-        )
+            data_loader, self.device, num_processes=num, process_index=index, split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, data_seed=seed,
+            use_seedable_sampler=self.use_seedable_sampler or per_group,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -532,128 +289,74 @@ class FLAccelerator(Accelerator):
                     (seed or 0) + self.group_index)
         return self.num_processes, self.process_index, seed
 
-    # ------------------------------------------------------------------ sync API
-    def sync(self) -> None:
-        """Force a federated sync now (collective: call on every rank at the same step)."""
-        if self.synchronizer is None:
-            raise RuntimeError("FLAccelerator.sync() needs prepare(model, optimizer) first")
-        self.synchronizer.sync()
-
     def sync_if_pending(self) -> bool:
         """Sync if the groups may differ (the end-of-training sync). Returns True if it synced."""
-        if self.synchronizer is not None and self.num_groups > 1 and self.synchronizer.pending:
-            self.synchronizer.sync()
+        sync = self.synchronizer
+        if sync is not None and sync.schedule.active and not sync.schedule.in_sync:
+            sync.sync()
             return True
         return False
 
     def register_pre_sync_hook(self, hook):
-        """Call ``hook(synchronizer, full)`` right before every sync event (``full`` is
-        True for a sync of every fragment), e.g. to evaluate each group's own model
-        before the groups are averaged. Needs ``prepare(model, optimizer)`` first.
-        Returns a handle whose ``remove()`` unregisters it. The hook may run forwards: the
-        model is resharded after the hooks, before the shards are written."""
+        """Call ``hook(synchronizer, full)`` right before every sync event (``full``: all
+        fragments), e.g. to evaluate each group's own model; it may run forwards (the model
+        is resharded after the hooks). Returns a handle whose ``remove()`` unregisters it.
+        Needs ``prepare(model, optimizer)`` first (RuntimeError)."""
         if self.synchronizer is None:
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
-        last = self._reshard_models
-        hooks.insert(hooks.index(last) if last in hooks else len(hooks), hook)  # before the reshard
-
-        class _Handle:
-            def remove(self):
-                if hook in hooks:
-                    hooks.remove(hook)
-
-        return _Handle()
-
-    # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_io(self):
-        from .checkpoint import CheckpointIO
-
-        def accelerate_call(method, path):
-            # Accelerate saves/restores RNG (per rank), schedulers, samplers and registered
-            # objects; our own module writes the models and optimizers.
-            models, optimizers = self._models, self._optimizers
-            try:
-                self._models, self._optimizers = [], []
-                getattr(Accelerator, method)(self, path)
-            finally:
-                self._models, self._optimizers = models, optimizers
-
-        return CheckpointIO(
-            models=list(self._models), optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
-            synchronizer=self.synchronizer, layout=self.layout, config=self.fl_config,
-            group_index=self.group_index, replica_index=self.replica_index, rank=self.process_index,
-            is_main_process=self.is_main_process,
-            barrier=self.wait_for_everyone,
-            save_extras=lambda path: accelerate_call("save_state", path),
-            load_extras=lambda path: accelerate_call("load_state", path))
+        hooks.insert(len(hooks) - 1, hook)  # before the reshard
+        return _Handle(hooks, hook)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
-        """Save every group's model/optimizer shards, the FL state, RNG, scheduler, samplers.
-
-        Safe mid-round (see :mod:`fl_accel.checkpoint`); atomic (``.partial`` + rename).
-        Collective: call on every rank. ``output_dir`` is required; ``extra_meta`` (a
-        JSON-able dict) is stored in the checkpoint's metadata, ``rank_state`` (JSON-able)
-        per rank; ``load_state`` returns them as its metadata and ``meta["rank_state"]``.
-        """
+        """Save every group's state atomically (:func:`fl_accel.checkpoint.save_federated_state`,
+        ``extra_meta`` and ``rank_state`` included). Collective. ValueError without ``output_dir``."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
-        from .checkpoint import save_federated_state
-
-        return save_federated_state(self._checkpoint_io(), output_dir, extra_meta=kwargs.get("extra_meta"),
+        return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
     def load_state(self, input_dir: str | None = None, **kwargs):
-        """Restore a checkpoint written by :meth:`save_state`; returns its metadata dict.
-
-        Raises:
-            fl_accel.checkpoint.CheckpointError (a ValueError): incomplete, corrupt, or
-                written by another algorithm / world size / layout; raised on every rank.
-        """
+        """Restore a checkpoint of :meth:`save_state`; returns its metadata. Raises
+        ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
-        from .checkpoint import load_federated_state
-
-        return load_federated_state(self._checkpoint_io(), input_dir)
+        return load_federated_state(_checkpoint_io(self), input_dir)
 
     def end_training(self):
-        """The paper's final sync (groups end identical), then Accelerate's end_training
-        (which destroys the process groups: save or gather the model before)."""
+        """The final sync (groups end identical), then Accelerate's end_training (which
+        destroys the process groups: save or gather the model before)."""
         self.sync_if_pending()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        if self.synchronizer is not None:
+            self.synchronizer.detach()
         self._comm_meter.stop()
         super().end_training()
 
 
-def _fsdp_units(model, params: list) -> list[list[int]]:
-    """Parameter indices per FSDP unit (one ``fully_shard`` call), in forward order.
+def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
+    """What :mod:`fl_accel.checkpoint` needs; Accelerate saves the rest (RNG, schedulers,
+    samplers, registered objects) with ``_models``/``_optimizers`` emptied."""
+    def accelerate_call(method, path):
+        models, optimizers = acc._models, acc._optimizers
+        try:
+            acc._models, acc._optimizers = [], []
+            getattr(Accelerator, method)(acc, path)
+        finally:
+            acc._models, acc._optimizers = models, optimizers
 
-    Uses FSDP2's own assignment (``FSDPModule._get_fsdp_state()._fsdp_param_group``).
-    Order: units in module-registration order (embedding, layer 0, ..., tail), the root
-    unit (leftover parameters) last. Parameters no unit manages form one unit each.
-    """
-    from torch.distributed.fsdp import FSDPModule
+    return CheckpointIO(
+        models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
+        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc.process_index,
+        barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
+        load_extras=lambda path: accelerate_call("load_state", path))
 
-    index = {id(p): i for i, p in enumerate(params)}
-    units, seen, root = [], set(), None
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if id(state) in seen:
-            continue
-        seen.add(id(state))
-        group = state._fsdp_param_group
-        members = sorted(index[id(fp.sharded_param)] for fp in (group.fsdp_params if group else [])
-                         if id(fp.sharded_param) in index)
-        if name == "":
-            root = members
-        elif members:
-            units.append(members)
-    if root:
-        units.append(root)
-    covered = {i for u in units for i in u}
-    units.extend([i] for i in range(len(params)) if i not in covered)
-    return units
+
+class _Handle:
+    """Removes ``hook`` from ``hooks`` (``remove()``), as torch's RemovableHandle."""
+
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)

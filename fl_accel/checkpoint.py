@@ -3,12 +3,15 @@
 Why not a plain ``dcp.save({"model": model.state_dict()})``: between syncs the groups
 hold different parameters under the same names and offsets, and
 ``torch.distributed.checkpoint`` de-duplicates such items across ranks, silently
-keeping one group's values (see FACTS.md). Here every group's model and optimizer
-state lives under its own key, ``group{f}.``, whenever the groups may differ; right
-after a full sync the groups are identical and the model is stored once, under the
-shared key ``model_0`` (de-duplication is then exactly right: a checkpoint at a sync
-boundary is about one FSDP checkpoint plus the optimizer states, not F models).
-Within a group the HSDP replicas are identical, and de-duplication is right too.
+keeping one group's values (4 gloo ranks, 2 groups that differ: every rank reloaded
+values that were neither group's). Here every group's model and optimizer state lives
+under its own key, ``group{f}.``, whenever the groups may differ; right after a full
+sync the groups are identical and the model is stored once, under the shared key
+``model_0`` (a checkpoint at a sync boundary is about one FSDP checkpoint plus the
+optimizer states, not F models). Within a group the HSDP replicas are identical, and
+de-duplication is right too. The sync's tensors are plain tensors keyed by shard
+coordinate (``fl.anchor/<param>/shard{s}``), saved and loaded where they live (host
+memory with ``outer_state_device="cpu"``).
 
 Layout of ``step_N/``::
 
@@ -37,8 +40,10 @@ from typing import Any, Callable
 
 import torch
 
+from .fsdp import local
+
 META_FILE = "fl_accel_checkpoint.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -48,34 +53,24 @@ class CheckpointError(ValueError):
 
 @dataclass
 class CheckpointIO:
-    """What a save or load needs from the accelerator.
-
-    Attributes:
-        models: the prepared (FSDP2) models.
-        optimizers: their inner torch optimizers, one per model (or fewer).
-        synchronizer: the FederatedSynchronizer, or None.
-        layout, config: the FLLayout and FLConfig of this run.
-        group_index: this rank's federation group.
-        replica_index: this rank's HSDP replica inside its group.
-        rank: this rank's global rank.
-        is_main_process: rank 0.
-        barrier: waits for every rank.
-        save_extras, load_extras: write/read the state that is not models and
-            optimizers (RNG per rank, schedulers, samplers) into/from a directory.
-    """
+    """What a save or load needs from the accelerator: the prepared (FSDP2) ``models``, their
+    inner torch ``optimizers``, the ``synchronizer`` (or None), the ``layout`` and ``config``,
+    this global ``rank``, a ``barrier``, and ``save_extras``/``load_extras`` writing/reading
+    what is not models and optimizers (RNG per rank, schedulers, samplers) into/from a folder."""
 
     models: list
     optimizers: list
     synchronizer: Any
     layout: Any
     config: Any
-    group_index: int
-    replica_index: int
     rank: int
-    is_main_process: bool
     barrier: Callable[[], None]
     save_extras: Callable[[str], None]
     load_extras: Callable[[str], None]
+
+    group_index = property(lambda self: self.layout.coords(self.rank)[0])
+    replica_index = property(lambda self: self.layout.coords(self.rank)[1])
+    is_main_process = property(lambda self: self.rank == 0)
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
@@ -139,18 +134,9 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
 
 
 def layout_meta(config, layout) -> dict[str, Any]:
-    """What a checkpoint must share with the run loading it: the layout, and the
-    settings that decide which synchronizer state exists. ``anchor_device`` is left out
-    on purpose: it decides where that state lives, not what it is, so a run may resume a
-    checkpoint written with the other placement (the tensors are loaded into its own)."""
-    federated = layout.num_groups > 1
-    return {
-        **layout.as_dict(),
-        "outer_optimizer": config.outer_optimizer if federated else "avg",
-        "sync_dtype": config.sync_dtype if federated else "fp32",
-        "error_feedback": bool(config.error_feedback and config.sync_dtype != "fp32") if federated else False,
-        "num_fragments": config.num_fragments if federated else 1,
-    }
+    """What a checkpoint must share with the run loading it: the layout, and the settings
+    that decide which sync state exists (``FLConfig.sync_state``; not where it lives)."""
+    return {**layout.as_dict(), **config.sync_state(layout.num_groups)}
 
 
 def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
@@ -165,38 +151,11 @@ def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
             + ". Resume with the settings it was written with.")
 
 
-def _as_dtensor_like(local: torch.Tensor, param) -> torch.Tensor:
-    """``local`` as a DTensor sharded like ``param`` (DCP then stores every rank's shard
-    at its offset). A local tensor on another device than the mesh (the synchronizer's
-    host state with ``anchor_device="cpu"``) stays where it is: ``DTensor.from_local``
-    would copy it to the accelerator, all of it at once, which is the memory that
-    setting spares. DCP reads and writes such a DTensor through its local tensor only
-    (``__create_write_items__``, ``__get_tensor_shard__``). Relies on torch 2.13's
-    ``DTensor(local, DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride,
-    dtype)), requires_grad=False)``, what ``from_local`` itself builds."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        if local.device.type != param.device_mesh.device_type and not local.is_meta:
-            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-            spec = DTensorSpec(param.device_mesh, tuple(param.placements),
-                               tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
-            return DTensor(local.view_as(local), spec, requires_grad=False)
-        return DTensor.from_local(local, device_mesh=param.device_mesh, placements=param.placements,
-                                  shape=param.shape, stride=param.stride(), run_check=False)
-    return local
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _scopes(io: CheckpointIO) -> dict[str, str]:
     """Where the model and optimizer state go: "shared" when all groups hold the same
     values (right after a full sync), else "group"."""
     sync = io.synchronizer
-    identical = sync is None or io.layout.num_groups == 1 or not sync.pending
+    identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
     shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
     return {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
 
@@ -212,9 +171,9 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     for the in-flight exchange result the checkpoint holds.
 
     Keys: ``model_0``/``optimizer_0`` (shared) or ``group{f}.model_0``/``group{f}.optimizer_0``;
-    ``fl.{anchor,momentum,inflight}/<param>`` (identical in every group);
-    ``group{f}.replica{r}.residual/<param>`` (error feedback: each replica keeps the residual of
-    the chunk it sends, so replicas differ and must not be de-duplicated)."""
+    ``fl.{anchor,momentum,inflight}/<param>/shard{s}`` (identical in every group and replica);
+    ``group{f}.replica{r}.residual/<param>/shard{s}`` (error feedback: each replica keeps the
+    residual of the chunk it sends, so replicas differ and must not be de-duplicated)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     group_key = f"group{io.group_index}"
@@ -232,16 +191,14 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     if sync is not None and io.layout.num_groups > 1:
         shared, per_rank = sync.state_tensors()
         if inflight_fragment is not None:
-            for i in sync.fragment_indices[inflight_fragment]:
-                shared.setdefault(i, {})["inflight"] = torch.zeros_like(_local(sync.params[i]), dtype=torch.float32)
-        entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
-                   for i, kinds in shared.items() for kind, t in kinds.items()}
-        if entries:
-            put("shared", "fl", entries)
-        entries = {f"{kind}/{sync.names[i]}": _as_dtensor_like(t, sync.params[i])
-                   for i, kinds in per_rank.items() for kind, t in kinds.items()}
-        if entries:
-            put("group", f"replica{io.replica_index}", entries)
+            for i in sync.fragments[inflight_fragment].params:
+                shared.setdefault(i, {})["inflight"] = torch.zeros_like(local(sync.params[i]), dtype=torch.float32)
+        shard = io.layout.coords(io.rank)[2]
+        for scope, key, tensors in (("shared", "fl", shared), ("group", f"replica{io.replica_index}", per_rank)):
+            entries = {f"{kind}/{sync.names[i]}/shard{shard}": t for i, kinds in tensors.items()
+                       for kind, t in kinds.items()}
+            if entries:
+                put(scope, key, entries)
     return state
 
 
@@ -277,7 +234,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     if io.is_main_process:
         sync = io.synchronizer
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
-                "sync": None if sync is None else sync.state_dict(), **(extra_meta or {})}
+                "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -337,8 +294,8 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
         for source in (state.get("fl", {}), group_state.get(f"replica{io.replica_index}", {})):
             out: dict[int, dict[str, torch.Tensor]] = {}
             for key, t in source.items():
-                kind, name = key.split("/", 1)
-                out.setdefault(index[name], {})[kind] = _local(t)
+                kind, name, _ = key.split("/")
+                out.setdefault(index[name], {})[kind] = t
             parsed.append(out)
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
     io.load_extras(input_dir)

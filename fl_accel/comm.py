@@ -4,22 +4,14 @@ FSDP2 issues its collectives through ``torch.distributed.all_gather_single``,
 ``reduce_scatter_single`` (parameters, gradients) and ``all_reduce`` (the HSDP
 gradient all-reduce over the replicate group); see
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` (torch 2.13). The sync
-adds ``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single`` and
-``broadcast``. While a :class:`CommMeter` is entered, these entry points are wrapped:
-each call is attributed to a bucket (a mesh axis "fl", "dp_replicate", "dp_shard", or
-"world" for the default process group) and charged with the bytes a ring
-algorithm sends per rank:
-
-* all-gather / reduce-scatter / all-to-all of a full tensor of M bytes over p ranks:
-  (p-1)/p * M (all-to-all: M is this rank's input);
-* all-reduce of M bytes over p ranks: 2 (p-1)/p * M;
-* broadcast of M bytes over p ranks: (p-1)/p * M (a pipelined chain: p-1 sends of M,
-  spread over p ranks).
-
-These are the formulas of :mod:`fl_accel.cost_model`, so measurement and model can be
-compared axis by axis. Seconds are host wall time spent inside the call (and in
-``wait()`` of asynchronous work); with CUDA streams that is a lower bound of the link
-time.
+adds ``all_reduce``, ``all_to_all_single``, ``all_gather_single`` and ``broadcast``.
+While a :class:`CommMeter` is entered, these entry points are wrapped: each call is
+attributed to a bucket (a mesh axis "fl", "dp_replicate", "dp_shard", or "world" for
+the default process group) and charged with the whole bytes a ring algorithm sends per
+rank, :func:`fl_accel.cost_model.ring_bytes` (all-to-all: M is this rank's input;
+broadcast: a pipelined chain), so measurement and model compare axis by axis. Seconds
+are host wall time inside the call (and in ``wait()`` of asynchronous work); with CUDA
+streams that is a lower bound of the link time.
 
 Metering is explicit (``with accelerator.meter_comm(): ...``). Several meters may be
 entered at once (two accelerators in one process); each counts only the process
@@ -35,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .mesh import AXES, WORLD
+from .cost_model import ring_bytes
+from .mesh import BUCKETS, WORLD
 
-BUCKETS = AXES + (WORLD,)
 # entry point -> (collective kind, name of the "full tensor" argument, its position)
 _OPS = {
     "all_gather_single": ("all_gather", "output_tensor", 0),
@@ -53,16 +45,13 @@ _GROUP_POS = {"all_reduce": 2, "broadcast": 2}
 
 @dataclass
 class AxisStats:
-    """Totals for one bucket on this rank."""
+    """Totals for one bucket on this rank: ring ``bytes`` sent, host ``seconds`` in the
+    collectives (``wait()`` included), ``calls``, and bytes ``by_op`` (collective kind)."""
 
     bytes: int = 0
-    """Ring-algorithm bytes sent by this rank (see module docstring)."""
     seconds: float = 0.0
-    """Host seconds spent in the collectives (including wait())."""
     calls: int = 0
-    """Number of collectives."""
     by_op: dict = field(default_factory=lambda: defaultdict(int))
-    """Bytes per collective kind ("all_gather", "reduce_scatter", "all_reduce", ...)."""
 
 
 class CommStats:
@@ -82,16 +71,14 @@ class CommStats:
         s.calls += 1
         s.by_op[op] += int(nbytes)
 
-    def __repr__(self) -> str:
-        return f"CommStats({ {a: (s.bytes, round(s.seconds, 4), s.calls) for a, s in self._stats.items()} })"
-
-    def reset(self) -> None:
-        self._stats = {a: AxisStats() for a in self.buckets}
-
     def as_dict(self) -> dict:
         """``{"fl": {"bytes": int, "seconds": float, "calls": int, "by_op": {...}}, ...}``."""
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
                 for a, s in self._stats.items()}
+
+    def flat(self, prefix: str = "comm") -> dict:
+        """Flat dict for trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ``comm/fl/calls``, ..."""
+        return {f"{prefix}/{a}/{k}": getattr(s, k) for a, s in self._stats.items() for k in ("bytes", "seconds", "calls")}
 
     def load_dict(self, values: dict) -> None:
         """Restore totals written by :meth:`as_dict` (e.g. from a checkpoint)."""
@@ -100,32 +87,6 @@ class CommStats:
                 s = self._stats[a]
                 s.bytes, s.seconds, s.calls = int(v["bytes"]), float(v["seconds"]), int(v["calls"])
                 s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
-
-    def flat(self, prefix: str = "comm") -> dict:
-        """Flat dict for trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ..."""
-        out = {}
-        for a, s in self._stats.items():
-            out[f"{prefix}/{a}/bytes"] = s.bytes
-            out[f"{prefix}/{a}/seconds"] = s.seconds
-            out[f"{prefix}/{a}/calls"] = s.calls
-        return out
-
-
-def ring_bytes(op: str, tensor_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends in a ring collective over ``group_size`` ranks.
-
-    ``tensor_bytes`` is the *full* size M: the all-gather output, the reduce-scatter or
-    all-to-all input, the all-reduce or broadcast buffer. Raises ValueError for an
-    unknown ``op``.
-    """
-    p = group_size
-    if p <= 1:
-        return 0
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
-        return tensor_bytes * (p - 1) // p
-    if op == "all_reduce":
-        return 2 * tensor_bytes * (p - 1) // p
-    raise ValueError(f"unknown collective {op!r}")
 
 
 class _TimedWork:
@@ -177,7 +138,7 @@ def _wrap(name: str, original):
         if not claims:
             return original(*args, **kwargs)
         full = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
-        nbytes = ring_bytes(op, full.numel() * full.element_size(), dist.get_world_size(group))
+        nbytes = int(ring_bytes(op, full.numel() * full.element_size(), dist.get_world_size(group)))
         t0 = time.perf_counter()
         work = original(*args, **kwargs)
         elapsed = time.perf_counter() - t0
@@ -225,10 +186,6 @@ class CommMeter:
 
     def _add_seconds(self, bucket: str, seconds: float) -> None:
         self.stats[bucket].seconds += seconds
-
-    @property
-    def active(self) -> bool:
-        return self._depth > 0
 
     def __enter__(self) -> "CommMeter":
         with _lock:

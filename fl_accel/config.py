@@ -1,19 +1,11 @@
-"""FLConfig: the federation settings, loadable from YAML and the environment.
+"""FLConfig: the federation settings (paper Sec. 3), loadable from YAML and the environment.
 
-Precedence, lowest to highest: dataclass defaults < YAML file < ``FL_ACCEL_*``
-environment variables < explicit keyword overrides (the recipe's flags).
-
-The method is Mittone & Aldinucci, "Accelerating Sharded Data Parallelism at Scale
-with Federated Learning", Euro-Par 2026, arXiv 2609.20359 (Sec. 3): the world is
-split into federation groups; each group trains with FSDP (``fl_fsdp``) or HSDP
-(``fl_hsdp``) and the groups average their parameters every ``sync_every`` optimizer
-steps. The layout arithmetic (sizes, coordinates, process groups) lives in
-:mod:`fl_accel.mesh`; this module only holds and checks the settings.
-
-Construction checks each field's type and range (``__post_init__``) and the
-constraints between fields; :meth:`FLConfig.validate` adds the checks that need the
-world size. Both raise ``ValueError`` naming the field, in pure Python, so every rank
-raises the same error before any collective.
+Precedence, lowest to highest: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables <
+keyword overrides (the recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
+Layout checks live in :mod:`fl_accel.mesh`. The typed YAML/environment merge is shared
+with the recipe's argument parser (:func:`check_type`, :func:`read_yaml_mapping`,
+:func:`env_overrides`, :func:`resolve_sources`). Every check raises ``ValueError`` naming
+the field, in pure Python, so every rank raises it before any collective.
 """
 
 from __future__ import annotations
@@ -30,29 +22,24 @@ from typing import Any, Literal, Mapping, get_args
 
 import yaml
 
-from .mesh import ALGORITHMS, FLLayout
+from . import mesh
 
-OuterOptimizer = Literal["avg", "nesterov"]
-DataSharding = Literal["global", "group"]
-OnNonfinite = Literal["abort", "reset"]
-SyncDtype = Literal["fp32", "bf16", "int8"]
-GroupWeighting = Literal["size", "uniform"]
-AnchorDevice = Literal["same", "cpu"]
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
-assert get_args(Algorithm) == ALGORITHMS
+assert get_args(Algorithm) == mesh.ALGORITHMS
 
 ENV_PREFIX = "FL_ACCEL_"
+TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
+"""Test hooks (``FL_ACCEL_TEST_FAULT_INJECT``, ...): skipped by :func:`env_overrides`."""
 
-PLACEMENT_ONLY_FIELDS = ("anchor_device",)
-"""FLConfig fields that choose where state lives, not what its values are: a run may
-resume a checkpoint written with another value of them (checkpoint and run identity
-checks leave them out)."""
+NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s")
+"""Fields that place state or bound waits without changing any value: a run may resume a
+checkpoint written with other values of them (run and checkpoint identity leave them out)."""
 
 
 @dataclass
 class FLConfig:
-    """Settings of the federated synchronization (paper Sec. 3, Alg. 1), plus streaming
-    fragments and compressed exchange (Streaming DiLoCo, arXiv 2501.18512) and unequal
+    """Settings of the federated synchronization (paper Sec. 3, Alg. 1), plus fragments,
+    sync delay and compressed exchange (Streaming DiLoCo, arXiv 2501.18512) and unequal
     federation groups.
 
     Raises:
@@ -66,34 +53,30 @@ class FLConfig:
 
     num_groups: int = 2
     """F, the number of federation groups of equal size; must divide the world size.
-    Ignored (taken as 1) by the baselines "fsdp" and "hsdp", so switching
-    ``algorithm`` alone switches between an FL run and its baseline."""
+    Ignored (taken as 1) by the baselines "fsdp" and "hsdp"."""
 
     group_sizes: list[int] | None = None
     """Ranks per federation group, for groups of unequal size, e.g. [2, 4] on 6
-    processes: contiguous rank blocks in that order, summing to the world size. Needs
-    "fl_hsdp" and an ``hsdp_shard_size`` S dividing every size (group f then has
-    size_f / S HSDP replicas). None: ``num_groups`` equal groups."""
+    processes: contiguous rank blocks summing to the world size. Needs "fl_hsdp" and an
+    ``hsdp_shard_size`` S dividing every size. None: ``num_groups`` equal groups."""
 
-    group_weighting: GroupWeighting = "size"
-    """Weight of each group in the average: "size" (w_f = size_f / world, proportional
-    to the samples a group processes per step) or "uniform" (w_f = 1/F, what the
-    paper and xffl do). Identical for equal groups."""
+    group_weighting: Literal["size", "uniform"] = "size"
+    """Weight of each group in the average: "size" (w_f = size_f / world) or "uniform"
+    (w_f = 1/F, as the paper and xffl). Identical for equal groups."""
 
     hsdp_shard_size: int | None = None
-    """S, the number of ranks one HSDP replica shards over ("hsdp", "fl_hsdp"). Must
-    divide every group size; R = G / S replicas per group. None: the ranks per node
-    (LOCAL_WORLD_SIZE) when that divides the group. Ignored by "fsdp" and "fl_fsdp",
-    which shard over the whole group."""
+    """S, the ranks one HSDP replica shards over ("hsdp", "fl_hsdp"); divides every
+    group size, R = G / S replicas per group. None: the ranks per node
+    (LOCAL_WORLD_SIZE) that divide the group. Ignored by "fsdp" and "fl_fsdp"."""
 
     sync_every: int = 8
     """H, the number of optimizer steps (after gradient accumulation) between two
     synchronizations of the same parameters. The paper uses H = 8."""
 
     num_fragments: int = 1
-    """P, streaming fragments (Streaming DiLoCo): the FSDP units, in forward order, are
-    dealt round-robin into P fragments, and one fragment is synchronized every H/P
-    steps. 1: the whole model every H steps. ``sync_every`` must be a multiple of P."""
+    """P, fragments (Streaming DiLoCo): the FSDP units, in forward order, are dealt
+    round-robin into P fragments, and one fragment is synchronized every H/P steps.
+    1: the whole model every H steps. ``sync_every`` must be a multiple of P."""
 
     sync_delay: int = 0
     """tau, optimizer steps between launching a fragment's exchange and applying its
@@ -103,16 +86,16 @@ class FLConfig:
     """alpha in [0, 1]: when a delayed result is applied, the parameters become
     global + alpha * (local - global). 0 takes the global result."""
 
-    sync_dtype: SyncDtype = "fp32"
+    sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """What crosses the "fl" axis: "fp32" (the exact mean of the parameters), "bf16" or
-    "int8" (the mean of pseudo-gradients, quantized: int8 with one fp32 scale per
-    block of 256 values; about 1/2 and 1/4 of the fp32 bytes)."""
+    "int8" (compressed exchange: the mean of pseudo-gradients, quantized, int8 with one
+    fp32 scale per block of 256 values; about 1/2 and 1/4 of the fp32 bytes)."""
 
     error_feedback: bool = False
     """For "bf16"/"int8": each rank keeps what quantization dropped from its
     pseudo-gradient and adds it to the next one (error feedback)."""
 
-    outer_optimizer: OuterOptimizer = "avg"
+    outer_optimizer: Literal["avg", "nesterov"] = "avg"
     """"avg": plain FedAvg, the new parameters are the (weighted) mean over groups.
     "nesterov": DiLoCo (Douillard et al. 2023, arXiv 2311.08105): the
     pseudo-gradient ``anchor - mean`` is applied to the anchor (last synchronized
@@ -127,60 +110,57 @@ class FLConfig:
 
     average_optimizer_state: bool = False
     """Also average the inner optimizer's floating-point state tensors (e.g. AdamW
-    exp_avg, exp_avg_sq) across groups at each full sync. Off by default, as in the
-    paper, where optimizer state stays per group."""
+    moments) across groups at each sync. Off, as in the paper."""
 
-    data_sharding: DataSharding = "global"
+    data_sharding: Literal["global", "group"] = "global"
     """"global": every rank of the world reads a disjoint slice of the data (the
-    paper's setting). "group": each group reads the whole dataset, split over its
-    own ranks, in a group-specific shuffle order."""
+    paper's setting). "group": each group reads the whole dataset, split over its own
+    ranks, in a group-specific shuffle order."""
 
-    on_nonfinite: OnNonfinite = "abort"
+    on_nonfinite: Literal["abort", "reset"] = "abort"
     """What a sync does when a group's parameters or last loss hold NaN/Inf: "abort"
-    raises naming the group and step; "reset" drops that group's contribution for
-    the round and resets its parameters to the healthy groups' mean and its
-    optimizer state to the healthy groups' mean state."""
+    raises naming the group and step; "reset" drops that group for the round and sets
+    its parameters and optimizer state to the healthy groups' mean."""
 
     sync_bucket_mb: int = 256
-    """Size, in MiB of fp32, of the flat buffers the sync packs local shards into.
-    Larger buckets mean fewer collectives; smaller ones less extra memory."""
+    """Size, in MiB of fp32, of the flat buffers the sync packs local shards into. A
+    blocking sync keeps at most two buckets in flight; larger buckets mean fewer
+    collectives, smaller ones less transient memory."""
 
-    anchor_device: AnchorDevice = "same"
+    outer_state_device: Literal["same", "cpu"] = "same"
     """Where the sync's fp32 outer state lives: the anchor (kept for "nesterov" or a
     compressed ``sync_dtype``), the "nesterov" momentum and the ``error_feedback``
     residuals. "same": on the parameters' device. "cpu": in host memory (pinned when
     the parameters are on CUDA), sparing per rank 4 bytes x the local shard's numel
-    of accelerator memory for the anchor, and as much again for the momentum and for
-    the residuals when used; the exchange stays on the accelerator and the values are
-    the same (a checkpoint resumes with either setting)."""
+    of accelerator memory for each of them; the exchange stays on the accelerator and
+    the values are the same (a checkpoint resumes with either setting)."""
+
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for a peer before it fails, on the default process
+    group and every mesh sub-group: a dead or hung rank makes the others exit with an
+    error instead of hanging."""
 
     def __post_init__(self) -> None:
         self._check_fields()
 
-    # ------------------------------------------------------------------ validation
     def _check_fields(self) -> None:
         """Types, ranges and constraints between fields; no world size needed."""
         hints = _type_hints(type(self))
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), hints[f.name])
+            check_type(f"FLConfig.{f.name}", getattr(self, f.name), hints[f.name])
         if self.group_sizes is not None:
             self.group_sizes = list(self.group_sizes)
-            if not self.group_sizes:
-                raise ValueError("FLConfig.group_sizes must list at least one group size, got []")
         for name in ("num_groups", "sync_every", "num_fragments", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"FLConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hsdp_shard_size is not None and self.hsdp_shard_size < 1:
-            raise ValueError(f"FLConfig.hsdp_shard_size must be >= 1, got {self.hsdp_shard_size}")
-        for size in self.group_sizes or ():
-            if size < 1:
-                raise ValueError(f"FLConfig.group_sizes must be positive, got {self.group_sizes}")
         if not self.outer_lr > 0:
             raise ValueError(f"FLConfig.outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"FLConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 <= self.fragment_update_alpha <= 1:
             raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"FLConfig.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         if self.sync_every % self.num_fragments:
             raise ValueError(f"FLConfig.sync_every={self.sync_every} must be a multiple of "
                              f"FLConfig.num_fragments={self.num_fragments} (one fragment syncs every H/P steps)")
@@ -188,96 +168,64 @@ class FLConfig:
         if not 0 <= self.sync_delay < period:
             raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
                              f"{period}, got {self.sync_delay}")
-        if self.group_sizes is not None and self.is_federated:
-            if "num_groups" in self._explicit and self.num_groups != len(self.group_sizes):
-                raise ValueError(f"FLConfig.num_groups={self.num_groups} disagrees with FLConfig.group_sizes="
-                                 f"{self.group_sizes} ({len(self.group_sizes)} groups)")
-            unequal = len(set(self.group_sizes)) > 1
-            if unequal and self.algorithm == "fl_fsdp":
-                raise ValueError(f"FLConfig.group_sizes={self.group_sizes} are unequal: algorithm 'fl_fsdp' needs "
-                                 f"equal groups; use algorithm='fl_hsdp' with an hsdp_shard_size S dividing every "
-                                 f"size (e.g. S={_gcd_all(self.group_sizes)})")
-            if self.hsdp_shard_size is not None and self.uses_hsdp:
-                bad = [g for g in self.group_sizes if g % self.hsdp_shard_size]
-                if bad:
-                    raise ValueError(f"FLConfig.hsdp_shard_size={self.hsdp_shard_size} must divide every group "
-                                     f"size; it does not divide {bad} of group_sizes={self.group_sizes}")
-        if self.group_sizes is not None and self.is_federated and len(set(self.group_sizes)) > 1 \
-                and self.hsdp_shard_size is None:
-            raise ValueError(f"FLConfig.hsdp_shard_size must be set for unequal group_sizes={self.group_sizes} "
-                             f"(a shard size dividing every group size, e.g. {_gcd_all(self.group_sizes)})")
+        mesh.check_group_fields(self, explicit_num_groups="num_groups" in self._explicit)
 
-    @property
-    def _explicit(self) -> set[str]:
-        """Fields given a non-default value (used to tell 'num_groups left at its default')."""
-        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+    _explicit = property(lambda self: {f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
     def validate(self, world_size: int | None = None, ranks_per_node: int | None = None) -> "FLConfig":
-        """Check every field, and, given ``world_size``, that the layout fits it.
-
-        Pure Python: runs before any collective, so every rank raises the same
-        error and nothing hangs. Returns ``self``.
-
-        Raises:
-            ValueError: naming the field: a wrong type or range, an unknown choice,
-                ``sync_every`` not a multiple of ``num_fragments``, ``sync_delay`` out
-                of range, a world size not divisible by ``num_groups``, group sizes
-                not summing to the world, an ``hsdp_shard_size`` not dividing a group.
-        """
+        """Check every field and, given ``world_size``, that the layout fits it
+        (:meth:`fl_accel.mesh.FLLayout.from_config`). Returns ``self``. Raises ValueError
+        naming the field (type, range, H not a multiple of P, tau, F or S not dividing)."""
         self._check_fields()
         if world_size is not None:
-            FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
+            mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
         return self
 
-    @property
-    def uses_hsdp(self) -> bool:
-        """True for "hsdp" and "fl_hsdp"."""
-        return self.algorithm in ("hsdp", "fl_hsdp")
+    uses_hsdp = property(lambda self: mesh.uses_hsdp(self.algorithm), doc='True for "hsdp" and "fl_hsdp".')
+    is_federated = property(lambda self: mesh.is_federated(self.algorithm), doc='True for "fl_fsdp", "fl_hsdp".')
 
     @property
-    def is_federated(self) -> bool:
-        """True for "fl_fsdp" and "fl_hsdp"."""
-        return self.algorithm.startswith("fl_")
+    def fragmented(self) -> bool:
+        """True when the sync is split into fragments, delayed or mixed (P > 1, tau > 0, alpha > 0)."""
+        return self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0
 
     @property
-    def streaming(self) -> bool:
-        """True when the sync is split into fragments, delayed, mixed or compressed."""
-        return (self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0
-                or self.sync_dtype != "fp32")
+    def compressed(self) -> bool:
+        """True when the exchange is quantized (``sync_dtype`` "bf16" or "int8")."""
+        return self.sync_dtype != "fp32"
 
     @property
     def keeps_outer_state(self) -> bool:
-        """True when the sync keeps an fp32 anchor (and so honours ``anchor_device``):
-        outer optimizer "nesterov" or a compressed ``sync_dtype``."""
-        return self.outer_optimizer == "nesterov" or self.sync_dtype != "fp32"
+        """True when a sync keeps an fp32 anchor (and so honours ``outer_state_device``):
+        outer optimizer "nesterov" or a compressed exchange."""
+        return self.outer_optimizer == "nesterov" or self.compressed
+
+    def sync_state(self, num_groups: int) -> dict[str, Any]:
+        """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
+        federated = num_groups > 1
+        return {"outer_optimizer": self.outer_optimizer if federated else "avg",
+                "sync_dtype": self.sync_dtype if federated else "fp32",
+                "error_feedback": bool(self.error_feedback and self.compressed and federated),
+                "num_fragments": self.num_fragments if federated else 1}
 
     def ignored_settings(self) -> list[str]:
-        """Non-default settings the chosen ``algorithm`` ignores, one sentence each.
-
-        E.g. ``num_groups=3`` with "fsdp". The recipe and FLAccelerator warn about them once.
-        """
-        out = []
+        """Non-default settings the chosen ``algorithm`` ignores, one sentence each."""
+        out, explicit = [], self._explicit
         if not self.is_federated:
-            fl_only = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fragments", "sync_delay",
-                       "fragment_update_alpha", "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr",
-                       "outer_momentum", "average_optimizer_state", "on_nonfinite", "sync_bucket_mb",
-                       "data_sharding", "anchor_device")
-            for name in fl_only:
-                if name in self._explicit:
-                    out.append(f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} "
-                               f"(one group spans the world)")
+            for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}):
+                out.append(f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} "
+                           f"(one group spans the world)")
         if not self.uses_hsdp and self.hsdp_shard_size is not None:
             out.append(f"hsdp_shard_size={self.hsdp_shard_size} is ignored by algorithm {self.algorithm!r} "
                        f"(it shards over the whole group)")
         if self.is_federated and self.outer_optimizer == "avg":
-            for name in ("outer_lr", "outer_momentum"):
-                if name in self._explicit:
-                    out.append(f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'")
-        if self.error_feedback and self.sync_dtype == "fp32":
+            out += [f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'"
+                    for name in ("outer_lr", "outer_momentum") if name in explicit]
+        if self.error_feedback and not self.compressed:
             out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
-        if self.is_federated and self.anchor_device != "same" and not self.keeps_outer_state:
-            out.append(f"anchor_device={self.anchor_device!r} is ignored with outer_optimizer 'avg' and "
-                       f"sync_dtype 'fp32' (the sync keeps no anchor)")
+        if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:
+            out.append(f"outer_state_device={self.outer_state_device!r} is ignored with outer_optimizer 'avg' "
+                       f"and sync_dtype 'fp32' (the sync keeps no anchor)")
         return out
 
     # ------------------------------------------------------------------ loading
@@ -291,12 +239,10 @@ class FLConfig:
     @classmethod
     def field_docs(cls) -> dict[str, str]:
         """The attribute docstring of each field, as one line (used for CLI help)."""
-        return dict(_field_docs(cls))
-
-    @classmethod
-    def env_names(cls) -> dict[str, str]:
-        """``FL_ACCEL_<FIELD>`` variable name -> field name, for every field."""
-        return {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        return {node.target.id: " ".join(nxt.value.value.split()) for node, nxt in zip(body, body[1:])
+                if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, source: str = "dict") -> "FLConfig":
@@ -317,57 +263,42 @@ class FLConfig:
         return cls.resolve(environ=environ, overrides=overrides)
 
     @classmethod
-    def resolve(
-        cls,
-        yaml_path: str | os.PathLike | None = None,
-        yaml_values: Mapping[str, Any] | None = None,
-        environ: Mapping[str, str] | None = None,
-        overrides: Mapping[str, Any] | None = None,
-        source: str | None = None,
-    ) -> "FLConfig":
-        """Merge defaults < YAML < environment < overrides and validate.
-
-        ``source`` names where ``yaml_values`` came from, for error messages. ``None``
-        values in ``overrides`` mean "not given". See :func:`resolve_sources` for where
-        each value came from.
+    def resolve(cls, yaml_path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> "FLConfig":
+        """Merge defaults < YAML < environment < overrides (None means "not given") and validate.
 
         Raises:
-            ValueError: for unreadable YAML, unknown keys, or values of the wrong type.
+            ValueError: unreadable YAML, unknown keys, values of the wrong type.
         """
-        values, _ = resolve_sources(yaml_path, yaml_values, environ, overrides, source, cls=cls)
-        return cls.from_dict(values, source=str(yaml_path or source or "defaults"))
+        yaml_values = None
+        if yaml_path is not None:
+            yaml_values = read_yaml_mapping(yaml_path, what="FL config")
+            if "fl" in yaml_values:
+                yaml_values = yaml_values["fl"] or {}  # an empty `fl:` section means the defaults
+                if not isinstance(yaml_values, dict):
+                    raise ValueError(f"'fl:' in {yaml_path} must be a mapping, got {type(yaml_values).__name__}")
+        values, _ = resolve_sources(yaml_values, str(yaml_path), environ, overrides, cls=cls)
+        return cls.from_dict(values, source=str(yaml_path or "defaults"))
 
 
-def resolve_sources(yaml_path=None, yaml_values=None, environ=None, overrides=None, source=None, cls=None):
-    """The merged FLConfig values and, for each value, where it came from.
-
-    Returns ``(values, sources)``: ``sources[field]`` is the YAML path (or ``source``),
-    ``"FL_ACCEL_<FIELD>"``, or ``"override"``; fields left at their default are absent.
+# ---------------------------------------------------------------------- shared with recipes/args.py
+def resolve_sources(yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
+                    environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None,
+                    cls=FLConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge YAML values < ``FL_ACCEL_<FIELD>`` variables of ``environ`` (default
+    ``os.environ``) < ``overrides`` (None values skipped). Returns ``(values, sources)``:
+    ``sources[field]`` is ``yaml_source``, the variable's name, or "override".
 
     Raises:
-        ValueError: unreadable YAML, a YAML that is not a mapping, an unknown or
-            unparsable ``FL_ACCEL_*`` variable.
+        ValueError: an unknown or unparsable ``FL_ACCEL_*`` variable.
     """
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    if yaml_path is not None:
-        loaded = read_yaml_mapping(yaml_path, what="FL config")
-        if "fl" in loaded:
-            loaded = loaded["fl"] or {}  # an empty `fl:` section means the defaults
-            if not isinstance(loaded, dict):
-                raise ValueError(f"'fl:' in {yaml_path} must be a mapping, got {type(loaded).__name__}")
-        values.update(loaded)
-        sources.update({k: str(yaml_path) for k in loaded})
-    if yaml_values:
-        values.update(yaml_values)
-        sources.update({k: source or "yaml" for k in yaml_values})
-    env = env_overrides(os.environ if environ is None else environ, cls=cls or FLConfig)
+    values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
+    env = env_overrides(os.environ if environ is None else environ, cls=cls)
     values.update(env)
     sources.update({k: ENV_PREFIX + k.upper() for k in env})
     for k, v in (overrides or {}).items():
         if v is not None:
-            values[k] = v
-            sources[k] = "override"
+            values[k], sources[k] = v, "override"
     return values, sources
 
 
@@ -389,112 +320,81 @@ def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
     return loaded
 
 
-# ---------------------------------------------------------------------- field helpers
 @functools.lru_cache(maxsize=None)
 def _type_hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _gcd_all(values) -> int:
-    import math
-
-    out = 0
-    for v in values:
-        out = math.gcd(out, v)
-    return out
-
-
-def _check_type(name: str, value: Any, hint: Any) -> None:
-    """Raise ValueError naming ``FLConfig.<name>`` unless ``value`` fits the annotation."""
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``X | None``, else ``(hint, False)``."""
     args = get_args(hint)
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"FLConfig.{name} must be one of {list(args)}, got {value!r}")
+    if type(None) in args and typing.get_origin(hint) is not Literal:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def check_type(label: str, value: Any, hint: Any) -> None:
+    """Raise ValueError ``"<label> must be ..."`` unless ``value`` fits the annotation
+    ``hint``: a Literal's choices, ``X | None``, ``list[int]``, bool, int (not bool),
+    float (int or float, not bool), str. ``label`` is e.g. ``FLConfig.sync_every`` or
+    ``--seq_len``."""
+    hint, optional = _unwrap_optional(hint)
+    if optional and value is None:
         return
-    if type(None) in args:  # X | None
-        if value is None:
-            return
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), get_args(hint)
-    if origin is list:
-        if not isinstance(value, (list, tuple)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise ValueError(f"FLConfig.{name} must be a list of integers, got {value!r}")
+    if typing.get_origin(hint) is Literal:
+        if value not in get_args(hint):
+            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}")
         return
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"FLConfig.{name} must be a boolean, got {value!r} ({type(value).__name__})")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"FLConfig.{name} must be an integer, got {value!r} ({type(value).__name__})")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"FLConfig.{name} must be a number, got {value!r} ({type(value).__name__})")
+    if typing.get_origin(hint) is list:
+        ok, what = isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value), "a list of integers"
+    else:
+        ok, what = {bool: (isinstance(value, bool), "a boolean"),
+                    int: (isinstance(value, int) and not isinstance(value, bool), "an integer"),
+                    float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+                    str: (isinstance(value, str), "a string")}.get(hint, (True, ""))
+    if not ok:
+        raise ValueError(f"{label} must be {what}, got {value!r} ({type(value).__name__})")
 
 
-def _field_docs(cls) -> list[tuple[str, str]]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    out = []
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            out.append((node.target.id, " ".join(nxt.value.value.split())))
-    return out
-
-
-def parse_env_value(name: str, raw: str, cls=None) -> Any:
-    """Parse the text of ``FL_ACCEL_<NAME>`` into the field's type (from its annotation).
+def parse_env_value(var: str, raw: str, hint: Any) -> Any:
+    """Parse the text of environment variable ``var`` into the type annotated by ``hint``.
 
     Raises:
         ValueError: naming the variable when the text does not parse.
     """
-    hint = _type_hints(cls or FLConfig)[name]
-    args = get_args(hint)
     text = raw.strip()
-    var = f"{ENV_PREFIX}{name.upper()}"
-    if type(None) in args:
-        if text.lower() in ("", "none", "null"):
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if typing.get_origin(hint) is list:
-        try:
+    hint, optional = _unwrap_optional(hint)
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if typing.get_origin(hint) is list:
             return [int(x) for x in text.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"{var}={raw!r} is not a list of integers (e.g. '2,4')") from None
-    if hint is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{var}={raw!r} is not a boolean")
-    if hint is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{var}={raw!r} is not an integer") from None
-    if hint is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{var}={raw!r} is not a number") from None
+        if hint is bool:
+            return {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}[text.lower()]
+        if hint in (int, float):
+            return hint(text)
+    except (KeyError, ValueError):
+        what = {bool: "a boolean", int: "an integer", float: "a number"}.get(hint, "a list of integers (e.g. '2,4')")
+        raise ValueError(f"{var}={raw!r} is not {what}") from None
     return text
 
 
-def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
-    """Parse ``FL_ACCEL_<FIELD>`` variables into typed values of ``cls`` (FLConfig).
+def env_overrides(environ: Mapping[str, str], cls=FLConfig) -> dict[str, Any]:
+    """Parse the ``FL_ACCEL_<FIELD>`` variables of ``environ`` into typed values of ``cls``'s
+    fields; ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
 
     Raises:
         ValueError: for an unknown ``FL_ACCEL_*`` name or an unparsable value.
     """
-    cls = cls or FLConfig
-    by_env = cls.env_names()
+    by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
+    hints = _type_hints(cls)
     out: dict[str, Any] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
             continue
         if key not in by_env:
             raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
-        out[by_env[key]] = parse_env_value(by_env[key], raw, cls)
+        out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
     return out

@@ -1,13 +1,12 @@
 r"""Per-rank communication and step-time model of FSDP, HSDP, FL+FSDP and FL+HSDP.
 
-Method: Mittone & Aldinucci, Euro-Par 2026, arXiv 2609.20359, Sec. 3, with the streaming
-and quantized sync of :mod:`fl_accel.sync` / :mod:`fl_accel.exchange`. Layout:
-:class:`fl_accel.mesh.FLLayout`, group f = R_f replicas x S shards. Units: bytes sent by
-one rank per optimizer step, seconds, GB = 1e9 bytes. Figures are per group, for its
-busiest rank (replica 0, shard 0); ``by_axis`` and the splits take the max over groups.
+Method: arXiv 2609.20359, Sec. 3, with the fragmented and compressed sync of
+:mod:`fl_accel.exchange`; group f = R_f replicas x S shards. Units: bytes sent by one rank
+per optimizer step, seconds, GB = 1e9 bytes; per group, for its busiest rank (replica 0,
+shard 0); ``by_axis`` and the splits take the max over groups.
 
-Ring collective over p ranks of a full tensor of M bytes (as :func:`fl_accel.comm.ring_bytes`):
-all_gather, reduce_scatter, all_to_all, broadcast (p-1)/p M; all_reduce 2 (p-1)/p M.
+Ring collective over p ranks of a full tensor of M bytes (:func:`ring_bytes`, what
+:mod:`fl_accel.comm` charges too): (p-1)/p M, all-reduce 2 (p-1)/p M.
 
 FSDP2 (torch 2.13 ``fully_shard`` as accelerate 1.15 ``fsdp2_prepare_model`` applies it):
 unit u holds padded_u elements (each dim 0 padded to a multiple of S), is gathered k_u
@@ -17,27 +16,23 @@ reduced once per step (not on the first A-1 micro-batches) in b_g = ``grad_bytes
     dp_shard = (S-1)/S (A sum k_u padded_u b_p + sum padded_u b_g);  dp_replicate = 2 (R_f-1)/R_f sum padded_u b_g/S
 
 Sync (F > 1), byte for byte :mod:`fl_accel.exchange`: unit u is in fragment u mod P, one
-fragment syncs every H/P steps. Its local fp32 shards (n values per ``sync_bucket_mb``
-bucket) are padded to a multiple of C = R_min (fp32) or C F 256 (bf16, int8), cut into C
-chunks; replica c < C exchanges chunk c over "fl"; the replicas share the chunks over
-"dp_replicate" (all-gather if R_f == C, else C broadcasts); a world all-reduce of F fp32
-flags checks for NaN/Inf::
+fragment syncs every H/P steps; its local fp32 shards, n values per bucket
+(:func:`plan_buckets`), padded to a multiple of C = R_min (fp32) or C F 256 (bf16, int8),
+chunk c over "fl" by replica c, shared over "dp_replicate" (all-gather if R_f == C, else
+C broadcasts); a world all-reduce of F fp32 flags checks for NaN/Inf::
 
     fl = 2 (F-1)/F n/C b  (b = 4 fp32, 2 bf16, 1 + 4/256 int8);  dp_replicate = (R_f-1)/R_f 4n;  world = 2 (N-1)/N 4F
 
-Each fragment syncs once per H steps; with ``total_steps`` T the run's events count:
-floor(T P/H) fragment syncs, one more launched early when T falls in its tau-step window,
-and ``end_training``'s full sync unless step T ended one (P = 1).
+With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched early when T falls
+in its tau-step window, and ``end_training``'s full sync unless step T ended one (P = 1).
 
 Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s x collectives; bw =
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
-FSDP's collectives are not overlapped (an upper bound of the step time); the "fl"
-exchange overlaps tau steps of compute: exposed = max(0, t_fl - tau compute_s) per
-fragment sync, plus the blocking chunk sharing and flag all-reduce.
-
-Llama-3.1-8B, bf16, 128 nodes x 4 GPUs: FSDP 3 x 511/512 x 16.06 GB = 48.1 GB per GPU per
-step (47.0 GB as Accelerate wraps: the tail is not resharded); FL+FSDP G = 4, H = 8:
-2 x 127/128 x 8.03 GB / 8 = 1.99 GB inter-node (fp32). CLI: ``python -m scripts.cost_model -h``.
+FSDP's collectives are not overlapped (an upper bound); the "fl" exchange overlaps tau
+steps of compute: exposed = max(0, t_fl - tau compute_s) per fragment sync, plus the
+chunk sharing and flag all-reduce.
+CLI: ``python -m scripts.cost_model -h`` (the paper's setting: FSDP 47.0 GB per GPU per
+step, FL+FSDP G=4, H=8 1.99 GB inter-node).
 """
 
 from __future__ import annotations
@@ -47,151 +42,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .mesh import AXES, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
+from .mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
+from .units import LLAMA_3_1_8B, ShardUnit, _int, _num, llama_units, units_from_module, units_from_param_count  # noqa: F401
 
-BUCKETS = AXES + (WORLD,)
 GB = 1e9
-BLOCK = 256  # values per int8 scale: fl_accel.exchange.BLOCK, not imported to stay torch-free
+BLOCK = 256
+"""Values per int8 scale of the compressed exchange (one fp32 absmax scale per block)."""
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
-_RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
-
-
-def _int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _num(name: str, value: Any, zero_ok: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} finite number, got {value!r}")
-    return float(value)
+"""Bytes per value on the "fl" axis by ``sync_dtype`` (payload and int8 scales)."""
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
+"""Ring factor of each collective: bytes sent per rank = factor (p-1)/p M."""
 
 
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring ``op`` (a key of ``_RING``) of a full tensor of
-    ``tensor_bytes`` over ``group_size`` ranks; float :func:`fl_accel.comm.ring_bytes`.
-    Raises ValueError: unknown op, negative bytes, group_size < 1."""
-    if op not in _RING:
-        raise ValueError(f"op must be one of {sorted(_RING)}, got {op!r}")
+    """Bytes one rank sends in a ring ``op`` (a key of ``RING``) of a full tensor of
+    ``tensor_bytes`` over ``group_size`` ranks (exact for integers: ``int()`` of it is the
+    floor). Raises ValueError: unknown op, negative bytes, group_size < 1."""
+    if op not in RING:
+        raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
     p = _int("group_size", group_size)
-    return _RING[op] * (p - 1) / p * _num("tensor_bytes", tensor_bytes, zero_ok=True)
-
-
-# ---------------------------------------------------------------------- FSDP units
-@dataclass(frozen=True)
-class ShardUnit:
-    """One FSDP unit (one ``fully_shard`` call) of ``numel`` parameters, gathered twice per
-    micro-batch if ``reshard_after_forward`` else once; ``shapes`` (optional) give FSDP2's
-    dim-0 padding and local shards. Raises ValueError when shapes do not hold numel."""
-
-    name: str
-    numel: int
-    reshard_after_forward: bool = True
-    shapes: tuple[tuple[int, ...], ...] | None = None
-
-    def __post_init__(self) -> None:
-        _int("ShardUnit.numel", self.numel, minimum=0)
-        if self.shapes is not None and sum(map(math.prod, self.shapes)) != self.numel:
-            raise ValueError(f"ShardUnit.shapes of {self.name!r} do not hold numel={self.numel} elements")
-
-    gathers = property(lambda self: 2 if self.reshard_after_forward else 1)
-
-    def local_sizes(self, shards: int) -> list[int]:
-        """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows (torch.chunk)."""
-        if self.shapes is None:
-            return [math.ceil(self.numel / shards)]
-        return [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
-
-    def padded_numel(self, shards: int) -> int:
-        """Elements of FSDP2's all-gather output / reduce-scatter input (``numel`` without shapes)."""
-        return self.numel if self.shapes is None else shards * sum(self.local_sizes(shards))
-
-
-def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]:
-    """``num_units`` equal resharded units, ``params`` elements in all (3 x M per step,
-    no padding). Raises ValueError unless params >= num_units >= 1."""
-    n, k = round(_num("params", params)), _int("num_units", num_units)
-    if n < k:
-        raise ValueError(f"params must be a number of parameters >= num_units={k}, got {params!r}")
-    return [ShardUnit(f"unit{i}", n // k + (i < n % k)) for i in range(k)]
-
-
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
-    return default if value is None else value
-
-
-def llama_units(config: Any, reshard_after_forward: bool = True) -> list[ShardUnit]:
-    """:func:`units_from_module` of ``LlamaForCausalLM(config)`` without torch, from a
-    LlamaConfig or a mapping of its fields. Shapes as transformers' ``modeling_llama.py``
-    (q/k/v/o, biased with ``attention_bias``; gate/up/down, with ``mlp_bias``; 2 RMSNorms).
-    Raises ValueError naming a missing or non-positive field."""
-    V, H, I, L, nh = (_int(f"config.{k}", _cfg(config, k)) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
-    nkv = _int("config.num_key_value_heads", _cfg(config, "num_key_value_heads", nh))
-    hd = _int("config.head_dim", _cfg(config, "head_dim", H // nh))
-    q, kv, ab, mb = nh * hd, nkv * hd, bool(_cfg(config, "attention_bias")), bool(_cfg(config, "mlp_bias"))
-    linears = [(q, H, ab), (kv, H, ab), (kv, H, ab), (H, q, ab), (I, H, mb), (I, H, mb), (H, I, mb)]
-    layer = [s for o, i, b in linears for s in [(o, i)] + [(o,)] * b] + [(H,), (H,)]  # weight, bias; 2 norms
-
-    def unit(name, shapes, reshard):
-        return ShardUnit(name, sum(map(math.prod, shapes)), reshard, tuple(shapes))
-
-    layers = [unit(f"model.layers.{i}", layer, reshard_after_forward) for i in range(L)]
-    if _cfg(config, "tie_word_embeddings", False):  # tail [norm, embed = lm_head] sits where embed is
-        return [unit("tail", [(H,), (V, H)], False)] + layers
-    return [unit("embed", [(V, H)], reshard_after_forward)] + layers + [unit("tail", [(H,), (V, H)], False)]
-
-
-def units_from_module(model: Any, wrap_cls_names: Sequence[str] | None = None,
-                      reshard_after_forward: bool = True) -> list[ShardUnit]:
-    """FSDP units of a module as accelerate 1.15 ``fsdp2_prepare_model`` wraps it
-    (``accelerate/utils/fsdp_utils.py``): bottom-up each module whose class is in
-    ``wrap_cls_names`` (default ``model._no_split_modules``); the input embedding unless
-    tied; the tail [final norm (last "*Norm*" child of the base model), output embedding],
-    not resharded, holding the input embedding first when tied (torch 2.13 wants a shared
-    parameter in one unit); the root with the rest (not resharded). A parameter goes to
-    the first unit taking it; empty units are dropped. Order: module registration, root
-    last (as ``fl_accel.accelerator`` deals fragments). Meta-device models work.
-    Raises ValueError for class names matching no module."""
-    names = set(wrap_cls_names if wrap_cls_names is not None else getattr(model, "_no_split_modules", None) or ())
-    modules = list(model.named_modules())
-    missing = names - {type(m).__name__ for _, m in modules}
-    if missing:
-        raise ValueError(f"wrap_cls_names {sorted(missing)} match no module of {type(model).__name__}")
-    position = {id(m): i for i, (_, m) in enumerate(modules)}
-    owned, wrapped, units = set(), set(), []
-
-    def take(name, mods, reshard, key):
-        shapes = []
-        for m in mods:
-            wrapped.add(id(m))
-            for p in m.parameters():
-                if id(p) not in owned:
-                    owned.add(id(p))
-                    shapes.append(tuple(p.shape))
-        if shapes:
-            units.append((key, ShardUnit(name, sum(map(math.prod, shapes)), reshard, tuple(shapes))))
-
-    for path, m in reversed(modules[1:]):  # children before parents
-        if type(m).__name__ in names and id(m) not in wrapped:
-            take(path, [m], reshard_after_forward, position[id(m)])
-    in_e = getattr(model, "get_input_embeddings", lambda: None)()
-    out_e = getattr(model, "get_output_embeddings", lambda: None)()
-    weight = getattr(in_e, "weight", None)
-    tied = weight is not None and weight is getattr(out_e, "weight", None)
-    if not tied and in_e is not None and id(in_e) not in wrapped:
-        take("embed", [in_e], reshard_after_forward, position[id(in_e)])
-    prefix = getattr(model, "base_model_prefix", "")  # accelerate's _find_final_norm
-    base = getattr(model, prefix, None) if prefix else model
-    norms = [c for _, c in getattr(base, "named_children", tuple)() if "Norm" in type(c).__name__]
-    tail = [m for m in (norms[-1:] + ([in_e, out_e] if tied else [out_e])) if m is not None and id(m) not in wrapped]
-    take("tail", tail, False, min((position[id(m)] for m in tail), default=0))
-    take("root", [model], False, len(modules))
-    return [u for _, u in sorted(units, key=lambda ku: ku[0])]
-
+    return RING[op] * _num("tensor_bytes", tensor_bytes, zero_ok=True) * (p - 1) / p
 
 # ---------------------------------------------------------------------- the estimate
 @dataclass
@@ -211,14 +81,23 @@ class Traffic:
         return sum(self.bytes.get(axis, {}).values())
 
 
+def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[list[int]]:
+    """Indices of tensors of ``sizes`` values grouped greedily, in order, into buckets of at
+    most ``bucket_values`` values (a larger tensor is a bucket of its own): the exchange's."""
+    out, total = [], 0
+    for i, n in enumerate(sizes):
+        if not out or total + n > bucket_values:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
 def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int) -> list[Traffic]:
     """Per group, the Traffic of one exchange of local tensors of ``sizes`` fp32 values."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
-    buckets = [0]  # greedy, as exchange.Transport.buckets (which packs in parameter order, not unit order)
-    for n in sizes:
-        if buckets[-1] and buckets[-1] + n > bucket_values:
-            buckets.append(0)
-        buckets[-1] += n
+    buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
     pad = C * (1 if dtype == "fp32" else F * BLOCK)
     out = []
     for f in range(F):
@@ -319,15 +198,11 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              sync_dtype: str = "fp32", param_bytes: float = 4, grad_bytes: float | None = None,
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
              sync_delay: int = 0, sync_bucket_mb: int = 256) -> CommEstimate:
-    """Bytes per rank per optimizer step of ``layout`` training ``units`` (module docstring).
-
-    ``units``: :func:`llama_units`, :func:`units_from_module` or a parameter count;
-    ``sync_every`` H, ``num_fragments`` P, ``sync_dtype``, ``sync_delay`` tau (counts with
-    ``total_steps``; default of :func:`predict_step_time`), ``sync_bucket_mb``: as FLConfig;
-    ``param_bytes`` / ``grad_bytes`` per gathered parameter / reduced gradient element;
-    ``micro_batches`` A; ``ranks_per_node`` enables the node split; ``total_steps`` T counts
-    a T-step run's syncs instead of 1/H per step. Raises ValueError naming the argument:
-    sizes or widths <= 0, H not a multiple of P, tau not in [0, H/P), P > len(units)."""
+    """Bytes per rank per optimizer step of ``layout`` training ``units`` (:func:`llama_units`,
+    :func:`units_from_module` or a parameter count); H, P, ``sync_dtype``, tau and
+    ``sync_bucket_mb`` as FLConfig; bytes per gathered parameter / reduced gradient element;
+    A micro-batches; ``ranks_per_node`` enables the node split; ``total_steps`` T counts a
+    T-step run's syncs instead of 1/H per step. Raises ValueError naming the argument."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
@@ -397,13 +272,11 @@ class StepTime:
 def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: float, inter_node_bw: float,
                       ranks_per_nic: int | Mapping[str, int] | None = None, latency_s: float = 0.0,
                       sync_delay: int | None = None, tokens_per_rank: float | None = None) -> StepTime:
-    """Step time of the slowest group, alpha-beta model of the module docstring. ``compute_s``:
-    forward, backward and optimizer seconds per step; ``intra_node_bw``: a rank's bytes/s in
-    a node; ``inter_node_bw``: a NIC's bytes/s per direction; ``ranks_per_nic``: ranks whose
-    concurrent inter-node ring hops share a NIC, an int or ``{axis: int}`` (default
-    ``layout.link_share``: one NIC per node); ``latency_s`` per collective; ``sync_delay``
-    tau (default: the estimate's); ``tokens_per_rank`` per step. Raises ValueError: no
-    ``ranks_per_node`` in ``est``, a bandwidth <= 0, negative seconds, tau not in [0, H/P)."""
+    """Step time of the slowest group (module docstring): ``compute_s`` seconds of compute per
+    step; bytes/s of a rank in a node and of a NIC per direction; ``ranks_per_nic`` sharing a
+    NIC, an int or ``{axis: int}`` (default ``layout.link_share``); ``latency_s`` per
+    collective; tau (default: the estimate's); ``tokens_per_rank`` per step. Raises
+    ValueError: no ``ranks_per_node`` in ``est``, a bandwidth <= 0, tau not in [0, H/P)."""
     compute_s, latency_s = _num("compute_s", compute_s, True), _num("latency_s", latency_s, True)
     intra, inter = _num("intra_node_bw", intra_node_bw), _num("inter_node_bw", inter_node_bw)
     tau = est.sync_delay if sync_delay is None else _int("sync_delay", sync_delay, minimum=0)
@@ -433,9 +306,3 @@ def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: flo
                 est.layout.world_size * _num("tokens_per_rank", tokens_per_rank) / step_s if step_s else math.inf
             worst = StepTime(step_s, sum(busy.values()), busy, exposed, tps)
     return worst
-
-
-# ---------------------------------------------------------------------- shapes
-LLAMA_3_1_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
-"""Llama-3.1-8B shape (its config.json): 8,030,261,248 parameters."""

@@ -1,31 +1,35 @@
 """The wire protocol of the sync: a weighted mean across federation groups, shard by shard.
 
-:class:`Transport` holds this rank's side of the exchange (process groups, weights,
-chunking); :meth:`Transport.start` packs a list of local tensors and returns an
-:class:`Exchange`, whose :meth:`~Exchange.advance` and :meth:`~Exchange.finish` move
-it on. All collectives are issued from the caller's thread, in program order, so
-every rank issues them in the same order (what NCCL requires of concurrent
-communicators); the asynchronous ones (``async_op=True``) run behind compute until
-waited for.
+A :class:`Transport` is what the exchange needs from the network; :class:`MeshTransport`
+implements it on the mesh's "fl" and "dp_replicate" process groups. Each sync asks the
+transport for a :class:`Round` (F, this group's position, the weights), so membership may
+change from one sync to the next. The transport's collectives are an all-reduce (SUM), an
+``all_to_all_single`` and an all-gather into a ``[F, m]`` tensor (which a backend can build
+from ``allgather_into_tensor_coalesced``).
 
-Chunking (the 1/R rule of FL+HSDP, and unequal groups). A rank's flat buffer is cut
-into ``C = R_min`` equal chunks; replica ``c < C`` of every group exchanges chunk
-``c`` over the "fl" axis, so each shard crosses groups exactly once. Afterwards the
-replicas of a group share the chunks over "dp_replicate": an all-gather when every
-replica owns a chunk (``R_f == C``), else one broadcast per chunk from its owner.
+An :class:`Exchange` packs a list of local tensors into flat fp32 buckets of at most
+``bucket_values`` values. A delayed exchange launches every bucket at once
+(:meth:`~Exchange.start`), moves on with :meth:`~Exchange.advance` and completes with
+:meth:`~Exchange.finish`; a blocking one (:meth:`~Exchange.run`) packs, launches and
+completes bucket by bucket with at most two buckets in flight, handing each bucket's
+means to a callback. Collectives are issued from the caller's thread in program order,
+so every rank issues them in the same order (what NCCL requires).
 
-Modes (``sync_dtype``), for a buffer of n fp32 values per rank (n padded, see below):
+Chunking (the 1/R rule of FL+HSDP, and unequal groups). A rank's flat buffer is cut into
+``C = R_min`` equal chunks; replica ``c < C`` of every group exchanges chunk ``c`` over
+"fl", so each shard crosses groups once; then the replicas of a group share the chunks
+over "dp_replicate" (an all-gather when ``R_f == C``, else one broadcast per chunk).
 
-* "fp32": ``all_reduce(SUM)`` of the values (pre-scaled by w_f when the weights are
-  unequal; divided by F afterwards when they are equal, which keeps the pre-streaming
-  sync bitwise). Bytes on "fl": 2 (F-1)/F * 4n.
-* "bf16" / "int8" (INTELLECT-1, arXiv 2412.01152; torchft's quantized all-reduce):
-  each rank quantizes its buffer once (bf16, or int8 with one fp32 absmax scale per
-  block of ``BLOCK`` = 256 values) into F sub-chunks, exchanges them with
-  ``all_to_all_single`` (a reduce-scatter), dequantizes and sums its sub-chunk in fp32
-  with the weights, re-quantizes the sum and ``all_gather_into_tensor``-s it. Bytes on
-  "fl": 2 (F-1)/F * n * b with b = 2 (bf16) or 1 + 4/256 (int8): about 1/2 and 1/4
-  of fp32. Payload and scales travel in one uint8 buffer per collective.
+Modes (``sync_dtype``), for a buffer of n fp32 values per rank:
+
+* "fp32": all-reduce(SUM) of the values (pre-scaled by w_f when the weights are unequal,
+  divided by F afterwards when they are equal). Bytes on "fl": 2 (F-1)/F * 4n.
+* "bf16" / "int8" (INTELLECT-1, arXiv 2412.01152): each rank quantizes its buffer once
+  (bf16, or int8 with one fp32 absmax scale per ``BLOCK`` = 256 values) into F
+  sub-chunks, exchanges them with ``all_to_all_single`` (a reduce-scatter), sums its
+  sub-chunk in fp32 with the weights, re-quantizes the sum and all-gathers it. Payload and
+  scales travel in one uint8 buffer. Bytes on "fl": 2 (F-1)/F * n * b, with b =
+  ``fl_accel.cost_model.SYNC_VALUE_BYTES`` (2, or 1 + 4/256).
 
 Padding: n is rounded up to a multiple of C (fp32), or of C * F * BLOCK (compressed).
 """
@@ -35,25 +39,113 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-BLOCK = 256
-"""Values per int8 scale (one fp32 absmax scale per block)."""
+from .cost_model import BLOCK, plan_buckets
+from .mesh import DP_REPLICATE, FL
+
 QMAX = 127.0
 
 
-def _bytes_per_value(sync_dtype: str) -> float:
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[sync_dtype]
+@dataclass(frozen=True)
+class Round:
+    """Who takes part in one sync: ``num_groups`` F, this group's ``position`` among them,
+    and the ``weights`` w_g of the average (g = 0..F-1, summing to 1)."""
+
+    num_groups: int
+    position: int
+    weights: tuple[float, ...]
 
 
-def wire_bytes(sync_dtype: str, values: int, fl_size: int) -> float:
-    """Bytes one rank sends on the "fl" axis to average ``values`` fp32 values over
-    ``fl_size`` ranks in ``sync_dtype`` (ring formulas; see the module docstring)."""
-    if fl_size <= 1:
-        return 0.0
-    return 2.0 * (fl_size - 1) / fl_size * values * _bytes_per_value(sync_dtype)
+class Transport(Protocol):
+    """This rank's side of the exchange. Attributes: ``num_chunks`` C, ``chunk_index`` (this
+    rank's chunk, None when it sends nothing across groups) and ``device`` (where every
+    tensor given to a collective lives)."""
+
+    num_chunks: int
+    chunk_index: int | None
+    device: torch.device
+
+    def begin(self) -> Round:
+        """The membership of the sync starting now (called at every launch and check)."""
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """SUM of ``tensor`` over the ranks holding this chunk in every group, in place."""
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Row g of ``input`` ``[F, m]`` goes to group g; row g of ``output`` comes from it."""
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Row g of ``output`` ``[F, m]`` is group g's ``input`` ``[m]``."""
+
+    def share_chunks(self, flat: torch.Tensor) -> None:
+        """Give every replica of this group every chunk of ``flat`` (blocking)."""
+
+    def bad_groups(self, local_bad: bool, rnd: Round) -> list[int]:
+        """Positions of the groups in which some rank reported ``local_bad`` (a collective)."""
+
+
+@dataclass
+class MeshTransport:
+    """:class:`Transport` on the mesh's process groups (the single-world mode).
+
+    Attributes: ``fl_group`` ("fl" process group, or None: F == 1 or no chunk here),
+    ``replicate_group`` ("dp_replicate", or None), ``round`` (fixed), ``num_chunks`` C,
+    ``chunk_index``, ``replicas`` R_f, ``chunk_owners`` (global rank of the owner of chunk
+    c in this group: broadcast sources when R_f > C), ``device``.
+    """
+
+    fl_group: object
+    replicate_group: object
+    round: Round
+    num_chunks: int
+    chunk_index: int | None
+    replicas: int
+    chunk_owners: tuple
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def from_mesh(cls, mesh, rank: int, weighting: str, device: torch.device) -> "MeshTransport":
+        """The transport of global ``rank`` on an :class:`~fl_accel.mesh.FLMesh`."""
+        layout = mesh.layout
+        f, r, s = layout.coords(rank)
+        owner = r if r < layout.min_replicas else None
+        return cls(fl_group=mesh.group(FL) if owner is not None else None, replicate_group=mesh.group(DP_REPLICATE),
+                   round=Round(layout.num_groups, f, layout.weights(weighting)), num_chunks=layout.min_replicas,
+                   chunk_index=owner, replicas=layout.replicas_of(f),
+                   chunk_owners=tuple(layout.rank(f, c, s) for c in range(layout.min_replicas)), device=device)
+
+    def begin(self) -> Round:
+        return self.round
+
+    def all_reduce(self, tensor, async_op=False):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.fl_group, async_op=async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        return dist.all_to_all_single(output, input, group=self.fl_group, async_op=async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        return dist.all_gather_single(output, input, group=self.fl_group, async_op=async_op)
+
+    def share_chunks(self, flat):
+        if self.replicate_group is None or self.replicas <= 1:
+            return
+        size = flat.numel() // self.num_chunks
+        if self.replicas == self.num_chunks:
+            piece = flat[self.chunk_index * size:(self.chunk_index + 1) * size].clone()
+            dist.all_gather_single(flat, piece, group=self.replicate_group)
+            return
+        for c in range(self.num_chunks):
+            dist.broadcast(flat[c * size:(c + 1) * size], src=self.chunk_owners[c], group=self.replicate_group)
+
+    def bad_groups(self, local_bad, rnd):
+        flags = torch.zeros(rnd.num_groups, dtype=torch.float32, device=self.device)
+        flags[rnd.position] = float(local_bad)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world: every rank of every group
+        return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
 
 # ---------------------------------------------------------------------- quantization
@@ -84,269 +176,200 @@ def dequantize(buf: torch.Tensor, sync_dtype: str) -> torch.Tensor:
     return (q.view(rows, m // BLOCK, BLOCK) * scale.unsqueeze(2)).view(rows, m)
 
 
-def quantization_error_bound(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
-    """Per-element bound of ``|dequantize(quantize(x)) - x|`` as computed in fp32: half an
-    int8 step ``scale / 2`` of the element's block, widened by the fp32 roundings of
-    ``x / scale`` (|q| <= 127, so at most 127 * 2^-24 of a step) and of ``q * scale`` and
-    the difference (2^-23 |x|); or, for bf16, half an ulp of its 8 significant bits
-    (at most 2^-8 |x|)."""
-    if sync_dtype == "bf16":
-        return x.abs() * 2.0 ** -8 + torch.finfo(torch.float32).tiny
-    blocks = x.reshape(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / QMAX
-    return (scale * 0.5 * (1 + 2.0 ** -15)).expand_as(blocks).reshape(x.shape) + x.abs() * 2.0 ** -23
+# ---------------------------------------------------------------------- the exchange
+class _Bucket:
+    __slots__ = ("idx", "flat", "piece", "work", "recv", "sent", "gathered", "stage")
 
+    def __init__(self, idx, flat):
+        self.idx, self.flat, self.stage = idx, flat, 0
+        self.piece = self.work = self.recv = self.sent = self.gathered = None
 
-# ---------------------------------------------------------------------- transport
-@dataclass
-class Transport:
-    """This rank's side of the group average.
-
-    Attributes:
-        fl_group: ProcessGroup of the "fl" exchange, or None (F == 1, or this rank
-            owns no chunk: replica index >= R_min with unequal groups).
-        replicate_group: ProcessGroup of "dp_replicate" in this group, or None (R_f == 1).
-        num_groups: F.
-        group_index: f.
-        weights: w_g for g = 0..F-1 (sum 1).
-        num_chunks: C = R_min.
-        chunk_index: this rank's chunk (its replica index) or None.
-        replicas: R_f of this rank's group.
-        chunk_owners: global rank of the owner of chunk c in this group, c = 0..C-1
-            (broadcast sources when R_f > C).
-        sync_dtype: "fp32", "bf16" or "int8".
-        bucket_values: fp32 values per bucket (``sync_bucket_mb``).
-    """
-
-    fl_group: object
-    replicate_group: object
-    num_groups: int
-    group_index: int
-    weights: tuple
-    num_chunks: int
-    chunk_index: int | None
-    replicas: int
-    chunk_owners: tuple
-    sync_dtype: str = "fp32"
-    bucket_values: int = 64 * 2**20
-
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.weights)) == 1
-
-    def _padding(self, compressed: bool) -> int:
-        return self.num_chunks * (self.num_groups * BLOCK if compressed else 1)
-
-    def buckets(self, shapes: list[tuple[int, ...]]) -> list[list[int]]:
-        """Indices of the tensors grouped into buckets of at most ``bucket_values`` values."""
-        out, cur, size = [], [], 0
-        for i, shape in enumerate(shapes):
-            n = math.prod(shape)
-            if cur and size + n > self.bucket_values:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += n
-        if cur:
-            out.append(cur)
-        return out
-
-    def start(self, tensors: list, *, shapes: list[tuple[int, ...]] | None = None, device=None,
-              compressed: bool | None = None, mask: tuple | None = None,
-              residuals: list[torch.Tensor] | None = None) -> "Exchange":
-        """Pack ``tensors`` (local shards or pseudo-gradients) and launch their exchange.
-
-        Args:
-            tensors: this rank's values, or callables returning them (called one at a time
-                while packing, so a computed value never exists for all tensors at once);
-                read now, not later (the exchange owns copies).
-            shapes, device: required when ``tensors`` holds callables.
-            compressed: quantize per ``sync_dtype`` (default: ``sync_dtype != "fp32"``).
-            mask: per-group 0/1 flags; groups flagged 0 contribute nothing and the
-                weights are renormalized over the others (the non-finite reset).
-            residuals: error feedback, one fp32 tensor per input (same shape): added to
-                the values before quantization and overwritten with what quantization
-                dropped from this rank's chunk. They may live in host memory while the
-                exchange runs on ``device``.
-        """
-        compressed = (self.sync_dtype != "fp32") if compressed is None else compressed
-        weights = list(self.weights)
-        if mask is not None:
-            total = sum(w * m for w, m in zip(weights, mask))
-            weights = [w * m / total for w, m in zip(weights, mask)]
-        if shapes is None:
-            shapes = [tuple(x.shape) for x in tensors]
-            device = tensors[0].device if tensors else torch.device("cpu")
-        return Exchange(self, tensors, shapes, device, compressed, weights, mask is not None, residuals)
+    def nbytes(self) -> int:
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (self.flat, self.piece, self.recv, self.sent, self.gathered) if t is not None}
+        return sum(held.values())
 
 
 class Exchange:
-    """One in-flight group average of a list of tensors; see :class:`Transport`.
+    """One weighted mean of a list of tensors over ``transport`` for round ``rnd``.
 
-    ``advance()`` moves a compressed exchange from its all-to-all to its all-gather
-    (both asynchronous); ``finish()`` completes it and returns the fp32 means, one per
-    input tensor, identical on every rank of every group.
+    Args:
+        sources: this rank's tensors, or callables returning them (called one at a time
+            while packing, so computed values never exist for all tensors at once).
+        shapes, device: of the sources (required with callables).
+        sync_dtype: "fp32" exact, or "bf16"/"int8" quantized (see the module docstring).
+        mask: per-group 0/1; groups flagged 0 contribute nothing and the weights are
+            renormalized over the others (the non-finite reset).
+        residuals: error feedback, one fp32 tensor per source (may live in host memory):
+            added to the values before quantization, then overwritten with what
+            quantization dropped from this rank's chunk.
+        bucket_values: fp32 values per bucket (``sync_bucket_mb``).
+
+    ``peak_bytes``: the most bytes the exchange's buffers held at once.
     """
 
-    def __init__(self, transport: Transport, tensors, shapes, device, compressed: bool, weights: list[float],
-                 masked: bool, residuals):
-        self.t = transport
-        self.shapes = [tuple(s) for s in shapes]
-        self.compressed = compressed
-        self.weights = weights
-        self.scale_first = masked or not transport.uniform
-        self.stage = 0
-        self.buckets = []
-        self.stream = _side_stream(device)
-        compute = torch.cuda.current_stream(device) if self.stream is not None else None
-        with self._on_stream():
-            for idx in transport.buckets(self.shapes):
-                numel = sum(math.prod(self.shapes[i]) for i in idx)
-                pad = transport._padding(compressed)
-                flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=device)
-                offset = 0
-                for i in idx:
-                    n = math.prod(self.shapes[i])
-                    value = tensors[i]() if callable(tensors[i]) else tensors[i]
-                    flat[offset:offset + n].copy_(value.reshape(-1))
-                    del value
-                    if residuals is not None:  # a host residual (anchor_device="cpu") is copied here per tensor
-                        flat[offset:offset + n].add_(residuals[i].reshape(-1).to(device, non_blocking=True))
-                    offset += n
-                self.buckets.append(_Bucket(idx, flat))
-            if compute is not None:
-                # Packing read theta on the side stream; the next optimizer step writes theta
-                # on the compute stream, which must not overtake it (waits for packing only:
-                # the collectives launched next run on the process group's own stream).
-                compute.wait_stream(self.stream)
-            self._launch(residuals)
+    def __init__(self, transport: Transport, rnd: Round, sources: list, *, shapes=None, device=None,
+                 sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20):
+        self.t, self.round, self.sources, self.residuals = transport, rnd, sources, residuals
+        self.shapes = [tuple(s) for s in (shapes if shapes is not None else [x.shape for x in sources])]
+        self.device = device if device is not None else (sources[0].device if sources else torch.device("cpu"))
+        self.sync_dtype, self.compressed = sync_dtype, sync_dtype != "fp32"
+        self.weights = list(rnd.weights)
+        if mask is not None:
+            total = sum(w * m for w, m in zip(self.weights, mask))
+            self.weights = [w * m / total for w, m in zip(self.weights, mask)]
+        self.scale_first = mask is not None or len(set(rnd.weights)) > 1
+        self.plan = plan_buckets([math.prod(s) for s in self.shapes], bucket_values)
+        self.buckets: list[_Bucket] = []
+        self.stream = _side_stream(self.device)
+        self.peak_bytes = 0
 
-    # ------------------------------------------------------------------ stages
-    def _chunk(self, b: "_Bucket") -> torch.Tensor | None:
-        t = self.t
-        if t.chunk_index is None:
-            return None
-        size = b.flat.numel() // t.num_chunks
-        return b.flat[t.chunk_index * size:(t.chunk_index + 1) * size]
+    # ------------------------------------------------------------------ delayed use
+    def start(self) -> "Exchange":
+        """Pack every bucket and launch its "fl" collective without waiting."""
+        for idx in self.plan:
+            self._launch(self._pack(idx))
+        return self
 
-    def _launch(self, residuals) -> None:
-        t = self.t
+    def advance(self) -> None:
+        """Compressed: wait for each bucket's all-to-all, reduce, launch its all-gather."""
         for b in self.buckets:
-            mine = self._chunk(b)
-            if mine is None or t.fl_group is None:
-                continue
+            self._advance(b)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Complete the exchange; returns one fp32 tensor per source (the weighted mean,
+        identical on every rank of every group)."""
+        out: list = [None] * len(self.shapes)
+        for b in self.buckets:
+            for i, m in zip(b.idx, self._complete(b)):
+                out[i] = m
+        return out
+
+    # ------------------------------------------------------------------ blocking use
+    def run(self, on_bucket: Callable[[list[int], list[torch.Tensor]], None]) -> None:
+        """Blocking exchange with at most two buckets in flight: pack and launch bucket
+        k+1, then complete bucket k and call ``on_bucket(indices, means)`` (the means are
+        views into the bucket, released after the call)."""
+        prev = None
+        for idx in self.plan + [None]:
+            cur = self._launch(self._pack(idx)) if idx is not None else None
+            if prev is not None:
+                on_bucket(prev.idx, self._complete(prev))
+                self.buckets.remove(prev)
+            prev = cur
+
+    # ------------------------------------------------------------------ stages of a bucket
+    def _stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _track(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, sum(b.nbytes() for b in self.buckets))
+
+    def _pack(self, idx: list[int]) -> _Bucket:
+        pad = self.t.num_chunks * (self.round.num_groups * BLOCK if self.compressed else 1)
+        numel = sum(math.prod(self.shapes[i]) for i in idx)
+        with self._stream():
+            flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=self.device)
+            offset = 0
+            for i in idx:
+                n = math.prod(self.shapes[i])
+                value = self.sources[i]() if callable(self.sources[i]) else self.sources[i]
+                flat[offset:offset + n].copy_(value.reshape(-1))
+                del value
+                if self.residuals is not None:
+                    flat[offset:offset + n].add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
+                offset += n
+        if self.stream is not None:  # the next optimizer step (compute stream) must not overtake packing
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.buckets.append(_Bucket(idx, flat))
+        self._track()
+        return self.buckets[-1]
+
+    def _chunk(self, b: _Bucket) -> torch.Tensor | None:
+        c = self.t.chunk_index
+        size = b.flat.numel() // self.t.num_chunks
+        return None if c is None else b.flat[c * size:(c + 1) * size]
+
+    def _launch(self, b: _Bucket) -> _Bucket:
+        mine, b.stage = self._chunk(b), 1
+        if mine is None:  # a replica beyond R_min: it receives the chunks from its group
+            return b
+        with self._stream():
             if not self.compressed:
-                b.piece = mine.clone() if t.num_chunks > 1 else mine
+                b.piece = mine.clone() if self.t.num_chunks > 1 else mine
                 if self.scale_first:
-                    w = self.weights[t.group_index]
+                    w = self.weights[self.round.position]
                     b.piece.mul_(w) if w else b.piece.zero_()  # zero, not 0 * NaN, for a dropped group
-                b.work = dist.all_reduce(b.piece, op=dist.ReduceOp.SUM, group=t.fl_group, async_op=True)
-                continue
-            sent = quantize(mine, t.sync_dtype, t.num_groups)
-            if residuals is not None:
-                dropped = mine - dequantize(sent, t.sync_dtype).view(-1)
-                self._store_residual(b, dropped, residuals)
-            b.recv = torch.empty_like(sent)
-            b.work = dist.all_to_all_single(b.recv, sent, group=t.fl_group, async_op=True)
-            b.sent = sent
-        self.stage = 1
+                b.work = self.t.all_reduce(b.piece, async_op=True)
+            else:
+                b.sent = quantize(mine, self.sync_dtype, self.round.num_groups)
+                if self.residuals is not None:
+                    self._store_residual(b, mine - dequantize(b.sent, self.sync_dtype).view(-1))
+                b.recv = torch.empty_like(b.sent)
+                b.work = self.t.all_to_all(b.recv, b.sent, async_op=True)
+        self._track()
+        return b
 
-    def _store_residual(self, b: "_Bucket", dropped: torch.Tensor, residuals) -> None:
-        """residual <- (value + old residual) - dequantized(sent), on this rank's chunk only.
-
-        Residuals in host memory (``anchor_device="cpu"``) receive it through one blocking
-        device-to-host copy of this bucket's chunk."""
-        t = self.t
-        if residuals[b.idx[0]].device != dropped.device:
-            dropped = dropped.to(residuals[b.idx[0]].device)
-        size = b.flat.numel() // t.num_chunks
-        lo, hi = t.chunk_index * size, (t.chunk_index + 1) * size
+    def _store_residual(self, b: _Bucket, dropped: torch.Tensor) -> None:
+        """residual <- (value + old residual) - dequantized(sent), on this rank's chunk only
+        (one blocking device-to-host copy of the chunk for residuals in host memory)."""
+        dropped = dropped.to(self.residuals[b.idx[0]].device)
+        size = b.flat.numel() // self.t.num_chunks
+        lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
         offset = 0
         for i in b.idx:
             n = math.prod(self.shapes[i])
             a, z = max(lo, offset), min(hi, offset + n)
-            res = residuals[i].view(-1)
+            res = self.residuals[i].view(-1)
             res.zero_()
             if a < z:
                 res[a - offset:z - offset].copy_(dropped[a - lo:z - lo])
             offset += n
 
-    def advance(self) -> None:
-        """Compressed: wait for the all-to-all, reduce this rank's sub-chunk, launch the all-gather."""
-        if self.stage != 1:
+    def _advance(self, b: _Bucket) -> None:
+        if b.stage != 1 or not self.compressed or b.work is None:
             return
-        t = self.t
-        with self._on_stream():
-            for b in self.buckets:
-                if b.work is None:
-                    continue
-                if not self.compressed:
-                    continue
-                b.work.wait()
-                parts = dequantize(b.recv, t.sync_dtype)  # [F, m]: group g's sub-chunk
-                w = torch.tensor(self.weights, dtype=torch.float32, device=parts.device).unsqueeze(1)
-                reduced = (parts * w).sum(dim=0)
-                mine = quantize(reduced, t.sync_dtype, 1)
-                b.gathered = torch.empty(t.num_groups, mine.shape[1], dtype=torch.uint8, device=mine.device)
-                b.work = dist.all_gather_single(b.gathered, mine, group=t.fl_group, async_op=True)
-                b.recv = b.sent = None
-        self.stage = 2
+        with self._stream():
+            b.work.wait()
+            parts = dequantize(b.recv, self.sync_dtype)  # [F, m]: group g's sub-chunk
+            w = torch.tensor(self.weights, dtype=torch.float32, device=parts.device).unsqueeze(1)
+            mine = quantize((parts * w).sum(dim=0), self.sync_dtype, 1)
+            b.gathered = torch.empty(self.round.num_groups, mine.shape[1], dtype=torch.uint8, device=mine.device)
+            b.recv = b.sent = None
+            b.work = self.t.all_gather(b.gathered, mine, async_op=True)
+        b.stage = 2
+        self._track()
 
-    def finish(self) -> list[torch.Tensor]:
-        """Complete the exchange; returns one fp32 tensor per input (the weighted mean)."""
-        t = self.t
-        if self.stage == 1 and self.compressed:
-            self.advance()
-        with self._on_stream():
-            for b in self.buckets:
-                mine = self._chunk(b)
-                if b.work is not None:
-                    b.work.wait()
-                    if self.compressed:
-                        mine.copy_(dequantize(b.gathered, t.sync_dtype).view(-1))
-                    else:
-                        if not self.scale_first:
-                            b.piece.div_(t.num_groups)
-                        if b.piece is not mine:
-                            mine.copy_(b.piece)
-                self._share_chunks(b)
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-            for b in self.buckets:  # allocated on the side stream, read on the compute stream from now on
-                b.flat.record_stream(torch.cuda.current_stream())
-        out: list[torch.Tensor | None] = [None] * len(self.shapes)
-        for b in self.buckets:
-            offset = 0
-            for i in b.idx:
-                n = math.prod(self.shapes[i])
-                out[i] = b.flat[offset:offset + n].view(self.shapes[i])
-                offset += n
-        self.stage = 3
+    def _complete(self, b: _Bucket) -> list[torch.Tensor]:
+        self._advance(b)
+        mine = self._chunk(b)
+        with self._stream():
+            if b.work is not None:
+                b.work.wait()
+                if self.compressed:
+                    mine.copy_(dequantize(b.gathered, self.sync_dtype).view(-1))
+                else:
+                    if not self.scale_first:
+                        b.piece.div_(self.round.num_groups)
+                    if b.piece is not mine:
+                        mine.copy_(b.piece)
+                b.work = b.piece = b.gathered = None
+            self.t.share_chunks(b.flat)
+        if self.stream is not None:  # read on the compute stream from now on
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            b.flat.record_stream(torch.cuda.current_stream(self.device))
+        out, offset = [], 0
+        for i in b.idx:
+            n = math.prod(self.shapes[i])
+            out.append(b.flat[offset:offset + n].view(self.shapes[i]))
+            offset += n
         return out
 
-    def _share_chunks(self, b: "_Bucket") -> None:
-        """Give every replica of this group every chunk (over "dp_replicate")."""
-        t = self.t
-        if t.replicate_group is None or t.replicas <= 1:
-            return
-        size = b.flat.numel() // t.num_chunks
-        if t.replicas == t.num_chunks:
-            piece = b.flat[t.chunk_index * size:(t.chunk_index + 1) * size].clone()
-            dist.all_gather_single(b.flat, piece, group=t.replicate_group)
-            return
-        for c in range(t.num_chunks):
-            dist.broadcast(b.flat[c * size:(c + 1) * size], src=t.chunk_owners[c], group=t.replicate_group)
 
-    def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-
-class _Bucket:
-    __slots__ = ("idx", "flat", "piece", "work", "recv", "sent", "gathered")
-
-    def __init__(self, idx, flat):
-        self.idx, self.flat = idx, flat
-        self.piece = self.work = self.recv = self.sent = self.gathered = None
+def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
+    """The weighted mean of ``tensors`` over the transport's current round (one delayed
+    exchange completed at once; for tests and tools)."""
+    return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()
 
 
 _STREAMS: dict = {}

@@ -1,12 +1,12 @@
-"""The only module that knows the layout of the world: sizes, coordinates, axes, nodes.
+"""The only module that knows the layout of the world: sizes, coordinates, axes, nodes;
+and the process bootstrap (default process group, every mesh sub-group).
 
 Federation groups are contiguous blocks of ranks (paper Sec. 3, as in the authors'
 reference code). Group ``f`` holds ``G_f`` ranks, split into ``R_f = G_f / S`` HSDP
 replicas of ``S`` shards; global rank ``k`` of group ``f`` (offset ``o_f``) sits at
-coordinate ``(f, r, s)`` with ``k = o_f + r*S + s``. With equal groups this is a
-DeviceMesh of shape ``(F, R, S)`` and axes ``("fl", "dp_replicate", "dp_shard")``;
-with ``--nproc_per_node`` equal to the group size, a group is exactly one node, so
-intra-group FSDP traffic stays on fast links and only the sync crosses nodes.
+coordinate ``(f, r, s)`` with ``k = o_f + r*S + s`` (row-major, as a DeviceMesh of shape
+``(F, R, S)``). With ``--nproc_per_node`` equal to the group size a group is one node,
+so intra-group FSDP traffic stays on fast links and only the sync crosses nodes.
 
 Axes (the process groups a rank belongs to):
 
@@ -16,7 +16,7 @@ Axes (the process groups a rank belongs to):
   the F ranks with the same (r, s). With unequal groups the shard is exchanged in
   ``R_min = min_f R_f`` chunks: chunk c by replica c of every group, so the ranks with
   ``r < R_min`` form the "fl" groups and the others receive the result from their
-  group's replicas (see :mod:`fl_accel.sync`).
+  group's replicas (see :mod:`fl_accel.exchange`).
 
 :class:`FLLayout` is pure arithmetic (no processes); :func:`build_mesh` creates the
 process groups, every one of them with the collective timeout.
@@ -25,6 +25,7 @@ process groups, every one of them with the collective timeout.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -34,9 +35,55 @@ FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
 AXES = (FL, DP_REPLICATE, DP_SHARD)
 WORLD = "world"
 """Name of the comm bucket for collectives over the whole world (not a mesh axis)."""
+BUCKETS = AXES + (WORLD,)
+"""The comm accounting buckets (:mod:`fl_accel.comm`, :mod:`fl_accel.cost_model`)."""
 FSDP_SHARD_DIM = "dp_shard_cp"
-"""The flattened alias of "dp_shard" that Accelerate's ``fsdp2_prepare_model`` slices
-(``ParallelismConfig.fsdp_dim_names`` in accelerate 1.15)."""
+"""The name of the "dp_shard" dim in the DeviceMesh handed to Accelerate, which its
+``fsdp2_prepare_model`` slices (``ParallelismConfig.fsdp_dim_names``, accelerate 1.15)."""
+
+
+def is_federated(algorithm: str) -> bool:
+    """True for "fl_fsdp" and "fl_hsdp"."""
+    return algorithm.startswith("fl_")
+
+
+def uses_hsdp(algorithm: str) -> bool:
+    """True for "hsdp" and "fl_hsdp"."""
+    return algorithm in ("hsdp", "fl_hsdp")
+
+
+def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:
+    """The layout checks of an FLConfig that need no world size.
+
+    Raises:
+        ValueError: naming the field: empty or non-positive ``group_sizes``,
+            ``hsdp_shard_size`` < 1 or not dividing a group size, ``num_groups``
+            disagreeing with ``group_sizes`` (when given explicitly), unequal sizes with
+            "fl_fsdp" or without ``hsdp_shard_size``.
+    """
+    sizes, shards = config.group_sizes, config.hsdp_shard_size
+    if shards is not None and shards < 1:
+        raise ValueError(f"FLConfig.hsdp_shard_size must be >= 1, got {shards}")
+    if sizes is None:
+        return
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"FLConfig.group_sizes must list positive group sizes, got {sizes}")
+    if not is_federated(config.algorithm):
+        return
+    if explicit_num_groups and config.num_groups != len(sizes):
+        raise ValueError(f"FLConfig.num_groups={config.num_groups} disagrees with FLConfig.group_sizes="
+                         f"{sizes} ({len(sizes)} groups)")
+    if len(set(sizes)) > 1:
+        if config.algorithm == "fl_fsdp":
+            raise ValueError(f"FLConfig.group_sizes={sizes} are unequal: algorithm 'fl_fsdp' needs equal groups; "
+                             f"use algorithm='fl_hsdp' with an hsdp_shard_size S dividing every size "
+                             f"(e.g. S={math.gcd(*sizes)})")
+        if shards is None:
+            raise ValueError(f"FLConfig.hsdp_shard_size must be set for unequal group_sizes={sizes} "
+                             f"(a shard size dividing every group size, e.g. {math.gcd(*sizes)})")
+    if shards is not None and uses_hsdp(config.algorithm) and any(g % shards for g in sizes):
+        raise ValueError(f"FLConfig.hsdp_shard_size={shards} must divide every group size; it does not divide "
+                         f"{[g for g in sizes if g % shards]} of group_sizes={sizes}")
 
 
 @dataclass(frozen=True)
@@ -89,7 +136,7 @@ class FLLayout:
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        federated = config.algorithm.startswith("fl_")
+        federated = is_federated(config.algorithm)
         if federated and config.group_sizes is not None:
             sizes = tuple(config.group_sizes)
             if sum(sizes) != world_size:
@@ -101,7 +148,7 @@ class FLLayout:
                 raise ValueError(f"FLConfig.num_groups={num_groups} does not divide the world size {world_size}: "
                                  f"equal federation groups need the same number of ranks (or set group_sizes)")
             sizes = (world_size // num_groups,) * num_groups
-        if config.algorithm in ("hsdp", "fl_hsdp"):
+        if uses_hsdp(config.algorithm):
             shards = config.hsdp_shard_size
             if shards is None:
                 if not ranks_per_node:
@@ -113,35 +160,19 @@ class FLLayout:
                 what = "group size" if len(sizes) > 1 or federated else "world size"
                 raise ValueError(f"FLConfig.hsdp_shard_size={shards} does not divide the {what} {bad[0]} "
                                  f"(world size {world_size}, group sizes {list(sizes)})")
-        else:
-            if len(set(sizes)) > 1:
-                raise ValueError(f"FLConfig.group_sizes={list(sizes)} are unequal: use algorithm='fl_hsdp' with an "
-                                 f"hsdp_shard_size dividing every size")
+        else:  # unequal sizes need HSDP (check_group_fields)
             shards = sizes[0]
         return cls(sizes, shards, config.algorithm)
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def num_groups(self) -> int:
-        """F, federation groups (1 for the baselines)."""
-        return len(self.group_sizes)
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.group_sizes)
-
-    @property
-    def is_uniform(self) -> bool:
-        """True when every group has the same size (a regular F x R x S mesh)."""
-        return len(set(self.group_sizes)) == 1
-
-    @property
-    def is_federated(self) -> bool:
-        return self.algorithm.startswith("fl_")
-
-    @property
-    def uses_hsdp(self) -> bool:
-        return self.algorithm in ("hsdp", "fl_hsdp")
+    num_groups = property(lambda self: len(self.group_sizes), doc="F, federation groups (1 for the baselines).")
+    world_size = property(lambda self: sum(self.group_sizes))
+    is_uniform = property(lambda self: len(set(self.group_sizes)) == 1, doc="Every group has the same size.")
+    max_replicas = property(lambda self: max(self.group_sizes) // self.shards, doc="The largest R_f.")
+    min_replicas = property(lambda self: min(self.group_sizes) // self.shards,
+                            doc="R_min: the number of chunks a shard is exchanged in across groups.")
+    is_federated = property(lambda self: is_federated(self.algorithm))
+    uses_hsdp = property(lambda self: uses_hsdp(self.algorithm))
 
     def _need_uniform(self, what: str) -> None:
         if not self.is_uniform:
@@ -171,16 +202,6 @@ class FLLayout:
     def replicas_of(self, f: int) -> int:
         """R_f = G_f / S."""
         return self.group_sizes[f] // self.shards
-
-    @property
-    def max_replicas(self) -> int:
-        """The largest R_f."""
-        return max(self.group_sizes) // self.shards
-
-    @property
-    def min_replicas(self) -> int:
-        """R_min: the number of chunks a shard is exchanged in across groups."""
-        return min(self.group_sizes) // self.shards
 
     def group_offset(self, f: int) -> int:
         """First global rank of group ``f``."""
@@ -234,19 +255,11 @@ class FLLayout:
         raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}")
 
     def axis_ranks(self, axis: str, rank: int) -> tuple[int, ...]:
-        """Global ranks of the process group along ``axis`` that contains ``rank``.
-
-        ``()`` for the "fl" axis of a rank whose replica index is >= R_min (it takes no
-        part in the inter-group exchange; only with unequal groups).
-        """
-        f, r, s = self.coords(rank)
-        if axis == FL:
-            return tuple(self.rank(g, r, s) for g in range(self.num_groups)) if r < self.min_replicas else ()
-        if axis == DP_REPLICATE:
-            return tuple(self.rank(f, i, s) for i in range(self.replicas_of(f)))
-        if axis == DP_SHARD:
-            return tuple(self.rank(f, r, i) for i in range(self.shards))
-        raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}")
+        """Global ranks of the process group along ``axis`` that contains ``rank``; ``()``
+        for the "fl" axis of a rank whose replica index is >= R_min (unequal groups only:
+        it takes no part in the inter-group exchange). Raises ValueError: unknown axis or rank."""
+        self.coords(rank)
+        return next((ranks for ranks in self.axis_groups(axis) if rank in ranks), ())
 
     # ------------------------------------------------------------------ nodes
     def spans_nodes(self, axis: str, ranks_per_node: int) -> bool:
@@ -293,40 +306,60 @@ class FLLayout:
                 "shards": self.shards}
 
 
-# ---------------------------------------------------------------------- process groups
-def _pg_options(backend: str, timeout: timedelta):
-    """Process-group options carrying ``timeout``: DeviceMesh passes ``options._timeout``
-    to ``new_group``/``split_group`` (torch 2.13 ``DeviceMesh._init_one_process_group``);
-    without it every mesh sub-group gets the backend's default (30 min on gloo)."""
+# ---------------------------------------------------------------------- processes
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as the launcher (torchrun, accelerate launch) sets it; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ranks_per_node(world_size: int) -> int:
+    """``LOCAL_WORLD_SIZE`` (ranks on this node), or ``world_size`` without a launcher."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """Create the default process group where Accelerate's own start would fail or hang.
+
+    * Under ``torchrun --max-restarts`` the workers of attempt n>0 connect to the
+      launcher's store with the same keys as attempt 0, and gloo dials the dead
+      processes' addresses (torch 2.13, cf. pytorch/pytorch#167288); prefixing the store
+      with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt fresh keys.
+    * A plain ``python script.py`` (no ``RANK``) gets a one-process group on an
+      in-memory store, so the same FSDP2 code runs without a launcher.
+
+    Accelerate then finds the group initialized and uses it.
+    """
     import torch.distributed as dist
-    from torch._C._distributed_c10d import Backend as C10dBackend
 
-    if "nccl" in backend:
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-    else:
-        options = C10dBackend.Options("gloo")
-    options._timeout = timeout
-    return options
+    world = world_size_from_env()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and world == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/fl_accel/attempt_{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
 
 
+@dataclass
 class FLMesh:
     """This rank's process groups and the DeviceMesh Accelerate shards over.
 
     Attributes:
         layout: the FLLayout.
-        device_mesh: equal groups: the world mesh ``(F, R, S)`` with axes
-            ("fl", "dp_replicate", "dp_shard") and the flattened alias "dp_shard_cp";
-            unequal groups: this group's mesh ``(R_f, S)`` with axes ("dp_replicate",
-            "dp_shard_cp"). Either way
-            ``device_mesh["dp_shard_cp"]`` / ``device_mesh[("dp_replicate", "dp_shard_cp")]``
-            is this rank's own group, which is what Accelerate's FSDP2 path slices.
+        device_mesh: this group's mesh ``(R_f, S)`` with dims ("dp_replicate",
+            "dp_shard_cp"): ``device_mesh["dp_shard_cp"]`` / the whole mesh is what
+            Accelerate's FSDP2 path slices, so FSDP2 never communicates across groups.
         groups: axis name -> ProcessGroup of this rank on that axis (absent when the
             axis has one rank, or, for "fl", when this rank takes no part).
     """
 
-    def __init__(self, layout: FLLayout, device_mesh, groups: dict):
-        self.layout, self.device_mesh, self.groups = layout, device_mesh, groups
+    layout: FLLayout
+    device_mesh: Any
+    groups: dict
 
     def group(self, axis: str):
         """The ProcessGroup of ``axis`` containing this rank, or None."""
@@ -334,26 +367,16 @@ class FLMesh:
 
 
 def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int) -> FLMesh:
-    """Create every process group of the layout, each with the collective ``timeout``.
+    """Create every process group of the layout with ``dist.new_group(timeout=)`` and wrap
+    this group's two in a DeviceMesh (``DeviceMesh.from_group``), for equal and unequal
+    groups alike.
 
-    Collective over the whole world: every rank must call it, in the same order.
-    Equal groups use ``init_device_mesh``; unequal groups create the groups with
-    ``new_group`` (every rank creates every group, in one order: ``new_group`` is a world
-    collective) and wrap this group's in a 2-D DeviceMesh (``DeviceMesh.from_group``).
+    Collective over the whole world: every rank creates every group, in one order
+    (``new_group`` is a world collective).
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    backend = dist.get_backend()
-    options = _pg_options(backend, timeout)
-    if layout.is_uniform:
-        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES,
-                                backend_override={axis: options for axis in AXES})
-        mesh[DP_SHARD]._flatten(FSDP_SHARD_DIM, backend_override=options)
-        groups = {axis: mesh.get_group(axis) for axis in AXES if mesh[axis].size() > 1}
-        return FLMesh(layout, mesh, groups)
-
     import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     groups: dict = {}
     for axis in (DP_SHARD, DP_REPLICATE, FL):
@@ -363,9 +386,7 @@ def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int
                 groups[axis] = pg
     f = layout.group_of(rank)
     ranks = torch.tensor(layout.group_ranks(f)).view(layout.replicas_of(f), layout.shards)
-    # Name the shard dim as Accelerate slices it: flattening would create new process groups,
-    # a world collective that the groups (each with its own mesh) cannot call in step.
-    mesh = DeviceMesh.from_group([groups[DP_REPLICATE], groups[DP_SHARD]], device_type, mesh=ranks,
-                                 mesh_dim_names=(DP_REPLICATE, FSDP_SHARD_DIM))
+    device_mesh = DeviceMesh.from_group([groups[DP_REPLICATE], groups[DP_SHARD]], device_type, mesh=ranks,
+                                        mesh_dim_names=(DP_REPLICATE, FSDP_SHARD_DIM))
     groups = {axis: pg for axis, pg in groups.items() if len(layout.axis_ranks(axis, rank)) > 1}
-    return FLMesh(layout, mesh, groups)
+    return FLMesh(layout, device_mesh, groups)

@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fl_accel.config import ENV_PREFIX, PLACEMENT_ONLY_FIELDS, FLConfig, env_overrides, read_yaml_mapping
+from fl_accel.config import ENV_PREFIX, NOT_IDENTITY_FIELDS, FLConfig, env_overrides, read_yaml_mapping
 
 
 class RecipeError(ValueError):
@@ -295,11 +295,11 @@ def describe_sources(parsed: ParsedArgs) -> list[str]:
 def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     """The settings a checkpoint must share with a run that resumes it: everything that
     shapes the model, the data order and the optimization, except the step count and the
-    FLConfig fields that only place state (``PLACEMENT_ONLY_FIELDS``: ``anchor_device``)."""
+    FLConfig fields that only place state or bound waits (``NOT_IDENTITY_FIELDS``)."""
     keep = ("model", "seq_len", "dataset_name", "dataset_config_name", "train_file", "text_column", "streaming",
             "tokenizer", "vocab_size", "micro_batch_size", "gradient_accumulation_steps", "learning_rate",
             "adam_beta1", "adam_beta2", "weight_decay", "warmup_ratio", "lr_scheduler_type", "max_grad_norm",
             "seed", "mixed_precision")
     out = {k: getattr(args, k) for k in keep}
-    out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in PLACEMENT_ONLY_FIELDS}
+    out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
     return out

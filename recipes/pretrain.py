@@ -283,7 +283,7 @@ def classify_failure(exc: BaseException) -> str | None:
 
 
 class FaultInjector:
-    """Test hook: ``FL_FAULT_INJECT=<kind>:<rank>:<step>`` acts on one rank after that optimizer step.
+    """Test hook: ``FL_ACCEL_TEST_FAULT_INJECT=<kind>:<rank>:<step>`` acts on one rank after that optimizer step.
 
     kind ``kill`` sends SIGKILL to the process (a crashed rank); ``stop`` sends SIGSTOP
     (a hung rank); ``nan`` makes that rank's loss NaN at that step (the NaN then flows
@@ -292,12 +292,12 @@ class FaultInjector:
     """
 
     def __init__(self, rank: int):
-        spec = os.environ.get("FL_FAULT_INJECT", "")
+        spec = os.environ.get("FL_ACCEL_TEST_FAULT_INJECT", "")
         self.kind, self.step = None, None
         if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             kind, fault_rank, step = spec.split(":")
             if kind not in ("kill", "stop", "nan"):
-                raise RecipeError(f"FL_FAULT_INJECT kind must be kill, stop or nan, got {kind!r}")
+                raise RecipeError(f"FL_ACCEL_TEST_FAULT_INJECT kind must be kill, stop or nan, got {kind!r}")
             if int(fault_rank) == rank:
                 self.kind, self.step = kind, int(step)
 
@@ -309,13 +309,13 @@ class FaultInjector:
         if self.kind in ("kill", "stop") and step == self.step:
             import signal
 
-            print(f"[fl_accel] FL_FAULT_INJECT: {self.kind} rank {os.environ.get('RANK')} at step {step}",
+            print(f"[fl_accel] FL_ACCEL_TEST_FAULT_INJECT: {self.kind} rank {os.environ.get('RANK')} at step {step}",
                   file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
 
 class BlockRecorder:
-    """Test hook: ``FL_RECORD_BLOCKS=<dir>`` makes every rank append one JSON line per
+    """Test hook: ``FL_ACCEL_TEST_RECORD_BLOCKS=<dir>`` makes every rank append one JSON line per
     micro-batch to ``<dir>/rank<k>.jsonl``: ``{"step": the optimizer step it belongs to,
     "epoch": the data stream's epoch after this micro-batch (``PackedStream.epoch``;
     None for map-style data), "input_ids": the blocks as lists of token ids}``. Tests
@@ -323,7 +323,7 @@ class BlockRecorder:
     resume). Unset: no cost."""
 
     def __init__(self, rank: int):
-        folder = os.environ.get("FL_RECORD_BLOCKS")
+        folder = os.environ.get("FL_ACCEL_TEST_RECORD_BLOCKS")
         self.path = os.path.join(folder, f"rank{rank}.jsonl") if folder else None
         if folder:
             os.makedirs(folder, exist_ok=True)
@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
         f"[fl_accel] {layout.describe(fl.sync_every)}, outer={fl.outer_optimizer if fl.is_federated else '-'}"
         + (f", fragments P={fl.num_fragments} delay={fl.sync_delay} alpha={fl.fragment_update_alpha} "
            f"exchange={fl.sync_dtype}{' +error feedback' if fl.error_feedback else ''}"
-           if fl.is_federated and fl.streaming else "") + "\n"
+           if fl.is_federated and (fl.fragmented or fl.compressed) else "") + "\n"
         f"[fl_accel] FLConfig: {'; '.join(describe_sources(parsed)) or 'all defaults'}\n"
         f"[fl_accel] model {args.model}: {n_params / 1e6:.2f}M params, vocab {config.vocab_size}, "
         f"seq_len {args.seq_len}, precision {mixed}, init on {args.init_device} "
@@ -530,7 +530,7 @@ def main(argv=None) -> dict:
     eval_steps_groups: dict[int, list] = {}
     if args.eval_groups and F_ > 1:
         def evaluate_groups_before_sync(synchronizer, full):
-            step = synchronizer.global_step
+            step = synchronizer.schedule.global_step
             if eval_every and step % eval_every == 0 and step < max_steps:
                 eval_steps_groups[step] = evaluate(model, accelerator, val_blocks, args.micro_batch_size,
                                                    per_group=True)
@@ -758,7 +758,8 @@ def cli(argv=None) -> int:
     except RuntimeError as exc:
         if classify_failure(exc) == "collective":
             message = (f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung (collective "
-                       f"timeout FL_TIMEOUT_S={os.environ.get('FL_TIMEOUT_S', '300')} s): {str(exc)[:500]}")
+                       f"timeout collective_timeout_s={os.environ.get('FL_ACCEL_COLLECTIVE_TIMEOUT_S', '300')} s): "
+                       f"{str(exc)[:500]}")
             _say(message)
             _record_for_launcher(message)
             return 1

@@ -1,5 +1,5 @@
 """The cost model's command line: bytes per GPU per step (and, given link speeds, step
-time and tokens/s) of FSDP/HSDP, blocking FL, streaming and streaming int8 for a model
+time and tokens/s) of FSDP/HSDP, blocking FL, fragmented fp32 and int8 for a model
 and a layout. Defaults: the paper's setting (Llama-3.1-8B, 128 nodes x 4 GPUs, G=4, H=8,
 bf16 gathers). The model itself is :mod:`fl_accel.cost_model`.
 
@@ -26,7 +26,7 @@ def _fail(message: Any):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, streaming, streaming int8."""
+    """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, fragmented fp32 and int8."""
     p = argparse.ArgumentParser(prog="python -m scripts.cost_model", description=main.__doc__)
     p.error = _fail
     src = p.add_mutually_exclusive_group()
@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = FLLayout.equal(1, 1, N) if S == G else FLLayout.equal(1, N // S, S)
         rows = [(base.algorithm.upper(), base, 1, 0, "fp32"),
                 (f"{name} fp32, blocking", fl, 1, 0, "fp32"),
-                ("streaming fp32", fl, a.num_fragments, a.sync_delay, "fp32"),
-                ("streaming int8", fl, a.num_fragments, a.sync_delay, "int8")]
+                ("fragmented fp32", fl, a.num_fragments, a.sync_delay, "fp32"),
+                ("fragmented int8", fl, a.num_fragments, a.sync_delay, "int8")]
         out = []
         for label, layout, P, tau, dtype in rows:
             e = estimate(layout, units, sync_every=a.sync_every, num_fragments=P, sync_delay=tau, sync_dtype=dtype,

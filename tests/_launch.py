@@ -27,7 +27,7 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launch: ours, minus FL_ACCEL_* (a caller's settings must
     not leak into the tests), plus single-threaded BLAS/OpenMP, the repo on
     PYTHONPATH, offline Hugging Face libraries and a short collective timeout."""
-    return _launch.child_env({"FL_TIMEOUT_S": "120", **(extra or {})}, pythonpath=[str(REPO_ROOT)])
+    return _launch.child_env({"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "120", **(extra or {})}, pythonpath=[str(REPO_ROOT)])
 
 
 def torchrun_cmd(nproc: int, script: Path | str, *args: str, port: int | None = None) -> list[str]:

@@ -44,6 +44,38 @@ def test_fp16_is_refused_before_any_collective(monkeypatch, how):
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("case", ["offload_plugin", "offload_env", "whole_model_compile"])
+def test_offload_and_whole_model_compile_are_refused_before_any_collective(monkeypatch, case):
+    """CPU offload with a federated algorithm (the sync's collectives need the parameters on the
+    accelerator), given by the plugin or by FSDP_OFFLOAD_PARAMS from `accelerate launch`, and a
+    whole-model compile (an OptimizedModule bypasses FSDP2's hooks) raise ValueError naming the
+    setting, before a process group exists. A baseline may offload; regional compile is accepted."""
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    from fl_accel import FLAccelerator
+    from fl_accel.accelerator import _refuse_before_start
+    from fl_accel.mesh import FLLayout
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
+    kwargs, match = {}, "fsdp_offload_params / FSDP_OFFLOAD_PARAMS"
+    if case == "offload_plugin":
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)
+    elif case == "offload_env":
+        monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    else:
+        kwargs["dynamo_backend"], match = "inductor", "use_regional_compilation=True"
+    with pytest.raises(ValueError, match=match):
+        FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2), **kwargs)
+    assert not dist.is_initialized()
+    baseline = FLConfig(algorithm="fsdp")
+    if case != "whole_model_compile":
+        _refuse_before_start(kwargs, baseline, FLLayout.from_config(baseline, 4))
+    regional = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)}
+    _refuse_before_start(regional, baseline, FLLayout.from_config(baseline, 4))
+
+
 def test_recipe_does_not_offer_fp16(monkeypatch):
     """--mixed_precision fp16 is not a choice, and fp16 requested by the launcher
     (`accelerate launch --mixed_precision fp16` sets ACCELERATE_MIXED_PRECISION) is refused too."""
@@ -83,6 +115,87 @@ def test_prepared_scheduler_steps_once_per_optimizer_step(tmp_path):
         rec = json.loads((tmp_path / f"scheduler-rank{rank}.json").read_text())
         assert rec["lrs"] == pytest.approx([0.9, 0.8, 0.7]), rec
         assert rec["sched_lr"] == pytest.approx(0.7)
+
+
+# ====================================================================== GPU-path features, on CPU
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """One 4-process launch of tests/workers/features_worker.py (MODE features)."""
+    out = tmp_path_factory.mktemp("features")
+    res = run_torchrun(4, WORKERS / "features_worker.py", "features", str(out), timeout=900)
+    assert res.returncode == 0, res.tail()
+    return lambda name: [torch.load(out / name / f"rank{k}.pt", weights_only=False) for k in range(4)]
+
+
+def test_bf16_reduces_in_fp32_keeps_the_loss_fp32_and_a_user_policy(features):
+    """4 ranks, FL+FSDP, bf16: every FSDP unit has param bf16, reduce fp32 and no output cast;
+    the loss is fp32; precision_policy says so. A policy given in the plugin is kept
+    (all bf16: the loss comes back bf16)."""
+    for rec in features("precision_default"):
+        assert rec["unit_policies"] and all(u == ["torch.bfloat16", "torch.float32", "None"]
+                                            for u in rec["unit_policies"]), rec["unit_policies"]
+        assert rec["loss_dtype"] == "torch.float32"
+        assert rec["precision_policy"] == {"param": "bf16", "reduce": "fp32", "output": None}
+    for rec in features("precision_user"):
+        assert all(u == ["torch.bfloat16"] * 3 for u in rec["unit_policies"]), rec["unit_policies"]
+        assert rec["loss_dtype"] == "torch.bfloat16"
+        assert rec["precision_policy"] == {"param": "bf16", "reduce": "bf16", "output": "bf16"}
+
+
+def test_a_second_prepare_is_refused_on_every_rank(features):
+    """prepare(model2, opt2) after the federated pair raises ValueError on every rank (it would
+    train unfederated); sync_wait_seconds counted the sync of step 1."""
+    for rec in features("precision_default"):
+        assert "second model/optimizer pair" in rec.get("second_prepare_error", ""), rec.get("second_prepare_error")
+        assert rec["sync_wait_seconds"] > 0
+
+
+def test_activation_checkpointing_changes_no_loss_and_checkpoints_resume_across_the_switch(features):
+    """"nesterov", H=2, 5 steps: the losses with and without activation checkpointing agree
+    within 1e-5; the sync's names carry no wrapper prefix; a checkpoint written mid-round
+    (step 3) with one setting resumes with the other, and steps 4-5 and the final shards are
+    bitwise those of the uninterrupted run of the other setting."""
+    on, off = features("ac_on"), features("ac_off")
+    for a, b in zip(on, off):
+        assert a["activation_checkpointing"] and not b["activation_checkpointing"]
+        assert a["names"] == b["names"] and not any("_checkpoint_wrapped_module" in n for n in a["names"])
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-5)
+    for resumed, ref in (("off_from_on", off), ("on_from_off", on)):
+        for rec, want in zip(features(resumed), ref):
+            assert rec["losses"] == {k: want["losses"][k] for k in (4, 5)}
+            for k in (4, 5):
+                assert all(torch.equal(x, y) for x, y in zip(rec["params"][k], want["params"][k]))
+            assert all(torch.equal(x, y) for x, y in zip(rec["final"], want["final"]))
+    assert max((x - y).abs().max().item() for x, y in zip(on[0]["params"][3], on[2]["params"][3])) > 1e-4  # groups differ
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_model_families_train_sync_and_checkpoint(features, family):
+    """Tiny Qwen2 and Mistral (any causal LM declaring _no_split_modules) through FL+FSDP: the
+    groups are equal after the sync at step 2, and a checkpoint loads back exactly."""
+    recs = features(family)
+    for rec in recs:
+        assert all(torch.equal(a, b) for a, b in zip(rec["saved"], rec["after_load"]))
+        assert all(torch.isfinite(torch.tensor(v)) for v in rec["losses"].values())
+    for f0, f1 in ((recs[0], recs[2]), (recs[1], recs[3])):  # same shard, the two groups
+        assert all(torch.equal(a, b) for a, b in zip(f0["params"][2], f1["params"][2]))
+        assert f0["losses"][1] != f1["losses"][1]  # they trained on different data
+
+
+def test_regional_compile_matches_eager(tmp_path):
+    """Accelerate's regional compilation (inductor) on CPU, FL+FSDP 2x2, H=3: three compiled steps
+    match eager within 1e-4 (losses and shards), the groups are equal after the sync, and a
+    checkpoint round trip restores the shards."""
+    res = run_torchrun(4, WORKERS / "features_worker.py", "compile", str(tmp_path), timeout=1500)
+    assert res.returncode == 0, res.tail()
+    for k in range(4):
+        eager, comp = (torch.load(tmp_path / n / f"rank{k}.pt", weights_only=False) for n in ("eager", "compiled"))
+        assert comp["compiled"] and not eager["compiled"]
+        assert comp["losses"] == pytest.approx(eager["losses"], abs=1e-4)
+        assert all(torch.allclose(a, b, atol=1e-4, rtol=0) for a, b in zip(comp["params"][3], eager["params"][3]))
+        assert all(torch.equal(a, b) for a, b in zip(comp["saved"], comp["after_load"]))
+    recs = [torch.load(tmp_path / "compiled" / f"rank{k}.pt", weights_only=False) for k in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(recs[0]["params"][3], recs[2]["params"][3]))
 
 
 # ====================================================================== metering
@@ -161,29 +274,30 @@ def test_a_new_flconfig_field_is_a_flag_a_yaml_key_and_an_env_variable(tmp_path)
     assert parsed.fl.gossip_rounds == 11 and parsed.sources["gossip_rounds"] == "flag"
 
 
-def test_anchor_device_is_a_flag_a_yaml_key_and_an_env_variable_but_not_run_identity(tmp_path, capsys):
-    """anchor_device comes through the derived flag (with its choices in --help), the YAML's 'fl:'
-    section and FL_ACCEL_ANCHOR_DEVICE; a bad value is refused naming the allowed ones; and it
+def test_outer_state_device_is_a_flag_a_yaml_key_and_an_env_variable_but_not_run_identity(tmp_path, capsys):
+    """outer_state_device comes through the derived flag (with its choices in --help), the YAML's 'fl:'
+    section and FL_ACCEL_OUTER_STATE_DEVICE; a bad value is refused naming the allowed ones; and it
     is left out of the run identity a resume compares (it places state, the values are equal)."""
     from recipes.args import RecipeError, parse_args, run_identity
 
-    assert parse_args([], environ={}).fl.anchor_device == "same"
-    assert parse_args(["--anchor_device", "cpu"], environ={}).fl.anchor_device == "cpu"
+    assert parse_args([], environ={}).fl.outer_state_device == "same"
+    assert parse_args(["--outer_state_device", "cpu"], environ={}).fl.outer_state_device == "cpu"
     yaml_file = tmp_path / "run.yaml"
-    yaml_file.write_text("fl:\n  anchor_device: cpu\n")
-    assert parse_args(["--config", str(yaml_file)], environ={}).fl.anchor_device == "cpu"
-    parsed = parse_args([], environ={"FL_ACCEL_ANCHOR_DEVICE": "cpu"})
-    assert parsed.fl.anchor_device == "cpu" and parsed.sources["anchor_device"] == "FL_ACCEL_ANCHOR_DEVICE"
+    yaml_file.write_text("fl:\n  outer_state_device: cpu\n")
+    assert parse_args(["--config", str(yaml_file)], environ={}).fl.outer_state_device == "cpu"
+    parsed = parse_args([], environ={"FL_ACCEL_OUTER_STATE_DEVICE": "cpu"})
+    assert parsed.fl.outer_state_device == "cpu" and parsed.sources["outer_state_device"] == "FL_ACCEL_OUTER_STATE_DEVICE"
     with pytest.raises(RecipeError, match="invalid choice: 'gpu'"):
-        parse_args(["--anchor_device", "gpu"], environ={})
-    with pytest.raises((RecipeError, ValueError), match="anchor_device must be one of"):
-        parse_args([], environ={"FL_ACCEL_ANCHOR_DEVICE": "gpu"})
+        parse_args(["--outer_state_device", "gpu"], environ={})
+    with pytest.raises((RecipeError, ValueError), match="outer_state_device must be one of"):
+        parse_args([], environ={"FL_ACCEL_OUTER_STATE_DEVICE": "gpu"})
     with pytest.raises(SystemExit):
         parse_args(["--help"], environ={})
-    assert re.search(r"--anchor_device \{same,cpu\}.*?\(default: same\)", capsys.readouterr().out, re.S)
-    same, cpu = parse_args([], environ={}), parse_args(["--anchor_device", "cpu"], environ={})
+    assert re.search(r"--outer_state_device \{same,cpu\}.*?\(default: same\)", capsys.readouterr().out, re.S)
+    same, cpu = parse_args([], environ={}), parse_args(["--outer_state_device", "cpu"], environ={})
     assert run_identity(same.args, same.fl) == run_identity(cpu.args, cpu.fl)
-    assert "anchor_device" not in run_identity(cpu.args, cpu.fl)["fl"]
+    assert "outer_state_device" not in run_identity(cpu.args, cpu.fl)["fl"]
+    assert "collective_timeout_s" not in run_identity(cpu.args, cpu.fl)["fl"]  # bounds waits, changes no value
     other = parse_args(["--sync_dtype", "int8"], environ={})
     assert run_identity(other.args, other.fl) != run_identity(same.args, same.fl)
 

@@ -39,11 +39,12 @@ def test_defaults():
         "hsdp_shard_size": None, "sync_every": 8, "num_fragments": 1, "sync_delay": 0,
         "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
-        "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "anchor_device": "same",
+        "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
+        "collective_timeout_s": 300.0,
     }
     assert c.validate() is c
     assert c.validate(world_size=4) is c
-    assert c.is_federated and not c.uses_hsdp and not c.streaming
+    assert c.is_federated and not c.uses_hsdp and not c.fragmented and not c.compressed
 
 
 def test_every_field_has_an_attribute_docstring():
@@ -150,8 +151,10 @@ def test_describe():
     ({"group_sizes": []}, None, "group_sizes"),
     ({"group_sizes": ["2", 2]}, None, "group_sizes"),
     ({"group_weighting": "tokens"}, None, "group_weighting"),
-    ({"anchor_device": "cuda"}, None, r"anchor_device must be one of \['same', 'cpu'\]"),
-    ({"anchor_device": None}, None, "anchor_device"),
+    ({"outer_state_device": "cuda"}, None, r"outer_state_device must be one of \['same', 'cpu'\]"),
+    ({"outer_state_device": None}, None, "outer_state_device"),
+    ({"collective_timeout_s": 0}, None, "collective_timeout_s"),
+    ({"collective_timeout_s": "60"}, None, "collective_timeout_s"),
 ])
 def test_validate_names_the_field(kwargs, world, field):
     """Each invalid value raises ValueError whose message names the offending field, at
@@ -183,11 +186,11 @@ def test_ignored_settings_are_named():
     assert any("hsdp_shard_size=2" in n for n in FLConfig(hsdp_shard_size=2).ignored_settings())
     assert any("error_feedback" in n for n in FLConfig(error_feedback=True).ignored_settings())
     assert FLConfig().ignored_settings() == []
-    assert any("anchor_device='cpu'" in n and "no anchor" in n for n in FLConfig(anchor_device="cpu").ignored_settings())
-    assert any("anchor_device='cpu'" in n and "'fsdp'" in n
-               for n in FLConfig(algorithm="fsdp", anchor_device="cpu").ignored_settings())
-    assert FLConfig(anchor_device="cpu", sync_dtype="bf16").ignored_settings() == []
-    assert FLConfig(anchor_device="cpu", outer_optimizer="nesterov").ignored_settings() == []
+    assert any("outer_state_device='cpu'" in n and "no anchor" in n for n in FLConfig(outer_state_device="cpu").ignored_settings())
+    assert any("outer_state_device='cpu'" in n and "'fsdp'" in n
+               for n in FLConfig(algorithm="fsdp", outer_state_device="cpu").ignored_settings())
+    assert FLConfig(outer_state_device="cpu", sync_dtype="bf16").ignored_settings() == []
+    assert FLConfig(outer_state_device="cpu", outer_optimizer="nesterov").ignored_settings() == []
     assert FLConfig(algorithm="fl_hsdp", hsdp_shard_size=2, sync_dtype="int8", error_feedback=True,
                     outer_optimizer="nesterov", outer_lr=0.5).ignored_settings() == []
 
@@ -261,9 +264,19 @@ def test_env_values_are_typed():
                                   "sync_dtype": "int8", "fragment_update_alpha": 0.5}
     assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}) == \
         {"hsdp_shard_size": 2, "average_optimizer_state": False}
-    assert FLConfig.from_env(environ={"FL_ACCEL_ANCHOR_DEVICE": "cpu"}).anchor_device == "cpu"
-    with pytest.raises(ValueError, match="anchor_device must be one of"):
-        FLConfig.from_env(environ={"FL_ACCEL_ANCHOR_DEVICE": "gpu"})
+    assert FLConfig.from_env(environ={"FL_ACCEL_OUTER_STATE_DEVICE": "cpu"}).outer_state_device == "cpu"
+    with pytest.raises(ValueError, match="outer_state_device must be one of"):
+        FLConfig.from_env(environ={"FL_ACCEL_OUTER_STATE_DEVICE": "gpu"})
+
+
+def test_env_parser_skips_test_hooks_and_reads_the_timeout():
+    """FL_ACCEL_TEST_* variables are test hooks, not settings; the collective timeout is a field."""
+    env = {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", "FL_ACCEL_TEST_RECORD_BLOCKS": "/tmp/x",
+           "FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60"}
+    assert env_overrides(env) == {"collective_timeout_s": 60.0}
+    assert FLConfig.from_env(environ=env).collective_timeout_s == 60.0
+    c = FLConfig(num_fragments=2, sync_every=4)
+    assert c.fragmented and not c.compressed and FLConfig(sync_dtype="int8").compressed
 
 
 def test_from_env_reads_os_environ(monkeypatch):

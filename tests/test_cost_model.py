@@ -36,10 +36,14 @@ def test_ring_bytes_matches_comm_accounting(op, p):
     assert cm.ring_bytes(op, m, p) == measured_ring_bytes(op, m, p)
 
 
-def test_value_bytes_match_exchange():
-    assert cm.BLOCK == exchange.BLOCK
-    for dtype, b in cm.SYNC_VALUE_BYTES.items():
-        assert exchange.wire_bytes(dtype, 1000, 4) == approx(2 * 3 / 4 * 1000 * b)
+def test_value_bytes_are_the_exchange_s():
+    """The exchange quantizes in blocks of cm.BLOCK values: b bytes per value on the wire."""
+    import torch
+
+    assert cm.BLOCK == exchange.BLOCK == 256
+    x = torch.randn(4 * cm.BLOCK)
+    for dtype in ("bf16", "int8"):
+        assert exchange.quantize(x, dtype, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------ the four algorithms, by hand
@@ -105,7 +109,7 @@ def test_sync_dtypes(dtype, limit):
     units = cm.units_from_param_count(2**20)  # local 2**19 values: no padding at C*F*256 = 1024
     fp32 = est(EQ(4, 1, 2), units)
     low = est(EQ(4, 1, 2), units, sync_dtype=dtype)
-    assert low.sync_by_axis()["fl"] == approx(exchange.wire_bytes(dtype, 2**19, 4))
+    assert low.sync_by_axis()["fl"] == approx(2 * 3 / 4 * 2**19 * cm.SYNC_VALUE_BYTES[dtype])  # ring, F=4
     assert low.sync_by_axis()["fl"] <= limit * fp32.sync_by_axis()["fl"]
     assert set(low.fragments[0][0].bytes["fl"]) == {"all_to_all", "all_gather"}
     assert low.fragments[0][0].calls["fl"] == 2
@@ -327,11 +331,11 @@ def test_cli_prints_the_paper_setting():
     assert proc.returncode == 0, proc.stderr
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
             for r in proc.stdout.splitlines() if r.startswith("| ") and "setting" not in r}
-    assert list(rows) == ["FSDP", "FL+FSDP fp32, blocking", "streaming fp32", "streaming int8"]
+    assert list(rows) == ["FSDP", "FL+FSDP fp32, blocking", "fragmented fp32", "fragmented int8"]
     assert rows["FSDP"][3] == "47.049" and rows["FL+FSDP fp32, blocking"][3] == "1.992"
-    assert rows["streaming fp32"][3] == "1.992" and float(rows["streaming int8"][3]) < 0.26 * 1.992
-    assert float(rows["streaming fp32"][5]) < 0.3 * float(rows["FL+FSDP fp32, blocking"][5])  # peak per sync
-    assert float(rows["streaming fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
+    assert rows["fragmented fp32"][3] == "1.992" and float(rows["fragmented int8"][3]) < 0.26 * 1.992
+    assert float(rows["fragmented fp32"][5]) < 0.3 * float(rows["FL+FSDP fp32, blocking"][5])  # peak per sync
+    assert float(rows["fragmented fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
 
 
 def test_cli_json(capsys):
@@ -394,7 +398,7 @@ out = {"measured": measured, "model": est.step[0].bytes}
 
 # The sync's wire protocol on unequal groups of 1 and 3 ranks (S = 1, C = 1: rank 1 owns the
 # chunk of group 1 and broadcasts it to ranks 2, 3), tensors shaped like the model's parameters.
-from fl_accel.exchange import Transport
+from fl_accel.exchange import MeshTransport, Round, mean
 fl = FLLayout((1, 3), 1, "fl_hsdp")
 pgs = {}
 for axis in ("fl", "dp_replicate"):
@@ -405,12 +409,12 @@ for axis in ("fl", "dp_replicate"):
 f, r, s = fl.coords(rank)
 tensors = [torch.randn(shape) for u in units for shape in u.shapes]
 for dtype in ("fp32", "int8"):
-    t = Transport(fl_group=pgs.get("fl"), replicate_group=pgs.get("dp_replicate"), num_groups=2, group_index=f,
-                  weights=fl.weights("size"), num_chunks=1, chunk_index=0 if r == 0 else None,
-                  replicas=fl.replicas_of(f), chunk_owners=(fl.rank(f, 0, s),), sync_dtype=dtype)
+    t = MeshTransport(fl_group=pgs.get("fl"), replicate_group=pgs.get("dp_replicate"),
+                      round=Round(2, f, fl.weights("size")), num_chunks=1, chunk_index=0 if r == 0 else None,
+                      replicas=fl.replicas_of(f), chunk_owners=(fl.rank(f, 0, s),))
     sync_stats = CommStats()
     with CommMeter(sync_stats, {pg: a for a, pg in pgs.items()}):
-        t.start(tensors).finish()
+        mean(t, tensors, sync_dtype=dtype)
     model = cm.estimate(fl, units, sync_every=1, sync_dtype=dtype).fragments[0][f]
     out[dtype] = {"measured": {a: dict(v["by_op"]) for a, v in sync_stats.as_dict().items() if v["bytes"]},
                   "model": {a: ops for a, ops in model.bytes.items() if a != "world"}}

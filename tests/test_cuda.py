@@ -52,23 +52,23 @@ def test_recipe_on_one_gpu_in_bf16(tmp_path):
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
-def test_anchor_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
+def test_outer_state_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
     """One GPU, a 1-process NCCL group (F=1 on the world group: the "fl" collectives still
     run), the synchronizer's outer step driven through four fragment syncs, each launched,
     advanced and applied with the parameters moving in between (training meanwhile), for fp32
     + "nesterov" and for int8 + error feedback + "nesterov" (P=2, alpha 0.5). With
-    anchor_device="cpu": the anchor and the residuals are pinned CPU tensors and the momentum
+    outer_state_device="cpu": the anchor and the residuals are pinned CPU tensors and the momentum
     a CPU tensor; the parameters, every tensor given to a collective, the exchange's buffers
     and the means stay on cuda; the outer state holds (almost) no device memory, while "same"
     holds at least 4 bytes x numel for each of anchor, momentum and residuals. The parameters
     equal those of "same" after every sync: within fp32 rounding for fp32 (the outer step runs
     on CPU kernels instead of CUDA ones), and for int8 within two quantization steps, with
     almost every value equal (an fp32 rounding difference can flip an int8 rounding). State
-    moves between the placements unchanged, and DCP saves and loads a host tensor wrapped like
-    a sharded parameter without moving it to the GPU."""
-    res = run_torchrun(1, WORKERS / "api_worker.py", "anchor_device", str(tmp_path), timeout=600)
+    moves between the placements unchanged, and DCP saves and loads a host tensor keyed by
+    shard (as the checkpoint keeps the sync's state) without moving it to the GPU."""
+    res = run_torchrun(1, WORKERS / "api_worker.py", "outer_state_device", str(tmp_path), timeout=600)
     assert res.returncode == 0, res.tail()
-    rec = json.loads((tmp_path / "anchor_device-rank0.json").read_text())
+    rec = json.loads((tmp_path / "outer_state_device-rank0.json").read_text())
     assert rec["backend"] == "nccl" and rec["device"].startswith("cuda") and rec["ok"]
     n = rec["numel"]
     for label in ("fp32", "int8_ef"):
@@ -99,3 +99,40 @@ def test_anchor_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path)
     assert rec["state_round_trip_equal"] == {"cpu->same": True, "same->cpu": True}
     assert rec["dcp_host"] == {"wrapped_local_device": "cpu", "same_storage": True, "loaded_equal": True,
                                "mesh": "cuda"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events, side streams and allocator peaks need a GPU")
+def test_sync_on_cuda_streams_events_and_bounded_buckets():
+    """No process group (the fake transport of tests/test_schedule.py): the synchronizer on CUDA
+    packs on a side stream and times its sync events with CUDA events on the compute stream.
+    sync_wait_seconds is 0 before the first sync and positive after; an fp32 and an int8 +
+    nesterov run give the CPU run's parameters (fp32 bitwise, int8 within a quantization step);
+    a blocking sync of 16 MiB in 1 MiB buckets raises the allocator's peak by at most about two
+    buckets (plus the quantized copies), not the whole model."""
+    from test_schedule import FakeTransport, _synchronizer, _train
+
+    for fields, exact in (({"sync_every": 2}, True),
+                          ({"sync_every": 2, "sync_dtype": "int8", "outer_optimizer": "nesterov"}, False)):
+        results = {}
+        for device in ("cpu", "cuda"):
+            transport = FakeTransport(offset=1.0 if exact else 0.0)
+            transport.device = torch.device(device)
+            sync, params = _synchronizer(transport, device=device, **fields)
+            _train(sync, params, 1)
+            assert sync.clock.seconds == 0.0
+            _train(sync, params, 3, start=1)
+            assert sync.clock.seconds > 0.0
+            results[device] = [p.detach().cpu() for p in params]
+        for a, b in zip(results["cpu"], results["cuda"]):
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=2e-2), fields
+    mib = 2**18
+    transport = FakeTransport(offset=1.0)
+    transport.device = torch.device("cuda")
+    sync, params = _synchronizer(transport, sizes=(mib,) * 16, device="cuda", sync_every=1, sync_bucket_mb=1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    sync.on_optimizer_step()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 3 * 4 * mib, torch.cuda.max_memory_allocated() - base
+

@@ -17,7 +17,7 @@ a tiny Llama, inner SGD, fixed per-rank batches):
 3. one 8-process launch (FL+HSDP 2 groups x 2 replicas x 2 shards) for the bitwise
    FedAvg, the chunked int8 exchange and a mid-exchange checkpoint round trip.
 
-Section g runs anchor_device="cpu" against "same" (bitwise, also across a resume that
+Section g runs outer_state_device="cpu" against "same" (bitwise, also across a resume that
 switches the setting). Three tests pin checkpoint behaviour outside the synchronizer: DCP's zero-lr "fake"
 optimizer step (taken by get/set_optimizer_state_dict when an optimizer has no state)
 must not advance the sync schedule, and each HSDP replica's error-feedback residual is
@@ -51,7 +51,20 @@ import torch
 
 from _launch import WORKERS, run_torchrun, write_json
 from fl_accel import FLConfig
-from fl_accel.exchange import BLOCK, dequantize, quantization_error_bound, quantize
+from fl_accel.exchange import BLOCK, QMAX, dequantize, quantize
+
+
+def quantization_error_bound(x: torch.Tensor, sync_dtype: str) -> torch.Tensor:
+    """Per-element bound of ``|dequantize(quantize(x)) - x|`` in fp32: half an int8 step
+    ``scale / 2`` of the element's block, widened by the fp32 roundings of ``x / scale``
+    (at most 127 * 2^-24 of a step) and of ``q * scale`` and the difference (2^-23 |x|);
+    for bf16 half an ulp of its 8 significant bits (at most 2^-8 |x|)."""
+    if sync_dtype == "bf16":
+        return x.abs() * 2.0 ** -8 + torch.finfo(torch.float32).tiny
+    blocks = x.reshape(-1, BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / QMAX
+    return (scale * 0.5 * (1 + 2.0 ** -15)).expand_as(blocks).reshape(x.shape) + x.abs() * 2.0 ** -23
+
 
 WORKER = WORKERS / "stream_worker.py"
 LAUNCH_TIMEOUT = 600  # seconds; a hang fails the test instead of blocking the suite
@@ -69,9 +82,9 @@ WIRE = {**STREAM, "sync_delay": 2}  # launch at local step 1, all-gather at 2, a
 RESUME_INT8 = {**FL2, "sync_every": 8, "num_fragments": 2, "sync_delay": 2, "sync_dtype": "int8",
                "error_feedback": True, **NESTEROV}
 LAUNCH_AT_1 = {**WIRE, "sync_dtype": "int8", "error_feedback": True, **NESTEROV}  # launch at local step 1
-# anchor_device: H/P = 3, tau = 1 (launch at local step 2, apply at 3), int8 + EF, "nesterov": every kind of outer state
+# outer_state_device: H/P = 3, tau = 1 (launch at local step 2, apply at 3), int8 + EF, "nesterov": every kind of outer state
 ANCHOR_SAME = {**STREAM, "sync_delay": 1, "sync_dtype": "int8", "error_feedback": True, **NESTEROV}
-ANCHOR_CPU = {**ANCHOR_SAME, "anchor_device": "cpu"}
+ANCHOR_CPU = {**ANCHOR_SAME, "outer_state_device": "cpu"}
 
 
 def _sc(name, fl, steps=STEPS, **extra):
@@ -125,13 +138,13 @@ BAD_CASES = [
     ("alpha_negative", {"fragment_update_alpha": -0.1}, {}, "fragment_update_alpha"),
     ("alpha_nan", {"fragment_update_alpha": float("nan")}, {}, "fragment_update_alpha"),
     ("unknown_sync_dtype", {"sync_dtype": "fp8"}, {}, "sync_dtype"),
-    ("unknown_anchor_device", {"anchor_device": "gpu"}, {}, "anchor_device"),
+    ("unknown_outer_state_device", {"outer_state_device": "gpu"}, {}, "outer_state_device"),
     # valid when built, broken afterwards: FLAccelerator's own validation must catch it
     ("set_h_not_multiple_of_p", {"sync_every": 6}, {"num_fragments": 4}, "num_fragments"),
     ("set_tau_too_large", {"sync_every": 6, "num_fragments": 2}, {"sync_delay": 3}, "sync_delay"),
     ("set_alpha_above_one", {}, {"fragment_update_alpha": 2.0}, "fragment_update_alpha"),
     ("set_unknown_sync_dtype", {}, {"sync_dtype": "int4"}, "sync_dtype"),
-    ("set_unknown_anchor_device", {}, {"anchor_device": "cuda"}, "anchor_device"),
+    ("set_unknown_outer_state_device", {}, {"outer_state_device": "cuda"}, "outer_state_device"),
 ]
 
 
@@ -800,18 +813,8 @@ def test_suspended_steps_do_not_advance_the_schedule():
     """No processes: optimizer steps taken inside ``FederatedSynchronizer.suspended()`` (what
     a checkpoint must wrap around DCP's state-initializing optimizer step) leave every
     counter alone; steps outside count. H=100, so no sync (no collective) is due."""
-    from fl_accel.mesh import FLLayout
-    from fl_accel.sync import FederatedSynchronizer
-
-    class _NoMesh:
-        def group(self, axis):
-            return None
-
-    cfg = FLConfig(sync_every=100, num_fragments=2, sync_delay=1)
-    layout = FLLayout.from_config(cfg, 4)
-    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(3))]
-    sync = FederatedSynchronizer([("a", params[0]), ("b", params[1])], torch.optim.SGD(params, lr=0.1),
-                                 layout=layout, mesh=_NoMesh(), rank=0, config=cfg)
+    sync, params = _no_mesh_synchronizer(FLConfig(sync_every=100, num_fragments=2, sync_delay=1),
+                                         [torch.ones(4), torch.zeros(3)])
     sync.on_optimizer_step()
     with sync.suspended():
         assert sync.on_optimizer_step() is False
@@ -819,7 +822,20 @@ def test_suspended_steps_do_not_advance_the_schedule():
             sync.on_optimizer_step()
         sync.on_optimizer_step()
     sync.on_optimizer_step()
-    assert (sync.local_step, sync.global_step, sync.pending) == (2, 2, True)
+    assert (sync.schedule.local_step, sync.schedule.global_step, sync.schedule.in_sync) == (2, 2, False)
+
+
+def _no_mesh_synchronizer(cfg, values):
+    """A synchronizer of F=2 groups on 4 ranks whose transport has no process groups (no
+    collective may run): for tests of what happens between syncs."""
+    from fl_accel.exchange import MeshTransport
+    from fl_accel.mesh import FLLayout, FLMesh
+    from fl_accel.sync import FederatedSynchronizer
+
+    params = [torch.nn.Parameter(v) for v in values]
+    transport = MeshTransport.from_mesh(FLMesh(FLLayout.from_config(cfg, 4), None, {}), 0, "size", torch.device("cpu"))
+    return FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                                 transport=transport, config=cfg), params
 
 
 def test_checkpoint_keeps_each_replicas_residual_hsdp(eight):
@@ -852,12 +868,12 @@ def test_checkpoint_mid_exchange_hsdp_round_trip(eight):
         assert rec["num_fragment_syncs"] == 2
 
 
-# ====================================================================== g. anchor_device="cpu"
-def test_anchor_device_cpu_is_bitwise_the_same_run(four):
+# ====================================================================== g. outer_state_device="cpu"
+def test_outer_state_device_cpu_is_bitwise_the_same_run(four):
     """int8 + error feedback, "nesterov", P=2, H=6, tau=1, inner SGD with momentum, 11 steps
     + end_training, each saving a checkpoint at step 5: the run with the outer state in host
-    memory (anchor_device="cpu") has every loss and every rank's shards after every step and
-    after end_training bitwise equal to the run with anchor_device="same". On this CPU machine
+    memory (outer_state_device="cpu") has every loss and every rank's shards after every step and
+    after end_training bitwise equal to the run with outer_state_device="same". On this CPU machine
     both are host memory: what differs is only how the state is allocated (never pinned
     without CUDA); the GPU placement is checked in tests/test_cuda.py. Not vacuous: the groups
     differ between syncs, and the anchor, momentum and residuals all exist."""
@@ -874,9 +890,9 @@ def test_anchor_device_cpu_is_bitwise_the_same_run(four):
 @pytest.mark.parametrize("name,saved", [("anchor_cpu_from_cpu5", "anchor_cpu"),
                                         ("anchor_same_from_cpu5", "anchor_cpu"),
                                         ("anchor_cpu_from_same5", "anchor_same")])
-def test_anchor_device_resume_mid_exchange_is_bitwise(four, resumed, name, saved):
+def test_outer_state_device_resume_mid_exchange_is_bitwise(four, resumed, name, saved):
     """The checkpoint of step 5 (mid-round, fragment 1's int8 exchange launched at step 5 and
-    in flight), resumed in fresh processes with anchor_device "cpu" from a "cpu" checkpoint,
+    in flight), resumed in fresh processes with outer_state_device "cpu" from a "cpu" checkpoint,
     and switched either way ("same" from "cpu", "cpu" from "same": the setting places state, it
     does not change values, so a resume may switch it): every later loss and shard, and the
     state after end_training, are bitwise those of the uninterrupted "same" run."""
@@ -892,35 +908,27 @@ def test_anchor_device_resume_mid_exchange_is_bitwise(four, resumed, name, saved
     _assert_same_run(ref, res, 6)
 
 
-def test_anchor_device_cpu_places_the_outer_state_on_the_host():
-    """No processes: with anchor_device="cpu" the anchor, the residuals and (after an outer
+def test_outer_state_device_cpu_places_the_outer_state_on_the_host():
+    """No processes: with outer_state_device="cpu" the anchor, the residuals and (after an outer
     step) the momentum are CPU tensors, pinned only when the parameters are on CUDA (never
     here), all fp32, and two outer steps (``_apply`` with given means, alpha 0.5) give bitwise
-    the parameters, anchors and momentum of anchor_device="same"."""
-    from fl_accel.mesh import FLLayout
-    from fl_accel.sync import FederatedSynchronizer
-
-    class _NoMesh:
-        def group(self, axis):
-            return None
-
+    the parameters, anchors and momentum of outer_state_device="same"."""
     out = {}
     for where in ("same", "cpu"):
-        cfg = FLConfig(sync_every=100, num_fragments=2, sync_dtype="int8", error_feedback=True, anchor_device=where,
-                       **NESTEROV)
+        cfg = FLConfig(sync_every=100, num_fragments=2, sync_dtype="int8", error_feedback=True,
+                       outer_state_device=where, **NESTEROV)
         gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(40, generator=gen)), torch.nn.Parameter(torch.randn(3, 5, generator=gen))]
-        sync = FederatedSynchronizer([("a", params[0]), ("b", params[1])], torch.optim.SGD(params, lr=0.1),
-                                     layout=FLLayout.from_config(cfg, 4), mesh=_NoMesh(), rank=0, config=cfg)
-        assert sync.anchor is not None and sync.residuals is not None and not sync._state_on_host()
+        sync, params = _no_mesh_synchronizer(cfg, [torch.randn(40, generator=gen), torch.randn(3, 5, generator=gen)])
+        outer = sync.outer
+        assert outer.anchor is not None and outer.residuals is not None and not outer.on_host
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen))
             for _ in range(2):  # the second step uses the momentum taken by the first
                 sync._apply([0, 1], [torch.randn(p.shape, generator=gen) for p in params], 0.5)
-        momentum = [s["momentum_buffer"] for s in sync.outer_optimizer.state.values()]
+        momentum = [s["momentum_buffer"] for s in outer.optimizer.state.values()]
         assert len(momentum) == 2
-        for t in list(sync.anchor) + sync.residuals + momentum:
+        for t in list(outer.anchor) + outer.residuals + momentum:
             assert t.device.type == "cpu" and not t.is_pinned() and t.dtype == torch.float32
-        out[where] = [p.detach().clone() for p in params] + [a.detach().clone() for a in sync.anchor] + momentum
+        out[where] = [p.detach().clone() for p in params] + [a.detach().clone() for a in outer.anchor] + momentum
     assert all(torch.equal(a, b) for a, b in zip(out["same"], out["cpu"]))

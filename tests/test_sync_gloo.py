@@ -55,6 +55,7 @@ class _FakeFL:
 def _fake_synchronizer(monkeypatch, sync_every=3, offset=2.0, **config):
     import torch.distributed as dist
 
+    from fl_accel.exchange import MeshTransport
     from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.sync import FederatedSynchronizer
 
@@ -62,10 +63,10 @@ def _fake_synchronizer(monkeypatch, sync_every=3, offset=2.0, **config):
     monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
     params = [torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3)), torch.nn.Parameter(torch.ones(5))]
     cfg = FLConfig(sync_every=sync_every, **config).validate()
-    layout = FLLayout.equal(2, 1, 1)
-    mesh = FLMesh(layout, None, {"fl": object()})  # the fake collective ignores the group
-    sync = FederatedSynchronizer(list(zip(["a", "b"], params)), torch.optim.SGD(params, lr=0.1), layout=layout,
-                                 mesh=mesh, rank=0, config=cfg)
+    mesh = FLMesh(FLLayout.equal(2, 1, 1), None, {"fl": object()})  # the fake collective ignores the group
+    transport = MeshTransport.from_mesh(mesh, 0, cfg.group_weighting, torch.device("cpu"))
+    sync = FederatedSynchronizer(list(zip(["a", "b"], params)), torch.optim.SGD(params, lr=0.1),
+                                 transport=transport, config=cfg)
     return sync, params, fake
 
 
@@ -78,7 +79,8 @@ def test_on_optimizer_step_syncs_every_h_steps_with_fake_collective(monkeypatch)
     storage = [p.data_ptr() for p in params]
     synced = [sync.on_optimizer_step() for _ in range(7)]
     assert synced == [False, False, True, False, False, True, False]
-    assert (sync.num_syncs, sync.local_step, sync.global_step, sync.pending) == (2, 1, 7, True)
+    assert (sync.schedule.num_syncs, sync.schedule.local_step, sync.schedule.global_step,
+            sync.schedule.in_sync) == (2, 1, 7, False)
     assert fake.calls == 4  # per sync: one MAX (non-finite flags) + one SUM (the one bucket)
     for p, b in zip(params, before):
         torch.testing.assert_close(p.detach(), b + 2.0, rtol=0, atol=1e-6)  # two syncs, +1 each

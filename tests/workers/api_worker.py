@@ -8,9 +8,9 @@ optimizer step. MODE ``collectives``: every collective of the library and the re
 this machine's default process group and device (the CUDA test runs it on a 1-process
 NCCL group, which rejects CPU tensors as a multi-GPU job would): the recipe's evaluate()
 and main_first(), the sync's exchange in fp32/bf16/int8, its non-finite check, the
-start-up checksum, a federated checkpoint save and load. MODE ``anchor_device``: the
-synchronizer's outer step with ``anchor_device`` "same" and "cpu" on this device (a
-1-process group, driven through its ``_start``/``_apply``; see :func:`anchor_device`).
+start-up checksum, a federated checkpoint save and load. MODE ``outer_state_device``: the
+synchronizer's outer step with ``outer_state_device`` "same" and "cpu" on this device (a
+1-process group, driven through its ``_exchange``/``_apply``; see :func:`outer_state_device`).
 Each rank writes ``OUT_DIR/<mode>-rank<k>.json``.
 """
 
@@ -55,7 +55,7 @@ def scheduler(out_dir: str) -> None:
 def collectives(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from fl_accel.exchange import Transport
+    from fl_accel.exchange import MeshTransport, Round, mean
     from recipes.pretrain import evaluate, main_first
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"), mixed_precision="bf16" if torch.cuda.is_available() else "no")
@@ -69,13 +69,12 @@ def collectives(out_dir: str) -> None:
     rec["eval"] = evaluate(model, acc, blocks, 2)[0]
     rec["eval_per_group"] = evaluate(model, acc, blocks, 2, per_group=True)[0]
     world = dist.group.WORLD
+    t = MeshTransport(fl_group=world, replicate_group=None, round=Round(1, 0, (1.0,)), num_chunks=1, chunk_index=0,
+                      replicas=1, chunk_owners=(0,), device=acc.device)
     for dtype in ("fp32", "bf16", "int8"):
-        t = Transport(fl_group=world, replicate_group=None, num_groups=1, group_index=0, weights=(1.0,),
-                      num_chunks=1, chunk_index=0, replicas=1, chunk_owners=(0,), sync_dtype=dtype)
         x = torch.linspace(-1, 1, 1000, device=acc.device)
-        mean = t.start([x]).finish()[0]
-        rec[f"exchange_{dtype}_max_err"] = (mean - x).abs().max().item()
-    acc.synchronizer._check_finite()  # the sync's world all-reduce of per-group flags
+        rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()
+    t.bad_groups(False, t.begin())  # the sync's world all-reduce of per-group flags
     acc.save_state(f"{out_dir}/ckpt")
     acc.load_state(f"{out_dir}/ckpt")
     rec["ok"] = True
@@ -83,8 +82,8 @@ def collectives(out_dir: str) -> None:
     acc.end_training()
 
 
-def anchor_device(out_dir: str) -> None:
-    """anchor_device "same" vs "cpu" on this machine's device, one process (F=1 on the
+def outer_state_device(out_dir: str) -> None:
+    """outer_state_device "same" vs "cpu" on this machine's device, one process (F=1 on the
     world group: the "fl" exchange is a real collective over one rank, as in
     ``collectives``). Two settings: fp32 exchange + "nesterov" (alpha 0), and int8 + error
     feedback + "nesterov" with P=2 and alpha 0.5. Four fragment syncs, each launched, then
@@ -93,15 +92,15 @@ def anchor_device(out_dir: str) -> None:
     anchor, momentum and residuals live (device, pinned), the devices of every tensor given
     to a collective and of the exchange's buffers, and the device memory the outer state
     holds afterwards; plus cross-placement state round trips (``state_tensors`` ->
-    ``load_state_dict``) and a DCP save/load of a host tensor wrapped like a sharded
-    parameter (``checkpoint._as_dtensor_like``), which must not move it to the device."""
+    ``load_state_dict``) and a DCP save/load of a host tensor as the checkpoint keeps the
+    sync's tensors (plain tensors keyed by shard), which must not move it to the device."""
     import tempfile
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from fl_accel.checkpoint import _as_dtensor_like
-    from fl_accel.mesh import FL, FLLayout
+    from fl_accel.exchange import MeshTransport
+    from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.sync import FederatedSynchronizer
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"))  # fp32 parameters
@@ -120,10 +119,6 @@ def anchor_device(out_dir: str) -> None:
     for name, fn in real.items():
         setattr(dist, name, spy(fn))
 
-    class _WorldMesh:
-        def group(self, axis):
-            return dist.group.WORLD if axis == FL else None
-
     shapes = [(1000,), (64, 33), (257,)]
     numel = sum(torch.Size(s).numel() for s in shapes)
     settings = {"fp32": dict(sync_dtype="fp32", num_fragments=1, alpha=0.0),
@@ -132,13 +127,15 @@ def anchor_device(out_dir: str) -> None:
     def make(where: str, setting: dict):
         fields = {k: v for k, v in setting.items() if k != "alpha"}
         cfg = FLConfig(algorithm="fl_fsdp", num_groups=1, sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
-                       outer_momentum=0.9, anchor_device=where, **fields)
+                       outer_momentum=0.9, outer_state_device=where, **fields)
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
         base = torch.cuda.memory_allocated(dev) if cuda else 0
+        mesh = FLMesh(FLLayout.from_config(cfg, 1), None, {"fl": dist.group.WORLD})  # F=1 on the world group
+        transport = MeshTransport.from_mesh(mesh, 0, "size", dev)
         sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
-                                     layout=FLLayout.from_config(cfg, 1), mesh=_WorldMesh(), rank=0, config=cfg)
-        sync.reset_anchor()  # F=1: the constructor takes none
+                                     transport=transport, config=cfg)
+        sync.outer.reset()  # F=1: the constructor takes none
         return sync, params, base, gen
 
     def where_is(tensors):
@@ -159,8 +156,8 @@ def anchor_device(out_dir: str) -> None:
 
             for k in range(4):
                 move()
-                idx = sync.fragment_indices[k % len(sync.fragment_indices)]
-                ex = sync._start(idx)
+                idx = sync.fragments[k % len(sync.fragments)].params
+                ex = sync._exchange(idx).start()
                 if ex.stream is not None:  # in training a forward and backward separate packing from the next write
                     torch.cuda.current_stream().wait_stream(ex.stream)
                 run["buffers"] += [str(b.flat.device) for b in ex.buckets]
@@ -178,9 +175,9 @@ def anchor_device(out_dir: str) -> None:
             run["state_bytes_on_device"] = (torch.cuda.memory_allocated(dev) - base) if cuda else 0
             run["param_devices"] = sorted({str(p.device) for p in params})
             run["collective_devices"] = sorted(set(seen))
-            run["anchor"] = where_is(list(sync.anchor))
-            run["momentum"] = where_is([s["momentum_buffer"] for s in sync.outer_optimizer.state.values()])
-            run["residual"] = where_is(sync.residuals)
+            run["anchor"] = where_is(list(sync.outer.anchor))
+            run["momentum"] = where_is([s["momentum_buffer"] for s in sync.outer.optimizer.state.values()])
+            run["residual"] = where_is(sync.outer.residuals)
             rec["runs"][f"{label}/{where}"] = run
             syncs[(label, where)] = sync
     rec["numel"] = numel
@@ -191,34 +188,33 @@ def anchor_device(out_dir: str) -> None:
         a = syncs[("int8_ef", src)]
         b, _, _, _ = make(dst, settings["int8_ef"])
         shared, per_rank = a.state_tensors()
-        b.load_state_dict(a.state_dict(), shared, per_rank)
+        b.load_state_dict(a.schedule.state_dict(), shared, per_rank)
         got, want = b.state_tensors(), a.state_tensors()
         rec["state_round_trip_equal"][f"{src}->{dst}"] = all(
             torch.equal(got[j][i][kind].cpu(), want[j][i][kind].cpu())
             for j in range(2) for i in want[j] for kind in want[j][i]) and \
-            {t.device.type for t in b.anchor} == {"cpu" if dst == "cpu" else dev.type}
+            {t.device.type for t in b.outer.anchor} == {"cpu" if dst == "cpu" else dev.type}
 
-    # DCP: a host tensor wrapped like a sharded parameter is saved and loaded where it is
+    # DCP: a host tensor of a sharded parameter's local shape, keyed by shard as the
+    # checkpoint keeps the sync's state, is saved and loaded where it is
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     param = next(model.parameters())
     host = torch.randn(param.to_local().shape, pin_memory=cuda)
-    wrapped = _as_dtensor_like(host, param)
-    target = torch.zeros_like(host)
+    ptr, target = host.data_ptr(), torch.zeros_like(host)
     with tempfile.TemporaryDirectory(dir=out_dir) as ckpt:
-        dcp.save({"x": wrapped}, checkpoint_id=ckpt)
-        loaded = _as_dtensor_like(target, param)
-        dcp.load({"x": loaded}, checkpoint_id=ckpt)
-    rec["dcp_host"] = {"wrapped_local_device": str(wrapped.to_local().device),
-                       "same_storage": wrapped.to_local().data_ptr() == host.data_ptr(),
+        dcp.save({"fl": {"anchor/x/shard0": host}}, checkpoint_id=ckpt)
+        dcp.load({"fl": {"anchor/x/shard0": target}}, checkpoint_id=ckpt)
+    rec["dcp_host"] = {"wrapped_local_device": str(target.device), "same_storage": host.data_ptr() == ptr,
                        "loaded_equal": bool(torch.equal(target, host)), "mesh": param.device_mesh.device_type}
     for name, fn in real.items():
         setattr(dist, name, fn)
     rec["ok"] = True
-    json.dump(rec, open(f"{out_dir}/anchor_device-rank{acc.process_index}.json", "w"))
+    json.dump(rec, open(f"{out_dir}/outer_state_device-rank{acc.process_index}.json", "w"))
     acc.end_training()
 
 
 if __name__ == "__main__":
-    {"scheduler": scheduler, "collectives": collectives, "anchor_device": anchor_device}[sys.argv[1]](sys.argv[2])
+    {"scheduler": scheduler, "collectives": collectives, "outer_state_device": outer_state_device}[sys.argv[1]](
+        sys.argv[2])

@@ -80,7 +80,7 @@ def main() -> None:
         if mode in ("nan", "opt_state") and step + 1 == 3:
             break
     rec["params"] = [p.to_local().detach().clone() for p in model.parameters()]
-    rec["num_syncs"] = acc.synchronizer.num_syncs
+    rec["num_syncs"] = acc.synchronizer.schedule.num_syncs
     rec["opt_state"] = [opt.optimizer.state[p][k].to_local().detach().clone()
                         for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     torch.save(rec, f"{out_dir}/{mode}-{extra}-rank{acc.process_index}.pt")
@@ -110,7 +110,7 @@ def nan_through_loss(out_dir: str, average_state: bool) -> None:
                    for k in ("exp_avg", "exp_avg_sq")]
         rec["params"][step + 1], rec["moments"][step + 1] = params, moments
         rec["finite"][step + 1] = all(torch.isfinite(t).all().item() for t in params + moments)
-        rec["num_syncs"][step + 1] = acc.synchronizer.num_syncs
+        rec["num_syncs"][step + 1] = acc.synchronizer.schedule.num_syncs
     torch.save(rec, f"{out_dir}/nan_loss-{'avg' if average_state else 'own'}-rank{acc.process_index}.pt")
     acc.end_training()
 

@@ -6,7 +6,7 @@
 Layout: unequal groups [2, 4] with S = 1 on 6 gloo processes, so R = (2, 4) replicas and
 R_min = 2 (with S = 2 both rules below coincide: R_min = 1). For each buffer size (MiB
 of fp32 per rank) it times one exchange of a random buffer with
-:class:`fl_accel.exchange.Transport` under two rules:
+:class:`fl_accel.exchange.MeshTransport` under two rules:
 
 * "chunked" (fl_accel): C = R_min = 2 chunks; replicas 0 and 1 of each group exchange
   one chunk each over "fl"; group 0 (R = C) all-gathers, group 1 (R > C) broadcasts
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fl_accel.comm import CommMeter, CommStats
-from fl_accel.exchange import Transport
+from fl_accel.exchange import MeshTransport, Round, mean
 from fl_accel.mesh import FLLayout
 
 REPS = 5
@@ -62,10 +62,10 @@ def main() -> None:
     rules = {}
     for name, chunks in (("chunked", layout.min_replicas), ("one_exchanger", 1)):
         fl, rep = groups(chunks)
-        rules[name] = (Transport(fl_group=fl if r < chunks else None, replicate_group=rep, num_groups=2,
-                                 group_index=f, weights=weights, num_chunks=chunks,
-                                 chunk_index=r if r < chunks else None, replicas=layout.replicas_of(f),
-                                 chunk_owners=tuple(layout.rank(f, c, 0) for c in range(chunks))),
+        rules[name] = (MeshTransport(fl_group=fl if r < chunks else None, replicate_group=rep,
+                                     round=Round(2, f, weights), num_chunks=chunks,
+                                     chunk_index=r if r < chunks else None, replicas=layout.replicas_of(f),
+                                     chunk_owners=tuple(layout.rank(f, c, 0) for c in range(chunks))),
                        fl, rep)
     for mib in sizes:
         n = int(mib * 2**20 / 4)
@@ -79,7 +79,7 @@ def main() -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 with CommMeter(stats, buckets):
-                    out = transport.start([x]).finish()[0]
+                    out = mean(transport, [x])[0]
                 took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if i:  # the first run warms up the connections

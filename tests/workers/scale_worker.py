@@ -133,7 +133,7 @@ def scenario_tied(rank: int, outer: str, out_dir: str, mode: str, last: bool) ->
         rec["pre_sync"].append(pre)
         rec["post_sync"].append([local(p).detach().clone() for p in model.parameters()])
         rec["tied_after_sync"].append(tied())
-        rec["sync_steps"].append(sync.global_step)
+        rec["sync_steps"].append(sync.schedule.global_step)
 
     sync.sync = spy_sync
     probe = batch(99, 0)  # the same batch on every rank

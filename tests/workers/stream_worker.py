@@ -21,7 +21,7 @@ rank only, so a resumed run reads the same data). It writes
 after every optimizer step and after ``end_training``, the losses, the batches, the
 cumulative ``comm_stats`` after every step, the fragments, and with ``spy`` what the
 exchange saw: the pseudo-gradients and error-feedback residuals at every launch and
-the means at every apply (by wrapping ``_start``/``_apply`` on the synchronizer
+the means at every apply (by wrapping ``_exchange``/``_apply`` on the synchronizer
 instance; nothing else changes), and where the synchronizer's outer state lives
 (``state_devices``: the devices and pinned flags of the anchor, momentum and residuals).
 
@@ -112,38 +112,42 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     def snap():
         return _scenario.local_shards(params)
 
+    outer, schedule = sync.outer, sync.schedule
+
     def sync_tensors():
         return {"params": snap(),
-                "anchor": None if sync.anchor is None else [a.detach().clone() for a in sync.anchor],
-                "residual": None if sync.residuals is None else [r.clone() for r in sync.residuals]}
+                "anchor": None if outer.anchor is None else [a.detach().clone() for a in outer.anchor],
+                "residual": None if outer.residuals is None else [r.clone() for r in outer.residuals]}
 
     rec = {"scenario": sc["name"], "rank": rank, "coords": [acc.group_index, acc.replica_index, acc.shard_index],
            "layout": list(acc.layout.shape), "names": list(sync.names),
-           "fragment_indices": [list(f) for f in sync.fragment_indices], "init": snap(),
+           "fragment_indices": [list(f.params) for f in sync.fragments], "init": snap(),
            "steps": [], "launches": [], "applies": [], "saved": [], "start": 0}
 
-    if sc.get("spy"):
-        real_start, real_apply = sync._start, sync._apply
+    if sc.get("spy"):  # launches and applies alternate: one exchange in flight at most
+        real_exchange, real_apply = sync._exchange, sync._apply
 
-        def spy_start(indices):
+        def spy_exchange(indices, rnd=None):
             indices = list(indices)
             with torch.no_grad():
-                entry = {"step": sync.global_step, "indices": indices,
-                         "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
-                         "anchor": None if sync.anchor is None else [sync.anchor[i].detach().clone() for i in indices],
-                         "residual_before": None if sync.residuals is None else
-                         [sync.residuals[i].clone() for i in indices]}
-            ex = real_start(indices)
-            entry["residual_after"] = None if sync.residuals is None else [sync.residuals[i].clone() for i in indices]
-            rec["launches"].append(entry)
-            return ex
+                rec["launches"].append({
+                    "step": schedule.global_step, "indices": indices,
+                    "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
+                    "anchor": None if outer.anchor is None else [outer.anchor[i].detach().clone() for i in indices],
+                    "residual_before": None if outer.residuals is None else
+                    [outer.residuals[i].clone() for i in indices]})
+            return real_exchange(indices, rnd)
 
         def spy_apply(indices, means, alpha):
-            rec["applies"].append({"step": sync.global_step, "indices": list(indices), "alpha": alpha,
+            launch = rec["launches"][-1]
+            if "residual_after" not in launch:  # the exchange quantized (and kept the residuals) at its launch
+                launch["residual_after"] = None if outer.residuals is None else \
+                    [outer.residuals[i].clone() for i in launch["indices"]]
+            rec["applies"].append({"step": schedule.global_step, "indices": list(indices), "alpha": alpha,
                                    "means": [m.detach().clone() for m in means]})
             return real_apply(indices, means, alpha)
 
-        sync._start, sync._apply = spy_start, spy_apply
+        sync._exchange, sync._apply = spy_exchange, spy_apply
 
     start, steps = 0, sc["steps"]
     rec["load_error"] = None
@@ -158,7 +162,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             steps = 0
         else:
             start = int(meta["completed_steps"])
-            rec["resumed_sync_state"] = sync.state_dict()
+            rec["resumed_sync_state"] = schedule.state_dict()
         rec["start"] = start
     with acc.meter_comm():
         for step in range(start, steps):
@@ -168,12 +172,12 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             opt.step()
             opt.zero_grad()
             rec["steps"].append({"step": step + 1, "loss": loss.item(), "batch": x, "params": snap(),
-                                 "comm": acc.comm_stats.as_dict(), "local_step": sync.local_step,
-                                 "num_fragment_syncs": sync.num_fragment_syncs,
-                                 "inflight": None if sync._inflight is None else sync._inflight[0]})
+                                 "comm": acc.comm_stats.as_dict(), "local_step": schedule.local_step,
+                                 "num_fragment_syncs": schedule.num_fragment_syncs,
+                                 "inflight": schedule.inflight})
             if step + 1 in sc.get("save_at", ()):
                 acc.save_state(str(out / sc["name"] / f"step_{step + 1}"), extra_meta={"completed_steps": step + 1})
-                rec["saved"].append({"step": step + 1, "sync_state": sync.state_dict(), "params": snap()})
+                rec["saved"].append({"step": step + 1, "sync_state": schedule.state_dict(), "params": snap()})
                 if step + 1 in sc.get("roundtrip_at", ()):  # load it back at once: nothing may change
                     before = sync_tensors()
                     acc.load_state(str(out / sc["name"] / f"step_{step + 1}"))
@@ -182,20 +186,21 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     rec["final"] = snap()
     rec["state_devices"] = state_devices(sync)
     rec["final_comm"] = acc.comm_stats.as_dict()
-    rec["num_syncs"] = sync.num_syncs
-    rec["num_fragment_syncs"] = sync.num_fragment_syncs
+    rec["num_syncs"] = schedule.num_syncs
+    rec["num_fragment_syncs"] = schedule.num_fragment_syncs
     _scenario.save_record(rec, out, sc["name"], rank, last)
 
 
 def state_devices(sync) -> dict:
     """``{kind: [sorted device names, any pinned]}`` of the synchronizer's outer state (None: none kept)."""
-    momentum = None if sync.outer_optimizer is None else \
-        [s["momentum_buffer"] for s in sync.outer_optimizer.state.values() if "momentum_buffer" in s]
+    outer = sync.outer
+    momentum = None if outer.optimizer is None else \
+        [s["momentum_buffer"] for s in outer.optimizer.state.values() if "momentum_buffer" in s]
 
     def where(tensors):
         return None if tensors is None else [sorted({str(t.device) for t in tensors}), any(t.is_pinned() for t in tensors)]
 
-    return {"anchor": where(sync.anchor), "momentum": where(momentum), "residual": where(sync.residuals)}
+    return {"anchor": where(outer.anchor), "momentum": where(momentum), "residual": where(outer.residuals)}
 
 
 def main() -> None:

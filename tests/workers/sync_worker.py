@@ -133,7 +133,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     rec = {"scenario": sc["name"], "rank": rank, "world": world,
            "coords": [acc.group_index, acc.replica_index, acc.shard_index],
-           "layout": list(acc.layout.shape), "fragments": sync.fragments if (sync := acc.synchronizer) else None, "num_groups": acc.num_groups, "is_fsdp2": bool(acc.is_fsdp2),
+           "layout": list(acc.layout.shape), "fragments": [f.names for f in sync.fragments] if (sync := acc.synchronizer) else None, "num_groups": acc.num_groups, "is_fsdp2": bool(acc.is_fsdp2),
            "names": names, "meta": meta(), "init": snap(),
            "pre_sync": [], "post_sync": [], "sync_meta": [], "sync_global_step": [], "steps": [], "snaps": []}
 
@@ -146,7 +146,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
         rec["pre_sync"].append(pre)
         rec["post_sync"].append(snap())
         rec["sync_meta"].append([pre_meta, meta()])
-        rec["sync_global_step"].append(sync.global_step)
+        rec["sync_global_step"].append(sync.schedule.global_step)
 
     sync.sync = spy_sync
 
@@ -159,7 +159,8 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
             optimizer.zero_grad()
         rec["steps"].append({
             "micro_batch": i + 1, "loss": loss.item(), "sync_gradients": bool(acc.sync_gradients),
-            "local_step": sync.local_step, "global_step": sync.global_step, "num_syncs": sync.num_syncs,
+            "local_step": sync.schedule.local_step, "global_step": sync.schedule.global_step,
+            "num_syncs": sync.schedule.num_syncs,
             "comm": acc.comm_stats.as_dict(), "batch": batch.tolist(),
         })
         if sc.get("snap_steps"):
@@ -167,7 +168,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     _scenario.end_training(acc, last)
     rec["final"] = snap()
-    rec["final_num_syncs"] = sync.num_syncs
+    rec["final_num_syncs"] = sync.schedule.num_syncs
     rec["final_comm"] = acc.comm_stats.as_dict()
     _scenario.save_record(rec, out, sc["name"], rank, last)
 

@@ -132,12 +132,12 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                 rec["comm"][t + 1] = {axis: acc.comm_stats[axis].bytes for axis in ("fl", "dp_replicate", "world")}
                 if t + 1 in sc.get("save_at", ()):
                     acc.save_state(f"{sc['save_dir']}/step_{t + 1}", extra_meta={"completed_steps": t + 1})
-    rec["num_syncs_before_end"] = sync.num_syncs
+    rec["num_syncs_before_end"] = sync.schedule.num_syncs
     with acc.meter_comm():  # the final sync's bytes count too (end_training stops the meter)
         _scenario.end_training(acc, last)
     rec["final"] = snap()
     rec["final_comm"] = {axis: acc.comm_stats[axis].bytes for axis in ("fl", "dp_replicate", "world")}
-    rec["num_syncs"] = sync.num_syncs
+    rec["num_syncs"] = sync.schedule.num_syncs
     _scenario.save_record(rec, out, sc["name"], rank, last)
 
 

@@ -1,0 +1,192 @@
+"""Torch-only helpers around FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13).
+
+Functions of (model, mesh/layout, device): no Accelerate here, so each can be tested
+on a one-process group. What they rely on:
+
+* FSDP2 parameters are DTensors whose ``to_local()`` is this rank's shard; the shard
+  layout is that of ``distribute_tensor`` with the same mesh and placements.
+* ``fully_shard.state(module)`` is shared by the modules of one ``fully_shard`` call
+  (a unit; Accelerate shards [final norm, lm_head] as one), see :func:`fsdp_units`.
+* ``FSDPModule.reshard()`` frees a unit's unsharded parameters (no-op when sharded);
+  ``FSDPModule.reset_iter_state()`` reshards every unit and clears the post-forward
+  order FSDP2 keeps until the end of a backward, see :func:`track_forward_only`.
+* Activation checkpointing (``checkpoint_wrapper``) inserts ``_checkpoint_wrapped_module.``
+  and ``torch.compile(module)`` ``_orig_mod.`` into parameter names; DCP's
+  ``get_model_state_dict`` strips both, :func:`canonical_name` does the same for ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a (DTensor) parameter or state tensor, as a plain tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the activation-checkpointing and compile wrappers' prefixes, so a
+    parameter has one name with or without them (checkpoints resume across the switch)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
+    """Indices into ``params`` per FSDP unit (one ``fully_shard`` call), in forward order.
+
+    Units are the public ``FSDPModule``s of ``model``, grouped by their shared
+    ``fully_shard.state``; a unit holds the parameters of its modules that no nested
+    ``FSDPModule`` holds, each parameter in the first unit reaching it (tied weights).
+    Order: module registration (embedding, layer 0, ..., tail), the root unit last;
+    parameters no unit holds form one unit each.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    index = {id(p): i for i, p in enumerate(params)}
+    units: dict[int, list[int]] = {}
+    root_state, taken = None, set()
+
+    def own(module):
+        for p in module.parameters(recurse=False):
+            yield p
+        for child in module.children():
+            if not isinstance(child, FSDPModule):
+                yield from own(child)
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            state = id(fully_shard.state(module))
+            root_state = state if name == "" else root_state
+            for p in own(module):
+                if id(p) in index and id(p) not in taken:
+                    taken.add(id(p))
+                    units.setdefault(state, []).append(index[id(p)])
+    ordered = [sorted(u) for s, u in units.items() if s != root_state] + [sorted(units.get(root_state, []))]
+    ordered = [u for u in ordered if u]
+    return ordered + [[i] for i in range(len(params)) if i not in {j for u in ordered for j in u}]
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int = 0) -> None:
+    """Allocate a model sharded on the meta device and initialize it, shard by shard.
+
+    Modules are visited children first (transformers' order); each module's parameters
+    are created at their full shape on ``device``, ``init_fn(module)`` initializes them
+    (e.g. a transformers model's ``_init_weights``, which also recomputes RoPE buffers),
+    and this rank keeps its shard (``distribute_tensor(..., src_data_rank=None)``: no
+    communication). Peak memory: the sharded model plus the largest module. The values
+    are those a full initialization after ``torch.manual_seed(seed)`` gives, on every
+    rank alike; a tied parameter is initialized once.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    done: set[int] = set()
+
+    def visit(module):
+        for child in module.children():
+            visit(child)
+        swapped = {name: (p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                requires_grad=p.requires_grad))
+                   for name, p in module._parameters.items() if p is not None}
+        for name, (_, full) in swapped.items():
+            module._parameters[name] = full
+        try:
+            init_fn(module)
+        finally:
+            for name, (p, full) in swapped.items():
+                module._parameters[name] = p
+        for p, full in swapped.values():
+            if id(p) not in done:
+                done.add(id(p))
+                if isinstance(p, DTensor):
+                    shard = distribute_tensor(full.data, p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(shard.to_local())
+                else:
+                    p.data.copy_(full.data)
+
+    visit(model)
+
+
+def reshard(models) -> None:
+    """Free every FSDP2 unit's unsharded parameters (``FSDPModule.reshard``).
+
+    Call before writing local shards: a forward without backward (an evaluation) leaves
+    the tail unit, sharded with ``reshard_after_forward=False``, unsharded, and the next
+    forward's ``unshard()`` is then a no-op that would compute with stale full weights.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
+    """Reset FSDP2's per-iteration state before the first forward with grad that follows
+    forwards without grad (an evaluation), so the next backward does no wasted all-gather.
+
+    FSDP2 records each unit in its post-forward order also under ``no_grad`` and clears
+    that order only at the end of a backward; the next backward's prefetch would then
+    all-gather the evaluation's last unit for nothing. ``reset_iter_state()`` is called on
+    the root in a forward pre-hook, ahead of FSDP2's own, unless ``accumulating()`` (it
+    discards no-sync gradient-accumulation state). Values are unchanged. Returns the hook
+    handle, or None for a model that is not an ``FSDPModule``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return None
+    forward_only = [False]
+
+    def before_forward(module, args):
+        if not torch.is_grad_enabled():
+            forward_only[0] = True
+        elif forward_only[0]:
+            forward_only[0] = False
+            if not accumulating():
+                module.reset_iter_state()
+
+    return model.register_forward_pre_hook(before_forward, prepend=True)
+
+
+@torch.no_grad()
+def check_replicas_identical(model: torch.nn.Module, layout, rank: int, device: torch.device) -> None:
+    """Raise ValueError on every rank unless all groups and replicas hold identical
+    parameters: three fp64 checksums of each rank's shards (sum, sum of squares, a
+    position-weighted sum), all-reduced over the world, compared between ranks with the
+    same shard coordinate. Shards are summed in chunks of 2**20 values (a few MiB of fp64
+    temporaries). Collective over the default process group."""
+    world = layout.world_size
+    sums = torch.zeros(world, 3, dtype=torch.float64, device=device)
+    chunk = 1 << 20
+    for p in model.parameters():
+        t = local(p).detach().reshape(-1)
+        for start in range(0, t.numel(), chunk):
+            c = t[start:start + chunk].to(torch.float64)
+            w = torch.arange(start + 1, start + c.numel() + 1, dtype=torch.float64, device=c.device).remainder_(97)
+            sums[rank] += torch.stack([c.sum(), (c * c).sum(), (c * w).sum()])
+    dist.all_reduce(sums)
+    first: dict[int, int] = {}
+    differ = set()
+    for k in range(world):
+        f, r, s = layout.coords(k)
+        if not torch.equal(sums[k], sums[first.setdefault(s, k)]):
+            differ.add((f, r))
+    if differ:
+        groups = sorted({f for f, _ in differ})
+        where = f"group(s) {groups}" + (f" (group, HSDP replica): {sorted(differ)}" if layout.uses_hsdp else "")
+        raise ValueError(
+            f"the federation groups do not start from identical parameters: {where} differ from group 0's "
+            f"first replica. Seed identically on every rank before building the model "
+            f"(accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized models "
+            f"destroys training at the first sync.")
