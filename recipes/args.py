@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from fl_accel.config import ENV_PREFIX, PLACEMENT_ONLY_FIELDS, FLConfig, env_overrides, read_yaml_mapping
+
+
+TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
+"""Environment variables of the recipe's test hooks (``FL_ACCEL_TEST_FAULT_INJECT``,
+``FL_ACCEL_TEST_RECORD_BLOCKS``); not FLConfig fields."""
 
 
 class RecipeError(ValueError):
@@ -35,7 +41,11 @@ class RecipeArguments:
 
     # ------------------------------------------------------------------ model
     model: str = field(default="tiny", metadata=_help(
-        "preset (tiny, tiny-tied, llama3.2-1b, llama3.1-8b), a config.json, a model folder or a hub id"))
+        "preset (tiny, tiny-tied, llama3.2-1b, llama3.1-8b), or a config.json, a model folder or a hub id of any "
+        "causal LM whose model class declares _no_split_modules (Llama, Qwen2, Mistral, ...)"))
+    resize_vocab: bool = field(default=False, metadata=_help(
+        "set a --model config's vocab_size to the tokenizer's size (the banner reports it); without it a "
+        "vocabulary that differs from the tokenizer's is an error"))
     init_device: Literal["meta", "cpu"] = field(default="meta", metadata=_help(
         "meta: build on the meta device and initialize each rank's shard only (little host memory); "
         "cpu: build the full model on every rank first (an escape hatch)"))
@@ -75,6 +85,20 @@ class RecipeArguments:
     mixed_precision: Literal["auto", "no", "bf16"] = field(default="auto", metadata=_help(
         "auto: bf16 on GPUs that support it, else fp32. fp16 is not offered: its loss scaler can skip a step "
         "in one federation group only"))
+    reduce_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=_help(
+        "under bf16: the dtype FSDP2 reduces gradients in (parameters and compute stay bf16, the loss fp32). "
+        "fp32 (torchtitan's default) keeps the bits that summing bf16 gradient shards loses; bf16 reduces as "
+        "plain Accelerate does"))
+    activation_checkpointing: Literal["none", "full"] | None = field(default=None, metadata=_help(
+        "full: recompute each decoder layer's activations in the backward (non-reentrant, applied per layer "
+        "before sharding by Accelerate); none: keep them. Unset: what the Accelerate config says "
+        "(fsdp_activation_checkpointing, default none)"))
+    compile: bool = field(default=False, metadata=_help(
+        "torch.compile each decoder layer in place (regional compilation, inductor), after activation "
+        "checkpointing and before sharding"))
+    peak_tflops: float | None = field(default=None, metadata=_help(
+        "peak TFLOPS of one accelerator for MFU; unset: the dense bf16 peak of a known CUDA device "
+        "(A100, H100, H200, ...), else MFU is not reported (null)"))
     seed: int = field(default=42, metadata=_help("model init and data order (the same on every rank)"))
     # ------------------------------------------------------------------ evaluation, logging, checkpoints
     eval_every: int = field(default=0, metadata=_help(
@@ -116,6 +140,8 @@ class RecipeArguments:
                 raise RecipeError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise RecipeError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise RecipeError(f"--peak_tflops must be > 0, got {self.peak_tflops}")
         if not 0 <= self.warmup_ratio < 1:
             raise RecipeError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 < self.validation_split_percentage < 100:
@@ -128,14 +154,15 @@ class RecipeArguments:
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
     args = typing.get_args(hint)
-    if typing.get_origin(hint) is Literal:
-        if value not in args:
-            raise RecipeError(f"--{name} must be one of {list(args)}, got {value!r}")
-        return
     if type(None) in args:
         if value is None:
             return
         hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        if value not in args:
+            raise RecipeError(f"--{name} must be one of {list(args)}, got {value!r}")
+        return
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -217,6 +244,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     fl_names = set(fl_cls.field_names())
     defaults: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    values, fl_yaml = {}, {}
     if known.config:
         try:
             values = read_yaml_mapping(known.config, what="--config")
@@ -225,16 +253,20 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         fl_yaml = values.pop("fl", None) or {}
         if not isinstance(fl_yaml, dict):
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
-        for key in values:
-            if key in fl_names:
-                raise RecipeError(f"key {key!r} in {known.config} is an FLConfig field: it belongs under 'fl:'")
-            if key not in recipe_names:
-                raise RecipeError(f"unknown key {key!r} in {known.config}; recipe options: {sorted(recipe_names)}")
-        for key in fl_yaml:
-            if key not in fl_names:
-                where = " (a recipe option: put it at the top level)" if key in recipe_names else ""
-                raise RecipeError(f"unknown FLConfig field {key!r} under 'fl:' in {known.config}{where}; "
-                                  f"known: {sorted(fl_names)}")
+        _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
+    try:
+        # FL_ACCEL_TEST_* are the recipe's test hooks (recipes/test_hooks.py), not FLConfig fields.
+        env = env_overrides({k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}, cls=fl_cls)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
+    # Which flags were given explicitly: parse once with a sentinel as every default.
+    sentinel = object()
+    probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
+    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
+    given, _ = probe.parse_known_args(argv)
+    flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
+    _check_group_sizes_sum(flags, env, fl_yaml, known.config, environ)
+    if known.config:
         # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
         try:
             RecipeArguments(**values)
@@ -247,20 +279,11 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         defaults.update(values)
         defaults.update(fl_yaml)
         sources.update({k: known.config for k in (*values, *fl_yaml)})
-    try:
-        env = env_overrides(environ, cls=fl_cls)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
     defaults.update(env)
     sources.update({k: ENV_PREFIX + k.upper() for k in env})
     if defaults:
         parser.set_defaults(**defaults)
-    # Which flags were given explicitly: parse once with a sentinel as every default.
-    sentinel = object()
-    probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
-    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
-    given, _ = probe.parse_known_args(argv)
-    sources.update({k: "flag" for k, v in vars(given).items() if v is not sentinel and k != "config"})
+    sources.update({k: "flag" for k in flags})
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                     return_remaining_strings=True)
@@ -272,6 +295,62 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     defaults_of = {f.name: f.default for f in (*fields(RecipeArguments), *fields(fl_cls))}
     sources = {k: v for k, v in sources.items() if k in defaults_of}
     return ParsedArgs(recipe_args, fl, sources)
+
+
+ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+           "epochs": "num_epochs", "num_train_epochs": "num_epochs", "steps": "max_steps", "max_train_steps":
+           "max_steps", "block_size": "seq_len", "max_seq_length": "seq_len", "model_name_or_path": "model",
+           "H": "sync_every", "F": "num_groups", "P": "num_fragments", "tau": "sync_delay",
+           "anchor_device": "outer_state_device", "checkpointing_steps": "checkpoint_every"}
+"""Names users bring from other trainers (run_clm_no_trainer, the paper's letters), for "did you mean"."""
+
+
+def _did_you_mean(key: str, names: set[str]) -> str:
+    guess = ALIASES.get(key) if ALIASES.get(key) in names else None
+    guess = guess or next(iter(difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)), None)
+    return f" (did you mean {guess!r}?)" if guess else ""
+
+
+def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str]) -> None:
+    """Every unknown or misplaced key of a recipe YAML at once, each with a "did you mean".
+
+    Raises:
+        RecipeError: naming the file and every bad key.
+    """
+    problems = []
+    for key in values:
+        if key in fl_names:
+            problems.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
+        elif key not in recipe_names:
+            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names).replace("?)", "? under 'fl:')")
+            problems.append(f"unknown key {key!r}{hint}")
+    for key in fl_yaml:
+        if key in recipe_names:
+            problems.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
+        elif key not in fl_names:
+            problems.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
+    if problems:
+        raise RecipeError(f"{len(problems)} bad key{'s' if len(problems) > 1 else ''} in --config {config}: "
+                          + "; ".join(problems) + " (python recipes/pretrain.py --help lists the options)")
+
+
+def _check_group_sizes_sum(flags: dict, env: dict, fl_yaml: dict, config: str | None, environ) -> None:
+    """Group sizes must sum to the world size: checked before anything else about them, so
+    the first error a user sees is the one to fix first (not "unequal groups need fl_hsdp").
+
+    Raises:
+        RecipeError: naming where group_sizes was set and the launched world size.
+    """
+    for value, where in ((flags.get("group_sizes"), "--group_sizes"),
+                         (env.get("group_sizes"), f"{ENV_PREFIX}GROUP_SIZES"),
+                         (fl_yaml.get("group_sizes"), f"group_sizes under 'fl:' in {config}")):
+        if value is None:
+            continue
+        world = int(environ.get("WORLD_SIZE", "1"))
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
+            raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
+                              f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
+        return
 
 
 def _yaml_hint(message: str, config: str | None) -> str:
@@ -295,11 +374,16 @@ def describe_sources(parsed: ParsedArgs) -> list[str]:
 def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     """The settings a checkpoint must share with a run that resumes it: everything that
     shapes the model, the data order and the optimization, except the step count and the
-    FLConfig fields that only place state (``PLACEMENT_ONLY_FIELDS``: ``anchor_device``)."""
+    FLConfig fields that only place state (``PLACEMENT_ONLY_FIELDS``). Activation
+    checkpointing and compile change neither values nor parameter names, so a run may
+    resume with either setting; ``reduce_dtype`` and ``resize_vocab`` are recorded only when
+    not at their default, so checkpoints written before they existed still resume."""
     keep = ("model", "seq_len", "dataset_name", "dataset_config_name", "train_file", "text_column", "streaming",
             "tokenizer", "vocab_size", "micro_batch_size", "gradient_accumulation_steps", "learning_rate",
             "adam_beta1", "adam_beta2", "weight_decay", "warmup_ratio", "lr_scheduler_type", "max_grad_norm",
             "seed", "mixed_precision")
     out = {k: getattr(args, k) for k in keep}
+    defaults = {f.name: f.default for f in fields(RecipeArguments)}
+    out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
     out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in PLACEMENT_ONLY_FIELDS}
     return out
