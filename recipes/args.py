@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
         _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
     try:
-        # FL_ACCEL_TEST_* are the recipe's test hooks (recipes/test_hooks.py), not FLConfig fields.
+        # FL_ACCEL_TEST_* are the recipe's test hooks (recipes/testing_hooks.py), not FLConfig fields.
         env = env_overrides({k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}, cls=fl_cls)
     except ValueError as exc:
         raise RecipeError(str(exc)) from exc
@@ -358,14 +358,18 @@ def _yaml_hint(message: str, config: str | None) -> str:
                       else "")
 
 
-def describe_sources(parsed: ParsedArgs) -> list[str]:
-    """One line per non-default FLConfig value, saying where it came from; values from
-    ``FL_ACCEL_*`` variables are marked, since a leftover variable silently changes a run."""
+def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:
+    """One line per non-default FLConfig value (or one a file, variable or flag set), saying
+    where it came from; values from ``FL_ACCEL_*`` variables are marked, since a leftover
+    variable silently changes a run, and so are the fields in ``ignored`` (those the
+    algorithm does not read), whatever their value."""
     lines = []
     for f in fields(parsed.fl):
         value = getattr(parsed.fl, f.name)
         if value != f.default or f.name in parsed.sources:
             where = parsed.sources.get(f.name, "default")
+            if f.name in ignored:
+                where += f"; ignored by {parsed.fl.algorithm}"
             mark = "  <- environment variable" if where.startswith(ENV_PREFIX) else ""
             lines.append(f"{f.name}={value!r} ({where}){mark}")
     return lines
