@@ -131,7 +131,8 @@ def launcher_config_file(environ=None) -> str | None:
             argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
     except OSError:
         return None
-    if "launch" not in argv[:4] or not any(os.path.basename(a) == "accelerate" for a in argv[:3]):
+    # `accelerate launch ...` (console script) or `python -m accelerate.commands.accelerate_cli launch ...`
+    if "launch" not in argv[:4] or not any(os.path.basename(a).startswith("accelerate") for a in argv[:3]):
         return None
     script = next((i for i, a in enumerate(argv) if a.endswith(".py") and i > 1), len(argv))
     argv = argv[:script]  # the launcher's own options, not the script's

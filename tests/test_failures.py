@@ -1,6 +1,7 @@
 """Failure behaviour of real 4-process recipe runs: dead and hung ranks, restarts.
 
-Faults are injected with the recipe's ``FL_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook:
+Faults are injected with the recipe's ``FL_ACCEL_TEST_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook
+(recipes/testing_hooks.py):
 ``kill`` is a kill -9 of one rank after that optimizer step, ``stop`` freezes it (a hung
 rank). The job must end with a clear message instead of hanging, and
 ``torchrun --max-restarts`` with ``--resume_from_checkpoint latest`` must finish the run.
@@ -15,11 +16,16 @@ import subprocess
 import pytest
 
 from _launch import REPO_ROOT, launch_env
+from fl_accel import FLConfig
 from scripts import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 FAST = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--log_every", "1",
         "--max_eval_blocks", "16", "--report_to", "none", "--num_groups", "2", "--save_final_model", "false"]
+
+
+# The collective timeout's variable: an FLConfig field once fl_accel has it (COORD decision 3).
+TIMEOUT_VAR = "FL_ACCEL_COLLECTIVE_TIMEOUT_S" if "collective_timeout_s" in FLConfig.field_names() else "FL_TIMEOUT_S"
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +46,10 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     """kill -9 of rank 1 mid-training: torchrun stops the other ranks, which say why, and the job fails."""
     rc, out, err, seconds = torchrun([*FAST, "--algorithm", "fl_fsdp", "--max_steps", "8", "--sync_every", "4",
                                       "--output_dir", str(tmp_path)],
-                                     {"FL_FAULT_INJECT": "kill:1:2", "FL_TIMEOUT_S": "60"}, timeout=240,
+                                     {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", TIMEOUT_VAR: "60"}, timeout=240,
                                      cache_dir=cache)
     assert rc != 0, out[-2000:]
-    assert "FL_FAULT_INJECT: kill rank 1 at step 2" in err
+    assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 1 at step 2" in err
     assert "SIGKILL" in err or "Signal 9" in err, err[-4000:]
     survivors = {line.split("rank ")[1].split(":")[0] for line in err.splitlines()
                  if "stopped by the launcher" in line or "a collective failed" in line}
@@ -53,17 +59,18 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
 
 @pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
 def test_hung_rank_makes_peers_time_out(tmp_path, cache, algorithm):
-    """A frozen rank (SIGSTOP after step 2): its peers' collectives time out after FL_TIMEOUT_S
+    """A frozen rank (SIGSTOP after step 2): its peers' collectives time out after the collective timeout
     and the job ends, for every algorithm. Every process group carries the timeout, also the
     mesh sub-groups ("dp_shard", "dp_replicate", "fl"): "hsdp" has no collective on the world
     per step, so with the backend's 30-minute default on the sub-groups it would hang."""
     args = [*FAST, "--algorithm", algorithm, "--hsdp_shard_size", "2", "--max_steps", "8", "--sync_every", "4",
             "--output_dir", str(tmp_path)]
-    rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "stop:3:2", "FL_TIMEOUT_S": "10"}, timeout=300,
+    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "stop:3:2", TIMEOUT_VAR: "10"}, timeout=300,
                                      cache_dir=cache)
     assert rc != 0
-    assert "FL_FAULT_INJECT: stop rank 3 at step 2" in err
-    assert "a collective failed; a peer rank died or hung (collective timeout FL_TIMEOUT_S=10 s)" in err, err[-5000:]
+    assert "FL_ACCEL_TEST_FAULT_INJECT: stop rank 3 at step 2" in err
+    assert "a collective failed; a peer rank died or hung (collective timeout " in err, err[-5000:]
+    assert "=10" in err.split("collective timeout ", 1)[1].split(")")[0], err[-5000:]
     failed = {line.split("(rank ")[1].split(")")[0] for line in err.splitlines() if "a collective failed" in line}
     assert failed and "3" not in failed, err[-5000:]
 
@@ -74,10 +81,10 @@ def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
     args = [*FAST, "--algorithm", "fl_fsdp", "--max_steps", "4", "--sync_every", "6", "--checkpoint_every", "2",
             "--output_dir", str(out_dir),
             "--resume_from_checkpoint", "latest"]
-    rc, out, err, seconds = torchrun(args, {"FL_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1",
+    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1",
                                      cache_dir=cache)
     assert rc == 0, out[-3000:] + err[-6000:]
-    assert "FL_FAULT_INJECT: kill rank 2 at step 3" in err
+    assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 2 at step 3" in err
     assert f"resumed from {out_dir / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
     # H larger than the run is allowed, with a warning; the groups then sync once, at the end.
     assert "sync_every=6 exceeds the 4 training steps" in out

@@ -110,7 +110,13 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
         assert b["comm"][axis]["bytes"] == a["comm"][axis]["bytes"], axis
         assert b["comm"][axis]["calls"] == a["comm"][axis]["calls"], axis
     assert b["tokens_per_s"] == pytest.approx(b["train_tokens"] / b["train_seconds"])
-    assert b["wall_seconds"] >= b["train_seconds"] and b["session"]["resumed_from_step"] == k
+    assert b["session"]["resumed_from_step"] == k
+    # the time figures: both sessions' parts add up to the run's wall time; this session's to its own
+    parts = ("startup_seconds", "train_seconds", "eval_and_checkpoint_seconds")
+    assert b["wall_seconds"] == pytest.approx(sum(b[p] for p in parts), rel=1e-9)
+    assert b["session"]["wall_seconds"] == pytest.approx(sum(b["session"][p] for p in parts), rel=1e-9)
+    assert all(b[p] > b["session"][p] for p in parts)  # the first session's time is kept
+    assert b["peak_host_mb"] >= b["peak_host_mb_after_prepare"] > 0
     assert b["wandb_id"] == a["wandb_id"]  # the resumed session logs to the same W&B run id
     full_loss = {r["step"]: r["train/loss"] for r in _metrics(out) if "train/loss" in r}
     records = _metrics(cut)
@@ -124,11 +130,16 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
             assert r[key] == full_comm[r["step"]][key], (r["step"], key, r[key], full_comm[r["step"]][key])
     evals = [r["step"] for r in records if "eval/loss_group0" in r]
     assert evals == [2, 4, 6], evals  # the evaluations the resumed steps follow (6: the final one)
+    # what each evaluation scored: the synchronized model after the sync (one fragment), each
+    # group's own model before it; the final per-group scores follow the final sync
+    scored = [(r["step"], r["eval/scored"], r["eval/scored_groups"]) for r in records if "eval/loss_group0" in r]
+    assert scored == [(2, "synchronized", "before the sync"), (4, "synchronized", "before the sync"),
+                      (6, "synchronized", "after the final sync")], scored
 
     from scripts.plots import plot_run_curves
 
     redrawn = tmp_path / "redrawn.png"
-    plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)")
+    plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)", sync_every=2, num_fragments=1)
     assert redrawn.read_bytes() == (cut / "curves.png").read_bytes()
 
 

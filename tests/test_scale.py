@@ -11,7 +11,7 @@ on 2 cores):
 * ``recipes/pretrain.py --streaming`` over 5 local jsonl shards of 3/10/1/7/4 documents
   of uneven length (FL+FSDP, H=2, 6 steps, ``--eval_groups``, a checkpoint every step),
   and a second launch resumed from its step_3 (mid-round and mid-epoch). The recipe's
-  ``FL_RECORD_BLOCKS`` hook records the token ids of every block each rank trained on;
+  ``FL_ACCEL_TEST_RECORD_BLOCKS`` hook records the token ids of every block each rank trained on;
   every word of document d is tagged ``k<d>x<j>``, so the decoded blocks name the
   documents a rank read.
 """
@@ -202,7 +202,7 @@ def _recipe(corpus, out: Path, *extra: str):
             "--algorithm", "fl_fsdp", "--num_groups", str(F), "--sync_every", "2", "--report_to", "none",
             "--cache_dir", corpus["cache"], "--output_dir", str(out), *extra]
     return run_torchrun(4, RECIPE, *args, timeout=600,
-                        env={"FL_RECORD_BLOCKS": str(out / "blocks"), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+                        env={"FL_ACCEL_TEST_RECORD_BLOCKS": str(out / "blocks"), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
 
 
 @pytest.fixture(scope="module")
