@@ -14,17 +14,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fl_accel.config import ENV_PREFIX, PLACEMENT_ONLY_FIELDS, FLConfig, env_overrides, read_yaml_mapping
+from fl_accel import config as fl_config_module
+from fl_accel.config import ENV_PREFIX, FLConfig, read_yaml_mapping, resolve_sources
 
-
-TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
+TEST_ENV_PREFIX = getattr(fl_config_module, "TEST_ENV_PREFIX", "FL_ACCEL_TEST_")
 """Environment variables of the recipe's test hooks (``FL_ACCEL_TEST_FAULT_INJECT``,
 ``FL_ACCEL_TEST_RECORD_BLOCKS``); not FLConfig fields."""
+NOT_IDENTITY_FIELDS = getattr(fl_config_module, "NOT_IDENTITY_FIELDS", None) or \
+    fl_config_module.PLACEMENT_ONLY_FIELDS  # FALLBACK until branch lib (the old name)
+"""FLConfig fields a resumed run may change (placement of state, collective timeout)."""
 
 
 class RecipeError(ValueError):
@@ -153,6 +157,16 @@ class RecipeArguments:
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Raise RecipeError ``--<name> must be ...`` unless ``value`` fits the annotation: the
+    type rules of ``fl_accel.config.check_type`` (one owner), shared with FLConfig."""
+    check = getattr(fl_config_module, "check_type", None)
+    if check is not None:
+        try:
+            check(f"--{name}", value, hint)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
+        return
+    # FALLBACK until branch lib provides fl_accel.config.check_type.
     args = typing.get_args(hint)
     if type(None) in args:
         if value is None:
@@ -170,6 +184,22 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     if not ok(value):
         raise RecipeError(f"--{name} must be {getattr(hint, '__name__', hint)}, got {value!r} "
                           f"({type(value).__name__})")
+
+
+def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tuple[dict, dict]:
+    """FLConfig values of the YAML's ``fl:`` section < ``FL_ACCEL_<FIELD>`` variables, and where
+    each came from, by ``fl_accel.config.resolve_sources`` (the library's merge; flags are
+    applied on top by argparse).
+
+    Raises:
+        RecipeError: an unknown or unparsable ``FL_ACCEL_*`` variable.
+    """
+    label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
+    environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
+    try:
+        return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
 
 
 @dataclass
@@ -254,18 +284,14 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         if not isinstance(fl_yaml, dict):
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
         _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
-    try:
-        # FL_ACCEL_TEST_* are the recipe's test hooks (recipes/testing_hooks.py), not FLConfig fields.
-        env = env_overrides({k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}, cls=fl_cls)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
+    fl_defaults, fl_sources = fl_values(fl_yaml, known.config, environ, fl_cls)
     # Which flags were given explicitly: parse once with a sentinel as every default.
     sentinel = object()
     probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
     probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
     given, _ = probe.parse_known_args(argv)
     flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
-    _check_group_sizes_sum(flags, env, fl_yaml, known.config, environ)
+    _check_group_sizes_sum(flags, fl_defaults, fl_sources, environ)
     if known.config:
         # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
         try:
@@ -277,10 +303,9 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         except ValueError as exc:
             raise RecipeError(f"{exc} (under 'fl:' in {known.config})") from exc
         defaults.update(values)
-        defaults.update(fl_yaml)
-        sources.update({k: known.config for k in (*values, *fl_yaml)})
-    defaults.update(env)
-    sources.update({k: ENV_PREFIX + k.upper() for k in env})
+        sources.update({k: known.config for k in values})
+    defaults.update(fl_defaults)
+    sources.update(fl_sources)
     if defaults:
         parser.set_defaults(**defaults)
     sources.update({k: "flag" for k in flags})
@@ -334,23 +359,24 @@ def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set
                           + "; ".join(problems) + " (python recipes/pretrain.py --help lists the options)")
 
 
-def _check_group_sizes_sum(flags: dict, env: dict, fl_yaml: dict, config: str | None, environ) -> None:
+def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, environ) -> None:
     """Group sizes must sum to the world size: checked before anything else about them, so
     the first error a user sees is the one to fix first (not "unequal groups need fl_hsdp").
 
     Raises:
         RecipeError: naming where group_sizes was set and the launched world size.
     """
-    for value, where in ((flags.get("group_sizes"), "--group_sizes"),
-                         (env.get("group_sizes"), f"{ENV_PREFIX}GROUP_SIZES"),
-                         (fl_yaml.get("group_sizes"), f"group_sizes under 'fl:' in {config}")):
-        if value is None:
-            continue
-        world = int(environ.get("WORLD_SIZE", "1"))
-        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
-            raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
-                              f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
+    if flags.get("group_sizes") is not None:
+        value, where = flags["group_sizes"], "--group_sizes"
+    elif fl_defaults.get("group_sizes") is not None:
+        value, source = fl_defaults["group_sizes"], fl_sources.get("group_sizes", "")
+        where = source if source.startswith(ENV_PREFIX) else f"group_sizes under 'fl:' in {source}"
+    else:
         return
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
+        raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
+                          f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
 
 
 def _yaml_hint(message: str, config: str | None) -> str:
@@ -378,7 +404,7 @@ def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:
 def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     """The settings a checkpoint must share with a run that resumes it: everything that
     shapes the model, the data order and the optimization, except the step count and the
-    FLConfig fields that only place state (``PLACEMENT_ONLY_FIELDS``). Activation
+    FLConfig fields a resumed run may change (``NOT_IDENTITY_FIELDS``). Activation
     checkpointing and compile change neither values nor parameter names, so a run may
     resume with either setting; ``reduce_dtype`` and ``resize_vocab`` are recorded only when
     not at their default, so checkpoints written before they existed still resume."""
@@ -389,5 +415,5 @@ def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     out = {k: getattr(args, k) for k in keep}
     defaults = {f.name: f.default for f in fields(RecipeArguments)}
     out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
-    out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in PLACEMENT_ONLY_FIELDS}
+    out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
     return out

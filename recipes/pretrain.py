@@ -349,7 +349,7 @@ class Run:
 
     def evaluate_groups_before_sync(self, synchronizer, full) -> None:
         """Pre-sync hook: each group's own model, scored right before the sync of an evaluation step."""
-        step = synchronizer.global_step
+        step = getattr(synchronizer, "schedule", synchronizer).global_step  # (schedule: branch lib's split)
         if self.eval_every and step % self.eval_every == 0 and step < self.max_steps:
             self.group_evals[step] = evaluate(self.model, self.accelerator, self.data.val_blocks,
                                               self.args.micro_batch_size, per_group=True)
