@@ -395,8 +395,11 @@ def finish(run: Run, recorded: dict) -> dict:
 
     acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
     with run.meter.outside_training():
+        step = run.meter.completed_steps
         if acc.sync_if_pending():
-            acc.print("[fl_accel] final synchronization of the federation groups done")
+            acc.print(f"[fl_accel] final synchronization: the federation groups synchronized at step {step}")
+        elif fl.is_federated:
+            acc.print(f"[fl_accel] final synchronization: none needed (the groups synchronized at step {step})")
         ppl, nll, n_tokens = run.evaluate(run.meter.completed_steps, final=True)
         if args.checkpoint_every:
             run.save_checkpoint(run.meter.completed_steps)

@@ -94,3 +94,33 @@ def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
              if "train/loss" in line]
     assert steps == [1, 2, 3, 4], steps  # the first attempt's step 3 was dropped on resume
     assert not any(p.name.endswith(".partial") for p in (out_dir / "checkpoints").iterdir())
+
+
+def test_ctrl_c_ends_each_rank_with_one_line(tmp_path, cache):
+    """Ctrl-C (SIGINT to the launcher, which forwards it to every rank): each rank prints one
+    line with the resume advice and exits, with no traceback of its own and no second line
+    (no "stopped by the launcher", no "a collective failed"). torchrun's own
+    SignalException traceback is the launcher's and stays."""
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    cmd = launch.torchrun_argv(2, RECIPE, *FAST, "--algorithm", "fsdp", "--max_steps", "1000",
+                               "--output_dir", str(out_dir), "--cache_dir", cache)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err_file:
+        proc = launch.start(cmd, launch_env(), REPO_ROOT, subprocess.PIPE, err_file)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "step/s" not in log.read_text() and "s/step" not in log.read_text():
+            if proc.poll() is not None:
+                break
+            time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-3000:]  # training (the progress bar moves)
+        os.kill(proc.pid, signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+        res = launch.wait(proc, 120)
+    err = log.read_text()
+    assert not res.timed_out and res.returncode != 0, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("[fl_accel] ")]
+    assert sorted(ours) == sorted(f"[fl_accel] rank {r}: interrupted; resume with --resume_from_checkpoint latest "
+                                  f"(checkpoints every --checkpoint_every steps)" for r in (0, 1)), err[-3000:]
+    assert "KeyboardInterrupt" not in err and "pretrain.py\", line" not in err, err[-3000:]
