@@ -206,14 +206,20 @@ def test_other_model_families_train_sync_checkpoint_and_export(family, tmp_path,
     cls(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path / "model")
     out = tmp_path / "run"
+    bf16 = family == "qwen2"  # one family in bf16: parameters bf16, gradients reduced in fp32 (the default)
     proc = launch(["--model", str(tmp_path / "model"), "--seq_len", "64", "--micro_batch_size", "2", "--max_steps",
                    "2", "--sync_every", "1", "--num_groups", "2", "--checkpoint_every", "2", "--log_every", "1",
                    "--max_eval_blocks", "16", "--report_to", "none", "--output_dir", str(out), "--cache_dir",
-                   data_cache])
+                   data_cache, "--mixed_precision", "bf16" if bf16 else "no"])
     assert proc.returncode == 0, proc.tail()
     assert f"({family}): " in proc.stdout
     results = json.loads((out / "all_results.json").read_text())
     assert results["model_type"] == family and results["comm"]["fl"]["calls"] == 2
+    policy = {"param": "bf16", "reduce": "fp32", "output": None} if bf16 else \
+        {"param": "fp32", "reduce": "fp32", "output": None}
+    assert results["precision_policy"] == policy and results["mixed_precision"] == ("bf16" if bf16 else "no")
+    if bf16:
+        assert "precision: param bf16, reduce fp32, output as computed (mixed_precision bf16)" in proc.stdout
     assert (out / "checkpoints" / "step_2" / "fl_accel_checkpoint.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out / "final_model")
     assert model.config.model_type == family and model.config.vocab_size == 8192

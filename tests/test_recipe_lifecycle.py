@@ -218,7 +218,11 @@ def test_single_plain_process_runs_and_fl_on_one_process_names_the_fix(full, tmp
     bad = _plain_python([*common, "--output_dir", str(tmp_path / "fl")], tmp_path)
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert "--num_groups 1 or --algorithm fsdp" in bad.stderr
-    ok = _plain_python([*common, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "one")], tmp_path)
+    ok = _plain_python([*common, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "one"), "--mixed_precision",
+                        "bf16", "--reduce_dtype", "bf16"], tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     results = _results(tmp_path / "one")
     assert results["world_size"] == 1 and results["steps"] == 2 and results["eval_loss"] > 0
+    # --reduce_dtype bf16 reduces as plain Accelerate does; the loss stays fp32 (no output cast)
+    assert results["precision_policy"] == {"param": "bf16", "reduce": "bf16", "output": None}
+    assert "precision: param bf16, reduce bf16, output as computed (mixed_precision bf16)" in ok.stdout

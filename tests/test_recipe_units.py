@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -362,3 +361,16 @@ def test_readme_describes_the_model_families_and_the_quickstart_a_virtual_enviro
     for name in ("quickstart.sh", "slurm_pretrain.sh"):
         assert "PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}" in \
             (REPO_ROOT / "scripts" / name).read_text(), name
+
+
+def test_evaluation_notes_follow_the_banner_and_round_eval_every():
+    """With fragments the note on what a mid-run evaluation scores is among the notes printed
+    after the banner (main prints banner + notes in one block); eval_every becomes a multiple of H."""
+    from recipes.pretrain import plan_evaluations
+
+    args = parse_args(["--eval_every", "5"], environ={}).args
+    every, notes = plan_evaluations(args, FLConfig(num_fragments=2, sync_every=8), max_steps=48)
+    assert every == 8 and notes[0].startswith("eval_every rounded up to 8")
+    assert "own group per rank" in notes[1] and "fragments" in notes[1]
+    source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
+    assert 'for line in banner + notes' in source
