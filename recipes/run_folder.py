@@ -209,7 +209,7 @@ def resolve_activation_checkpointing(args, environ) -> tuple[bool, str]:
         return args.activation_checkpointing == "full", "--activation_checkpointing"
     value = environ.get("FSDP_ACTIVATION_CHECKPOINTING")
     if value is not None:
-        return value.lower() in ("true", "1"), "fsdp_activation_checkpointing (Accelerate config)"
+        return value.lower() in ("true", "1"), "fsdp_activation_checkpointing in the Accelerate config"
     return False, "default"
 
 
@@ -218,7 +218,7 @@ def resolve_compile(args, environ) -> tuple[bool, str]:
     if args.compile:
         return True, "--compile"
     if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
-        return True, "dynamo_backend (Accelerate config)"
+        return True, "dynamo_backend in the Accelerate config"
     return False, "default"
 
 

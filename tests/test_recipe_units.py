@@ -147,7 +147,7 @@ def test_activation_checkpointing_and_compile_follow_the_accelerate_config_unles
     args = parse_args([], environ={}).args
     assert resolve_activation_checkpointing(args, {}) == (False, "default")
     assert resolve_activation_checkpointing(args, {"FSDP_ACTIVATION_CHECKPOINTING": "true"}) == \
-        (True, "fsdp_activation_checkpointing (Accelerate config)")
+        (True, "fsdp_activation_checkpointing in the Accelerate config")
     args = parse_args(["--activation_checkpointing", "none"], environ={}).args
     assert resolve_activation_checkpointing(args, {"FSDP_ACTIVATION_CHECKPOINTING": "true"}) == \
         (False, "--activation_checkpointing")
