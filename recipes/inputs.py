@@ -38,12 +38,32 @@ class Data:
         return self.stream.epoch if self.stream is not None else None
 
 
+DATA_WAIT_S = 4 * 3600.0
+"""How long the other ranks wait for the main process to prepare data (seconds): tokenizing
+a large corpus can take far longer than the collective timeout that catches dead peers."""
+_WAIT_GROUP: list = []
+
+
+def _wait_group():
+    """A gloo process group over the world whose timeout is :data:`DATA_WAIT_S`, created on
+    first use (every rank calls :func:`main_first` in the same order). gloo takes CPU
+    tensors on any default backend, so the wait costs no accelerator memory."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if not _WAIT_GROUP:
+        _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=DATA_WAIT_S)))
+    return _WAIT_GROUP[0]
+
+
 def main_first(accelerator, fn):
     """Run ``fn`` on the main process first (it fills caches), then on the others.
 
     Unlike ``accelerator.main_process_first()``, a failure on the main process is
-    broadcast, so every rank raises the same error instead of waiting in a barrier.
-    The flag travels as a tensor on ``accelerator.device`` (NCCL needs device tensors).
+    broadcast, so every rank raises the same error instead of waiting in a barrier. The
+    others wait in a broadcast on a gloo group of its own with a timeout of
+    :data:`DATA_WAIT_S` (the world's collective timeout is short, to catch dead peers; a
+    dead main process still ends the job, through the launcher).
 
     Raises:
         RecipeError: ``"<type>: <message>"`` of the main process's exception, on every rank.
@@ -51,6 +71,7 @@ def main_first(accelerator, fn):
     import torch
     import torch.distributed as dist
 
+    group = _wait_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
     result, error = None, None
     if accelerator.is_main_process:
         try:
@@ -58,11 +79,8 @@ def main_first(accelerator, fn):
         except Exception as exc:  # re-raised below on every rank
             error = f"{type(exc).__name__}: {exc}"
     box = [error]
-    if dist.is_initialized():
-        # broadcast_object_list moves its byte tensors to the current CUDA device on NCCL
-        if accelerator.device.type == "cuda":
-            torch.cuda.set_device(accelerator.device)
-        dist.broadcast_object_list(box, src=0)
+    if group is not None:
+        dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu"))
     if box[0] is not None:
         raise RecipeError(box[0])
     if not accelerator.is_main_process:

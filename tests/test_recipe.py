@@ -165,7 +165,8 @@ def test_readme_what_you_will_see_matches_a_run(runs):
                     seen.append(kind)
         return seen
 
-    assert kinds(block) == kinds(proc.stdout), (kinds(block), kinds(proc.stdout))
+    assert proc.returncode == 0, proc.tail()
+    assert len(kinds(block)) >= 12 and kinds(block) == kinds(proc.stdout), (kinds(block), kinds(proc.stdout))
 
 
 def test_activation_checkpointing_resumes_across_the_switch(runs, tmp_path, data_cache):
