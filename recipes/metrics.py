@@ -333,7 +333,9 @@ class Meter:
 
     def checkpoint_totals(self, wandb_id) -> dict:
         """What a checkpoint stores for the whole-run figures of a resumed run: the time
-        split, the peaks of memory so far (collective) and the W&B run id."""
+        split, the peaks of memory so far (collective) and the W&B run id. Called inside
+        :meth:`outside_training`: the evaluation before the save counts."""
+        self.clock.tick("eval_and_checkpoint_seconds")
         _, run = self.gather([])
         return {**self.clock.totals(), "wandb_id": wandb_id,
                 "peak_host_mb": _max_or_none(self.restored.get("peak_host_mb"), run["host_mb"]),
