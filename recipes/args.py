@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
 import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fl_accel.config import ENV_PREFIX, NOT_IDENTITY_FIELDS, FLConfig, env_overrides, read_yaml_mapping
+from fl_accel.config import (ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, check_type,
+                             read_yaml_mapping, resolve_sources)
 
 
 class RecipeError(ValueError):
@@ -35,7 +38,11 @@ class RecipeArguments:
 
     # ------------------------------------------------------------------ model
     model: str = field(default="tiny", metadata=_help(
-        "preset (tiny, tiny-tied, llama3.2-1b, llama3.1-8b), a config.json, a model folder or a hub id"))
+        "preset (tiny, tiny-tied, llama3.2-1b, llama3.1-8b), or a config.json, a model folder or a hub id of any "
+        "causal LM whose model class declares _no_split_modules (Llama, Qwen2, Mistral, ...)"))
+    resize_vocab: bool = field(default=False, metadata=_help(
+        "set a --model config's vocab_size to the tokenizer's size (the banner reports it); without it a "
+        "vocabulary that differs from the tokenizer's is an error"))
     init_device: Literal["meta", "cpu"] = field(default="meta", metadata=_help(
         "meta: build on the meta device and initialize each rank's shard only (little host memory); "
         "cpu: build the full model on every rank first (an escape hatch)"))
@@ -75,6 +82,20 @@ class RecipeArguments:
     mixed_precision: Literal["auto", "no", "bf16"] = field(default="auto", metadata=_help(
         "auto: bf16 on GPUs that support it, else fp32. fp16 is not offered: its loss scaler can skip a step "
         "in one federation group only"))
+    reduce_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=_help(
+        "under bf16: the dtype FSDP2 reduces gradients in (parameters and compute stay bf16, the loss fp32). "
+        "fp32 (torchtitan's default) keeps the bits that summing bf16 gradient shards loses; bf16 reduces as "
+        "plain Accelerate does"))
+    activation_checkpointing: Literal["none", "full"] | None = field(default=None, metadata=_help(
+        "full: recompute each decoder layer's activations in the backward (non-reentrant, applied per layer "
+        "before sharding by Accelerate); none: keep them. Unset: what the Accelerate config says "
+        "(fsdp_activation_checkpointing, default none)"))
+    compile: bool = field(default=False, metadata=_help(
+        "torch.compile each decoder layer in place (regional compilation, inductor), after activation "
+        "checkpointing and before sharding"))
+    peak_tflops: float | None = field(default=None, metadata=_help(
+        "peak TFLOPS of one accelerator for MFU; unset: the dense bf16 peak of a known CUDA device "
+        "(A100, H100, H200, ...), else MFU is not reported (null)"))
     seed: int = field(default=42, metadata=_help("model init and data order (the same on every rank)"))
     # ------------------------------------------------------------------ evaluation, logging, checkpoints
     eval_every: int = field(default=0, metadata=_help(
@@ -116,6 +137,8 @@ class RecipeArguments:
                 raise RecipeError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not self.learning_rate > 0:
             raise RecipeError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise RecipeError(f"--peak_tflops must be > 0, got {self.peak_tflops}")
         if not 0 <= self.warmup_ratio < 1:
             raise RecipeError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 < self.validation_split_percentage < 100:
@@ -127,22 +150,28 @@ class RecipeArguments:
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is Literal:
-        if value not in args:
-            raise RecipeError(f"--{name} must be one of {list(args)}, got {value!r}")
-        return
-    if type(None) in args:
-        if value is None:
-            return
-        hint = next(a for a in args if a is not type(None))
-    ok = {bool: lambda v: isinstance(v, bool),
-          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          str: lambda v: isinstance(v, str)}.get(hint, lambda v: True)
-    if not ok(value):
-        raise RecipeError(f"--{name} must be {getattr(hint, '__name__', hint)}, got {value!r} "
-                          f"({type(value).__name__})")
+    """Raise RecipeError ``--<name> must be ...`` unless ``value`` fits the annotation: the
+    type rules of ``fl_accel.config.check_type`` (one owner), shared with FLConfig."""
+    try:
+        check_type(f"--{name}", value, hint)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tuple[dict, dict]:
+    """FLConfig values of the YAML's ``fl:`` section < ``FL_ACCEL_<FIELD>`` variables, and where
+    each came from, by ``fl_accel.config.resolve_sources`` (the library's merge; flags are
+    applied on top by argparse).
+
+    Raises:
+        RecipeError: an unknown or unparsable ``FL_ACCEL_*`` variable.
+    """
+    label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
+    environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
+    try:
+        return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
 
 
 @dataclass
@@ -217,6 +246,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     fl_names = set(fl_cls.field_names())
     defaults: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    values, fl_yaml = {}, {}
     if known.config:
         try:
             values = read_yaml_mapping(known.config, what="--config")
@@ -225,16 +255,16 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         fl_yaml = values.pop("fl", None) or {}
         if not isinstance(fl_yaml, dict):
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
-        for key in values:
-            if key in fl_names:
-                raise RecipeError(f"key {key!r} in {known.config} is an FLConfig field: it belongs under 'fl:'")
-            if key not in recipe_names:
-                raise RecipeError(f"unknown key {key!r} in {known.config}; recipe options: {sorted(recipe_names)}")
-        for key in fl_yaml:
-            if key not in fl_names:
-                where = " (a recipe option: put it at the top level)" if key in recipe_names else ""
-                raise RecipeError(f"unknown FLConfig field {key!r} under 'fl:' in {known.config}{where}; "
-                                  f"known: {sorted(fl_names)}")
+        _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
+    fl_defaults, fl_sources = fl_values(fl_yaml, known.config, environ, fl_cls)
+    # Which flags were given explicitly: parse once with a sentinel as every default.
+    sentinel = object()
+    probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
+    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
+    given, _ = probe.parse_known_args(argv)
+    flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
+    _check_group_sizes_sum(flags, fl_defaults, fl_sources, environ)
+    if known.config:
         # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
         try:
             RecipeArguments(**values)
@@ -245,22 +275,12 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         except ValueError as exc:
             raise RecipeError(f"{exc} (under 'fl:' in {known.config})") from exc
         defaults.update(values)
-        defaults.update(fl_yaml)
-        sources.update({k: known.config for k in (*values, *fl_yaml)})
-    try:
-        env = env_overrides(environ, cls=fl_cls)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
-    defaults.update(env)
-    sources.update({k: ENV_PREFIX + k.upper() for k in env})
+        sources.update({k: known.config for k in values})
+    defaults.update(fl_defaults)
+    sources.update(fl_sources)
     if defaults:
         parser.set_defaults(**defaults)
-    # Which flags were given explicitly: parse once with a sentinel as every default.
-    sentinel = object()
-    probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
-    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
-    given, _ = probe.parse_known_args(argv)
-    sources.update({k: "flag" for k, v in vars(given).items() if v is not sentinel and k != "config"})
+    sources.update({k: "flag" for k in flags})
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                     return_remaining_strings=True)
@@ -274,19 +294,80 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     return ParsedArgs(recipe_args, fl, sources)
 
 
+ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+           "epochs": "num_epochs", "num_train_epochs": "num_epochs", "steps": "max_steps", "max_train_steps":
+           "max_steps", "block_size": "seq_len", "max_seq_length": "seq_len", "model_name_or_path": "model",
+           "H": "sync_every", "F": "num_groups", "P": "num_fragments", "tau": "sync_delay",
+           "anchor_device": "outer_state_device", "checkpointing_steps": "checkpoint_every"}
+"""Names users bring from other trainers (run_clm_no_trainer, the paper's letters), for "did you mean"."""
+
+
+def _did_you_mean(key: str, names: set[str]) -> str:
+    guess = ALIASES.get(key) if ALIASES.get(key) in names else None
+    guess = guess or next(iter(difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)), None)
+    return f" (did you mean {guess!r}?)" if guess else ""
+
+
+def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str]) -> None:
+    """Every unknown or misplaced key of a recipe YAML at once, each with a "did you mean".
+
+    Raises:
+        RecipeError: naming the file and every bad key.
+    """
+    problems = []
+    for key in values:
+        if key in fl_names:
+            problems.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
+        elif key not in recipe_names:
+            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names).replace("?)", "? under 'fl:')")
+            problems.append(f"unknown key {key!r}{hint}")
+    for key in fl_yaml:
+        if key in recipe_names:
+            problems.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
+        elif key not in fl_names:
+            problems.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
+    if problems:
+        raise RecipeError(f"{len(problems)} bad key{'s' if len(problems) > 1 else ''} in --config {config}: "
+                          + "; ".join(problems) + " (python recipes/pretrain.py --help lists the options)")
+
+
+def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, environ) -> None:
+    """Group sizes must sum to the world size: checked before anything else about them, so
+    the first error a user sees is the one to fix first (not "unequal groups need fl_hsdp").
+
+    Raises:
+        RecipeError: naming where group_sizes was set and the launched world size.
+    """
+    if flags.get("group_sizes") is not None:
+        value, where = flags["group_sizes"], "--group_sizes"
+    elif fl_defaults.get("group_sizes") is not None:
+        value, source = fl_defaults["group_sizes"], fl_sources.get("group_sizes", "")
+        where = source if source.startswith(ENV_PREFIX) else f"group_sizes under 'fl:' in {source}"
+    else:
+        return
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
+        raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
+                          f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
+
+
 def _yaml_hint(message: str, config: str | None) -> str:
     return message + (f" (check --config {config})" if config and "--" not in message and "FL_ACCEL" not in message
                       else "")
 
 
-def describe_sources(parsed: ParsedArgs) -> list[str]:
-    """One line per non-default FLConfig value, saying where it came from; values from
-    ``FL_ACCEL_*`` variables are marked, since a leftover variable silently changes a run."""
+def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:
+    """One line per non-default FLConfig value (or one a file, variable or flag set), saying
+    where it came from; values from ``FL_ACCEL_*`` variables are marked, since a leftover
+    variable silently changes a run, and so are the fields in ``ignored`` (those the
+    algorithm does not read), whatever their value."""
     lines = []
     for f in fields(parsed.fl):
         value = getattr(parsed.fl, f.name)
         if value != f.default or f.name in parsed.sources:
             where = parsed.sources.get(f.name, "default")
+            if f.name in ignored:
+                where += f"; ignored by {parsed.fl.algorithm}"
             mark = "  <- environment variable" if where.startswith(ENV_PREFIX) else ""
             lines.append(f"{f.name}={value!r} ({where}){mark}")
     return lines
@@ -295,11 +376,16 @@ def describe_sources(parsed: ParsedArgs) -> list[str]:
 def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     """The settings a checkpoint must share with a run that resumes it: everything that
     shapes the model, the data order and the optimization, except the step count and the
-    FLConfig fields that only place state or bound waits (``NOT_IDENTITY_FIELDS``)."""
+    FLConfig fields a resumed run may change (``NOT_IDENTITY_FIELDS``). Activation
+    checkpointing and compile change neither values nor parameter names, so a run may
+    resume with either setting; ``reduce_dtype`` and ``resize_vocab`` are recorded only when
+    not at their default, so checkpoints written before they existed still resume."""
     keep = ("model", "seq_len", "dataset_name", "dataset_config_name", "train_file", "text_column", "streaming",
             "tokenizer", "vocab_size", "micro_batch_size", "gradient_accumulation_steps", "learning_rate",
             "adam_beta1", "adam_beta2", "weight_decay", "warmup_ratio", "lr_scheduler_type", "max_grad_norm",
             "seed", "mixed_precision")
     out = {k: getattr(args, k) for k in keep}
+    defaults = {f.name: f.default for f in fields(RecipeArguments)}
+    out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
     out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
     return out

@@ -35,43 +35,117 @@ PRESETS = {
 }
 
 
+VOCAB_PADDING = 0.01
+"""A model vocabulary at most this share larger than the tokenizer's is padding (e.g.
+Qwen2: 151,936 rows for 151,665 tokens), accepted and reported; a larger gap is an error
+unless ``--resize_vocab``."""
+
+
+def check_model(model: str, seq_len: int) -> None:
+    """Before any data work, on every rank: the model is a preset or the config of a causal
+    LM whose model class declares ``_no_split_modules`` (the decoder block FSDP2 shards as
+    one unit; Accelerate's TRANSFORMER_BASED_WRAP reads it), and ``seq_len`` fits its
+    ``max_position_embeddings``.
+
+    Raises:
+        RecipeError: one line naming the model and what is missing.
+    """
+    if model in PRESETS:
+        limit = PRESETS[model]["max_position_embeddings"]
+    else:
+        config = _load_config(model)
+        model_class(config, model)
+        limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise RecipeError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings {limit}")
+
+
 def check_seq_len(model: str, seq_len: int) -> None:
-    """Before any data work: a preset's ``max_position_embeddings`` bounds ``--seq_len``."""
+    """A preset's ``max_position_embeddings`` bounds ``--seq_len`` (kept for callers; see check_model)."""
     if model in PRESETS and seq_len > PRESETS[model]["max_position_embeddings"]:
         raise RecipeError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings "
                           f"{PRESETS[model]['max_position_embeddings']}")
 
 
-def model_config(model: str, seq_len: int, vocab_size: int):
-    """LlamaConfig of a preset, or the config of a path/hub id (offline from the cache).
+def _load_config(model: str):
+    from .data import DataError, load_model_config
+
+    try:
+        return load_model_config(model)
+    except DataError as exc:
+        raise RecipeError(f"--model {model!r} is neither a preset {sorted(PRESETS)} nor loadable: {exc}") from exc
+
+
+def model_class(config, name: str):
+    """The ``AutoModelForCausalLM`` class of ``config``.
 
     Raises:
-        RecipeError: unknown model (one line naming it), ``seq_len`` above the model's
-            max positions, a tokenizer larger than the model's vocabulary.
+        RecipeError: the config is not a causal LM's, or its class declares no
+            ``_no_split_modules`` (FSDP2 would have no decoder block to shard per unit).
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise RecipeError(f"--model {name!r} is a {type(config).__name__} ({config.model_type}), not a causal "
+                          f"language model: the recipe trains AutoModelForCausalLM configs (Llama, Qwen2, "
+                          f"Mistral, ...)") from None
+    if not getattr(cls, "_no_split_modules", None):
+        raise RecipeError(f"--model {name!r}: {cls.__name__} declares no _no_split_modules, so FSDP2 has no decoder "
+                          f"block to shard per unit; fl_accel trains causal LMs that declare it (Llama, Qwen2, "
+                          f"Mistral, ...)")
+    return cls
+
+
+def model_config(model: str, seq_len: int, vocab_size: int, resize_vocab: bool = False):
+    """The checked config of :func:`resolve_config`, without its note."""
+    return resolve_config(model, seq_len, vocab_size, resize_vocab)[0]
+
+
+def resolve_config(model: str, seq_len: int, vocab_size: int, resize_vocab: bool = False):
+    """The config of a preset (its ``vocab_size`` follows the tokenizer unless the preset
+    fixes one) or of a path/hub id (offline from the cache), checked against the tokenizer.
+
+    Args:
+        vocab_size: the tokenizer's size (``len(tokenizer)``).
+        resize_vocab: set the config's ``vocab_size`` to the tokenizer's when they differ.
+
+    Returns:
+        ``(config, vocab_note)``: ``vocab_note`` is "" when the vocabulary equals the
+        tokenizer's, else what the banner reports (a resize, or padding rows).
+
+    Raises:
+        RecipeError: unknown model, ``seq_len`` above the model's max positions, a model
+            vocabulary that differs from the tokenizer's (naming both sizes and the fix).
     """
     from transformers import LlamaConfig
-
-    from .data import DataError, load_model_config
 
     if model in PRESETS:
         values = dict(PRESETS[model])
         values.setdefault("vocab_size", vocab_size)
         config = LlamaConfig(**values)
     else:
-        try:
-            config = load_model_config(model)
-        except DataError as exc:
-            raise RecipeError(f"--model {model!r} is neither a preset {sorted(PRESETS)} nor loadable: {exc}") from exc
+        config = _load_config(model)
+        model_class(config, model)
     if seq_len > config.max_position_embeddings:
         raise RecipeError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings "
                           f"{config.max_position_embeddings}")
-    if vocab_size > config.vocab_size:
-        raise RecipeError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is {config.vocab_size}")
-    return config
+    theirs = config.vocab_size
+    if theirs == vocab_size:
+        return config, ""
+    if resize_vocab:
+        config.vocab_size = vocab_size
+        return config, f"resized from the model config's {theirs} to the tokenizer's {vocab_size} (--resize_vocab)"
+    if vocab_size < theirs <= vocab_size * (1 + VOCAB_PADDING):
+        return config, f"{theirs} rows for the tokenizer's {vocab_size} tokens ({theirs - vocab_size} padding rows)"
+    raise RecipeError(f"the model's vocab_size is {theirs} but the tokenizer has {vocab_size} tokens (--model "
+                      f"{model}, --tokenizer ...): pass the model's own tokenizer with --tokenizer, or --resize_vocab "
+                      f"to train a {vocab_size}-token vocabulary")
 
 
 def build_model(config, init_device: str):
-    """``LlamaForCausalLM(config)`` on the meta device (no memory; initialize after
+    """``AutoModelForCausalLM.from_config(config)`` on the meta device (no memory; initialize after
     sharding with ``FLAccelerator.materialize``) or fully initialized on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -124,3 +198,20 @@ def export_final_model(model, config, tokenizer, path: str, is_main_process: boo
 
         shutil.rmtree(path)
     os.replace(tmp, path)
+
+
+def build_optimizer(model, args, device_type: str):
+    """AdamW with the recipe's hyperparameters: the fused kernel on CUDA (one launch per
+    step instead of one per tensor group; torchtitan's default), the default
+    implementation (foreach where supported) elsewhere. Built before ``prepare`` (the
+    parameters may still be on the meta device); Accelerate swaps in the sharded ones."""
+    import torch
+
+    fused = {"fused": True} if device_type == "cuda" else {}
+    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             weight_decay=args.weight_decay, **fused)
+
+
+def embedding_params(model) -> int:
+    """Parameters of the input embedding (a lookup, not a matmul: left out of MFU's FLOPs)."""
+    return model.get_input_embeddings().weight.numel()

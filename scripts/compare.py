@@ -4,16 +4,20 @@
     python -m scripts.compare outputs/<experiment>          # from the repository root
 
 Reads every ``<run>/all_results.json`` (and ``<run>/metrics.jsonl``) directly under the
-folder, prints a table (world size, F/R/S, H, tokens per step, tokens/s, speedup against
-the baseline, eval perplexity, bytes per rank per step on each mesh axis, background CPU
-load), notes on anything that makes the runs not comparable, and a short verdict
-computed from these figures; writes ``comparison.md`` and ``comparison.png`` (eval
-perplexity vs tokens and vs training time, tokens/s bars) into the folder.
+folder, prints a table (world size, F/R/S, H, tokens per step, what ran: precision policy,
+activation checkpointing, compile; tokens/s, speedup against the baseline, MFU, peak
+memory, eval perplexity, bytes per rank per step on each mesh axis, background CPU load),
+notes on anything that makes the runs not comparable, and a short verdict computed from
+these figures; writes ``comparison.md`` and ``comparison.png`` (eval perplexity vs tokens
+and vs training time, tokens/s bars) into the folder.
 
 Fields read from ``all_results.json`` (written by ``recipes/pretrain.py``): ``algorithm``,
 ``world_size``, ``num_groups``, ``group_size``, ``replicas``, ``shards``, ``sync_every``,
 ``steps``, ``train_tokens``, ``tokens_per_s``, ``eval_perplexity``, ``comm`` (``{axis:
-{"bytes": ...}}``, bytes one rank sent over the run), and, when present,
+{"bytes": ...}}``, the bytes the busiest rank sent over the run), and, when present (runs
+written before they existed show "-"), ``precision_policy`` (``{"param", "reduce",
+"output"}``), ``activation_checkpointing``, ``compile``, ``mfu``, ``peak_accelerator_mb``,
+``peak_host_mb`` and
 
     results["host"] = {"background_cpu_share": float, "cpus": int}
 
@@ -139,8 +143,9 @@ def _num(x: Any, fmt: str) -> str:
 
 def table(runs: list[dict], base: dict) -> str:
     """The comparison table as GitHub markdown (tabulate)."""
-    headers = ["run", "algorithm", "world", "F", "R", "S", "H", "steps", "tokens/step", "tokens/s", "speedup",
-               "eval ppl"] + [f"{a} MiB/rank/step" for a in AXES] + ["background CPU"]
+    headers = ["run", "algorithm", "world", "F", "R", "S", "H", "steps", "tokens/step", "precision", "AC", "compile",
+               "tokens/s", "speedup", "MFU", "peak MiB", "eval ppl"] + [f"{a} MiB/rank/step" for a in AXES] + \
+        ["background CPU"]
     rows = []
     base_tps = base.get("tokens_per_s")
     for r in runs:
@@ -151,18 +156,46 @@ def table(runs: list[dict], base: dict) -> str:
         rows.append([
             r["name"], r.get("algorithm", "?"), _num(r.get("world_size"), "d"), _num(r.get("num_groups"), "d"),
             _num(r.get("replicas"), "d"), _num(r.get("shards"), "d"), _num(r.get("sync_every"), "d"),
-            _num(r.get("steps"), "d"), _num(tokens_per_step(r), ",.0f"), _num(tps, ",.0f"),
+            _num(r.get("steps"), "d"), _num(tokens_per_step(r), ",.0f"), precision(r), _flag(r, "activation_checkpointing"),
+            _flag(r, "compile"), _num(tps, ",.0f"),
             _num(tps / base_tps if tps and base_tps else None, ".2f") + ("x" if tps and base_tps else ""),
-            _num(r.get("eval_perplexity"), ",.2f"),
+            _num(100 * r["mfu"] if r.get("mfu") is not None else None, ".1f") + ("%" if r.get("mfu") is not None else ""),
+            peak_memory(r), _num(r.get("eval_perplexity"), ",.2f"),
             *[_num(comm.get(a, {}).get("bytes", 0) / MIB / steps if steps else None, ".2f") for a in AXES],
             (_num(100 * bg, ".0f") + "%" + (" (!)" if bg > BACKGROUND_LIMIT else "")) if bg is not None else "-",
         ])
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True) + \
-        f"\n\nspeedup = tokens/s relative to `{base['name']}`; MiB = 2^20 bytes one rank sent per optimizer step."
+        (f"\n\nspeedup = tokens/s relative to `{base['name']}`; precision = param/reduce dtype of the FSDP2 policy; "
+         f"AC = activation checkpointing; MFU against the peak in all_results.json (- when unknown, e.g. on CPU); "
+         f"peak MiB = largest peak accelerator memory of any rank (host RSS, marked 'host', without a GPU); "
+         f"MiB/rank/step = 2^20 bytes the busiest rank sent per optimizer step.")
+
+
+def precision(run: dict) -> str:
+    """``param/reduce`` of the run's precision policy ("bf16/fp32"), "-" when not recorded."""
+    policy = run.get("precision_policy")
+    if not isinstance(policy, dict):
+        return "-"
+    return f"{policy.get('param', '?')}/{policy.get('reduce', '?')}"
+
+
+def _flag(run: dict, key: str) -> str:
+    value = run.get(key)
+    return "-" if value is None else ("on" if value else "off")
+
+
+def peak_memory(run: dict) -> str:
+    """Peak accelerator MiB of the busiest rank, else its peak host RSS marked "host"."""
+    if run.get("peak_accelerator_mb") is not None:
+        return _num(run["peak_accelerator_mb"], ",.0f")
+    if run.get("peak_host_mb") is not None:
+        return _num(run["peak_host_mb"], ",.0f") + " host"
+    return "-"
 
 
 def notes(runs: list[dict]) -> list[str]:
-    """Warnings: runs that differ in world size or tokens per step, runs under background load."""
+    """Warnings: runs that differ in world size, tokens per step, precision policy,
+    activation checkpointing or compile; runs under background load."""
     out = []
     worlds = {r["name"]: r.get("world_size") for r in runs}
     if len(set(worlds.values())) > 1:
@@ -173,6 +206,13 @@ def notes(runs: list[dict]) -> list[str]:
         out.append("note: the runs differ in tokens per step (" + ", ".join(
             f"{n}: {_num(t, ',.0f')}" for n, t in tps.items()) + "): they trained with different global batches, "
                    "so perplexity at equal tokens compares different optimisation settings.")
+    for what, value_of in (("precision policy", precision), ("activation checkpointing",
+                                                               lambda r: _flag(r, "activation_checkpointing")),
+                           ("compile", lambda r: _flag(r, "compile"))):
+        values = {r["name"]: value_of(r) for r in runs}
+        if len({v for v in values.values() if v != "-"}) > 1:
+            out.append(f"note: the runs differ in {what} (" + ", ".join(f"{n}: {v}" for n, v in values.items())
+                       + "): tokens/s and memory compare different settings.")
     for r in runs:
         bg = background_share(r)
         if bg is not None and bg > BACKGROUND_LIMIT:

@@ -101,41 +101,83 @@ def _finish(ax, *, xlabel: str, ylabel: str, title: str | None = None, logy: boo
         ax.legend(fontsize=7)
 
 
-def _eval_series(records: Sequence[Mapping[str, Any]], x_key: str, name: str) -> list[Series]:
+EVAL_LABELS = {
+    "synchronized": "synchronized model",
+    "single group": "model",
+    "own group per rank": "each rank's own group model",
+}
+"""Legend text of an overall evaluation by its ``eval/scored`` (see ``recipes/metrics.py``)."""
+
+
+def _eval_series(records: Sequence[Mapping[str, Any]], x_key: str, name: str | None = None) -> list[Series]:
+    """The overall perplexity curve and one per group. Labels say what was scored: the
+    ``eval/scored`` of the records (a mid-run value, then "synchronized" after the final
+    sync: "each rank's own group model, synchronized at the end"), and for the groups
+    "group f, own model before each sync"."""
     evals = [r for r in records if "eval/perplexity" in r]
+    if name is None:
+        kinds = list(dict.fromkeys(r.get("eval/scored") for r in evals))
+        labels = [EVAL_LABELS.get(k, "eval") for k in kinds] or ["eval"]
+        name = labels[0] if len(set(labels)) == 1 else f"{labels[0]}, {labels[-1]} at the end"
     out = [Series(name, [r[x_key] for r in evals], [r["eval/perplexity"] for r in evals])]
     groups = sorted({int(m.group(1)) for r in records for k in r for m in [_GROUP_KEY.match(k)] if m})
     for f in groups:
         key = f"eval/perplexity_group{f}"
         pts = [r for r in records if key in r]
-        out.append(Series(f"{name}, group {f}", [r[x_key] for r in pts], [r[key] for r in pts],
+        out.append(Series(f"group {f}, own model before each sync", [r[x_key] for r in pts], [r[key] for r in pts],
                           {"alpha": 0.8}))
     return out
 
 
+def sync_marks(records: Sequence[Mapping[str, Any]], sync_every: int | None, num_fragments: int = 1
+               ) -> tuple[list[float], str]:
+    """Training-token positions of the syncs a run made, and their legend text: every H
+    optimizer steps (one fragment every H/P steps with P fragments), up to the last
+    logged step. Empty without ``sync_every`` (a baseline) or records."""
+    steps = [r for r in records if r.get("step")]
+    if not sync_every or not steps:
+        return [], ""
+    per_step = steps[-1]["tokens"] / steps[-1]["step"]
+    last = max(r["step"] for r in steps)
+    period = max(1, sync_every // max(1, num_fragments))
+    label = f"sync (every H={sync_every} steps)" if num_fragments <= 1 else \
+        f"fragment sync (1 of P={num_fragments} every {period} steps)"
+    return [k * per_step for k in range(period, last + 1, period)], label
+
+
 # ---------------------------------------------------------------------- one run
-def plot_run_curves(records: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None) -> str:
-    """The recipe's ``curves.png``: train loss and eval perplexity against training tokens.
+def plot_run_curves(records: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None,
+                    sync_every: int | None = None, num_fragments: int = 1) -> str:
+    """The recipe's ``curves.png``: train loss, eval perplexity and tokens/s against training tokens.
 
     Args:
         records: the run's ``metrics.jsonl`` records (see the module docstring); records
-            with ``eval/perplexity_group{f}`` add one perplexity curve per federation group.
+            with ``eval/perplexity_group{f}`` add one perplexity curve per federation group;
+            ``tokens_per_s`` of the training records draws the throughput panel.
         path: PNG to write (folders are created).
         title: figure title.
+        sync_every, num_fragments: H and P of a federated run: every panel marks the syncs
+            (vertical lines, :func:`sync_marks`).
 
     Returns:
         ``path`` as a string.
     """
     plt = _pyplot()
     train = [r for r in records if "train/loss" in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 3.8))
     _lines(a, [Series("train loss", [r["tokens"] for r in train], [r["train/loss"] for r in train],
                       {"marker": None})])
-    _finish(a, xlabel="training tokens", ylabel="train loss", legend=False)
-    _lines(b, _eval_series(records, "tokens", "all groups" if any(
-        _GROUP_KEY.match(k) for r in records for k in r) else "eval"))
-    _finish(b, xlabel="training tokens", ylabel="eval perplexity", logy=True,
-            legend=len(b.get_lines()) > 1)
+    _lines(b, _eval_series(records, "tokens"))
+    rate = [r for r in train if r.get("tokens_per_s")]
+    _lines(c, [Series("tokens/s", [r["tokens"] for r in rate], [r["tokens_per_s"] for r in rate])])
+    marks, label = sync_marks(records, sync_every, num_fragments)
+    for ax in (a, b, c):
+        for i, x in enumerate(marks):
+            ax.axvline(x, color="grey", lw=0.7, ls=":", label=label if i == 0 else None)
+    _finish(a, xlabel="training tokens", ylabel="train loss", legend=bool(marks))
+    _finish(b, xlabel="training tokens", ylabel="eval perplexity", logy=True, legend=True)
+    _finish(c, xlabel="training tokens", ylabel="tokens/s (all processes)", legend=False)
+    _eng(c.yaxis)
     if title:
         fig.suptitle(title)
     return _save(fig, path)

@@ -3,11 +3,33 @@
 # baseline (4 CPU processes, tiny Llama, embedded Shakespeare corpus, same everything
 # else), then print the side-by-side table and where the results and W&B runs are.
 # About 2 minutes on 2 quiet CPU cores (measured from a fresh clone). Extra arguments go to both recipe runs.
+#
+# Where it installs: into the active virtual environment (VIRTUAL_ENV or CONDA_PREFIX set), else
+# into ./.venv, which it creates once (scripts/test.sh then uses it too). QUICKSTART_VENV=none
+# installs into whatever Python is active instead; QUICKSTART_DRY_RUN=1 only says which.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ]; then
+  where="the active environment ${VIRTUAL_ENV:-${CONDA_PREFIX:-}}"
+elif [ "${QUICKSTART_VENV:-.venv}" = none ]; then
+  where="the active Python $(command -v python) (QUICKSTART_VENV=none)"
+else
+  where="./.venv"
+fi
+echo "[quickstart] installing into $where"
+if [ "${QUICKSTART_DRY_RUN:-0}" = 1 ]; then
+  exit 0
+fi
+if [ "$where" = "./.venv" ]; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
 python -m pip install -q -r requirements.txt
 export OMP_NUM_THREADS=1
 export WANDB_MODE=${WANDB_MODE:-offline}
+# On GPUs: fewer out-of-memory failures from fragmentation (PyTorch's caching allocator); no effect on CPU.
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 EXP=${EXP:-quickstart-$(date +%Y%m%d-%H%M%S)}
 for algorithm in fl_fsdp fsdp; do
   accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \

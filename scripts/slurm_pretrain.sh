@@ -24,6 +24,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 NUM_PROCESSES=$((SLURM_NNODES * GPUS_PER_NODE))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export WANDB_MODE=${WANDB_MODE:-offline}
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}   # less fragmentation on long runs
 export FL_ACCEL_COLLECTIVE_TIMEOUT_S=${FL_ACCEL_COLLECTIVE_TIMEOUT_S:-600}   # a dead rank ends the job instead of hanging it
 mkdir -p logs
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(root, name, algorithm, tps, ppl, *, world=4, F=1, R=1, S=4, steps=40, tokens_per_step=4096, host=None,
-         comm_bytes=None):
+         comm_bytes=None, **extra):
     d = root / name
     d.mkdir(parents=True)
     res = {"algorithm": algorithm, "world_size": world, "num_groups": F, "group_size": world // F, "replicas": R,
@@ -22,6 +22,7 @@ def _run(root, name, algorithm, tps, ppl, *, world=4, F=1, R=1, S=4, steps=40, t
            "comm": {a: {"bytes": b} for a, b in (comm_bytes or {"dp_shard": 40 * 2**20}).items()}}
     if host is not None:
         res["host"] = {"background_cpu_share": host, "cpus": 2}
+    res.update(extra)
     (d / "all_results.json").write_text(json.dumps(res))
     recs = [{"step": s, "tokens": s * tokens_per_step, "time_s": s * 1.0, "eval/perplexity": ppl * 40 / s}
             for s in (8, 16, 40)]
@@ -101,3 +102,25 @@ def test_unequal_groups_run_is_tabled(tmp_path, capsys):
     assert compare.main([str(tmp_path), "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "| 1/2 " in out and "1.50x" in out
+
+
+def test_what_ran_mfu_and_memory_are_shown_and_differences_noted(tmp_path, capsys):
+    """The table shows each run's precision policy (param/reduce), activation checkpointing,
+    compile, MFU and peak memory; runs that differ in them get a note."""
+    bf16 = {"param": "bf16", "reduce": "fp32", "output": None}
+    _run(tmp_path, "fl", "fl_fsdp", 2800.0, 3400.0, F=2, S=2, precision_policy=bf16, activation_checkpointing=True,
+         compile=True, mfu=0.412, peak_accelerator_mb=40960.0, peak_host_mb=9000.0)
+    _run(tmp_path, "base", "fsdp", 1000.0, 3300.0, precision_policy={"param": "fp32", "reduce": "fp32", "output": None},
+         activation_checkpointing=False, compile=False, mfu=None, peak_accelerator_mb=None, peak_host_mb=1234.0)
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    for column in ("| precision ", "| AC ", "| compile ", "| MFU ", "| peak MiB "):
+        assert column in header, column
+    row_fl = next(line for line in out.splitlines() if line.startswith("| fl "))
+    row_base = next(line for line in out.splitlines() if line.startswith("| base "))
+    assert "| bf16/fp32 " in row_fl and "| on " in row_fl and "| 41.2% " in row_fl and "| 40,960 " in row_fl
+    assert "| fp32/fp32 " in row_base and "| off " in row_base and "| 1,234 host " in row_base
+    assert "note: the runs differ in precision policy (base: fp32/fp32, fl: bf16/fp32)" in out
+    assert "note: the runs differ in activation checkpointing (base: off, fl: on)" in out
+    assert "note: the runs differ in compile (base: off, fl: on)" in out

@@ -1,6 +1,7 @@
 """Failure behaviour of real 4-process recipe runs: dead and hung ranks, restarts.
 
-Faults are injected with the recipe's ``FL_ACCEL_TEST_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook:
+Faults are injected with the recipe's ``FL_ACCEL_TEST_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook
+(recipes/testing_hooks.py):
 ``kill`` is a kill -9 of one rank after that optimizer step, ``stop`` freezes it (a hung
 rank). The job must end with a clear message instead of hanging, and
 ``torchrun --max-restarts`` with ``--resume_from_checkpoint latest`` must finish the run.
@@ -15,11 +16,16 @@ import subprocess
 import pytest
 
 from _launch import REPO_ROOT, launch_env
+from fl_accel import FLConfig
 from scripts import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 FAST = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--log_every", "1",
         "--max_eval_blocks", "16", "--report_to", "none", "--num_groups", "2", "--save_final_model", "false"]
+
+
+# The collective timeout's variable: an FLConfig field once fl_accel has it (COORD decision 3).
+TIMEOUT_VAR = "FL_ACCEL_COLLECTIVE_TIMEOUT_S" if "collective_timeout_s" in FLConfig.field_names() else "FL_TIMEOUT_S"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,7 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     """kill -9 of rank 1 mid-training: torchrun stops the other ranks, which say why, and the job fails."""
     rc, out, err, seconds = torchrun([*FAST, "--algorithm", "fl_fsdp", "--max_steps", "8", "--sync_every", "4",
                                       "--output_dir", str(tmp_path)],
-                                     {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", "FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60"}, timeout=240,
+                                     {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", TIMEOUT_VAR: "60"}, timeout=240,
                                      cache_dir=cache)
     assert rc != 0, out[-2000:]
     assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 1 at step 2" in err
@@ -53,17 +59,18 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
 
 @pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
 def test_hung_rank_makes_peers_time_out(tmp_path, cache, algorithm):
-    """A frozen rank (SIGSTOP after step 2): its peers' collectives time out after collective_timeout_s
+    """A frozen rank (SIGSTOP after step 2): its peers' collectives time out after the collective timeout
     and the job ends, for every algorithm. Every process group carries the timeout, also the
     mesh sub-groups ("dp_shard", "dp_replicate", "fl"): "hsdp" has no collective on the world
     per step, so with the backend's 30-minute default on the sub-groups it would hang."""
     args = [*FAST, "--algorithm", algorithm, "--hsdp_shard_size", "2", "--max_steps", "8", "--sync_every", "4",
             "--output_dir", str(tmp_path)]
-    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "stop:3:2", "FL_ACCEL_COLLECTIVE_TIMEOUT_S": "10"}, timeout=300,
+    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "stop:3:2", TIMEOUT_VAR: "10"}, timeout=300,
                                      cache_dir=cache)
     assert rc != 0
     assert "FL_ACCEL_TEST_FAULT_INJECT: stop rank 3 at step 2" in err
-    assert "a collective failed; a peer rank died or hung (collective timeout collective_timeout_s=10 s)" in err, err[-5000:]
+    assert "a collective failed; a peer rank died or hung (collective timeout " in err, err[-5000:]
+    assert "=10" in err.split("collective timeout ", 1)[1].split(")")[0], err[-5000:]
     failed = {line.split("(rank ")[1].split(")")[0] for line in err.splitlines() if "a collective failed" in line}
     assert failed and "3" not in failed, err[-5000:]
 
@@ -87,3 +94,33 @@ def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
              if "train/loss" in line]
     assert steps == [1, 2, 3, 4], steps  # the first attempt's step 3 was dropped on resume
     assert not any(p.name.endswith(".partial") for p in (out_dir / "checkpoints").iterdir())
+
+
+def test_ctrl_c_ends_each_rank_with_one_line(tmp_path, cache):
+    """Ctrl-C (SIGINT to the launcher, which forwards it to every rank): each rank prints one
+    line with the resume advice and exits, with no traceback of its own and no second line
+    (no "stopped by the launcher", no "a collective failed"). torchrun's own
+    SignalException traceback is the launcher's and stays."""
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    cmd = launch.torchrun_argv(2, RECIPE, *FAST, "--algorithm", "fsdp", "--max_steps", "1000",
+                               "--output_dir", str(out_dir), "--cache_dir", cache)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err_file:
+        proc = launch.start(cmd, launch_env(), REPO_ROOT, subprocess.PIPE, err_file)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "step/s" not in log.read_text() and "s/step" not in log.read_text():
+            if proc.poll() is not None:
+                break
+            time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-3000:]  # training (the progress bar moves)
+        os.kill(proc.pid, signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+        res = launch.wait(proc, 120)
+    err = log.read_text()
+    assert not res.timed_out and res.returncode != 0, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("[fl_accel] ")]
+    assert sorted(ours) == sorted(f"[fl_accel] rank {r}: interrupted; resume with --resume_from_checkpoint latest "
+                                  f"(checkpoints every --checkpoint_every steps)" for r in (0, 1)), err[-3000:]
+    assert "KeyboardInterrupt" not in err and "pretrain.py\", line" not in err, err[-3000:]

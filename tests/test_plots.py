@@ -25,12 +25,15 @@ def figures(monkeypatch):
     return saved
 
 
-def _records(scale=1.0, groups=0):
+def _records(scale=1.0, groups=0, scored=None):
     recs = []
     for s in range(1, 9):
-        recs.append({"step": s, "tokens": s * 4096, "time_s": 1.5 * s, "train/loss": scale * (9 - 0.3 * s)})
+        recs.append({"step": s, "tokens": s * 4096, "time_s": 1.5 * s, "train/loss": scale * (9 - 0.3 * s),
+                     "tokens_per_s": 2000.0 + 10 * s})
         if s % 4 == 0:
             r = {"step": s, "tokens": s * 4096, "time_s": 1.5 * s, "eval/perplexity": scale * 5000 / s}
+            if scored:
+                r["eval/scored"] = scored if s < 8 else "synchronized"
             r.update({f"eval/perplexity_group{f}": scale * (5000 + 100 * f) / s for f in range(groups)})
             recs.append(r)
     return recs
@@ -49,22 +52,41 @@ def test_styles_differ():
 
 
 def test_run_curves_with_group_perplexities(tmp_path, figures):
+    """Three panels (loss, perplexity, tokens/s); the legend says what each evaluation scored
+    (mid-run: each rank's own group model under fragments; the synchronized model at the
+    end; each group's own model before the sync), and every panel marks the syncs."""
     from matplotlib.ticker import EngFormatter
 
-    path = plots.plot_run_curves(_records(groups=2), tmp_path / "sub" / "curves.png", "fl_fsdp F=2")
+    path = plots.plot_run_curves(_records(groups=2, scored="own group per rank"), tmp_path / "sub" / "curves.png",
+                                 "fl_fsdp F=2", sync_every=4, num_fragments=2)
     assert (tmp_path / "sub" / "curves.png").stat().st_size > 1000 and path.endswith("curves.png")
-    loss_ax, ppl_ax = figures[0].axes
-    assert len(loss_ax.get_lines()) == 1 and len(loss_ax.get_lines()[0].get_xdata()) == 8
-    labels = [ln.get_label() for ln in ppl_ax.get_lines()]
-    assert labels == ["all groups", "all groups, group 0", "all groups, group 1"]
+    loss_ax, ppl_ax, rate_ax = figures[0].axes
+    assert len(loss_ax.get_lines()[0].get_xdata()) == 8
+    labels = [ln.get_label() for ln in ppl_ax.get_lines() if not ln.get_label().startswith(("_", "fragment"))]
+    assert labels == ["each rank's own group model, synchronized model at the end",
+                      "group 0, own model before each sync", "group 1, own model before each sync"], labels
+    # one fragment syncs every H/P = 2 steps: steps 2, 4, 6, 8 at 4096 tokens per step, in every panel
+    for ax in (loss_ax, ppl_ax, rate_ax):
+        marks = sorted(ln.get_xdata()[0] for ln in ax.get_lines() if list(ln.get_xdata()) == [ln.get_xdata()[0]] * 2)
+        assert marks == [2 * 4096, 4 * 4096, 6 * 4096, 8 * 4096], marks
+    assert "fragment sync (1 of P=2 every 2 steps)" in [t.get_text() for t in ppl_ax.get_legend().get_texts()]
+    rate = [ln for ln in rate_ax.get_lines() if ln.get_label() == "tokens/s"][0]
+    assert list(rate.get_ydata()) == [2000.0 + 10 * s for s in range(1, 9)]
     assert ppl_ax.get_yscale() == "log" and isinstance(ppl_ax.xaxis.get_major_formatter(), EngFormatter)
     assert figures[0]._suptitle.get_text() == "fl_fsdp F=2"
+
+
+def test_sync_marks_of_a_blocking_sync_and_of_a_baseline():
+    recs = _records()
+    assert plots.sync_marks(recs, 4) == ([4 * 4096, 8 * 4096], "sync (every H=4 steps)")
+    assert plots.sync_marks(recs, None) == ([], "")
 
 
 def test_run_curves_without_evaluations(tmp_path, figures):
     recs = [r for r in _records() if "train/loss" in r]
     plots.plot_run_curves(recs, tmp_path / "c.png")
     assert (tmp_path / "c.png").exists() and figures[0].axes[1].get_lines() == []
+    assert figures[0].axes[1].get_legend() is None
 
 
 def test_comparison_identical_runs_stay_visible(tmp_path, figures):

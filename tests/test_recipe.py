@@ -21,7 +21,9 @@ RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
 COMMON = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "4",
           "--log_every", "1", "--eval_every", "3", "--max_eval_blocks", "32", "--checkpoint_every", "2",
-          "--sync_every", "3", "--num_groups", "2", "--hsdp_shard_size", "2", "--experiment", "pytest"]
+          "--sync_every", "3", "--num_groups", "2", "--hsdp_shard_size", "2", "--experiment", "pytest",
+          "--peak_tflops", "0.5"]
+PEAK_TFLOPS = 0.5
 
 
 def launch(args: list[str]):
@@ -79,7 +81,147 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     assert comm["dp_shard"]["bytes"] > 0
     evals = [r for r in read_metrics(out) if "eval/perplexity" in r]
     assert [r["step"] for r in evals] == [3, 4]
+    assert {r["eval/scored"] for r in evals} == {"synchronized" if federated else "single group"}
     assert "[fl_accel] micro-batch 2 blocks/rank" in proc.stdout
+    assert "[fl_accel] step 3: eval perplexity " in proc.stdout
+    # traffic covers every rank: the busiest rank, the sum over ranks (equal layouts: all ranks alike)
+    for axis in ("fl", "dp_replicate", "dp_shard"):
+        assert results["comm_sum"][axis]["bytes"] == 4 * comm[axis]["bytes"], axis
+    assert len(results["comm_by_group"]) == (2 if federated else 1)
+
+
+def test_results_record_what_ran_time_memory_and_mfu(runs):
+    """all_results.json says which precision policy, activation checkpointing, compile and
+    fl_accel ran; its time figures add up; memory and MFU are there (MFU against
+    --peak_tflops, consistent with tokens/s per process, here and in every logged step);
+    model_flops_per_token is torchtitan's formula for this untied Llama within 1%."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.modeling import PRESETS
+
+    out, proc = runs("fl_fsdp")
+    assert proc.returncode == 0, proc.tail()
+    r = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
+    assert r["precision_policy"] == {"param": "fp32", "reduce": "fp32", "output": None}
+    assert r["mixed_precision"] == "no" and r["activation_checkpointing"] is False and r["compile"] is False
+    assert r["fl_accel"]["path"] == str(REPO_ROOT / "fl_accel") and r["fl_accel"]["version"]
+    parts = ("startup_seconds", "train_seconds", "eval_and_checkpoint_seconds")
+    assert r["wall_seconds"] == pytest.approx(sum(r[p] for p in parts), rel=1e-9)
+    assert r["session"]["wall_seconds"] == pytest.approx(r["wall_seconds"], rel=1e-9)  # one session
+    assert abs(r["host"]["wall_s"] - r["session"]["wall_seconds"]) < 2.0  # the same interval
+    assert r["session"]["launch_seconds"] > 0
+    assert r["peak_host_mb"] >= r["peak_host_mb_after_prepare"] > 0 and r["peak_accelerator_mb"] is None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{**PRESETS["tiny"], "vocab_size": r["vocab_size"]}))
+    n, (V, H, L, h, T) = sum(p.numel() for p in model.parameters()), (r["vocab_size"], 128, 4, 4, 64)
+    assert r["model_flops_per_token"] == pytest.approx(6 * (n - V * H) + 12 * L * h * (H // h) * T, rel=1e-2)
+    assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s_per_process"] / (PEAK_TFLOPS * 1e12),
+                                     rel=1e-9)
+    assert r["tokens_per_s_per_process"] == pytest.approx(r["tokens_per_s"] / 4)
+    for rec in (x for x in read_metrics(out) if "train/loss" in x):
+        assert rec["mfu"] == pytest.approx(rec["model_flops_per_token"] * rec["tokens_per_s_per_process"]
+                                           / (PEAK_TFLOPS * 1e12), rel=1e-9)
+        assert rec["peak_host_mb"] > 0 and rec["peak_accelerator_mb"] is None and "sync_time_share" in rec
+
+
+def test_banner_explains_itself(runs):
+    """The banner names the fl_accel it imported, explains the letters once, shows the group
+    weights and marks every setting the algorithm ignores (also at its default value); fl_accel's
+    own warnings are one line each, not `file:line: UserWarning` plus a source line."""
+    out, proc = runs("fl_fsdp")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("[fl_accel] fl_accel ") and lines[0].endswith(f" from {REPO_ROOT / 'fl_accel'}")
+    assert "[fl_accel] fl_fsdp F=2 G=2 R=1 S=2 H=3, outer=avg, group weights 1/2, 1/2 (size)" in lines
+    assert any(line.startswith("[fl_accel]   (F federation groups of G ranks each") for line in lines)
+    assert "hsdp_shard_size=2 (flag; ignored by fl_fsdp)" in proc.stdout
+    _, base = runs("fsdp")
+    assert "num_groups=2 (flag; ignored by fsdp)" in base.stdout and "sync_every=3 (flag; ignored by fsdp)" in base.stdout
+    assert "[fl_accel] sync_every=3 is ignored by algorithm 'fsdp' (one group spans the world)\n" in base.stderr
+    assert "UserWarning" not in base.stderr and "UserWarning" not in proc.stderr
+
+
+def _masked(line: str) -> str:
+    """A banner/log line's kind: its text up to the first digit, '=', ':' or '(' (values differ by run)."""
+    import re
+
+    return re.split(r"[0-9=:(]", line, maxsplit=1)[0].strip()
+
+
+def test_readme_what_you_will_see_matches_a_run(runs):
+    """The README's "What you will see" block (the quickstart's FL+FSDP run) has the same lines,
+    in the same order, as a run prints: compared by each line's kind (numbers, paths and
+    sources differ between the quickstart's 48 steps and this 4-step run)."""
+    out, proc = runs("fl_fsdp")
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("### What you will see", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+
+    def kinds(text):
+        seen = []
+        for line in text.splitlines():
+            if line.startswith("[fl_accel]") and "W&B" not in line:
+                kind = _masked(line[len("[fl_accel] "):])
+                if not seen or seen[-1] != kind:
+                    seen.append(kind)
+        return seen
+
+    assert proc.returncode == 0, proc.tail()
+    assert len(kinds(block)) >= 12 and kinds(block) == kinds(proc.stdout), (kinds(block), kinds(proc.stdout))
+
+
+def test_activation_checkpointing_resumes_across_the_switch(runs, tmp_path, data_cache):
+    """A checkpoint saved without activation checkpointing (step_2, mid-round) resumes with
+    --activation_checkpointing full: the recomputed activations give the uninterrupted run's
+    losses within 1e-5, and the results record that checkpointing ran. (The checkpoint keys
+    carry no ``_checkpoint_wrapped_module.``: torch's checkpoint_wrapper strips it from state
+    dicts and adds it back on load.)"""
+    out, proc = runs("fl_fsdp")
+    assert proc.returncode == 0, proc.tail()
+    resumed = str(tmp_path / "ac")
+    proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed, "--cache_dir", data_cache,
+                    "--resume_from_checkpoint", os.path.join(out, "checkpoints", "step_2"),
+                    "--activation_checkpointing", "full", "--save_final_model", "false"])
+    assert proc2.returncode == 0, proc2.tail()
+    assert "activation checkpointing full (--activation_checkpointing)" in proc2.stdout
+    full = {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+    again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(again) == [3, 4] and all(abs(again[k] - full[k]) <= 1e-5 for k in again), (again, full)
+    results = json.loads(open(os.path.join(resumed, "all_results.json"), encoding="utf-8").read())
+    assert results["activation_checkpointing"] is True
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_model_families_train_sync_checkpoint_and_export(family, tmp_path, data_cache):
+    """Tiny Qwen2 and Mistral configs (any causal LM whose class declares _no_split_modules):
+    FL+FSDP on 4 ranks with a sync, a checkpoint and final_model/, which transformers loads
+    back as the same family."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    cls(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path / "model")
+    out = tmp_path / "run"
+    bf16 = family == "qwen2"  # one family in bf16: parameters bf16, gradients reduced in fp32 (the default)
+    proc = launch(["--model", str(tmp_path / "model"), "--seq_len", "64", "--micro_batch_size", "2", "--max_steps",
+                   "2", "--sync_every", "1", "--num_groups", "2", "--checkpoint_every", "2", "--log_every", "1",
+                   "--max_eval_blocks", "16", "--report_to", "none", "--output_dir", str(out), "--cache_dir",
+                   data_cache, "--mixed_precision", "bf16" if bf16 else "no"])
+    assert proc.returncode == 0, proc.tail()
+    assert f"({family}): " in proc.stdout
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["model_type"] == family and results["comm"]["fl"]["calls"] == 2
+    policy = {"param": "bf16", "reduce": "fp32", "output": None} if bf16 else \
+        {"param": "fp32", "reduce": "fp32", "output": None}
+    assert results["precision_policy"] == policy and results["mixed_precision"] == ("bf16" if bf16 else "no")
+    if bf16:
+        assert "precision: param bf16, reduce fp32, output as computed (mixed_precision bf16)" in proc.stdout
+    assert (out / "checkpoints" / "step_2" / "fl_accel_checkpoint.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    assert model.config.model_type == family and model.config.vocab_size == 8192
+    import torch
+
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(64).view(1, 64), use_cache=False).logits).all()
 
 
 def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_cache):

@@ -110,7 +110,15 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
         assert b["comm"][axis]["bytes"] == a["comm"][axis]["bytes"], axis
         assert b["comm"][axis]["calls"] == a["comm"][axis]["calls"], axis
     assert b["tokens_per_s"] == pytest.approx(b["train_tokens"] / b["train_seconds"])
-    assert b["wall_seconds"] >= b["train_seconds"] and b["session"]["resumed_from_step"] == k
+    assert b["session"]["resumed_from_step"] == k
+    # the time figures: both sessions' parts add up to the run's wall time; this session's to its own
+    parts = ("startup_seconds", "train_seconds", "eval_and_checkpoint_seconds")
+    assert b["wall_seconds"] == pytest.approx(sum(b[p] for p in parts), rel=1e-9)
+    assert b["session"]["wall_seconds"] == pytest.approx(sum(b["session"][p] for p in parts), rel=1e-9)
+    # the first session's time is kept (its evaluations: none before the checkpoint of step 1)
+    assert b["startup_seconds"] > b["session"]["startup_seconds"] and b["train_seconds"] > b["session"]["train_seconds"]
+    assert b["eval_and_checkpoint_seconds"] >= b["session"]["eval_and_checkpoint_seconds"]
+    assert b["peak_host_mb"] >= b["peak_host_mb_after_prepare"] > 0
     assert b["wandb_id"] == a["wandb_id"]  # the resumed session logs to the same W&B run id
     full_loss = {r["step"]: r["train/loss"] for r in _metrics(out) if "train/loss" in r}
     records = _metrics(cut)
@@ -124,11 +132,16 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
             assert r[key] == full_comm[r["step"]][key], (r["step"], key, r[key], full_comm[r["step"]][key])
     evals = [r["step"] for r in records if "eval/loss_group0" in r]
     assert evals == [2, 4, 6], evals  # the evaluations the resumed steps follow (6: the final one)
+    # what each evaluation scored: the synchronized model after the sync (one fragment), each
+    # group's own model before it; the final per-group scores follow the final sync
+    scored = [(r["step"], r["eval/scored"], r["eval/scored_groups"]) for r in records if "eval/loss_group0" in r]
+    assert scored == [(2, "synchronized", "before the sync"), (4, "synchronized", "before the sync"),
+                      (6, "synchronized", "after the final sync")], scored
 
     from scripts.plots import plot_run_curves
 
     redrawn = tmp_path / "redrawn.png"
-    plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)")
+    plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)", sync_every=2, num_fragments=1)
     assert redrawn.read_bytes() == (cut / "curves.png").read_bytes()
 
 
@@ -207,7 +220,11 @@ def test_single_plain_process_runs_and_fl_on_one_process_names_the_fix(full, tmp
     bad = _plain_python([*common, "--output_dir", str(tmp_path / "fl")], tmp_path)
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert "--num_groups 1 or --algorithm fsdp" in bad.stderr
-    ok = _plain_python([*common, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "one")], tmp_path)
+    ok = _plain_python([*common, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "one"), "--mixed_precision",
+                        "bf16", "--reduce_dtype", "bf16"], tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     results = _results(tmp_path / "one")
     assert results["world_size"] == 1 and results["steps"] == 2 and results["eval_loss"] > 0
+    # --reduce_dtype bf16 reduces as plain Accelerate does; the loss stays fp32 (no output cast)
+    assert results["precision_policy"] == {"param": "bf16", "reduce": "bf16", "output": None}
+    assert "precision: param bf16, reduce bf16, output as computed (mixed_precision bf16)" in ok.stdout

@@ -1,0 +1,86 @@
+"""The start-up banner: what this run is, in the words of the README, printed once by the main process.
+
+Every line starts with ``[fl_accel]``. It names the ``fl_accel`` that was imported (a
+stale editable install elsewhere shows up here), explains the layout letters once, shows
+the group weights, every FLConfig value that is not a default (or that a file, variable
+or flag set) with where it came from, marking those the algorithm ignores, the model, the
+precision policy, activation checkpointing and compile, and the batch arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .args import describe_sources
+from .metrics import weights_text
+
+LETTERS = ("F federation groups of G ranks each; a group is R replicas x S shards (HSDP; R=1: FSDP); "
+           "H optimizer steps between syncs; P fragments; a block is seq_len tokens")
+
+FL_ONLY = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fragments", "sync_delay",
+           "fragment_update_alpha", "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr", "outer_momentum",
+           "average_optimizer_state", "on_nonfinite", "sync_bucket_mb", "data_sharding", "anchor_device",
+           "outer_state_device")
+"""FLConfig fields only a federated algorithm reads (both the old and the new name of the
+outer-state placement field, whichever this fl_accel has)."""
+
+
+def ignored_fields(fl) -> set[str]:
+    """The FLConfig fields the configured algorithm and modes do not read, whatever their value."""
+    names = {f.name for f in fields(fl)}
+    out = set()
+    if not fl.is_federated:
+        out |= set(FL_ONLY)
+    if not fl.uses_hsdp:
+        out.add("hsdp_shard_size")
+    if fl.outer_optimizer == "avg":
+        out |= {"outer_lr", "outer_momentum"}
+    if fl.sync_dtype == "fp32":
+        out.add("error_feedback")
+    if fl.outer_optimizer == "avg" and fl.sync_dtype == "fp32":
+        out |= {"anchor_device", "outer_state_device"}
+    return out & names
+
+
+def fl_line(parsed) -> str:
+    """``FLConfig: name=value (where); ...``, a value the algorithm ignores marked as such."""
+    return f"FLConfig: {'; '.join(describe_sources(parsed, ignored_fields(parsed.fl))) or 'all defaults'}"
+
+
+def precision_text(policy: dict, mixed: str) -> str:
+    return (f"param {policy['param']}, reduce {policy['reduce']}, output {policy.get('output') or 'as computed'} "
+            f"(mixed_precision {mixed})")
+
+
+def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str, n_params: int, vocab: int,
+                 vocab_note: str, flops_per_token: float, policy: dict, activation_checkpointing: bool,
+                 compiled: bool, peak_mb: float, tokens_per_rank_step: int, tokens_per_step: int,
+                 data_line: str) -> list[str]:
+    """The banner, one string per line (without the ``[fl_accel]`` prefix)."""
+    args, fl = plan.args, plan.fl
+    streaming_fl = fl.is_federated and (fl.num_fragments > 1 or fl.sync_delay or fl.fragment_update_alpha
+                                        or fl.sync_dtype != "fp32")
+    layout_line = f"{layout.describe(fl.sync_every)}, outer={fl.outer_optimizer if fl.is_federated else '-'}"
+    if streaming_fl:
+        layout_line += (f", fragments P={fl.num_fragments} sync delay={fl.sync_delay} alpha={fl.fragment_update_alpha}"
+                        f" exchange={fl.sync_dtype}{' +error feedback' if fl.error_feedback else ''}")
+    if layout.num_groups > 1:
+        layout_line += f", group weights {weights_text(layout.weights(fl.group_weighting))} ({fl.group_weighting})"
+    sources = plan.sources
+    return [
+        f"fl_accel {origin['version']} from {origin['path']}",
+        layout_line,
+        f"  ({LETTERS})",
+        fl_line(plan.parsed),
+        f"model {model_name} ({model_type}): {n_params / 1e6:.2f}M params, vocab {vocab}"
+        + (f" ({vocab_note})" if vocab_note else "")
+        + f", seq_len {args.seq_len}, {flops_per_token / 1e6:,.1f} MFLOP/token, init on {args.init_device} "
+          f"(peak host memory {peak_mb:.0f} MiB per rank after prepare)",
+        f"precision: {precision_text(policy, plan.mixed_precision)}; activation checkpointing "
+        f"{'full' if activation_checkpointing else 'none'} ({sources['activation_checkpointing']}); compile "
+        f"{'regional' if compiled else 'off'} ({sources['compile']})",
+        f"micro-batch {args.micro_batch_size} blocks/rank x accumulation {args.gradient_accumulation_steps} = "
+        f"{tokens_per_rank_step} tokens/rank/step; {tokens_per_step} tokens/step in total (global batch "
+        f"{tokens_per_step // args.seq_len} blocks)",
+        data_line,
+    ]

@@ -1,0 +1,389 @@
+"""What a run measures and records: time, throughput, MFU, memory, traffic, evaluations.
+
+One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_results.json``):
+
+* **Time** (:class:`Clock`, seconds, ``time.perf_counter``). A session's wall time, from
+  the start of argument parsing to ``all_results.json``, is split into exactly three parts:
+  ``startup_seconds`` (data, model, ``prepare``, resume: until the first training step
+  starts), ``train_seconds`` (the training steps, with their logging) and
+  ``eval_and_checkpoint_seconds`` (evaluations, checkpoints, the final sync, the export).
+  ``wall_seconds`` is their sum over every session of the run (a resumed run adds its own).
+  Python's start-up and imports before that (about 10 s per launch here) are
+  ``session.launch_seconds``, in no other figure. ``host.wall_s`` is the session's wall
+  time again, over which ``host.background_cpu_share`` was measured.
+* **Throughput**: tokens/s = training tokens / ``train_seconds`` (whole run; in a logged
+  step: since the previous logged step), per process = / world size.
+* **MFU** = ``model_flops_per_token`` x tokens/s per process / peak FLOPS
+  (:mod:`fl_accel.memory_model`: torchtitan's 6 (N - N_emb) + 12 L h d_head T; the peak from
+  ``--peak_tflops`` or the CUDA device's name; null when unknown, e.g. on CPU).
+* **Memory** (MiB = 2**20 bytes): ``peak_host_mb`` the largest peak RSS of any rank over the
+  whole run (``ru_maxrss``), ``peak_host_mb_after_prepare`` the same right after
+  ``prepare`` and initialization, ``peak_accelerator_mb`` the largest
+  ``torch.cuda.max_memory_allocated`` of any rank (null on CPU).
+* **Traffic** per bucket ("fl", "dp_replicate", "dp_shard", "world"): the bytes, calls and
+  seconds of :mod:`fl_accel.comm`, which every rank counts for itself. ``comm`` holds the
+  largest figure of any rank, ``comm_sum`` the sum over all ranks and ``comm_by_group[f]``
+  the largest of group f's ranks (unequal groups: the groups' ranks differ).
+  ``sync_time_share`` = the training thread's wait for inter-group communication
+  (``accelerator.sync_wait_seconds``, largest rank) / ``train_seconds``.
+* **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from fractions import Fraction
+from typing import Any
+
+FIGURES = ("bytes", "calls", "seconds")
+PER_RANK = 3  # host MiB, accelerator MiB, sync wait seconds; then FIGURES per comm bucket
+
+
+# =========================================================================== time
+class Clock:
+    """The session's time split (see the module docstring); totals add earlier sessions'."""
+
+    def __init__(self, t0: float, restored: dict):
+        self.t0 = t0
+        self.before = {k: float(restored.get(k, 0.0)) for k in (
+            "startup_seconds", "train_seconds", "eval_and_checkpoint_seconds", "wall_seconds")}
+        self.session = {"startup_seconds": 0.0, "train_seconds": 0.0, "eval_and_checkpoint_seconds": 0.0}
+        self.t_last: float | None = None
+
+    def start_training(self) -> None:
+        self.t_last = time.perf_counter()
+        self.session["startup_seconds"] = self.t_last - self.t0
+
+    def tick(self, part: str) -> float:
+        """Charge the time since the last tick to ``part``; returns the seconds charged."""
+        now = time.perf_counter()
+        spent, self.t_last = now - self.t_last, now
+        self.session[part] += spent
+        return spent
+
+    def total(self, part: str) -> float:
+        return self.before[part] + self.session[part]
+
+    def totals(self) -> dict[str, float]:
+        """Whole-run figures (all sessions); ``wall_seconds`` is the sum of the three parts."""
+        out = {k: self.total(k) for k in self.session}
+        out["wall_seconds"] = self.before["wall_seconds"] + sum(self.session.values())
+        return out
+
+
+def launch_seconds() -> float | None:
+    """Seconds from this process's creation to now (interpreter start-up and imports when
+    called at the top of ``main``); None when psutil is unavailable."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:
+        return None
+
+
+# =========================================================================== memory
+def peak_host_mb() -> float:
+    """This process's peak resident memory so far, in MiB (``ru_maxrss``, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def peak_accelerator_mb(device) -> float | None:
+    """``torch.cuda.max_memory_allocated`` of ``device`` in MiB; None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _max_or_none(*values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+# =========================================================================== traffic
+def aggregate(per_rank, layout, buckets) -> dict:
+    """Per-rank figures ``[world, PER_RANK + 3 * len(buckets)]`` (a float64 tensor or nested
+    list) into the run's figures: ``host_mb``/``accelerator_mb``/``sync_wait_seconds`` (largest
+    rank; accelerator None when every rank reported a negative value, i.e. no CUDA), and
+    ``comm`` / ``comm_sum`` / ``comm_by_group`` (see the module docstring)."""
+    rows = [list(map(float, r)) for r in (per_rank.tolist() if hasattr(per_rank, "tolist") else per_rank)]
+    acc = max(r[1] for r in rows)
+
+    def figures(ranks, combine):
+        out = {}
+        for b, bucket in enumerate(buckets):
+            col = PER_RANK + 3 * b
+            out[bucket] = {name: combine([rows[k][col + i] for k in ranks]) for i, name in enumerate(FIGURES)}
+            out[bucket]["bytes"], out[bucket]["calls"] = int(out[bucket]["bytes"]), int(out[bucket]["calls"])
+        return out
+
+    world = range(len(rows))
+    return {"host_mb": max(r[0] for r in rows), "accelerator_mb": acc if acc >= 0 else None,
+            "sync_wait_seconds": max(r[2] for r in rows),
+            "comm": figures(world, max), "comm_sum": figures(world, sum),
+            "comm_by_group": [figures(layout.group_ranks(f), max) for f in range(layout.num_groups)]}
+
+
+# =========================================================================== evaluation
+def eval_batches(blocks, index: int, count: int, micro_batch: int):
+    """Split validation blocks over ``count`` ranks with no duplicates.
+
+    Rank ``index`` takes rows ``index, index+count, ...``. Every rank gets the same
+    number of batches (FSDP needs every rank of a group in each forward); missing rows
+    are filled with row 0 and a weight of 0. Yields (input_ids [b, L], weight [b]).
+    """
+    import torch
+
+    mine = list(range(index, len(blocks), count))
+    per_rank = math.ceil(len(blocks) / count)
+    for b in range(math.ceil(per_rank / micro_batch)):
+        idx = mine[b * micro_batch:(b + 1) * micro_batch]
+        weight = [1.0] * len(idx) + [0.0] * (micro_batch - len(idx))
+        idx = idx + [0] * (micro_batch - len(idx))
+        yield torch.tensor([blocks[i] for i in idx]), torch.tensor(weight, dtype=torch.float64)
+
+
+def evaluate(model, accelerator, blocks, micro_batch: int, per_group: bool = False):
+    """Token-weighted perplexity over the whole validation set.
+
+    ppl = exp(sum of token NLL / number of predicted tokens), summed over ranks (not the
+    mean of per-batch means). The totals live on ``accelerator.device`` and are
+    all-reduced over the world (also at world size 1), so the same code runs on gloo
+    and NCCL. ``per_group=False``: the world's ranks split the rows. ``per_group=True``:
+    each federation group evaluates every row with its own model, split over its own
+    ranks. Returns a list of (perplexity, mean NLL in nats, tokens): one entry, or one
+    per group. Collective.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    layout, rank = accelerator.layout, accelerator.process_index
+    slots = layout.num_groups if per_group else 1
+    slot = accelerator.group_index if per_group else 0
+    index, count = ((layout.group_local_rank(rank), layout.group_size_of(accelerator.group_index)) if per_group
+                    else (rank, accelerator.num_processes))
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(slots, 2, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        for ids, weight in eval_batches(blocks, index, count, micro_batch):
+            ids, weight = ids.to(accelerator.device), weight.to(accelerator.device)
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                                  reduction="none").view(ids.size(0), -1).sum(1).double()
+            totals[slot, 0] += (nll * weight).sum()
+            totals[slot, 1] += weight.sum() * (ids.size(1) - 1)
+    dist.all_reduce(totals)  # a group's ranks evaluated disjoint rows: the sum is the group's total
+    if was_training:
+        model.train()
+    out = []
+    for s in range(slots):
+        mean_nll = (totals[s, 0] / totals[s, 1]).item()
+        out.append((math.exp(mean_nll), mean_nll, int(totals[s, 1].item())))
+    return out
+
+
+SCORED = {
+    "synchronized": "the synchronized model (every group holds the same parameters)",
+    "single group": "the model (one group spans the world: nothing to synchronize)",
+    "own group per rank": "each rank scores its rows with its own group's model (fragments or alpha > 0 leave the "
+                          "groups different between full syncs)",
+}
+"""``eval/scored`` values and their meaning; ``eval/scored_groups`` is always "before sync":
+each group's own model, scored right before the sync of that step."""
+
+
+def scored(fl, final: bool) -> str:
+    """What an evaluation after the step's sync scores (a key of :data:`SCORED`).
+
+    Mid-run evaluations fall on multiples of H, right after a sync: with one fragment and
+    alpha = 0 the groups are then identical; with fragments (P > 1) or alpha > 0 they are
+    not until the final full sync."""
+    if not fl.is_federated:
+        return "single group"
+    if final or (fl.num_fragments == 1 and not fl.fragment_update_alpha):
+        return "synchronized"
+    return "own group per rank"
+
+
+# =========================================================================== per-step figures
+class Meter:
+    """Windows between logged steps and the whole run's counters (see the module docstring).
+
+    The loop calls :meth:`micro_batch` after each micro-batch, :meth:`set_grad_norm` at each
+    optimizer step, :meth:`step_done` after it, :meth:`train_record` at a logging step and
+    wraps evaluations and checkpoints in :meth:`outside_training`.
+    """
+
+    def __init__(self, accelerator, clock: Clock, *, tokens_per_step: int, completed_steps: int,
+                 flops_per_token: float, peak_tflops: float | None, restored: dict):
+        import torch
+
+        self.accelerator, self.clock = accelerator, clock
+        self.layout = accelerator.layout
+        self.tokens_per_step, self.completed_steps = tokens_per_step, completed_steps
+        self.tokens = completed_steps * tokens_per_step
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.restored = restored
+        self.buckets = tuple(accelerator.comm_stats.as_dict())
+        dev = accelerator.device
+        self.window_loss = torch.zeros((), dtype=torch.float64, device=dev)  # summed on the device
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=dev)
+        self.window_n = self.window_tokens = 0
+        self.window_train_s = 0.0
+        self.sync_wait_before = float(restored.get("rank_sync_wait_seconds", 0.0))
+
+    # ---------------------------------------------------------------- loop callbacks
+    def micro_batch(self, loss) -> None:
+        self.window_loss += loss.detach().double()
+        self.window_n += 1
+
+    def set_grad_norm(self, norm) -> None:
+        import torch
+
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.grad_norm = torch.as_tensor(norm, device=self.accelerator.device).double()
+
+    def step_done(self) -> int:
+        self.completed_steps += 1
+        self.tokens += self.tokens_per_step
+        self.window_tokens += self.tokens_per_step
+        self.window_train_s += self.clock.tick("train_seconds")
+        return self.completed_steps
+
+    @contextlib.contextmanager
+    def outside_training(self):
+        """Time spent inside is ``eval_and_checkpoint_seconds``, not training."""
+        self.window_train_s += self.clock.tick("train_seconds")  # logging belongs to training
+        try:
+            yield
+        finally:
+            self.clock.tick("eval_and_checkpoint_seconds")
+
+    # ---------------------------------------------------------------- figures
+    def sync_wait_seconds(self) -> float:
+        """This rank's wait for inter-group communication over the whole run (seconds)."""
+        return self.sync_wait_before + float(self.accelerator.sync_wait_seconds)
+
+    def gather(self, head: list[float]):
+        """All-reduce ``head`` (summed over ranks) and every rank's own figures in one
+        collective on ``accelerator.device``; returns (head summed, :func:`aggregate`)."""
+        import torch
+        import torch.distributed as dist
+
+        acc, world = self.accelerator, self.accelerator.num_processes
+        width = PER_RANK + 3 * len(self.buckets)
+        buf = torch.zeros(len(head) + world * width, dtype=torch.float64, device=acc.device)
+        buf[:len(head)] = torch.tensor(head, dtype=torch.float64)
+        stats = acc.comm_stats.as_dict()
+        acc_mb = peak_accelerator_mb(acc.device)
+        mine = [peak_host_mb(), -1.0 if acc_mb is None else acc_mb, self.sync_wait_seconds()]
+        mine += [float(stats[b][f]) for b in self.buckets for f in FIGURES]
+        start = len(head) + acc.process_index * width
+        buf[start:start + width] = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(buf)  # counted in the "world" bucket of comm_stats
+        return buf[:len(head)].tolist(), aggregate(buf[len(head):].view(world, width).cpu(), self.layout,
+                                                   self.buckets)
+
+    def mfu(self, tokens_per_s_per_process: float | None) -> float | None:
+        from fl_accel.memory_model import mfu
+
+        return mfu(self.flops_per_token, tokens_per_s_per_process, self.peak_tflops) \
+            if tokens_per_s_per_process else None
+
+    def train_record(self, lr: float) -> dict:
+        """The logged record of this step (collective): loss and grad norm averaged over the
+        world, tokens/s of the window, MFU, memory, sync share, traffic (see module docstring)."""
+        layout, acc, F_ = self.layout, self.accelerator, self.layout.num_groups
+        head = [0.0] * (1 + F_)
+        head[0] = (self.window_loss / self.window_n / acc.num_processes).item()
+        head[1 + acc.group_index] = (self.grad_norm / layout.group_size_of(acc.group_index)).item()
+        head, run = self.gather(head)
+        tps = self.window_tokens / self.window_train_s if self.window_train_s > 0 else None
+        per_process = tps / acc.num_processes if tps else None
+        train_s = self.clock.total("train_seconds")
+        record = {"step": self.completed_steps, "tokens": self.tokens, "time_s": train_s, "train/loss": head[0],
+                  "lr": lr, "train/grad_norm": sum(head[1:]) / F_,
+                  **{f"train/grad_norm_group{f}": head[1 + f] for f in range(F_) if F_ > 1},
+                  "tokens_per_s": tps, "tokens_per_s_per_process": per_process,
+                  "step_time_s": self.window_train_s / max(1, self.window_n // max(1, self._accumulation())),
+                  "model_flops_per_token": self.flops_per_token, "mfu": self.mfu(per_process),
+                  "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
+                  "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
+                  **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
+        self.window_loss.zero_()
+        self.window_n = self.window_tokens = 0
+        self.window_train_s = 0.0
+        return record
+
+    def _accumulation(self) -> int:
+        return self.accelerator.gradient_accumulation_steps
+
+    def checkpoint_totals(self, wandb_id) -> dict:
+        """What a checkpoint stores for the whole-run figures of a resumed run: the time
+        split, the peaks of memory so far (collective) and the W&B run id. Called inside
+        :meth:`outside_training`: the evaluation before the save counts."""
+        self.clock.tick("eval_and_checkpoint_seconds")
+        _, run = self.gather([])
+        return {**self.clock.totals(), "wandb_id": wandb_id,
+                "peak_host_mb": _max_or_none(self.restored.get("peak_host_mb"), run["host_mb"]),
+                "peak_accelerator_mb": _max_or_none(self.restored.get("peak_accelerator_mb"), run["accelerator_mb"])}
+
+    def rank_state(self) -> dict:
+        """Per-rank figures a checkpoint stores (the wait for inter-group communication)."""
+        return {"rank_sync_wait_seconds": self.sync_wait_seconds()}
+
+    def run_figures(self) -> dict:
+        """Whole-run time, throughput, MFU, memory and traffic figures of ``all_results.json``
+        (collective)."""
+        _, run = self.gather([])
+        times = self.clock.totals()
+        train_s = times["train_seconds"]
+        tps = self.tokens / train_s if train_s > 0 else None
+        per_process = tps / self.accelerator.num_processes if tps else None
+        return {"train_tokens": self.tokens, "steps": self.completed_steps, "tokens_per_step": self.tokens_per_step,
+                "tokens_per_s": tps, "tokens_per_s_per_process": per_process, **times,
+                "model_flops_per_token": self.flops_per_token, "peak_tflops": self.peak_tflops,
+                "mfu": self.mfu(per_process),
+                "peak_host_mb": _max_or_none(self.restored.get("peak_host_mb"), run["host_mb"]),
+                "peak_accelerator_mb": _max_or_none(self.restored.get("peak_accelerator_mb"), run["accelerator_mb"]),
+                "sync_wait_seconds": run["sync_wait_seconds"],
+                "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
+                "comm": run["comm"], "comm_sum": run["comm_sum"], "comm_by_group": run["comm_by_group"]}
+
+
+def _flat(prefix: str, comm: dict) -> dict:
+    return {f"{prefix}/{bucket}/{name}": value for bucket, figs in comm.items() for name, value in figs.items()}
+
+
+# =========================================================================== small formatting helpers
+def weights_text(weights) -> str:
+    """Group weights as fractions (``1/3, 2/3``) when they are simple, else decimals."""
+    out = []
+    for w in weights:
+        frac = Fraction(w).limit_denominator(1000)
+        out.append(f"{frac.numerator}/{frac.denominator}" if abs(float(frac) - w) < 1e-9 else f"{w:.4g}")
+    return ", ".join(out)
+
+
+def fl_accel_origin() -> dict[str, Any]:
+    """The ``fl_accel`` this process imported: its version and folder."""
+    import fl_accel
+
+    version = getattr(fl_accel, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version("fl_accel")
+        except Exception:
+            version = "unknown"
+    return {"version": version, "path": os.path.dirname(os.path.abspath(fl_accel.__file__))}

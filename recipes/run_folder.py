@@ -1,0 +1,376 @@
+"""The run folder and everything checked before any process group exists.
+
+:func:`plan_run` turns the command line, the recipe YAML, ``FL_ACCEL_*`` variables and
+what ``accelerate launch`` exported from its own config into a :class:`RunPlan`, in pure
+Python, identically on every rank: a bad input raises one :class:`RecipeError` on every
+rank before any collective, so no rank is left waiting. :func:`prepare_output_dir`,
+:func:`resume` and :func:`save_checkpoint` own the folder's contents afterwards::
+
+    <output_dir>/metrics.jsonl  all_results.json  curves.png  checkpoints/step_N  final_model/  wandb/
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity
+
+OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png")
+"""What a run writes into its folder (``--overwrite_output_dir`` deletes exactly these)."""
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """What :func:`plan_run` decided, before the accelerator exists."""
+
+    parsed: ParsedArgs
+    layout: Any
+    """The :class:`fl_accel.mesh.FLLayout` of the launched world."""
+    run_name: str
+    identity: dict
+    """:func:`recipes.args.run_identity`: what a checkpoint must share with this run."""
+    resume_path: str | None
+    mixed_precision: str
+    """"bf16" or "no" (fp32)."""
+    activation_checkpointing: bool
+    compile: bool
+    sources: dict[str, str]
+    """Where ``activation_checkpointing`` and ``compile`` came from (a flag or the Accelerate config)."""
+    t0: float
+    """``time.perf_counter()`` at the start of ``main``: the start of this session's wall time."""
+
+    @property
+    def args(self) -> RecipeArguments:
+        return self.parsed.args
+
+    @property
+    def fl(self):
+        return self.parsed.fl
+
+
+def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
+    """Parse and check everything that needs no process group (see the module docstring).
+
+    Raises:
+        RecipeError: naming the flag, YAML key, environment variable or Accelerate config
+            key that is wrong, and where it was set.
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    environ = os.environ if environ is None else environ
+    parsed = parse_args(argv, environ=environ)
+    args, fl = parsed.args, parsed.fl
+    check_launcher(environ)
+    world = int(environ.get("WORLD_SIZE", "1"))
+    layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+    run_name = args.run_name or default_run_name(layout, fl)
+    if args.output_dir is None:
+        args.output_dir = os.path.join("outputs", args.experiment, run_name)
+    from .modeling import check_model
+
+    check_model(args.model, args.seq_len)
+    identity = run_identity(args, fl)
+    resume_path = preflight(args, fl, layout, identity)
+    mixed = resolve_mixed_precision(args.mixed_precision, environ)
+    ac, ac_source = resolve_activation_checkpointing(args, environ)
+    compiled, compile_source = resolve_compile(args, environ)
+    return RunPlan(parsed, layout, run_name, identity, resume_path, mixed, ac, compiled,
+                   {"activation_checkpointing": ac_source, "compile": compile_source}, t0)
+
+
+# =========================================================================== names and layout
+def default_run_name(layout, fl) -> str:
+    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``), plus the
+    fragment and exchange settings when they differ from the defaults: sortable in W&B."""
+    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}-" \
+           f"H{fl.sync_every if fl.is_federated else 0}"
+    if fl.is_federated:
+        if fl.num_fragments > 1 or fl.sync_delay:
+            name += f"-P{fl.num_fragments}-tau{fl.sync_delay}"
+        if fl.fragment_update_alpha:
+            name += f"-a{fl.fragment_update_alpha:g}"
+        if fl.sync_dtype != "fp32":
+            name += f"-{fl.sync_dtype}" + ("ef" if fl.error_feedback else "")
+        if fl.outer_optimizer != "avg":
+            name += f"-{fl.outer_optimizer}"
+    return name
+
+
+def plan_layout(fl, world: int, ranks_per_node: int | None = None):
+    """The FLLayout for ``world`` ranks, with launch hints in the error.
+
+    Raises:
+        RecipeError: the layout does not fit the world (naming the field).
+    """
+    from fl_accel.mesh import FLLayout
+
+    try:
+        return FLLayout.from_config(fl, world, ranks_per_node=ranks_per_node or world)
+    except ValueError as exc:
+        hint = ""
+        if world == 1 and fl.is_federated:
+            hint = (" A single process holds one federation group: pass --num_groups 1 or --algorithm fsdp, or "
+                    "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
+                    "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
+        raise RecipeError(f"{exc}.{hint}") from exc
+
+
+# =========================================================================== what the launcher exported
+def launcher_config_file(environ=None) -> str | None:
+    """The Accelerate config file of the ``accelerate launch`` that started this process:
+    the ``--config_file`` on the launcher's command line (``/proc/<parent>/cmdline``; the
+    launcher runs torch's elastic agent in its own process, so it is the parent), else
+    Accelerate's default config when the parent is ``accelerate launch`` without one.
+    None under torchrun, a plain ``python``, or where ``/proc`` is not readable."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return None
+    # `accelerate launch ...` (console script) or `python -m accelerate.commands.accelerate_cli launch ...`
+    if "launch" not in argv[:4] or not any(os.path.basename(a).startswith("accelerate") for a in argv[:3]):
+        return None
+    script = next((i for i, a in enumerate(argv) if a.endswith(".py") and i > 1), len(argv))
+    argv = argv[:script]  # the launcher's own options, not the script's
+    for i, token in enumerate(argv):
+        if token == "--config_file" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--config_file="):
+            return token.split("=", 1)[1]
+    from accelerate.commands.config.config_args import default_yaml_config_file
+
+    return default_yaml_config_file if os.path.isfile(default_yaml_config_file) else None
+
+
+def _where(key: str, variable: str, environ) -> str:
+    """``"<key>: <value> in the Accelerate config <file>"``, or the variable when no file is known."""
+    path = launcher_config_file(environ)
+    value = environ.get(variable)
+    if path:
+        return f"{key}: {value} in the Accelerate config {path} (accelerate launch exports it as {variable}={value})"
+    return f"{variable}={value} (set by `accelerate launch` from its config's {key}, or by you)"
+
+
+def check_launcher(environ) -> None:
+    """Settings of an Accelerate config that fl_accel cannot honour, refused with the key to change.
+
+    Raises:
+        RecipeError: ``fsdp_version`` other than 2 (fl_accel shards with FSDP2), or a
+            whole-model ``torch.compile`` (``dynamo_backend`` without
+            ``dynamo_use_regional_compilation: true``: an ``OptimizedModule`` around the
+            model bypasses FSDP2's hooks).
+    """
+    version = environ.get("FSDP_VERSION")
+    if version is not None and version.strip() != "2":
+        raise RecipeError(f"fl_accel needs FSDP2, got {_where('fsdp_version', 'FSDP_VERSION', environ)}: set "
+                          f"fsdp_version: 2 under fsdp_config (accelerate_configs/cpu_4proc.yaml shows a complete one)")
+    backend = environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
+    regional = environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False").lower() in ("true", "1")
+    if backend not in ("NO", "") and not regional:
+        raise RecipeError(f"{_where('dynamo_backend', 'ACCELERATE_DYNAMO_BACKEND', environ)} compiles the whole "
+                          f"model, which bypasses FSDP2's hooks: set dynamo_use_regional_compilation: true there "
+                          f"(each decoder layer is compiled in place), or use the recipe's --compile")
+
+
+def resolve_mixed_precision(flag: str, environ=None) -> str:
+    """The precision to train in: the flag; "auto" takes bf16 from `accelerate launch
+    --mixed_precision bf16` (ACCELERATE_MIXED_PRECISION), else bf16 on GPUs that support it,
+    else fp32 ("no").
+
+    Raises:
+        RecipeError: fp16 requested by the launcher, naming the Accelerate config key (see
+            FLAccelerator: its per-rank loss scaler can skip a step in one federation group only).
+    """
+    environ = os.environ if environ is None else environ
+    launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
+    if launcher == "fp16":
+        raise RecipeError(f"fl_accel does not support fp16, requested by "
+                          f"{_where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ)} (or accelerate "
+                          f"launch --mixed_precision fp16): use bf16 or 'no' there (fp16's loss scaler can skip a "
+                          f"step in one federation group only)")
+    if flag != "auto":
+        return flag
+    if launcher == "bf16":
+        return "bf16"
+    import torch
+
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def resolve_activation_checkpointing(args, environ) -> tuple[bool, str]:
+    """``--activation_checkpointing`` when given, else the Accelerate config's
+    ``fsdp_activation_checkpointing`` (exported as ``FSDP_ACTIVATION_CHECKPOINTING``).
+    Returns (on, where it came from)."""
+    if args.activation_checkpointing is not None:
+        return args.activation_checkpointing == "full", "--activation_checkpointing"
+    value = environ.get("FSDP_ACTIVATION_CHECKPOINTING")
+    if value is not None:
+        return value.lower() in ("true", "1"), "fsdp_activation_checkpointing in the Accelerate config"
+    return False, "default"
+
+
+def resolve_compile(args, environ) -> tuple[bool, str]:
+    """``--compile``, or the Accelerate config's ``dynamo_backend`` with regional compilation."""
+    if args.compile:
+        return True, "--compile"
+    if environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
+        return True, "dynamo_backend in the Accelerate config"
+    return False, "default"
+
+
+# =========================================================================== checks before any collective
+def preflight(args, fl, layout, identity: dict) -> str | None:
+    """Checks that need no process group, on every rank before any collective.
+
+    Local data files exist, are UTF-8 and hold text; the validation cap fits the world;
+    a checkpoint to resume from is complete, written by the same layout and run, and not
+    past ``--max_steps``; a fresh run does not silently mix with another run's files.
+    Returns the checkpoint path to resume from (None: start at step 0).
+
+    Raises:
+        RecipeError: naming the file, flag or mismatching setting.
+    """
+    from fl_accel.checkpoint import CheckpointError, check_compatible, find_latest, layout_meta, list_checkpoints, \
+        read_meta
+
+    from . import data as data_lib
+
+    world = layout.world_size
+    for flag in ("train_file", "validation_file"):
+        path = getattr(args, flag)
+        if path and not args.streaming:
+            if not os.path.isfile(path):
+                raise RecipeError(f"--{flag} {path} does not exist")
+            data_lib.check_text_file(path, flag)
+    if args.max_eval_blocks is not None and args.max_eval_blocks < world * args.micro_batch_size:
+        raise RecipeError(f"--max_eval_blocks {args.max_eval_blocks} is fewer than one micro-batch per rank "
+                          f"({world} ranks x --micro_batch_size {args.micro_batch_size} = "
+                          f"{world * args.micro_batch_size} blocks): raise --max_eval_blocks or lower "
+                          f"--micro_batch_size")
+    checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
+    resume = None
+    if args.resume_from_checkpoint:
+        resume = find_latest(checkpoints_dir) if args.resume_from_checkpoint == "latest" \
+            else args.resume_from_checkpoint
+    elif not args.overwrite_output_dir:
+        old = list_checkpoints(checkpoints_dir)
+        if old:
+            raise RecipeError(f"the output folder {args.output_dir} already holds checkpoints "
+                              f"{[os.path.basename(p) for _, p in old][-3:]} of a run. Continue that run with "
+                              f"--resume_from_checkpoint latest, start over with --overwrite_output_dir (deletes "
+                              f"them), or choose another --output_dir / --run_name")
+        if os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
+            raise RecipeError(f"the output folder {args.output_dir} holds the results of a finished run (and no "
+                              f"checkpoint to continue from). Start over with --overwrite_output_dir (deletes "
+                              f"them), or choose another --output_dir / --run_name")
+    if resume:
+        try:
+            meta = read_meta(resume)
+            check_compatible(meta, layout_meta(fl, layout))
+        except CheckpointError as exc:
+            raise RecipeError(str(exc)) from exc
+        _check_resume(resume, meta, args, identity)
+    return resume
+
+
+def _check_resume(resume: str, meta: dict, args, identity: dict) -> None:
+    theirs = meta.get("run_identity")
+    if theirs is not None and theirs != json.loads(json.dumps(identity)):
+        diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
+        raise RecipeError(f"checkpoint {resume} was written by another run: {diff} differ "
+                          f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {identity.get(diff[0])!r} here). "
+                          f"Resume with that run's settings, or start over with --overwrite_output_dir")
+    steps, their_max = meta.get("completed_steps", 0), meta.get("max_steps")
+    if their_max is not None and steps >= their_max and args.max_steps in (None, their_max):
+        raise RecipeError(f"checkpoint {resume} is the end of a finished run ({steps} of {their_max} steps): "
+                          f"nothing is left to train. Its results are in {args.output_dir}; start over with "
+                          f"--overwrite_output_dir or choose another --output_dir / --run_name")
+    if args.max_steps is not None and steps > args.max_steps:
+        raise RecipeError(f"checkpoint {resume} is at step {steps}, past --max_steps {args.max_steps}")
+    if args.max_steps is not None and their_max is not None and their_max != args.max_steps:
+        raise RecipeError(f"checkpoint {resume} belongs to a run of {their_max} steps; resuming with --max_steps "
+                          f"{args.max_steps} would rebuild the {args.lr_scheduler_type} LR schedule for another "
+                          f"length (the LR at every later step would change). Resume with --max_steps "
+                          f"{their_max}, or start a new run")
+
+
+# =========================================================================== the folder's contents
+def prepare_output_dir(accelerator, args) -> None:
+    """Create the run folder; with ``--overwrite_output_dir`` (and no resume) first delete
+    what an earlier run wrote there (:data:`OUTPUTS`, nothing else). Collective (a barrier)."""
+    if accelerator.is_main_process:
+        if args.overwrite_output_dir and not args.resume_from_checkpoint:
+            for name in OUTPUTS:
+                path = os.path.join(args.output_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a ``metrics.jsonl`` ([] when absent)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
+    """Load the checkpoint the plan resumes from (if any) and cut ``metrics.jsonl`` to the
+    history up to it. Collective. Returns ``(completed_steps, totals)``: ``totals`` are the
+    whole-run figures stored with the checkpoint (seconds, peak memory, W&B id) plus this
+    rank's own stored figures (``rank_extra`` of :func:`save_checkpoint`); {} when starting
+    at step 0."""
+    args = plan.args
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    completed_steps, totals = 0, {}
+    if plan.resume_path:
+        meta = accelerator.load_state(plan.resume_path)
+        rank_state = meta.get("rank_state", {})
+        completed_steps = int(meta["completed_steps"])
+        totals = {**meta.get("totals", {}), **{k: v for k, v in rank_state.items() if k not in ("comm", "data")}}
+        accelerator.comm_stats.load_dict(rank_state.get("comm", {}))
+        if stream is not None:
+            stream.load_state_dict(rank_state["data"])
+        accelerator.print(f"[fl_accel] resumed from {plan.resume_path} at step {completed_steps}")
+    elif args.resume_from_checkpoint:
+        accelerator.print(f"[fl_accel] no complete checkpoint in {os.path.join(args.output_dir, 'checkpoints')}; "
+                          f"starting from step 0")
+    if accelerator.is_main_process:
+        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= completed_steps] if completed_steps \
+            else []
+        with open(metrics_path, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in kept)
+    return completed_steps, totals
+
+
+def save_checkpoint(accelerator, plan: RunPlan, step: int, max_steps: int, totals: dict, stream=None,
+                    rank_extra=None) -> None:
+    """``checkpoints/step_<step>`` (atomic): the federated state, the run's identity and
+    whole-run totals, and per rank the comm counters, the data stream's position and
+    ``rank_extra()`` (taken after the save's own collectives, so a resumed run counts them
+    too). Prunes to ``--checkpoints_total_limit``. Collective."""
+    from fl_accel.checkpoint import prune_checkpoints
+
+    args = plan.args
+    checkpoints_dir = os.path.join(args.output_dir, "checkpoints")
+
+    def rank_state():
+        state = {"comm": accelerator.comm_stats.as_dict(), **(rank_extra() if rank_extra else {})}
+        if stream is not None:
+            state["data"] = stream.state_dict()
+        return state
+
+    accelerator.save_state(os.path.join(checkpoints_dir, f"step_{step}"),
+                           extra_meta={"completed_steps": step, "max_steps": max_steps, "totals": totals,
+                                       "run_identity": plan.identity, "run_name": plan.run_name},
+                           rank_state=rank_state)
+    if args.checkpoints_total_limit and accelerator.is_main_process:
+        prune_checkpoints(checkpoints_dir, args.checkpoints_total_limit)

@@ -1,0 +1,119 @@
+"""The recipe's test hooks, switched on from the environment and kept out of the training loop.
+
+* ``FL_ACCEL_TEST_FAULT_INJECT=<kind>:<rank>:<step>`` acts on one rank at one optimizer
+  step: ``kill`` sends SIGKILL to the process after that step (a crashed rank), ``stop``
+  sends SIGSTOP (a hung rank), ``nan`` makes that rank's training loss NaN at that step
+  (the NaN then flows through the gradients into the optimizer state). Only in the first
+  attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT`` 0), so ``--max-restarts``
+  runs recover.
+* ``FL_ACCEL_TEST_RECORD_BLOCKS=<dir>`` makes every rank append one JSON line per training
+  micro-batch to ``<dir>/rank<k>.jsonl``: ``{"step": the optimizer step it belongs to,
+  "epoch": the data stream's epoch after this micro-batch (None for map-style data),
+  "input_ids": the blocks as lists of token ids}``. Tests read which samples each rank
+  trained on (disjoint shards, nothing seen twice after a resume).
+
+:func:`install` attaches them as callbacks: a forward pre-hook and a forward hook on the
+prepared model (training forwards only: grad enabled and ``model.training``) and a step
+post-hook on the inner optimizer, which fires once per real optimizer step, also under
+gradient accumulation, after the federated sync's own hook. Unset variables install
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from .args import RecipeError
+
+FAULT_ENV = "FL_ACCEL_TEST_FAULT_INJECT"
+RECORD_ENV = "FL_ACCEL_TEST_RECORD_BLOCKS"
+
+
+def parse_fault(spec: str, rank: int) -> tuple[str | None, int | None]:
+    """``(kind, step)`` of a ``FL_ACCEL_TEST_FAULT_INJECT`` spec for ``rank`` ((None, None) when
+    it targets another rank).
+
+    Raises:
+        RecipeError: a malformed spec or an unknown kind.
+    """
+    try:
+        kind, fault_rank, step = spec.split(":")
+        fault_rank, step = int(fault_rank), int(step)
+    except ValueError:
+        raise RecipeError(f"{FAULT_ENV}={spec!r} must be <kill|stop|nan>:<rank>:<step>") from None
+    if kind not in ("kill", "stop", "nan"):
+        raise RecipeError(f"{FAULT_ENV} kind must be kill, stop or nan, got {kind!r}")
+    return (kind, step) if fault_rank == rank else (None, None)
+
+
+class _Steps:
+    """Optimizer steps done so far (from ``start`` after a resume): the step a micro-batch
+    belongs to is ``done + 1``."""
+
+    def __init__(self, start: int):
+        self.done = start
+
+    def count(self, *_) -> None:
+        self.done += 1
+
+
+def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None) -> list:
+    """Attach the hooks the environment asks for; returns their handles (empty if none).
+
+    Args:
+        model: the prepared model (its training forwards are observed).
+        optimizer: the prepared optimizer (the hook goes on the inner ``optimizer.optimizer``).
+        rank: this process's rank in the world.
+        start_step: optimizer steps already done (a resumed run's checkpoint step).
+        epoch_fn: returns the data stream's epoch (``--streaming``), or None.
+
+    Raises:
+        RecipeError: a malformed ``FL_ACCEL_TEST_FAULT_INJECT``.
+    """
+    import torch
+
+    environ = os.environ if environ is None else environ
+    spec, folder = environ.get(FAULT_ENV, ""), environ.get(RECORD_ENV)
+    kind, fault_step = parse_fault(spec, rank) if spec else (None, None)
+    if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        kind = None
+    if kind is None and not folder:
+        return []
+    steps = _Steps(start_step)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    handles = [inner.register_step_post_hook(steps.count)]
+
+    def training(module) -> bool:
+        return torch.is_grad_enabled() and module.training
+
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{rank}.jsonl")
+
+        def record(module, args, kwargs):
+            if training(module):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                with open(path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"step": steps.done + 1, "epoch": epoch_fn() if epoch_fn else None,
+                                         "input_ids": ids.tolist()}) + "\n")
+
+        handles.append(model.register_forward_pre_hook(record, with_kwargs=True))
+    if kind == "nan":
+        def poison(module, args, output):
+            if training(module) and steps.done + 1 == fault_step:
+                output.loss = output.loss * float("nan")
+            return output
+
+        handles.append(model.register_forward_hook(poison))
+    elif kind in ("kill", "stop"):
+        def act(*_):
+            if steps.done == fault_step:
+                sys.stderr.write(f"[fl_accel] {FAULT_ENV}: {kind} rank {rank} at step {fault_step}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+        handles.append(inner.register_step_post_hook(act))
+    return handles

@@ -1,0 +1,376 @@
+"""The recipe's pure-Python parts, in-process: its shape, argument and launcher checks, model
+checks, the accounting of figures, the banner and the test hooks.
+
+Everything here runs before (or without) a process group, so no launch is needed: a bad
+input that these functions reject is rejected identically on every rank before any
+collective. Launched runs (tests/test_recipe*.py) check the same code end to end.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from _launch import REPO_ROOT
+from fl_accel import FLConfig
+from fl_accel.mesh import FLLayout
+from recipes import banner, metrics, testing_hooks
+from recipes.args import RecipeError, parse_args
+from recipes.modeling import build_optimizer, resolve_config
+from recipes.run_folder import check_launcher, plan_run, resolve_activation_checkpointing, resolve_compile, \
+    resolve_mixed_precision
+
+ENV = {"WORLD_SIZE": "4"}
+
+
+# =========================================================================== shape (issue 19 item 8)
+def _function(tree, name):
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_main_and_training_loop_are_short_and_hook_free():
+    """main() <= 150 lines, the training loop's body <= 30 (run_clm_no_trainer's shape), and
+    no test hook in the loop: fault injection and block recording are callbacks that
+    recipes/testing_hooks.py installs from FL_ACCEL_TEST_* variables."""
+    source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
+    tree = ast.parse(source)
+    main = _function(tree, "main")
+    assert main.end_lineno - main.lineno + 1 <= 150
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and isinstance(n.iter, ast.Attribute)
+             and n.iter.attr == "batches"]
+    assert len(loops) == 1
+    body = loops[0].body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 30
+    loop_text = ast.get_source_segment(source, loops[0])
+    for word in ("FAULT", "Fault", "fault", "RECORD", "Recorder", "recorder", "environ"):
+        assert word not in loop_text, word
+    assert testing_hooks.FAULT_ENV == "FL_ACCEL_TEST_FAULT_INJECT"
+    assert testing_hooks.RECORD_ENV == "FL_ACCEL_TEST_RECORD_BLOCKS"
+    assert "FL_FAULT_INJECT" not in source and "FL_RECORD_BLOCKS" not in source
+
+
+def test_each_concern_lives_in_one_named_module():
+    """Data, the run folder and preflight, and the accounting of figures each have one module."""
+    from recipes import inputs, run_folder
+
+    assert callable(inputs.build_data) and callable(run_folder.preflight) and callable(run_folder.save_checkpoint)
+    assert callable(metrics.Meter) and callable(metrics.Clock)
+    source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
+    for name in ("\ndef preflight", "\ndef build_data", "\ndef evaluate(", "tokenize_and_pack_cached"):
+        assert name not in source, name
+
+
+# =========================================================================== arguments (issue 18 item 3)
+def test_every_bad_yaml_key_is_reported_at_once_with_did_you_mean(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_step: 3\nlr: 0.1\nsync_every: 4\nfl:\n  num_group: 2\n  seq_len: 64\n")
+    with pytest.raises(RecipeError) as err:
+        parse_args(["--config", str(cfg)], environ={})
+    text = str(err.value)
+    assert text.startswith(f"5 bad keys in --config {cfg}")
+    for part in ("unknown key 'max_step' (did you mean 'max_steps'?)",
+                 "unknown key 'lr' (did you mean 'learning_rate'?)",
+                 "key 'sync_every' is an FLConfig field: it belongs under 'fl:'",
+                 "unknown FLConfig field 'num_group' under 'fl:' (did you mean 'num_groups'?)",
+                 "key 'seq_len' under 'fl:' is a recipe option: put it at the top level"):
+        assert part in text, part
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "yaml"])
+def test_group_sizes_are_checked_against_the_world_first(tmp_path, how):
+    """--group_sizes 1,2 on 4 ranks: the sum is the first thing said (not "unequal groups need
+    fl_hsdp", whose advice would still fail), naming where the sizes were set."""
+    argv, env = [], dict(ENV)
+    if how == "flag":
+        argv = ["--group_sizes", "1,2"]
+    elif how == "env":
+        env["FL_ACCEL_GROUP_SIZES"] = "1,2"
+    else:
+        (tmp_path / "r.yaml").write_text("fl:\n  group_sizes: [1, 2]\n")
+        argv = ["--config", str(tmp_path / "r.yaml")]
+    with pytest.raises(RecipeError, match="sums to 3 ranks, but 4 were launched") as err:
+        parse_args(argv, environ=env)
+    where = {"flag": "--group_sizes 1,2", "env": "FL_ACCEL_GROUP_SIZES 1,2",
+             "yaml": f"group_sizes under 'fl:' in {tmp_path / 'r.yaml'} 1,2"}[how]
+    assert str(err.value).startswith(where)
+
+
+def test_new_flags_parse_and_check_their_values():
+    parsed = parse_args(["--activation_checkpointing", "full", "--compile", "--reduce_dtype", "bf16",
+                         "--peak_tflops", "989"], environ={})
+    args = parsed.args
+    assert (args.activation_checkpointing, args.compile, args.reduce_dtype, args.peak_tflops) == \
+        ("full", True, "bf16", 989.0)
+    assert parse_args([], environ={}).args.activation_checkpointing is None
+    with pytest.raises(RecipeError, match="invalid choice: 'half'"):
+        parse_args(["--activation_checkpointing", "half"], environ={})
+    with pytest.raises(RecipeError, match="--peak_tflops must be > 0"):
+        parse_args(["--peak_tflops", "0"], environ={})
+
+
+def test_test_hook_variables_are_not_flconfig_fields():
+    parsed = parse_args([], environ={"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", "FL_ACCEL_TEST_RECORD_BLOCKS": "/x"})
+    assert parsed.sources == {}
+
+
+# =========================================================================== launcher settings (issue 18 items 2, 3)
+def test_fsdp_version_1_is_one_line_naming_fsdp2(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        plan_run(["--output_dir", str(tmp_path)], environ={**ENV, "FSDP_VERSION": "1", "ACCELERATE_USE_FSDP": "true"})
+    text = str(err.value)
+    assert "fl_accel needs FSDP2" in text and "fsdp_version: 2" in text and "FSDP_VERSION=1" in text
+    assert "\n" not in text
+
+
+def test_fp16_from_the_accelerate_config_names_the_config_key():
+    with pytest.raises(RecipeError) as err:
+        resolve_mixed_precision("auto", {"ACCELERATE_MIXED_PRECISION": "fp16"})
+    text = str(err.value)
+    assert "does not support fp16" in text and "its config's mixed_precision" in text
+    assert "ACCELERATE_MIXED_PRECISION=fp16" in text
+
+
+def test_whole_model_compile_from_the_accelerate_config_is_refused():
+    with pytest.raises(RecipeError, match="dynamo_use_regional_compilation: true"):
+        check_launcher({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR",
+                        "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False"})
+    check_launcher({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "True"})
+    check_launcher({"ACCELERATE_DYNAMO_BACKEND": "NO", "FSDP_VERSION": "2"})
+
+
+def test_activation_checkpointing_and_compile_follow_the_accelerate_config_unless_a_flag_says():
+    args = parse_args([], environ={}).args
+    assert resolve_activation_checkpointing(args, {}) == (False, "default")
+    assert resolve_activation_checkpointing(args, {"FSDP_ACTIVATION_CHECKPOINTING": "true"}) == \
+        (True, "fsdp_activation_checkpointing in the Accelerate config")
+    args = parse_args(["--activation_checkpointing", "none"], environ={}).args
+    assert resolve_activation_checkpointing(args, {"FSDP_ACTIVATION_CHECKPOINTING": "true"}) == \
+        (False, "--activation_checkpointing")
+    assert resolve_compile(parse_args(["--compile"], environ={}).args, {}) == (True, "--compile")
+    assert resolve_compile(args, {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})[0] is True
+
+
+# =========================================================================== models (issue 18 item 1, issue 17 item 8)
+def _config_dir(tmp_path, name, config):
+    path = tmp_path / name
+    config.save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_vocabulary_other_than_the_tokenizers_is_an_error_or_an_explicit_resize(tmp_path):
+    from transformers import MistralConfig
+
+    model = _config_dir(tmp_path, "mistral", MistralConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                                                           num_hidden_layers=2, num_attention_heads=4,
+                                                           num_key_value_heads=2))
+    with pytest.raises(RecipeError) as err:
+        resolve_config(model, 64, 8192)
+    assert "vocab_size is 32000 but the tokenizer has 8192 tokens" in str(err.value)
+    assert "--resize_vocab" in str(err.value)
+    config, note = resolve_config(model, 64, 8192, resize_vocab=True)
+    assert config.vocab_size == 8192 and note == "resized from the model config's 32000 to the tokenizer's 8192 " \
+                                                 "(--resize_vocab)"
+    config, note = resolve_config(model, 64, 31900)  # 100 padding rows: < 1% of the model's vocabulary
+    assert config.vocab_size == 32000 and note == "32000 rows for the tokenizer's 31900 tokens (100 padding rows)"
+    assert resolve_config(model, 64, 32000) == (resolve_config(model, 64, 32000)[0], "")
+    with pytest.raises(RecipeError, match="vocab_size is 128256 but the tokenizer has 8192"):
+        resolve_config("llama3.2-1b", 64, 8192)
+
+
+def test_unsupported_models_get_one_line(tmp_path):
+    """A config that is not a causal LM's (ViT), and a causal LM class that declares no
+    ``_no_split_modules`` (BERT as a decoder): one line each, before any data work."""
+    from transformers import BertConfig, ViTConfig
+
+    vit = _config_dir(tmp_path, "vit", ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=64))
+    bert = _config_dir(tmp_path, "bert", BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=64))
+    for model, expected in ((vit, "is a ViTConfig (vit), not a causal language model"),
+                            (bert, "BertLMHeadModel declares no _no_split_modules")):
+        with pytest.raises(RecipeError) as err:
+            plan_run(["--model", model, "--algorithm", "fsdp", "--output_dir", str(tmp_path / "o")], environ={})
+        assert expected in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(RecipeError, match="neither a preset"):
+        plan_run(["--model", str(tmp_path / "nope"), "--algorithm", "fsdp", "--output_dir", str(tmp_path / "o")],
+                 environ={})
+
+
+def test_qwen2_and_mistral_configs_pass_the_checks(tmp_path):
+    from transformers import MistralConfig, Qwen2Config
+
+    for name, cls in (("qwen2", Qwen2Config), ("mistral", MistralConfig)):
+        model = _config_dir(tmp_path, name, cls(vocab_size=8192, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256))
+        plan = plan_run(["--model", model, "--algorithm", "fsdp", "--output_dir", str(tmp_path / name)], environ={})
+        assert plan.args.model == model
+        with pytest.raises(RecipeError, match="max_position_embeddings 256"):
+            plan_run(["--model", model, "--algorithm", "fsdp", "--seq_len", "512", "--output_dir",
+                      str(tmp_path / name)], environ={})
+
+
+def test_adamw_is_fused_on_cuda_only():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    args = parse_args([], environ={}).args
+    cuda = build_optimizer(model, args, "cuda")
+    cpu = build_optimizer(model, args, "cpu")
+    assert cuda.defaults["fused"] is True and not cpu.defaults["fused"]
+    assert cuda.defaults["lr"] == args.learning_rate and cuda.defaults["betas"] == (0.9, 0.95)
+
+
+# =========================================================================== figures (issue 18 item 4, issue 17 item 4)
+def test_time_parts_add_up_to_the_wall_time():
+    import time
+
+    clock = metrics.Clock(time.perf_counter(), {"startup_seconds": 1.0, "train_seconds": 2.0,
+                                                "eval_and_checkpoint_seconds": 3.0, "wall_seconds": 6.0})
+    clock.start_training()
+    clock.tick("train_seconds")
+    clock.tick("eval_and_checkpoint_seconds")
+    totals = clock.totals()
+    assert totals["wall_seconds"] == pytest.approx(totals["startup_seconds"] + totals["train_seconds"]
+                                                   + totals["eval_and_checkpoint_seconds"], rel=1e-12)
+    assert totals["train_seconds"] >= 2.0 and totals["wall_seconds"] >= 6.0
+
+
+def test_traffic_covers_every_group_not_rank_0_alone():
+    """Unequal groups [2, 4] with S=2: group 0 has one replica (no dp_replicate traffic),
+    group 1 two (an all-reduce every step). Rank 0's view was 0; the run's figures give the
+    busiest rank, the sum over ranks and each group's busiest rank."""
+    layout = FLLayout.from_config(FLConfig(algorithm="fl_hsdp", group_sizes=[2, 4], hsdp_shard_size=2), 6)
+    buckets = ("fl", "dp_replicate", "dp_shard", "world")
+    rows = []
+    for rank in range(6):
+        replicate = 0.0 if layout.group_of(rank) == 0 else 1000.0
+        rows.append([500.0 + rank, -1.0, 0.1 * rank,
+                     64.0, 2, 0.01, replicate, 3 if replicate else 0, 0.02, 200.0, 6, 0.03, 8.0, 1, 0.0])
+    run = metrics.aggregate(rows, layout, buckets)
+    assert run["comm"]["dp_replicate"]["bytes"] == 1000 and run["comm_sum"]["dp_replicate"]["bytes"] == 4000
+    assert [g["dp_replicate"]["bytes"] for g in run["comm_by_group"]] == [0, 1000]
+    assert run["comm"]["dp_replicate"]["calls"] == 3 and run["comm_sum"]["dp_shard"]["calls"] == 36
+    assert run["host_mb"] == 505.0 and run["accelerator_mb"] is None
+    assert run["sync_wait_seconds"] == pytest.approx(0.5)
+
+
+def test_evaluations_say_what_they_scored():
+    assert metrics.scored(FLConfig(algorithm="fsdp"), final=False) == "single group"
+    assert metrics.scored(FLConfig(), final=False) == "synchronized"
+    fragments = FLConfig(num_fragments=2, sync_every=8)
+    assert metrics.scored(fragments, final=False) == "own group per rank"
+    assert metrics.scored(fragments, final=True) == "synchronized"
+    assert metrics.scored(FLConfig(fragment_update_alpha=0.5), final=False) == "own group per rank"
+    assert set(metrics.SCORED) == {"synchronized", "single group", "own group per rank"}
+
+
+def test_model_flops_through_the_recipe_match_the_formula_for_an_untied_llama():
+    """6 (N - N_emb) + 12 L h d_head T, N counted from the recipe's own model."""
+    from fl_accel.memory_model import model_flops_per_token
+    from recipes.modeling import build_model, embedding_params, model_config
+
+    config = model_config("tiny", 256, 8192)
+    model = build_model(config, "meta")
+    n = sum(p.numel() for p in model.parameters())
+    by_hand = 6 * (n - 8192 * 128) + 12 * 4 * 4 * 32 * 256
+    assert model_flops_per_token(config, 256, num_params=n, embedding_params=embedding_params(model)) == \
+        pytest.approx(by_hand, rel=1e-2)
+
+
+# =========================================================================== banner (issue 18 item 5)
+def test_banner_marks_ignored_settings_explains_letters_and_shows_weights(tmp_path):
+    (tmp_path / "b.yaml").write_text("fl:\n  algorithm: fsdp\n  num_groups: 2\n  sync_every: 8\n")
+    parsed = parse_args(["--config", str(tmp_path / "b.yaml")], environ={})
+    line = banner.fl_line(parsed)
+    assert f"num_groups=2 ({tmp_path / 'b.yaml'}; ignored by fsdp)" in line  # the default value, still marked
+    assert f"sync_every=8 ({tmp_path / 'b.yaml'}; ignored by fsdp)" in line
+    assert f"algorithm='fsdp' ({tmp_path / 'b.yaml'})" in line
+    assert "F federation groups of G ranks" in banner.LETTERS and "a block is seq_len tokens" in banner.LETTERS
+    for letter in ("R replicas", "S shards", "H optimizer steps", "P fragments"):
+        assert letter in banner.LETTERS
+    assert metrics.weights_text([1 / 3, 2 / 3]) == "1/3, 2/3"
+    assert metrics.weights_text([0.5, 0.5]) == "1/2, 1/2"
+    assert banner.ignored_fields(FLConfig()) >= {"outer_lr", "outer_momentum", "error_feedback", "hsdp_shard_size"}
+    assert "num_groups" not in banner.ignored_fields(FLConfig())
+
+
+def test_fl_accel_origin_is_the_imported_package():
+    import fl_accel
+
+    origin = metrics.fl_accel_origin()
+    assert origin["path"] == os.path.dirname(os.path.abspath(fl_accel.__file__)) and origin["version"]
+
+
+# =========================================================================== test hooks (issue 19 item 8)
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(3, 1)
+
+    def forward(self, input_ids=None):
+        return SimpleNamespace(loss=self.w(input_ids.float()).pow(2).mean())
+
+
+def test_hooks_act_from_the_environment_only(tmp_path):
+    model = _TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert testing_hooks.install(model, opt, rank=0, start_step=0, environ={}) == []
+    env = {"FL_ACCEL_TEST_FAULT_INJECT": "nan:0:3", "FL_ACCEL_TEST_RECORD_BLOCKS": str(tmp_path / "blocks")}
+    handles = testing_hooks.install(model, opt, rank=0, start_step=1, environ=env)
+    losses = []
+    for i in range(3):  # steps 2, 3, 4 (resumed after step 1)
+        loss = model(input_ids=torch.full((2, 3), float(i))).loss
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [str(x) == "nan" for x in losses[:2]] == [False, True]  # (the NaN then stays in the weights)
+    recs = [json.loads(line) for line in (tmp_path / "blocks" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [2, 3, 4] and recs[0]["input_ids"] == [[0, 0, 0], [0, 0, 0]]
+    for h in handles:
+        h.remove()
+    assert testing_hooks.install(model, opt, rank=1, start_step=0,
+                                 environ={"FL_ACCEL_TEST_FAULT_INJECT": "nan:0:3"}) == []  # another rank's fault
+    with pytest.raises(RecipeError, match="FL_ACCEL_TEST_FAULT_INJECT kind must be kill, stop or nan"):
+        testing_hooks.install(model, opt, rank=0, start_step=0, environ={"FL_ACCEL_TEST_FAULT_INJECT": "boom:0:1"})
+
+
+# =========================================================================== README and scripts (issue 18 item 7)
+def test_readme_describes_the_model_families_and_the_quickstart_a_virtual_environment(tmp_path):
+    """The README says which models the recipe trains; the quickstart installs into the active
+    virtual environment or creates ./.venv (no third command for the user); the launch
+    scripts set PYTORCH_ALLOC_CONF."""
+    import subprocess
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "trains `transformers.LlamaForCausalLM`" not in readme
+    assert "_no_split_modules" in readme and "Qwen2" in readme and "Mistral" in readme
+    script = str(REPO_ROOT / "scripts" / "quickstart.sh")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    for extra, expected in (({}, "[quickstart] installing into ./.venv"),
+                            ({"VIRTUAL_ENV": str(tmp_path)}, f"installing into the active environment {tmp_path}"),
+                            ({"QUICKSTART_VENV": "none"}, "(QUICKSTART_VENV=none)")):
+        out = subprocess.run(["bash", script], env={**env, **extra, "QUICKSTART_DRY_RUN": "1"}, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and expected in out.stdout, (out.stdout, out.stderr)
+    for name in ("quickstart.sh", "slurm_pretrain.sh"):
+        assert "PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}" in \
+            (REPO_ROOT / "scripts" / name).read_text(), name
+
+
+def test_evaluation_notes_follow_the_banner_and_round_eval_every():
+    """With fragments the note on what a mid-run evaluation scores is among the notes printed
+    after the banner (main prints banner + notes in one block); eval_every becomes a multiple of H."""
+    from recipes.pretrain import plan_evaluations
+
+    args = parse_args(["--eval_every", "5"], environ={}).args
+    every, notes = plan_evaluations(args, FLConfig(num_fragments=2, sync_every=8), max_steps=48)
+    assert every == 8 and notes[0].startswith("eval_every rounded up to 8")
+    assert "own group per rank" in notes[1] and "fragments" in notes[1]
+    source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
+    assert 'for line in banner + notes' in source
