@@ -100,7 +100,7 @@ def predict(m: dict):
     from fl_accel.memory_model import estimate
     from fl_accel.mesh import FLLayout
 
-    layout = FLLayout.fl_fsdp(RUN["nproc"], RUN["num_groups"])
+    layout = FLLayout.equal(RUN["num_groups"], 1, RUN["nproc"] // RUN["num_groups"])
     return estimate(m["model"], seq_len=RUN["seq_len"], micro_batch=RUN["micro_batch_size"], layout=layout,
                     param_dtype="fp32", reduce_dtype="fp32", activation_checkpointing=m["activation_checkpointing"],
                     optimizer="for-loop", accelerator="cpu")

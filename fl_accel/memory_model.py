@@ -36,7 +36,7 @@ dim. Components:
   GQA keeps k and v at k heads, no dropout)::
 
       sdpa (flash, cuDNN, CPU flash): t [(8 + 4p) h + 2p a d + 2p k d + 4p I + 4a]
-      eager (scores materialized):    t [(8 + 4p) h + 4p a d + 4p I] + (4 + p) b a s^2
+      eager (scores materialized):    t [(8 + 4p) h + 4p a d + 4p I] + (4 + p) b a s^2 (4 b a s^2 in fp32)
 
   x L, plus the final norm t h (4 + 2p). Full checkpointing (non-reentrant, per layer)
   keeps each layer's input, L t h p, and recomputes one layer at a time in the backward;
@@ -259,7 +259,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     if attention == "sdpa":
         per_layer = t * ((8 + 4 * p) * H + 2 * p * a * d + 2 * p * k * d + 4 * p * I + 4 * a)
     else:
-        per_layer = t * ((8 + 4 * p) * H + 4 * p * a * d + 4 * p * I) + (4 + p) * b * a * T * T
+        per_layer = t * ((8 + 4 * p) * H + 4 * p * a * d + 4 * p * I) + (4 + p * (p < 4)) * b * a * T * T
     saved = (L * t * H * p if ac else L * per_layer) + t * H * (4 + 2 * p)
     logits = p * t * V
 
