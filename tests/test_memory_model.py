@@ -271,3 +271,26 @@ def test_committed_cpu_validation_is_within_25_percent():
             assert abs(r["error_vs_rss"]) <= mv.TOLERANCE, r
         else:
             assert r["error_vs_rss"] <= mv.TOLERANCE, r
+
+
+def test_paper_configs_switch_on_what_fits_an_a100_64gb():
+    """recipes/configs/paper_*.yaml on 512 GPUs of 64 GiB: each fits with the allocator
+    headroom as configured, and DiLoCo (nesterov) fits with its outer state on the host."""
+    import yaml
+
+    from fl_accel import FLConfig
+    from recipes.modeling import PRESETS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("paper_fl_fsdp", "paper_fl_hsdp", "paper_fsdp", "paper_hsdp"):
+        with open(os.path.join(root, "recipes", "configs", f"{name}.yaml"), encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh)
+        fl = FLConfig(**cfg["fl"])
+        kw = dict(seq_len=cfg["seq_len"], micro_batch=cfg["micro_batch_size"],
+                  gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+                  activation_checkpointing=cfg.get("activation_checkpointing", "none"))
+        assert mm.estimate_for_run(PRESETS[cfg["model"]], fl, 512, **kw).fits(64 * GIB), name
+        if fl.is_federated:
+            diloco = mm.estimate_for_run(PRESETS[cfg["model"]], fl, 512, outer_optimizer="nesterov",
+                                         outer_state_device="cpu", **kw)
+            assert diloco.fits(64 * GIB), name
