@@ -222,6 +222,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     Raises:
         ValueError: naming the argument or config field (bad choice, size < 1, no layout).
     """
+    inputs = {k: v for k, v in locals().items() if k not in ("config", "layout", "units")}  # the arguments
     from .cost_model import _int, llama_units
 
     b, T = _int("micro_batch", micro_batch), _int("seq_len", seq_len)
@@ -230,13 +231,12 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     k = _int("config.num_key_value_heads", _get(config, "num_key_value_heads", a))
     d = _int("config.head_dim", _get(config, "head_dim", H // a))
     p, r = _BYTES[_choice("param_dtype", param_dtype, _BYTES)], _BYTES[_choice("reduce_dtype", reduce_dtype, _BYTES)]
-    ac = _choice("activation_checkpointing", activation_checkpointing, ("none", "full")) == "full"
-    _choice("attention", attention, ("sdpa", "eager"))
-    _choice("optimizer", optimizer, ("foreach", "fused", "for-loop"))
-    _choice("outer_optimizer", outer_optimizer, ("avg", "nesterov"))
-    _choice("sync_dtype", sync_dtype, ("fp32", "bf16", "int8"))
-    _choice("outer_state_device", outer_state_device, ("same", "cpu"))
-    _choice("accelerator", accelerator, ("cuda", "cpu"))
+    for name, allowed in (("activation_checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
+                          ("optimizer", ("foreach", "fused", "for-loop")), ("outer_optimizer", ("avg", "nesterov")),
+                          ("sync_dtype", ("fp32", "bf16", "int8")), ("outer_state_device", ("same", "cpu")),
+                          ("accelerator", ("cuda", "cpu"))):
+        _choice(name, inputs[name], allowed)
+    ac = activation_checkpointing == "full"
     if layout is not None:
         S, F, C = layout.shards, layout.num_groups, layout.min_replicas
     elif shards is not None:
@@ -248,7 +248,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     if P > len(units):
         raise ValueError(f"num_fragments={P} exceeds the {len(units)} FSDP units")
     local = [sum(u.local_sizes(S)) for u in units]
-    n, t = sum(local), b * T
+    n, t, biggest = sum(local), b * T, max(max(u.local_sizes(S)) for u in units)  # biggest: one tensor
     gathered = {u.name: p * u.padded_numel(S) for u in units}
     tail = gathered.get("tail", 0)
     tail_local = next((n_ for u, n_ in zip(units, local) if u.name == "tail"), 0)
@@ -278,9 +278,9 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         inflight = 4 * held * (1 + 1 / C if C > 1 and not compressed else 1) + 3 * q * held / C
         host = outer_state_device == "cpu" and (outer_optimizer == "nesterov" or compressed)
         sync = inflight + 4 * nk * (outer_optimizer == "nesterov" and not compressed and not host) \
-            + 4 * max(local) * host * (1 + bool(error_feedback))  # one anchor (residual) tensor copied at a time
+            + 4 * biggest * host * (1 + bool(error_feedback))  # one anchor (residual) tensor copied at a time
         inflight = inflight if _int("sync_delay", sync_delay, minimum=0) else 0.0
-    temps = {"foreach": 4 * n, "fused": 0, "for-loop": 8 * max(local)}[optimizer]
+    temps = {"foreach": 4 * n, "fused": 0, "for-loop": 8 * biggest}[optimizer]
     grads = 4 * n
     base = {"parameters": 4 * n, "optimizer_state": 8 * n, "outer_state": outer}
     context = {"cuda_context": CUDA_CONTEXT_BYTES if accelerator == "cuda" else 0}
@@ -296,13 +296,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     }
     if federated:
         phases["sync"] = {**base, "gradients": grads, "loss": logits, "sync_buffers": sync, **context}
-    inputs = dict(seq_len=T, micro_batch=b, shards=S, num_groups=F, param_dtype=param_dtype,
-                  reduce_dtype=reduce_dtype, activation_checkpointing=activation_checkpointing, attention=attention,
-                  optimizer=optimizer, outer_optimizer=outer_optimizer, sync_dtype=sync_dtype,
-                  error_feedback=bool(error_feedback), outer_state_device=outer_state_device,
-                  sync_bucket_mb=sync_bucket_mb, num_fragments=P, sync_delay=sync_delay,
-                  gradient_accumulation_steps=A, accelerator=accelerator, buckets_in_flight=buckets_in_flight,
-                  local_shard_elements=n)
+    inputs.update(shards=S, num_groups=F, local_shard_elements=n)
     return MemoryEstimate({k2: {c: float(ph.get(c, 0)) for c in COMPONENTS} for k2, ph in phases.items()}, inputs)
 
 
