@@ -43,10 +43,11 @@ dim. Components:
 - loss: the logits t V p, held by the recipe's output until the next forward, and at the
   loss's backward the fp32 log-softmax, its gradient and the nll gradient: (p + 12) t V
   (transformers' ``ForCausalLMLoss`` upcasts, then ``cross_entropy``);
-- FSDP2 buffers: unsharded units in p (the tail [norm, lm_head] is not resharded after
-  forward and stays gathered until its backward; one layer computing and one prefetched)
-  and one reduce-scatter: the unit's unsharded gradients (p), their copy in the reduce
-  dtype and the shard out, (p + r (1 + 1/S)) x unit;
+- FSDP2 buffers (torch 2.13 ``fully_shard``): gathered units in p. The tail [norm, lm_head]
+  is not resharded after forward and stays gathered until its backward; when its gradients
+  are reduced the last layer is prefetched. A reduce-scatter holds the unit's unsharded
+  gradients (p), their copy in the reduce dtype r and the shard out: (p + r (1 + 1/S)) x
+  unit, counted for the largest unit (the tail at 8B; a middle layer's moment is smaller);
 - sync (per fragment of n_k local elements, C = R_min chunks): the exchange's fp32 buffer
   4 n_k (``sync_bucket_mb`` buckets, all packed at once; ``buckets_in_flight`` bounds it),
   a chunk copy 4 n_k / C (fp32, C > 1) or the quantized copies 3 b n_k / C (b = 2 bf16,
