@@ -121,7 +121,8 @@ def write_results(out_dir: str, rows: list[dict], tests: dict | None, machine: d
     for r in rows:
         pred, err = r.get("predicted_mb") or {}, r.get("prediction_error") or {}
         lines.append(
-            f"| {r['activation_checkpointing']} | {'on' if r['compile'] else 'off'} | {_fmt(r.get('tokens_per_s'), ',.0f')} "
+            f"| {r['activation_checkpointing']} | {'on' if r['compile'] else 'off'} | "
+            f"{_fmt(r.get('tokens_per_s'), ',.0f')} "
             f"| {_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('peak_accelerator_mb'), ',.0f')} | "
             f"{_fmt(pred.get('foreach'), ',.0f')} / {_fmt(pred.get('fused'), ',.0f')} | "
             f"{_fmt(err.get('foreach'), '+.1%')} / {_fmt(err.get('fused'), '+.1%')} | {r.get('status', 'ok')} |")

@@ -112,7 +112,8 @@ def report(measurements: list[dict]) -> tuple[list[dict], str]:
         est = predict(m)
         predicted = (est.total - est.components["parameters"]) / 2**20
         got = measured_mb(m)
-        rows.append({"name": m["name"], "layers": m["layers"], "activation_checkpointing": m["activation_checkpointing"],
+        rows.append({"name": m["name"], "layers": m["layers"],
+                     "activation_checkpointing": m["activation_checkpointing"],
                      "malloc": m["malloc"], "predicted_mb": predicted, **got,
                      "error_vs_rss": predicted / got["rss_delta_mb"] - 1,
                      "error_vs_live": None if got["live_delta_mb"] is None else predicted / got["live_delta_mb"] - 1,

@@ -51,8 +51,9 @@ dim. Components:
 - sync (per fragment of n_k local elements, C = R_min chunks): the exchange's fp32 buffer
   4 n_k (``sync_bucket_mb`` buckets, all packed at once; ``buckets_in_flight`` bounds it),
   a chunk copy 4 n_k / C (fp32, C > 1) or the quantized copies 3 b n_k / C (b = 2 bf16,
-  1 + 4/256 int8), and "nesterov" on fp32 means: anchor - mean, 4 n_k. With ``sync_delay``
-  > 0 a fragment's exchange stays in flight during training;
+  1 + 4/256 int8), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
+  state on the host: one anchor tensor at a time instead). With ``sync_delay`` > 0 a
+  fragment's exchange stays in flight during training;
 - CUDA context and NCCL: :data:`CUDA_CONTEXT_BYTES` (not in ``max_memory_allocated``).
 
 The peak is the largest of four moments (each a sum of what lives then): "loss" (end of
@@ -60,8 +61,9 @@ forward and the loss's backward: no gradients yet, they are None after ``zero_gr
 "backward" (the tail's reduce-scatter; with checkpointing one layer recomputed), "optimizer"
 (AdamW step) and "sync" (the post-step hook, gradients still alive). Not modelled: the CUDA
 caching allocator's fragmentation (:data:`ALLOCATOR_HEADROOM` in :meth:`MemoryEstimate.fits`),
-backward temporaries inside a layer, ``torch.compile``'s buffers. Llama-3.1-8B, FL+FSDP
-G = 4, 2 x 2048 tokens, bf16: ``python -m scripts.memory_model``.
+backward temporaries inside a layer, ``torch.compile``'s buffers, a KV cache (training runs
+with ``use_cache=False``). Llama-3.1-8B, FL+FSDP G = 4, 2 x 2048 tokens, bf16:
+``python -m scripts.memory_model``.
 """
 
 from __future__ import annotations
@@ -188,12 +190,6 @@ class MemoryEstimate:
         return {"inputs": self.inputs, "phases": self.phases, "total": self.total, "peak_phase": self.peak_phase}
 
 
-def _choice(name: str, value: Any, allowed) -> Any:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-    return value
-
-
 def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None, shards: int | None = None,
              param_dtype: str = "bf16", reduce_dtype: str = "fp32", activation_checkpointing: str = "none",
              attention: str = "sdpa", optimizer: str = "foreach", outer_optimizer: str = "avg",
@@ -231,12 +227,14 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
     k = _int("config.num_key_value_heads", _get(config, "num_key_value_heads", a))
     d = _int("config.head_dim", _get(config, "head_dim", H // a))
-    p, r = _BYTES[_choice("param_dtype", param_dtype, _BYTES)], _BYTES[_choice("reduce_dtype", reduce_dtype, _BYTES)]
-    for name, allowed in (("activation_checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
+    for name, allowed in (("param_dtype", _BYTES), ("reduce_dtype", _BYTES),
+                          ("activation_checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer_optimizer", ("avg", "nesterov")),
                           ("sync_dtype", ("fp32", "bf16", "int8")), ("outer_state_device", ("same", "cpu")),
                           ("accelerator", ("cuda", "cpu"))):
-        _choice(name, inputs[name], allowed)
+        if inputs[name] not in allowed:
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {inputs[name]!r}")
+    p, r = _BYTES[param_dtype], _BYTES[reduce_dtype]
     ac = activation_checkpointing == "full"
     if layout is not None:
         S, F, C = layout.shards, layout.num_groups, layout.min_replicas

@@ -4,7 +4,7 @@ G=4, micro-batch 2 x 2048 tokens, bf16 parameters and fp32 reduce, AdamW, FedAvg
 A100-64GB. The model itself is :mod:`fl_accel.memory_model`.
 
     python -m scripts.memory_model                                 # the table and the verdict
-    python -m scripts.memory_model --matrix                        # paper FL+FSDP / FL+HSDP x checkpointing x avg/nesterov
+    python -m scripts.memory_model --matrix                        # paper layouts x checkpointing x avg/nesterov
     python -m scripts.memory_model --activation-checkpointing full --outer-optimizer nesterov --outer-state-device cpu
     python -m scripts.memory_model --model llama3.2-1b --world-size 1 --group-size 1 --gpu-memory-gib 141 --json
 
