@@ -1,0 +1,155 @@
+"""The memory model's command line: peak accelerator memory per rank, by component and by
+moment, and whether it fits a GPU. Defaults: the paper's setting (Llama-3.1-8B, FL+FSDP with
+G=4, micro-batch 2 x 2048 tokens, bf16 parameters and fp32 reduce, AdamW, FedAvg) on an
+A100-64GB. The model itself is :mod:`fl_accel.memory_model`.
+
+    python -m scripts.memory_model                                 # the table and the verdict
+    python -m scripts.memory_model --matrix                        # paper layouts x checkpointing x avg/nesterov
+    python -m scripts.memory_model --activation-checkpointing full --outer-optimizer nesterov --outer-state-device cpu
+    python -m scripts.memory_model --model llama3.2-1b --world-size 1 --group-size 1 --gpu-memory-gib 141 --json
+
+Verdict: "fits" when the peak is at most the GPU's memory less ``--headroom`` (default
+fl_accel.memory_model.ALLOCATOR_HEADROOM, for the caching allocator), "tight" when it fits
+only without that headroom, else "does not fit".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from fl_accel.cost_model import LLAMA_3_1_8B, _int
+from fl_accel.memory_model import ALLOCATOR_HEADROOM, estimate
+from fl_accel.mesh import FLLayout
+
+GIB = 2**30
+PAPER_LAYOUTS = {"FL+FSDP G=4": (512, 4, 4), "FL+HSDP G=32 S=4": (512, 32, 4)}
+"""The paper's layouts (Sec. 4): (world size, group size G, shard size S) on 128 nodes x 4 GPUs."""
+
+
+def _fail(message: Any):
+    print(f"error: {message}", file=sys.stderr)  # bad input: one line, exit status 2
+    raise SystemExit(2)
+
+
+def model_config(name: str | None) -> tuple[Any, str]:
+    """Llama-3.1-8B by default; a preset of recipes/modeling.py (not ``tiny``: its vocabulary
+    follows the tokenizer) or a config.json path."""
+    if name is None:
+        return LLAMA_3_1_8B, "Llama-3.1-8B"
+    from recipes.modeling import PRESETS
+
+    if name in PRESETS and "vocab_size" in PRESETS[name]:
+        return PRESETS[name], name
+    try:
+        with open(name, encoding="utf-8") as fh:
+            return json.load(fh), name
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {name!r} is neither a preset with a vocabulary "
+                         f"{[k for k, v in PRESETS.items() if 'vocab_size' in v]} nor a readable config.json: {exc}")
+
+
+def verdict(total: float, gpu_bytes: float, headroom: float) -> str:
+    if total <= gpu_bytes * (1 - headroom):
+        return "fits"
+    return "tight" if total <= gpu_bytes else "does not fit"
+
+
+def layout_of(world: int, group: int, shards: int | None) -> FLLayout:
+    N, G = _int("--world-size", world), _int("--group-size", group)
+    S = G if shards is None else _int("--shard-size", shards)
+    if N % G or G % S:
+        raise ValueError(f"--group-size {G} must divide --world-size {N}, and --shard-size {S} the group size")
+    return FLLayout.equal(N // G, G // S, S)
+
+
+def matrix(config: Any, kw: dict, gpu_bytes: float, headroom: float) -> list[dict]:
+    """The paper's layouts x checkpointing none/full x outer optimizer avg/nesterov x outer
+    state on the GPU or the host; one row each with the peak, its moment and the verdict."""
+    rows = []
+    for name, (world, group, shards) in PAPER_LAYOUTS.items():
+        for ac in ("none", "full"):
+            for outer in ("avg", "nesterov"):
+                for device in (("same",) if outer == "avg" else ("same", "cpu")):
+                    est = estimate(config, layout=layout_of(world, group, shards), **{
+                        **kw, "activation_checkpointing": ac, "outer_optimizer": outer, "outer_state_device": device})
+                    rows.append({"layout": name, "activation_checkpointing": ac, "outer_optimizer": outer,
+                                 "outer_state_device": device, "peak_gib": est.total / GIB,
+                                 "peak_phase": est.peak_phase, "verdict": verdict(est.total, gpu_bytes, headroom)})
+    return rows
+
+
+def matrix_markdown(rows: list[dict], gpu_gib: float, headroom: float) -> str:
+    lines = [f"| layout | activation checkpointing | outer optimizer | outer state | peak (GiB) | at | "
+             f"{gpu_gib:g} GiB, {headroom:.0%} headroom |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['activation_checkpointing']} | {r['outer_optimizer']} | "
+                     f"{'GPU' if r['outer_state_device'] == 'same' else 'host'} | {r['peak_gib']:.1f} | "
+                     f"{r['peak_phase']} | {r['verdict']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Defaults: the paper's setting (FL+FSDP G=4 on A100-64GB)."""
+    p = argparse.ArgumentParser(prog="python -m scripts.memory_model", description=__doc__.split("\n\n")[0])
+    p.error = _fail
+    p.add_argument("--model", default=None, help="preset (llama3.1-8b, llama3.2-1b) or config.json "
+                                                 "(default: Llama-3.1-8B)")
+    for flag, kind, default, text in [
+            ("world-size", int, 512, "N"), ("group-size", int, 4, "G"), ("shard-size", int, None, "S (default G)"),
+            ("seq-len", int, 2048, "tokens per sequence"), ("micro-batch", int, 2, "sequences per forward"),
+            ("sync-bucket-mb", int, 256, "FLConfig.sync_bucket_mb"), ("num-fragments", int, 1, "P"),
+            ("sync-delay", int, 0, "tau"), ("gradient-accumulation-steps", int, 1, ""),
+            ("gpu-memory-gib", float, 64.0, "GPU memory (A100-64GB)"),
+            ("headroom", float, ALLOCATOR_HEADROOM, "share kept free for the allocator")]:
+        p.add_argument("--" + flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    for flag, choices in [("param-dtype", ("bf16", "fp32")), ("reduce-dtype", ("fp32", "bf16")),
+                          ("activation-checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
+                          ("optimizer", ("foreach", "fused", "for-loop")), ("outer-optimizer", ("avg", "nesterov")),
+                          ("sync-dtype", ("fp32", "bf16", "int8")), ("outer-state-device", ("same", "cpu")),
+                          ("accelerator", ("cuda", "cpu"))]:
+        p.add_argument("--" + flag, choices=choices, default=choices[0], help="(default: %(default)s)")
+    p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--matrix", action="store_true", help="the paper's layouts x checkpointing x avg/nesterov")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        config, name = model_config(a.model)
+        gpu = a.gpu_memory_gib * GIB
+        if not gpu > 0 or not 0 <= a.headroom < 1:
+            raise ValueError(f"need --gpu-memory-gib > 0 and 0 <= --headroom < 1, got {a.gpu_memory_gib}, {a.headroom}")
+        kw = dict(seq_len=a.seq_len, micro_batch=a.micro_batch, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+                  attention=a.attention, optimizer=a.optimizer, sync_dtype=a.sync_dtype,
+                  error_feedback=a.error_feedback, sync_bucket_mb=a.sync_bucket_mb, num_fragments=a.num_fragments,
+                  sync_delay=a.sync_delay, gradient_accumulation_steps=a.gradient_accumulation_steps,
+                  accelerator=a.accelerator)
+        if a.matrix:
+            rows = matrix(config, kw, gpu, a.headroom)
+            print(json.dumps(rows, indent=1) if a.json else
+                  f"{name}, micro-batch {a.micro_batch} x {a.seq_len}, {a.param_dtype} (reduce {a.reduce_dtype}), "
+                  f"AdamW {a.optimizer}\n\n" + matrix_markdown(rows, a.gpu_memory_gib, a.headroom))
+            return 0
+        layout = layout_of(a.world_size, a.group_size, a.shard_size)
+        est = estimate(config, layout=layout, activation_checkpointing=a.activation_checkpointing,
+                       outer_optimizer=a.outer_optimizer, outer_state_device=a.outer_state_device, **kw)
+    except ValueError as exc:
+        _fail(exc)
+    answer = verdict(est.total, gpu, a.headroom)
+    if a.json:
+        print(json.dumps({"model": name, "layout": layout.as_dict(), **est.as_dict(), "gpu_memory_bytes": gpu,
+                          "headroom": a.headroom, "verdict": answer}, indent=1))
+        return 0
+    print(f"{name}, {layout.describe()}, micro-batch {a.micro_batch} x {a.seq_len}, {a.param_dtype} "
+          f"(reduce {a.reduce_dtype}), checkpointing {a.activation_checkpointing}, outer {a.outer_optimizer} "
+          f"(state: {a.outer_state_device}), AdamW {a.optimizer}; GiB per rank at each moment:\n")
+    print(est.table())
+    usable = gpu * (1 - a.headroom)
+    print(f"\npeak {est.total / GIB:.1f} GiB ({est.peak_phase}); {a.gpu_memory_gib:g} GiB GPU, {a.headroom:.0%} "
+          f"headroom -> {usable / GIB:.1f} GiB usable: {answer} (margin {(usable - est.total) / GIB:+.1f} GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
