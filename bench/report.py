@@ -411,6 +411,10 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
               "configuration) instead. The cost model was within 2% of the measured FL+FSDP rows; for FSDP at "
               "100 Mbit/s the measurement was 0.73x the prediction (gloo's 4-rank ring used 63% of the link), so "
               "FSDP's predicted 10 Mbit/s time is optimistic. '-' = never reached the target.", "",
+              "### Fastest to the target, per link", "",
+              _md(guide_rows(res), ["link", "fastest", "then", "then", "slowest"]), "",
+              "Rows of the first seed only; each cell is the row and its minutes to target ((model): predicted "
+              "tokens/s). " + _ttt_spread_text(res), "",
               "### tokens/s behind it", "",
               _md(detail, ["run", "link", "measured tokens/s", "predicted tokens/s", "measured in",
                            "compute time from"]), ""]
@@ -458,6 +462,47 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
 
 
 LINKS_ORDER = ("1gbit", "100mbit", "10mbit")
+
+
+def link_minutes(row: dict, link: str) -> tuple[float | None, bool]:
+    """(minutes to target on ``link``, whether the tokens/s behind it is the model's)."""
+    v = (row.get("links") or {}).get(link, {})
+    if v.get("time_to_target_measured_s") is not None:
+        return v["time_to_target_measured_s"] / 60, False
+    if v.get("time_to_target_predicted_s") is not None:
+        return v["time_to_target_predicted_s"] / 60, True
+    return None, False
+
+
+def guide_rows(res: dict) -> list[list[str]]:
+    """Per link, the first-seed rows that reach the target, fastest first: the fastest three
+    and the slowest, as "label: N min" (marked (model) where the tokens/s is predicted)."""
+    out = []
+    for link in LINKS_ORDER:
+        ranked = []
+        for r in res["rows"].values():
+            minutes, model = link_minutes(r, link)
+            if minutes is not None and not r["second_seed"]:
+                ranked.append((minutes, f"{r['label']}: {minutes:.1f} min" + (" (model)" if model else "")))
+        ranked.sort()
+        cells = [c for _, c in ranked]
+        out.append([link] + (cells[:3] + ["-"] * 3)[:3] + [cells[-1] if len(cells) > 3 else "-"])
+    return out
+
+
+def _ttt_spread_text(res: dict) -> str:
+    """How much tokens to target moved between seeds (the noise of the ranking)."""
+    second = [r for r in res["rows"].values() if r["second_seed"]]
+    parts = []
+    for r in second:
+        first = res["rows"].get(r["id"].rsplit("-seed", 1)[0])
+        if first and first.get("tokens_to_target") and r.get("tokens_to_target"):
+            parts.append(f"{first['label']}: {first['tokens_to_target']:,.0f} vs {r['tokens_to_target']:,.0f} "
+                         f"({100 * (r['tokens_to_target'] / first['tokens_to_target'] - 1):+.1f}%)")
+    if not parts:
+        return ""
+    return ("Seed-to-seed change of tokens to target (seed 42 vs 43): " + "; ".join(parts)
+            + ". Rows whose minutes differ by less than this share are not ranked apart by this suite.")
 
 
 def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:

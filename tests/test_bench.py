@@ -532,6 +532,11 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     table = (out / "table.md").read_text()
     assert "Not finished yet" in table and "RESUME" in table and "Seed band = **0.1000**" in table
     assert "| FL+FSDP H=8 " in table and "(model)" in table
+    guide = {g[0]: g[1:] for g in br.guide_rows(res)}
+    # 100 Mbit/s: FL+FSDP (6,334 tokens/s measured) needs 80/64 of FSDP's tokens at 5.2x its speed
+    assert guide["100mbit"][0].startswith("FL+FSDP H=8: ") and guide["100mbit"][1].startswith("FSDP: ")
+    # seed 43 of FSDP crosses 6.0 at 64 + 32 x 0.1/0.5 = 70.4 steps: +10% tokens
+    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (+10.0%)" in table
     for png in ("eval_loss_vs_tokens.png", "ppl_vs_tokens.png", "time_to_target.png"):
         assert (out / png).stat().st_size > 1000
     assert (out / "raw" / "fsdp" / "metrics.jsonl").is_file() and not (out / "raw" / "fl_fsdp-h8-nesterov").exists()
