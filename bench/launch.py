@@ -269,23 +269,26 @@ def run_local(plan: dict, dry: bool) -> dict:
         resumed = _latest_checkpoint_step(out_dir)
         started = datetime.datetime.now().isoformat(timespec="seconds")
         print(f"[bench] {spec.path}: starting" + (f", resuming from step {resumed}" if resumed else ""), flush=True)
-        with launch.HostLoad() as load, open(log_path, "a", encoding="utf-8") as log:
-            log.write(f"=== session {started} (resume from step {resumed}) ===\n{' '.join(map(shlex.quote, argv))}\n")
-            log.flush()
-            proc = launch.start(argv, env=run_env(plan), stdout=log, stderr=subprocess.STDOUT)
-            try:
-                rc = proc.wait(timeout=plan["run_timeout"])
-            except subprocess.TimeoutExpired:
-                launch.terminate(proc)
-                rc = 124
-            except BaseException:
-                launch.terminate(proc)
-                raise
-        rc = launch.exit_code(rc) if rc != 124 else rc
-        session = {"started": started, "wall_s": load.wall_s, "host": load.as_dict(), "rc": rc,
-                   "resumed_from_step": resumed, "ended_at_step": _latest_checkpoint_step(out_dir)}
-        records.setdefault(spec.path, {"sessions": []})["sessions"].append(session)
-        _write_json(records_path, records)
+        rc: int | str = "interrupted"
+        load = launch.HostLoad().start()
+        try:
+            with open(log_path, "a", encoding="utf-8") as log:
+                log.write(f"=== session {started} (resume from step {resumed}) ===\n"
+                          f"{' '.join(map(shlex.quote, argv))}\n")
+                log.flush()
+                proc = launch.start(argv, env=run_env(plan), stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    rc = launch.exit_code(proc.wait(timeout=plan["run_timeout"]))
+                except subprocess.TimeoutExpired:
+                    rc = 124
+                finally:
+                    launch.terminate(proc)  # also on Ctrl-C / SIGTERM: no orphaned ranks
+        finally:  # an interrupted session is recorded too
+            load.stop()
+            session = {"started": started, "wall_s": load.wall_s, "host": load.as_dict(), "rc": rc,
+                       "resumed_from_step": resumed, "ended_at_step": _latest_checkpoint_step(out_dir)}
+            records.setdefault(spec.path, {"sessions": []})["sessions"].append(session)
+            _write_json(records_path, records)
         bg = load.background_cpu_share
         print(f"[bench] {spec.path}: ended after {load.wall_s:.0f} s (exit code {rc})"
               + (f"; other processes used {100 * bg:.0f}% of the CPUs" if bg is not None else ""), flush=True)

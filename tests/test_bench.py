@@ -578,3 +578,11 @@ def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatc
     assert rec["fl_fsdp-h8"]["sessions"][0]["rc"] == 0
     # a second pass launches nothing and keeps the records
     assert list(bl.run_local(plan, dry=False)["launches"]) == ["fl_fsdp-h8"]
+    # a failing row is recorded with its exit code and the suite goes on
+    script.write_text("import sys\nprint('failing on purpose')\nsys.exit(3)\n")
+    plan = _plan("--suite", "convergence", "--smoke", "--only", "fl_fsdp-h32,fl_fsdp-h8-p2-tau1",
+                 "--work-root", str(tmp_path))
+    out = bl.run_local(plan, dry=False)
+    assert out["failed"] == ["fl_fsdp-h32", "fl_fsdp-h8-p2-tau1"]
+    assert out["launches"]["fl_fsdp-h32"]["sessions"][-1]["rc"] == 3
+    assert "failing on purpose" in (tmp_path / plan["name"] / "fl_fsdp-h32" / "launch.log").read_text()
