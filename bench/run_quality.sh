@@ -8,8 +8,8 @@
 # 1. the paper regime's two main rows (FSDP over 8 ranks, FL+FSDP 8 groups of 1);
 # 2. the convergence rows that carry most (FSDP, blocking fp32, int8 + error feedback, and
 #    FSDP's second seed: a first seed band);
-# 3. the rest of the convergence suite;
-# 4. the rest of the paper regime (F=4 x G=2, second seeds).
+# 3. the rest of the paper regime (F=4 x G=2, second seeds; about an hour);
+# 4. the rest of the convergence suite.
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -17,5 +17,5 @@ DATE=${DATE:-$(date +%F)}
 BENCH=(nice -n 15 python -m bench.run_bench --report-to none)
 "${BENCH[@]}" --suite paper-regime --name "$DATE-paper-regime" --only fsdp-8p,fl_fsdp-f8g1
 "${BENCH[@]}" --suite convergence --name "$DATE-convergence" --only fsdp,fl_fsdp-h8,fl_fsdp-h8-p2-tau2-int8-ef,fsdp-seed43
-"${BENCH[@]}" --suite convergence --name "$DATE-convergence"
 "${BENCH[@]}" --suite paper-regime --name "$DATE-paper-regime"
+"${BENCH[@]}" --suite convergence --name "$DATE-convergence"
