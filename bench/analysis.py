@@ -10,6 +10,7 @@ Every call into :mod:`fl_accel.cost_model` is in :func:`predict`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 from fl_accel.mesh import AXES, FLLayout
 
-from bench.plan import LIMIT_SYNC_EVERY, RunSpec, runs_of, tokens_per_step
+from bench.plan import LIMIT_SYNC_EVERY, NODES, RunSpec, runs_of, tokens_per_step
 
 MIB = 2**20
 
@@ -287,3 +288,246 @@ def overhead(runs: list[RunSpec], root: str) -> dict | None:
     return {"reps": reps, "fl_median_s": fl_med, "fsdp_median_s": fsdp_med, "overhead": fl_med / fsdp_med - 1,
             "per_rep": [r["fl_median"] / r["fsdp_median"] - 1 for r in reps],
             "baseline_spread": (max(meds) - min(meds)) / statistics.fmean(meds) if len(meds) > 1 else None}
+
+
+# ---------------------------------------------------------------------- quality suites
+THROUGHPUT_SOURCES = ("2026-12-01-baselines", "2026-12-01-streaming")
+"""Committed throughput results (bench/results/<name>/bench.json) that time to target reads."""
+LINKS = ("1gbit", "100mbit", "10mbit")
+
+
+def eval_curve(run: dict) -> list[dict]:
+    """The run's evaluations in step order: ``{"step", "tokens", "loss", "perplexity",
+    "time_s"}`` (loss in nats per token; the final evaluation included)."""
+    return [{"step": r["step"], "tokens": r["tokens"], "loss": r.get("eval/loss", math.log(r["eval/perplexity"])),
+             "perplexity": r["eval/perplexity"], "time_s": r.get("time_s")} for r in eval_records(run)]
+
+
+def loss_at_tokens(curve: list[dict], tokens: float) -> float | None:
+    """Eval loss at ``tokens`` training tokens, linear between evaluations (= log-linear in
+    perplexity); None outside the evaluated range."""
+    for a, b in zip(curve, curve[1:]):
+        if a["tokens"] <= tokens <= b["tokens"]:
+            if b["tokens"] == a["tokens"]:
+                return b["loss"]
+            f = (tokens - a["tokens"]) / (b["tokens"] - a["tokens"])
+            return a["loss"] + f * (b["loss"] - a["loss"])
+    if curve and curve[-1]["tokens"] == tokens:
+        return curve[-1]["loss"]
+    return None
+
+
+def tokens_to_loss(curve: list[dict], target: float) -> float | None:
+    """Training tokens at which the eval loss first reaches ``target`` (<=), linear between
+    the evaluation before and the first one at or below it; the first evaluation's tokens
+    when it is already there; None if the run never gets there."""
+    prev = None
+    for e in curve:
+        if e["loss"] <= target:
+            if prev is None or prev["loss"] == e["loss"]:
+                return float(e["tokens"])
+            f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
+            return prev["tokens"] + f * (e["tokens"] - prev["tokens"])
+        prev = e
+    return None
+
+
+def seed_band(pairs: dict[str, tuple[float, float]]) -> float | None:
+    """The seed band: the largest |difference| between the two seeds of one configuration,
+    over the configurations trained with two seeds (``{id: (value seed 1, value seed 2)}``).
+    None without a complete pair."""
+    diffs = [abs(a - b) for a, b in pairs.values() if a is not None and b is not None]
+    return max(diffs) if diffs else None
+
+
+def in_band(diff: float | None, band: float | None) -> float | None:
+    """``diff`` in units of the seed band (None when either is missing or the band is 0)."""
+    return diff / band if diff is not None and band else None
+
+
+def time_to_target(tokens: float | None, tokens_per_s: float | None) -> float | None:
+    """Seconds of training to reach the target: tokens to target / tokens per second."""
+    return tokens / tokens_per_s if tokens is not None and tokens_per_s else None
+
+
+def throughput_key(spec: RunSpec, exact: bool = True) -> tuple:
+    """What throughput on a link depends on: the layout and the sync settings. Two rows with
+    equal keys send the same bytes per step from the same layout. ``exact=False`` drops H,
+    the outer optimizer and extra flags: the key of the compute time per step (the
+    calibration runs exclude the sync steps)."""
+    fl = spec.algorithm.startswith("fl_")
+    base = (spec.algorithm, spec.world, spec.num_groups if fl else 1, spec.num_fragments, spec.sync_delay,
+            spec.sync_dtype, spec.error_feedback)
+    if not exact:
+        return base
+    return base + ((spec.sync_every, spec.outer_optimizer, tuple(spec.extra_flags)) if fl else (0, "avg", ()))
+
+
+def committed_throughput(results_root: str, sources=THROUGHPUT_SOURCES) -> dict:
+    """Measured tokens/s and calibrated compute time per configuration from committed
+    throughput results.
+
+    Returns:
+        ``{"measured": {key: {link: [{"tokens_per_s", "source", "background_cpu_share"}]}},
+        "compute": {key(exact=False): {"compute_s", "source"}}, "missing": [source]}``;
+        keys from :func:`throughput_key`; limit rows left out.
+    """
+    out: dict[str, Any] = {"measured": {}, "compute": {}, "missing": []}
+    for name in sources:
+        path = os.path.join(results_root, name, "bench.json")
+        if not os.path.isfile(path):
+            out["missing"].append(name)
+            continue
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        specs = {(r.phase, r.link, r.id): r for r in runs_of(saved["plan"])}
+        for link, block in saved["results"]["main"].items():
+            for rid, row in block["rows"].items():
+                spec = specs.get(("main", link, rid))
+                if spec is None or row.get("limit_row") or not row.get("tokens_per_s"):
+                    continue
+                out["measured"].setdefault(throughput_key(spec), {}).setdefault(link, []).append(
+                    {"tokens_per_s": row["tokens_per_s"], "source": f"{name}/{spec.path}",
+                     "background_cpu_share": row.get("background_cpu_share")})
+        for rid, cal in saved["results"].get("calibration", {}).items():
+            spec = specs.get(("calibration", None, rid))
+            if spec is not None:
+                out["compute"].setdefault(throughput_key(spec, exact=False),
+                                          {"compute_s": cal["compute_s"], "source": f"{name}/{spec.path}"})
+    return out
+
+
+def as_emulated(spec: RunSpec, link: str, steps: int) -> RunSpec:
+    """The 2-node x 2-process throughput row (at ``link``) of a 4-process quality row: the
+    same layout and sync, so the cost model and the committed measurements apply."""
+    return dataclasses.replace(spec, phase="main", suite="convergence", link=link, nodes=NODES,
+                               nproc_per_node=spec.world // NODES, shard_size=spec.world // spec.num_groups,
+                               sync_every=spec.sync_every or 1, steps=steps, checkpoint_every=0)
+
+
+def link_throughput(plan: dict, spec: RunSpec, committed: dict, links=LINKS) -> dict:
+    """Tokens/s of ``spec``'s configuration on each emulated link: measured (the mean of the
+    committed measurements, with their sources) and the cost model's prediction (compute
+    time from the committed calibration of the same configuration, H and outer optimizer
+    aside). ``{link: {"measured", "sources", "predicted", "compute_source"}}``."""
+    key = throughput_key(spec)
+    cal = committed["compute"].get(throughput_key(spec, exact=False))
+    out = {}
+    for link in links:
+        meas = committed["measured"].get(key, {}).get(link, [])
+        pred = None
+        if cal is not None:
+            p = predict(plan, as_emulated(spec, link, spec.steps or 40), {}, cal["compute_s"])
+            pred = p.get("tokens_per_s")
+        out[link] = {"measured": statistics.fmean(m["tokens_per_s"] for m in meas) if meas else None,
+                     "sources": [m["source"] for m in meas], "predicted": pred,
+                     "compute_source": cal["source"] if cal else None}
+    return out
+
+
+def run_status(root: str, spec: RunSpec) -> dict:
+    """``{"state": "finished" | "running or interrupted" | "not started", "step": last
+    logged step}`` of a quality row's folder."""
+    path = os.path.join(root, spec.path)
+    if os.path.isfile(os.path.join(path, "all_results.json")):
+        run = read_run(path)
+        return {"state": "finished", "step": run.get("steps")}
+    recs = []
+    mpath = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(mpath):
+        with open(mpath, encoding="utf-8") as fh:
+            recs = [json.loads(line) for line in fh if line.strip()]
+    if recs:
+        return {"state": "running or interrupted", "step": max(r.get("step", 0) for r in recs)}
+    return {"state": "not started", "step": 0}
+
+
+def analyze_local(plan: dict, root: str, results_root: str | None = None) -> dict:
+    """The figures of a quality suite from the finished runs under ``root``.
+
+    Convergence: per row the final eval loss and perplexity, the differences from FSDP
+    and from blocking fp32 FL+FSDP (H=8 avg) in nats and in units of the seed band, the
+    tokens to reach FSDP's eval loss at half its steps (the target), and the time to
+    target on each emulated link (tokens to target / tokens/s, measured and predicted;
+    :func:`link_throughput`). Paper regime: the same per row plus FSDP/FL perplexity
+    ratios at equal tokens (final, and at every evaluation).
+
+    Returns:
+        ``{"suite", "rows": {id: row}, "status": {id: status}, "band": {...}, "target": {...},
+        "throughput_sources": [...], "ratios": {...} (paper regime)}``.
+    """
+    from bench import plan as bp
+
+    suite = plan["suites"][0]
+    runs = runs_of(plan)
+    results_root = results_root or os.path.join(bp.REPO, "bench", "results")
+    committed = committed_throughput(results_root) if suite == "convergence" else None
+    rows: dict[str, dict] = {}
+    status = {r.id: run_status(root, r) for r in runs}
+    for spec in runs:
+        run = read_run(os.path.join(root, spec.path))
+        if run is None:
+            continue
+        curve = eval_curve(run)
+        train = train_records(run)
+        rows[spec.id] = {"id": spec.id, "path": spec.path, "label": spec.label, "algorithm": spec.algorithm,
+                         "world": spec.world, "num_groups": spec.num_groups if spec.algorithm.startswith("fl_") else 1,
+                         "sync_every": spec.sync_every or None, "seed": plan["seed"] if spec.seed is None else spec.seed,
+                         "second_seed": spec.seed is not None, "steps": run.get("steps"),
+                         "tokens": run.get("train_tokens"), "tokens_per_step": run.get("tokens_per_step"),
+                         "eval_loss": run.get("eval_loss"), "eval_perplexity": run.get("eval_perplexity"),
+                         "evals": curve, "train": [{"step": r["step"], "tokens": r["tokens"], "loss": r["train/loss"],
+                                                    "lr": r.get("lr")} for r in train],
+                         "train_seconds": run.get("train_seconds"), "tokens_per_s_loopback": run.get("tokens_per_s"),
+                         "wall_seconds": run.get("wall_seconds"),
+                         "background_cpu_share": (run.get("host") or {}).get("background_cpu_share")}
+    seeded = bp.CONVERGENCE_SEEDED if suite == "convergence" else bp.PAPER_REGIME_SEEDED
+    second = plan["seed"] + bp.SECOND_SEED_OFFSET
+    pairs = {i: (rows[i]["eval_loss"], rows[f"{i}-seed{second}"]["eval_loss"]) for i in seeded
+             if i in rows and f"{i}-seed{second}" in rows}
+    band = {"pairs": {i: abs(a - b) for i, (a, b) in pairs.items()}, "loss": seed_band(pairs)}
+    out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "band": band}
+    fsdp_id = bp.CONVERGENCE_FSDP if suite == "convergence" else bp.PAPER_REGIME_FSDP
+    fsdp = rows.get(fsdp_id)
+    target = None
+    if fsdp is not None and fsdp["tokens"]:
+        half = fsdp["tokens"] / 2
+        target = {"tokens": half, "loss": loss_at_tokens(fsdp["evals"], half), "of": fsdp_id}
+    out["target"] = target
+    blocking = rows.get(bp.CONVERGENCE_BLOCKING) if suite == "convergence" else None
+    specs = {r.id: r for r in runs}
+    for row in rows.values():
+        for ref, name in ((fsdp, "fsdp"), (blocking, "blocking")):
+            diff = row["eval_loss"] - ref["eval_loss"] if ref is not None else None
+            row[f"diff_{name}"] = diff
+            row[f"diff_{name}_in_band"] = in_band(diff, band["loss"])
+        row["tokens_to_target"] = tokens_to_loss(row["evals"], target["loss"]) if target and target["loss"] else None
+        if committed is not None:
+            lt = link_throughput(plan, specs[row["id"]], committed)
+            for link, v in lt.items():
+                v["time_to_target_measured_s"] = time_to_target(row["tokens_to_target"], v["measured"])
+                v["time_to_target_predicted_s"] = time_to_target(row["tokens_to_target"], v["predicted"])
+            row["links"] = lt
+    if committed is not None:
+        out["throughput_sources"] = [s for s in THROUGHPUT_SOURCES if s not in committed["missing"]]
+    if suite == "paper_regime":
+        out["ratios"] = paper_ratios(rows, fsdp_id, second)
+    return out
+
+
+def paper_ratios(rows: dict[str, dict], fsdp_id: str, second: int) -> dict:
+    """FSDP/FL eval-perplexity ratios of the paper-regime rows at equal tokens: the final
+    one per FL row (same seed as the FSDP run), and at every common evaluation.
+    > 1: FL reaches a lower perplexity (the paper's direction; it reports 4.48)."""
+    out = {}
+    for rid, row in rows.items():
+        if row["algorithm"] == "fsdp":
+            continue
+        ref = rows.get(fsdp_id if not row["second_seed"] else f"{fsdp_id}-seed{second}")
+        if ref is None:
+            continue
+        by_tokens = {e["tokens"]: e["perplexity"] for e in ref["evals"]}
+        out[rid] = {"vs": ref["id"], "final": ref["eval_perplexity"] / row["eval_perplexity"],
+                    "curve": [{"tokens": e["tokens"], "ratio": by_tokens[e["tokens"]] / e["perplexity"]}
+                              for e in row["evals"] if e["tokens"] in by_tokens]}
+    return out

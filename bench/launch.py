@@ -8,6 +8,7 @@ processes used is the background load), and the bytes each node's NIC sent and r
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -196,3 +197,102 @@ def run_all(plan: dict, dry: bool) -> dict:
                 runner.torchrun(emu, spec)
     return {"launches": runner.launches, "links": links, "total_s": time.monotonic() - t0,
             "commands": runner.commands}
+
+
+# ---------------------------------------------------------------------- quality suites (loopback)
+LAUNCHES_FILE = "launches.json"
+"""Launch records of a quality suite in its work folder, kept across interrupted sessions."""
+
+
+def _read_json(path: str, default: Any) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return default
+
+
+def _write_json(path: str, value: Any) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(value, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def _latest_checkpoint_step(out_dir: str) -> int:
+    from fl_accel.checkpoint import list_checkpoints
+
+    steps = list_checkpoints(os.path.join(out_dir, "checkpoints"))
+    return steps[-1][0] if steps else 0
+
+
+def run_local(plan: dict, dry: bool) -> dict:
+    """Every row of a quality suite, one after the other: a single-node torchrun on
+    loopback (no emulator, no root), in the order of the plan.
+
+    A row whose ``all_results.json`` exists is skipped. Every other row is launched with
+    ``--resume_from_checkpoint latest``, so an interrupted suite continues each run from its
+    last checkpoint (or from step 0 when it has none); its ``launch.log`` is appended to,
+    one header per session. A failed row is recorded and the suite goes on with the next
+    (the error is raised at the end). Each session's wall time, exit code, the step it
+    resumed from and :class:`scripts.launch.HostLoad` figures go to
+    ``<work>/launches.json`` (``{run path: {"sessions": [...]}}``) as soon as it ends.
+
+    Returns:
+        ``{"launches": records, "failed": [run path], "total_s": float, "commands": [str]}``.
+
+    Raises:
+        KeyboardInterrupt: passed on after the running launch's process group is ended.
+    """
+    import datetime
+
+    runner = Runner(plan, dry)
+    only = set(plan.get("only") or ())
+    records_path = os.path.join(plan["work"], LAUNCHES_FILE)
+    records = {} if dry else _read_json(records_path, {})
+    failed: list[str] = []
+    t0 = time.monotonic()
+    for spec in runs_of(plan):
+        if only and spec.id not in only:
+            continue
+        out_dir = os.path.join(plan["work"], spec.path)
+        args = recipe_args(plan, spec, out_dir)
+        argv = launch.torchrun_argv(spec.nproc_per_node, args[0], *args[1:])
+        runner._show(f"{spec.path} [{spec.label}; {spec.world} processes, loopback]", argv)
+        if dry:
+            continue
+        if os.path.isfile(os.path.join(out_dir, "all_results.json")):
+            print(f"[bench] {spec.path}: finished earlier (all_results.json), skipped", flush=True)
+            continue
+        os.makedirs(out_dir, exist_ok=True)
+        log_path = os.path.join(out_dir, "launch.log")
+        resumed = _latest_checkpoint_step(out_dir)
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        print(f"[bench] {spec.path}: starting" + (f", resuming from step {resumed}" if resumed else ""), flush=True)
+        rc: int | str = "interrupted"
+        load = launch.HostLoad().start()
+        try:
+            with open(log_path, "a", encoding="utf-8") as log:
+                log.write(f"=== session {started} (resume from step {resumed}) ===\n"
+                          f"{' '.join(map(shlex.quote, argv))}\n")
+                log.flush()
+                proc = launch.start(argv, env=run_env(plan), stdout=log, stderr=subprocess.STDOUT)
+                try:
+                    rc = launch.exit_code(proc.wait(timeout=plan["run_timeout"]))
+                except subprocess.TimeoutExpired:
+                    rc = 124
+                finally:
+                    launch.terminate(proc)  # also on Ctrl-C / SIGTERM: no orphaned ranks
+        finally:  # an interrupted session is recorded too
+            load.stop()
+            session = {"started": started, "wall_s": load.wall_s, "host": load.as_dict(), "rc": rc,
+                       "resumed_from_step": resumed, "ended_at_step": _latest_checkpoint_step(out_dir)}
+            records.setdefault(spec.path, {"sessions": []})["sessions"].append(session)
+            _write_json(records_path, records)
+        bg = load.background_cpu_share
+        print(f"[bench] {spec.path}: ended after {load.wall_s:.0f} s (exit code {rc})"
+              + (f"; other processes used {100 * bg:.0f}% of the CPUs" if bg is not None else ""), flush=True)
+        if rc != 0 or not os.path.isfile(os.path.join(out_dir, "all_results.json")):
+            failed.append(spec.path)
+            print(str(Runner._fail(spec.path, rc, log_path)), flush=True)
+    return {"launches": records, "failed": failed, "total_s": time.monotonic() - t0, "commands": runner.commands}

@@ -13,6 +13,19 @@ Suites (``--suite``, comma-separated, default ``all``):
 * ``overhead``: FL+FSDP with sync off against two concurrent 2-process FSDP jobs, one
   per node (the cost of the federation machinery itself), unshaped links.
 
+Two more suites measure quality, not speed (loss does not depend on the link): plain
+torchrun on loopback, no emulator, no root, every run resumable from its checkpoints, a
+finished run (``all_results.json`` present) skipped. Each runs alone (``--suite
+convergence`` or ``--suite paper-regime``) into its own results folder:
+
+* ``convergence``: 4 processes, 832 steps (3.4M tokens, 20.8x the throughput suites'
+  163,840): FSDP, FL+FSDP (F=2 x G=2) H=8 avg, H=8 nesterov, H=32 avg, fragments fp32
+  P=2 tau=1, int8 + error feedback P=2 tau=2; FSDP and H=8 avg also with a second seed
+  (the seed band). :data:`CONVERGENCE_ROWS` lists them, one line each;
+* ``paper_regime`` (``paper-regime``): 8 processes, one epoch, micro-batch 8 (83 steps
+  per epoch, near the paper's 64): FSDP over 8 ranks against FL+FSDP with F=8 groups of
+  G=1 and F=4 of G=2, H=8 (:data:`PAPER_REGIME_ROWS`).
+
 Every main row at a link is compared with the *limit* of its world size at that link:
 the federated layout with groups = nodes and H = 10^6 (no inter-node traffic during
 training), launched in the same emulator. Calibration runs (unshaped links) give the
@@ -34,14 +47,35 @@ RECIPE = os.path.join(REPO, "recipes", "pretrain.py")
 NODES = 2
 LIMIT_SYNC_EVERY = 10**6
 """H of the no-inter-group-communication limit and of the overhead runs."""
-SUITES = ("baselines", "streaming", "hsdp_r2", "overhead")
+EMULATED_SUITES = ("baselines", "streaming", "hsdp_r2", "overhead")
+"""Throughput suites: emulated links, root; ``--suite all`` runs these."""
+LOCAL_SUITES = ("convergence", "paper_regime")
+"""Quality suites: loopback torchrun, no root, resumable; one per invocation."""
+SUITES = EMULATED_SUITES + LOCAL_SUITES
 SUITE_RATES = {"baselines": ("1gbit", "100mbit", "10mbit"), "streaming": ("100mbit", "10mbit"),
-               "hsdp_r2": ("100mbit", "10mbit"), "overhead": ()}
+               "hsdp_r2": ("100mbit", "10mbit"), "overhead": (), "convergence": (), "paper_regime": ()}
 LABEL = {"fsdp": "FSDP", "fl_fsdp": "FL+FSDP", "hsdp": "HSDP", "fl_hsdp": "FL+HSDP"}
 
 FULL = dict(steps=40, sync_every=8, eval_blocks=64, calib_steps=12, overhead_steps=24, overhead_reps=2)
 SMOKE = dict(steps=4, sync_every=4, eval_blocks=32, calib_steps=4, overhead_steps=4, overhead_reps=1)
 SMOKE_RATES = ("100mbit",)
+
+LOCAL_FULL = {
+    # 832 = 26 x 32 steps of 4,096 tokens = 3,407,872 tokens (>= 20 x 163,840). Evaluations every
+    # 32 steps (a multiple of every row's H, so all rows are scored at the same tokens) put one at
+    # half the budget (step 416), the target of the tokens-to-target figure.
+    "convergence": dict(steps=832, eval_every=32, eval_blocks=128, checkpoint_every=64, log_every=8,
+                        micro_batch_size=4),
+    # steps None: one epoch (--num_epochs 1); 5,355 training blocks / (8 ranks x 8) = 83 steps.
+    "paper_regime": dict(steps=None, eval_every=8, eval_blocks=128, checkpoint_every=16, log_every=4,
+                         micro_batch_size=8),
+}
+LOCAL_SMOKE = {"convergence": dict(steps=2, eval_every=1, eval_blocks=32, checkpoint_every=1, log_every=1,
+                                   micro_batch_size=4),
+               "paper_regime": dict(steps=2, eval_every=1, eval_blocks=64, checkpoint_every=1, log_every=1,
+                                    micro_batch_size=8)}
+SECOND_SEED_OFFSET = 1
+"""The seed-band rows train with ``--seed`` + this (model init and data order both change)."""
 
 
 class BenchError(RuntimeError):
@@ -77,6 +111,15 @@ class RunSpec:
     """id of the no-inter-group-communication limit row (same link, same world)."""
     nodes: int = NODES
     tags: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    """None: the plan's ``--seed``."""
+    outer_optimizer: str = "avg"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    extra_flags: tuple[str, ...] = ()
+    """More recipe flags of this row (FLConfig fields), e.g. a later exchange mode's own fields."""
+    checkpoint_every: int = 0
+    """> 0: checkpoints every N steps and ``--resume_from_checkpoint latest`` (local suites)."""
 
     @property
     def world(self) -> int:
@@ -92,13 +135,25 @@ class RunSpec:
 
     @property
     def path(self) -> str:
-        """Folder of the run relative to the work (or raw results) folder."""
+        """Folder of the run relative to the work (or raw results) folder; a quality suite's
+        rows sit at the top (its work folder holds that suite only)."""
+        if self.local:
+            return self.id
         where = {"calibration": "calibration", "overhead": "overhead"}.get(self.phase) or f"rate-{self.link}"
         return f"{where}/{self.id}"
 
     @property
+    def local(self) -> bool:
+        """A row of a quality suite (loopback torchrun, resumable)."""
+        return self.phase in LOCAL_SUITES
+
+    @property
     def label(self) -> str:
-        """Human name, e.g. ``FL+HSDP F=2 R=2 S=2`` or ``FL+FSDP P=2 tau=1 int8+EF``."""
+        """Human name, e.g. ``FL+HSDP F=2 R=2 S=2`` or ``FL+FSDP P=2 tau=1 int8+EF``; rows of
+        the quality suites name H, the outer optimizer, the groups and a non-default seed:
+        ``FL+FSDP H=8 nesterov(0.7, 0.9)``, ``FL+FSDP F=8xG=1 H=8``, ``FSDP (seed 43)``."""
+        if self.local:
+            return self._local_label()
         text = LABEL[self.algorithm]
         if self.sync_every == LIMIT_SYNC_EVERY and self.algorithm.startswith("fl_"):
             text += " no sync (limit)"
@@ -110,6 +165,26 @@ class RunSpec:
             groups = self.num_groups if self.algorithm.startswith("fl_") else 1
             text += f" {groups}x{self.replicas}x{self.shard_size if self.algorithm.endswith('hsdp') else self.world}" \
                     f" ({self.world} proc)"
+        return text
+
+    def _local_label(self) -> str:
+        text = LABEL[self.algorithm]
+        if self.algorithm.startswith("fl_"):
+            if self.phase == "paper_regime":
+                text += f" F={self.num_groups}xG={self.world // self.num_groups}"
+            text += f" H={self.sync_every}"
+            if self.outer_optimizer != "avg":
+                text += f" {self.outer_optimizer}({self.outer_lr:g}, {self.outer_momentum:g})"
+            if self.num_fragments > 1:
+                text += f" P={self.num_fragments} tau={self.sync_delay}"
+            if self.sync_dtype != "fp32" or self.error_feedback:
+                text += f" {self.sync_dtype}" + ("+EF" if self.error_feedback else "")
+            if self.extra_flags:
+                text += " " + " ".join(f.lstrip("-") for f in self.extra_flags)
+        elif self.phase == "paper_regime":
+            text += f" G={self.world}"
+        if self.seed is not None:
+            text += f" (seed {self.seed})"
         return text
 
     def sync_steps(self) -> set[int]:
@@ -153,11 +228,71 @@ def _main_rows(suite: str, link: str, s: dict) -> list[RunSpec]:
     return []
 
 
+# ---------------------------------------------------------------------- quality suites
+# One line per row: RunSpec fields over the suite's common ones (FL rows: algorithm
+# "fl_fsdp"). Rows run in this order, the second-seed rows last.
+CONVERGENCE_ROWS: tuple[dict, ...] = (
+    dict(id="fsdp", algorithm="fsdp"),
+    dict(id="fl_fsdp-h8", sync_every=8),
+    dict(id="fl_fsdp-h8-nesterov", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    dict(id="fl_fsdp-h32", sync_every=32),
+    dict(id="fl_fsdp-h8-p2-tau1", sync_every=8, num_fragments=2, sync_delay=1),
+    dict(id="fl_fsdp-h8-p2-tau2-int8-ef", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="int8",
+         error_feedback=True),
+    # Issue 21 item 3 (sparse compressed exchange) and item 4 (outer-LR schedule) each add one
+    # line here once the library has them, e.g. (their FLConfig names are not settled yet):
+    # dict(id="fl_fsdp-h8-p2-tau2-sparse", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="<sparse>",
+    #      extra_flags=("--<density field>", "0.02")),
+    # dict(id="fl_fsdp-h8-nesterov-cosine", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
+    #      outer_momentum=0.9, extra_flags=("--<outer lr schedule field>", "cosine")),
+)
+CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8")
+"""Rows trained again with a second seed: the seed band."""
+CONVERGENCE_FSDP, CONVERGENCE_BLOCKING = "fsdp", "fl_fsdp-h8"
+"""The two references of the convergence table: FSDP, and blocking fp32 FL+FSDP (H=8 avg, P=1)."""
+
+PAPER_REGIME_ROWS: tuple[dict, ...] = (
+    dict(id="fsdp-8p", algorithm="fsdp", num_groups=1),
+    dict(id="fl_fsdp-f8g1", num_groups=8, sync_every=8),
+    dict(id="fl_fsdp-f4g2", num_groups=4, sync_every=8),
+)
+PAPER_REGIME_SEEDED = ("fsdp-8p", "fl_fsdp-f8g1")
+PAPER_REGIME_FSDP = "fsdp-8p"
+
+
+def local_runs(s: dict) -> list[RunSpec]:
+    """The rows of the quality suite ``s["suites"][0]``, second-seed rows last.
+
+    Every row has the same model, data, micro-batch, steps (or one epoch), learning rate
+    and schedule, evaluation points and ``--seed``; rows differ only in the federation
+    flags, and the seed-band rows also in ``--seed`` (checked by tests/test_bench.py).
+    """
+    suite = s["suites"][0]
+    world = 4 if suite == "convergence" else 8
+    table, seeded = ((CONVERGENCE_ROWS, CONVERGENCE_SEEDED) if suite == "convergence"
+                     else (PAPER_REGIME_ROWS, PAPER_REGIME_SEEDED))
+    common = dict(phase=suite, suite=suite, link=None, nodes=1, nproc_per_node=world, steps=s["steps"],
+                  eval_every=s["eval_every"], report_to=s["report_to"], checkpoint_every=s["checkpoint_every"],
+                  algorithm="fl_fsdp", num_groups=2, sync_every=0)
+    rows = []
+    for row in table:
+        spec = RunSpec(**{**common, **row, "shard_size": 0})
+        groups = spec.num_groups if spec.algorithm.startswith("fl_") else 1
+        rows.append(dataclasses.replace(spec, num_groups=groups, shard_size=world // groups,
+                                        baseline=None if spec.algorithm == "fsdp" else table[0]["id"]))
+    second = s["seed"] + SECOND_SEED_OFFSET
+    rows += [dataclasses.replace(r, id=f"{r.id}-seed{second}", seed=second) for r in rows if r.id in seeded]
+    return rows
+
+
 def build_runs(s: dict) -> list[RunSpec]:
     """Every launch of the plan, in order: calibration, overhead, then main rows per link.
 
     Rows shared by two suites (the blocking FL+FSDP run, the limits) are launched once.
+    A quality suite's plan has only its own rows (:func:`local_runs`).
     """
+    if s["suites"][0] in LOCAL_SUITES:
+        return local_runs(s)
     main: dict[tuple[str, str], RunSpec] = {}
     for suite in s["suites"]:
         for link in (s["rates"] or SUITE_RATES[suite]):
@@ -190,16 +325,26 @@ def build_parser(prog: str = "python -m bench.run_bench"):
                                 epilog="Defaults (full / --smoke): " + ", ".join(
                                     f"{k}={FULL[k]}/{SMOKE[k]}" for k in FULL)
                                 + f"; rates per suite {dict(SUITE_RATES)} / {list(SMOKE_RATES)}")
-    p.add_argument("--suite", default="all", help=f"comma list of {', '.join(SUITES)}, or all")
+    p.add_argument("--suite", default="all", help=f"comma list of {', '.join(EMULATED_SUITES)}, or all (these "
+                   f"need root); or one quality suite alone: convergence, paper-regime (no root, resumable)")
     p.add_argument("--smoke", action="store_true", help="tiny settings, one rate: every code path")
     p.add_argument("--rates", default=None, help="link rates for every suite, comma-separated, tc units")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per main run (multiple of --sync-every)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per main run (multiple of --sync-every; "
+                   "quality suites: a multiple of 2 x --eval-every)")
     p.add_argument("--sync-every", type=int, default=None, help="H of the FL runs; evaluation every H steps too")
     p.add_argument("--eval-blocks", type=int, default=None, help="validation blocks per evaluation")
     p.add_argument("--calib-steps", type=int, default=None, help="steps of each unshaped calibration run")
     p.add_argument("--overhead-steps", type=int, default=None, help="steps of each overhead run")
     p.add_argument("--overhead-reps", type=int, default=None, help="repetitions of the overhead pair")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="blocks per rank per step")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="blocks per rank per step (4; paper-regime: 8)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="quality suites: steps between evaluations (convergence 32, paper-regime 8)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="quality suites: steps between checkpoints, which an interrupted suite resumes from "
+                        "(convergence 64, paper-regime 16)")
+    p.add_argument("--only", default=None, help="quality suites: run only these row ids (comma list); finished "
+                                                "rows are skipped anyway")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--report-to", default="wandb", choices=["wandb", "none"], help="trackers of the recipe runs")
@@ -215,12 +360,20 @@ def build_parser(prog: str = "python -m bench.run_bench"):
 
 
 def parse_suites(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
+    """Suite names from ``--suite`` ("paper-regime" = "paper_regime"); "all" = the emulated suites.
+
+    Raises:
+        BenchError: an unknown name, or a quality suite together with another suite.
+    """
+    names = [x.strip().replace("-", "_") for x in text.split(",") if x.strip()]
     if names == ["all"]:
-        return list(SUITES)
+        return list(EMULATED_SUITES)
     bad = [n for n in names if n not in SUITES]
     if bad or not names:
         raise BenchError(f"--suite: unknown suite(s) {bad or names}; choose from {', '.join(SUITES)} or all")
+    local = [n for n in names if n in LOCAL_SUITES]
+    if local and len(set(names)) > 1:
+        raise BenchError(f"--suite: {local[0]} runs alone (its own results folder, no emulator); got {text!r}")
     return [s for s in SUITES if s in names]
 
 
@@ -233,6 +386,12 @@ def make_plan(args) -> dict:
     """
     from scripts.netemu import parse_rate
 
+    suites = parse_suites(args.suite)
+    if suites[0] in LOCAL_SUITES:
+        return _make_local_plan(args, suites[0])
+    for flag in ("eval_every", "checkpoint_every", "only"):
+        if getattr(args, flag) is not None:
+            raise BenchError(f"--{flag.replace('_', '-')} applies to the quality suites (convergence, paper-regime)")
     base = SMOKE if args.smoke else FULL
     s = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     for key, value in s.items():
@@ -253,19 +412,19 @@ def make_plan(args) -> dict:
             raise BenchError(f"--rates: {exc}") from None
         if not re.fullmatch(r"[A-Za-z0-9.]+", r):
             raise BenchError(f"--rates: {r!r} must be like 100mbit")
-    suites = parse_suites(args.suite)
     if "streaming" in suites and s["sync_every"] % 2:
         raise BenchError(f"--sync-every {s['sync_every']} must be even for the streaming suite (2 fragments)")
     if "streaming" in suites and s["sync_every"] // 2 < 2:
         raise BenchError(f"--sync-every {s['sync_every']} must be >= 4 for the streaming suite (delay 1 < H/2)")
     world = 8 if "hsdp_r2" in suites else 4
-    if s["eval_blocks"] < world * args.micro_batch_size:
-        raise BenchError(f"--eval-blocks must be >= {world * args.micro_batch_size} (one micro-batch per rank)")
+    micro_batch = args.micro_batch_size or 4
+    if s["eval_blocks"] < world * micro_batch:
+        raise BenchError(f"--eval-blocks must be >= {world * micro_batch} (one micro-batch per rank)")
     name = args.name or ("smoke" if args.smoke else datetime.datetime.now().strftime("%Y%m%d-%H%M"))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise BenchError(f"--name {name!r}: use letters, digits, '.', '_', '-'")
     s.update(suites=suites, rates=rates, smoke=bool(args.smoke), name=name, report_to=args.report_to,
-             micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, seed=args.seed,
+             micro_batch_size=micro_batch, seq_len=args.seq_len, seed=args.seed,
              work=os.path.join(os.path.abspath(args.work_root), name),
              results=os.path.join(os.path.abspath(args.results_root), name),
              cache_dir=os.path.abspath(args.cache_dir or os.path.join(args.work_root, "cache")),
@@ -275,11 +434,68 @@ def make_plan(args) -> dict:
     return s
 
 
+def _make_local_plan(args, suite: str) -> dict:
+    """The plan of one quality suite (see the module docstring); the same keys as
+    :func:`make_plan`'s plus ``eval_every``, ``checkpoint_every``, ``log_every``, ``only``.
+
+    Raises:
+        BenchError: naming the bad option (``--rates`` given, a value < 1, steps that put no
+            evaluation at half the budget or evaluations between some row's syncs, too few
+            evaluation blocks, an unknown ``--only`` id).
+    """
+    if args.rates is not None:
+        raise BenchError(f"--rates: the {suite} suite runs on loopback (loss does not depend on the link)")
+    for flag in ("sync_every", "calib_steps", "overhead_steps", "overhead_reps"):
+        if getattr(args, flag) is not None:
+            raise BenchError(f"--{flag.replace('_', '-')} does not apply to the {suite} suite (its rows fix H)")
+    s = dict((LOCAL_SMOKE if args.smoke else LOCAL_FULL)[suite])
+    for key in ("steps", "eval_every", "eval_blocks", "checkpoint_every", "micro_batch_size"):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    for key, value in s.items():
+        if value is not None and value < (0 if key == "checkpoint_every" else 1):
+            raise BenchError(f"--{key.replace('_', '-')} must be >= {0 if key == 'checkpoint_every' else 1}, "
+                             f"got {value}")
+    table = CONVERGENCE_ROWS if suite == "convergence" else PAPER_REGIME_ROWS
+    longest_h = max(r.get("sync_every", 0) for r in table)
+    if not args.smoke:
+        if s["eval_every"] % longest_h:
+            raise BenchError(f"--eval-every {s['eval_every']} must be a multiple of {longest_h} (the largest H of "
+                             f"the {suite} rows), so every row is evaluated at the same tokens, right after a sync")
+        if s["steps"] is not None and s["steps"] % (2 * s["eval_every"]):
+            raise BenchError(f"--steps {s['steps']} must be a multiple of 2 x --eval-every {s['eval_every']}: the "
+                             f"target loss is FSDP's at half the steps, which must be an evaluation")
+    world = 4 if suite == "convergence" else 8
+    if s["eval_blocks"] < world * s["micro_batch_size"]:
+        raise BenchError(f"--eval-blocks must be >= {world * s['micro_batch_size']} (one micro-batch per rank)")
+    dashed = suite.replace("_", "-")
+    name = args.name or (f"smoke-{dashed}" if args.smoke else
+                         f"{datetime.date.today().isoformat()}-{dashed}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise BenchError(f"--name {name!r}: use letters, digits, '.', '_', '-'")
+    s.update(suites=[suite], rates=None, smoke=bool(args.smoke), name=name, report_to=args.report_to,
+             seq_len=args.seq_len, seed=args.seed, sync_every=8, nodes=1,
+             work=os.path.join(os.path.abspath(args.work_root), name),
+             results=os.path.join(os.path.abspath(args.results_root), name),
+             cache_dir=os.path.abspath(args.cache_dir or os.path.join(args.work_root, "cache")),
+             command=" ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"] + sys.argv[1:]))
+    s["run_timeout"] = args.run_timeout or (600.0 + 60.0 * (s["steps"] or 200))
+    runs = local_runs(s)
+    only = [x.strip() for x in (args.only or "").split(",") if x.strip()]
+    unknown = sorted(set(only) - {r.id for r in runs})
+    if unknown:
+        raise BenchError(f"--only: unknown row(s) {unknown}; the {suite} rows are {[r.id for r in runs]}")
+    s["only"] = only or None
+    s["runs"] = [dataclasses.asdict(r) for r in runs]
+    return s
+
+
 def runs_of(plan: dict) -> list[RunSpec]:
     """The RunSpecs of a plan; a plan saved before suites existed gets the runs it had
     (the four baselines per rate, calibration, overhead)."""
     if "runs" in plan:
-        return [RunSpec(**{**r, "tags": tuple(r.get("tags", ()))}) for r in plan["runs"]]
+        return [RunSpec(**{**r, "tags": tuple(r.get("tags", ())), "extra_flags": tuple(r.get("extra_flags", ()))})
+                for r in plan["runs"]]
     legacy = dict(plan, suites=["baselines", "overhead"], report_to=plan.get("report_to", "wandb"))
     legacy.setdefault("rates", list(SUITE_RATES["baselines"]))
     runs = build_runs(legacy)
@@ -293,23 +509,46 @@ def tokens_per_step(plan: dict, spec: RunSpec) -> int:
 
 def recipe_args(plan: dict, spec: RunSpec, out_dir: str) -> list[str]:
     """The recipe's command line for ``spec``. Runs of one suite and link differ only in the
-    federation flags (``--algorithm``, ``--sync_every`` and the streaming/compression flags)."""
+    federation flags (``--algorithm``, ``--sync_every`` and the fragments/compression flags).
+
+    Rows of the quality suites pass only the flags their algorithm uses, their own
+    ``--seed`` for the seed band, the outer optimizer and ``extra_flags``, and checkpoint
+    every ``checkpoint_every`` steps with ``--resume_from_checkpoint latest``, so a
+    relaunch continues an interrupted run (or starts it when no checkpoint exists).
+    ``steps`` None trains one epoch (``--num_epochs 1``).
+    """
+    length = ["--max_steps", str(spec.steps)] if spec.steps else ["--num_epochs", "1"]
+    seed = plan["seed"] if spec.seed is None else spec.seed
     args = [RECIPE, "--model", "tiny", "--seq_len", str(plan["seq_len"]),
-            "--micro_batch_size", str(plan["micro_batch_size"]), "--max_steps", str(spec.steps),
-            "--mixed_precision", "no", "--seed", str(plan["seed"]),
-            "--algorithm", spec.algorithm, "--num_groups", str(spec.num_groups),
-            "--hsdp_shard_size", str(spec.shard_size), "--sync_every", str(spec.sync_every)]
+            "--micro_batch_size", str(plan["micro_batch_size"]), *length,
+            "--mixed_precision", "no", "--seed", str(seed), "--algorithm", spec.algorithm]
+    federated = spec.algorithm.startswith("fl_")
+    if not spec.local:
+        args += ["--num_groups", str(spec.num_groups), "--hsdp_shard_size", str(spec.shard_size),
+                 "--sync_every", str(spec.sync_every)]
+    else:
+        args += ["--num_groups", str(spec.num_groups), "--sync_every", str(spec.sync_every)] if federated else []
+        args += ["--hsdp_shard_size", str(spec.shard_size)] if spec.algorithm.endswith("hsdp") else []
+    if spec.outer_optimizer != "avg":
+        args += ["--outer_optimizer", spec.outer_optimizer]
+        args += ["--outer_lr", f"{spec.outer_lr:g}"] if spec.outer_lr is not None else []
+        args += ["--outer_momentum", f"{spec.outer_momentum:g}"] if spec.outer_momentum is not None else []
     if spec.num_fragments > 1:
         args += ["--num_fragments", str(spec.num_fragments), "--sync_delay", str(spec.sync_delay)]
     if spec.sync_dtype != "fp32":
         args += ["--sync_dtype", spec.sync_dtype]
     if spec.error_feedback:
         args += ["--error_feedback"]
+    args += list(spec.extra_flags)
     run_name = f"{spec.phase}-{spec.id}" + (f"-{spec.link}" if spec.link else "")
-    return args + ["--eval_every", str(spec.eval_every), "--log_every", "1", "--max_eval_blocks",
-                   str(plan["eval_blocks"]), "--cache_dir", plan["cache_dir"], "--output_dir", out_dir,
-                   "--experiment", f"bench-{plan['name']}", "--run_name", run_name, "--report_to", spec.report_to,
-                   "--save_final_model", "false"]
+    args += ["--eval_every", str(spec.eval_every), "--log_every", str(plan.get("log_every", 1)), "--max_eval_blocks",
+             str(plan["eval_blocks"]), "--cache_dir", plan["cache_dir"], "--output_dir", out_dir,
+             "--experiment", f"bench-{plan['name']}", "--run_name", run_name, "--report_to", spec.report_to,
+             "--save_final_model", "false"]
+    if spec.checkpoint_every:
+        args += ["--checkpoint_every", str(spec.checkpoint_every), "--checkpoints_total_limit", "2",
+                 "--resume_from_checkpoint", "latest"]
+    return args
 
 
 def run_env(plan: dict) -> dict[str, str]:

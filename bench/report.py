@@ -306,3 +306,277 @@ def report(plan: dict, meta: dict, root: str, wandb_log: bool = True) -> dict:
     print(f"[bench] results: {results}/ (table.md, *.png, raw/, machine.json, command.txt, bench.json)\n"
           f"[bench] {note}", flush=True)
     return res
+
+
+# ---------------------------------------------------------------------- quality suites
+def _minutes(s: float | None) -> str:
+    return _f(None if s is None else s / 60, "{:.1f}")
+
+
+def _signed(x: float | None, fmt: str = "{:+.4f}") -> str:
+    return _f(x, fmt)
+
+
+def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]:
+    suite = res["suite"]
+    title = {"convergence": "convergence", "paper_regime": "the paper's regime at small scale"}[suite]
+    L = [f"# fl_accel quality suite: {title}" + (" — SMOKE RUN" if plan.get("smoke") else ""), ""]
+    if plan.get("smoke"):
+        L += ["> **SMOKE RUN: not a result.** A few steps only, to exercise every code path.", ""]
+    runs = runs_of(plan)
+    world = runs[0].world
+    steps = f"{plan['steps']} steps" if plan["steps"] else "one epoch"
+    L += [f"Command: `{plan['command']}`  ",
+          f"Date: {meta.get('date', '-')}; machine: {machine.get('cpu_model', '?')}, {machine.get('nproc', '?')} CPUs, "
+          f"torch {machine.get('versions', {}).get('torch', '?')} (details: machine.json).", "",
+          f"Setup: recipe `recipes/pretrain.py`, model `tiny` (2.88M parameters, fp32), embedded Shakespeare corpus "
+          f"(BPE vocabulary 8,192: a loss of ln 8192 = 9.01 is a uniform guess), seq_len {plan['seq_len']}, micro-batch "
+          f"{plan['micro_batch_size']} per rank, {world} processes (one torchrun on loopback: loss does not depend on "
+          f"the link), {steps} per run ({world * plan['micro_batch_size'] * plan['seq_len']:,} tokens per step), AdamW "
+          f"lr 3e-4, betas (0.9, 0.95), weight decay 0.1, 10% warmup then cosine (the paper's), evaluation every "
+          f"{plan['eval_every']} steps on the first {plan['eval_blocks']} validation blocks "
+          f"({plan['eval_blocks'] * plan['seq_len']:,} tokens; token-weighted loss). Every row has the same tokens, "
+          f"data order and seed ({plan['seed']}) and differs only in the federation flags; rows marked (seed "
+          f"{plan['seed'] + 1}) repeat a configuration with another seed (model init and data order). Checkpoints every "
+          f"{plan['checkpoint_every']} steps; an interrupted run resumes from its last one.", ""]
+    pending = {k: v for k, v in res["status"].items() if v["state"] != "finished"}
+    if pending:
+        L += ["**Not finished yet** (the tables below hold the finished rows only): " + "; ".join(
+            f"`{k}` {v['state']}" + (f" (logged up to step {v['step']})" if v["step"] else "")
+            for k, v in pending.items()) + f". Continue with `{meta.get('resume_command', plan['command'])}`.", ""]
+    return L
+
+
+def _band_text(res: dict) -> str:
+    band = res["band"]
+    if band["loss"] is None:
+        return "Seed band: not available yet (needs both seeds of one configuration)."
+    rows = res["rows"]
+    return (f"Seed band = **{band['loss']:.4f}** nats: the largest |final eval loss, seed A − seed B| of the "
+            f"configurations trained twice (" + ", ".join(f"{rows[i]['label']}: {d:.4f}" for i, d in
+                                                           band["pairs"].items()) + ").")
+
+
+def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: str) -> str:
+    """table.md of a quality suite (see bench/README.md); returns the text."""
+    L = _local_header(plan, res, machine, meta)
+    rows = list(res["rows"].values())
+    tgt = res.get("target")
+    if res["suite"] == "convergence":
+        L += ["## Final eval loss, differences in seed bands, tokens to target", ""]
+        fsdp_ttt = res["rows"].get("fsdp", {}).get("tokens_to_target")
+        table = []
+        for r in rows:
+            table.append([r["label"], _f(r["eval_loss"], "{:.4f}"), _f(r["eval_perplexity"], "{:,.1f}"),
+                          _signed(r["diff_fsdp"]), _signed(r["diff_fsdp_in_band"], "{:+.1f}"),
+                          _signed(r["diff_blocking"]), _signed(r["diff_blocking_in_band"], "{:+.1f}"),
+                          _f(r["tokens_to_target"], "{:,.0f}"),
+                          _f(r["tokens_to_target"] / fsdp_ttt if r["tokens_to_target"] and fsdp_ttt else None,
+                             "{:.2f}")])
+        L += [_md(table, ["run", "final eval loss", "eval ppl", "Δ vs FSDP (nats)", "Δ vs FSDP (seed bands)",
+                          "Δ vs blocking fp32 (nats)", "Δ vs blocking fp32 (seed bands)", "tokens to target",
+                          "tokens to target / FSDP's"]), "",
+              _band_text(res) + " Blocking fp32 = FL+FSDP H=8 avg (P=1, fp32 exchange). |Δ| of 1 band or less is "
+              "within seed-to-seed noise.",
+              "",
+              ("Target = FSDP's eval loss at half its budget: " + f"**{tgt['loss']:.4f}** after {tgt['tokens']:,.0f} "
+               "tokens. Tokens to target: the first crossing, linear between evaluations (every "
+               f"{plan['eval_every']} steps = {plan['eval_every'] * rows[0]['tokens_per_step']:,} tokens); '-' = "
+               "never reached in the budget.") if tgt and tgt["loss"] is not None and rows else
+              "Target: FSDP has not finished yet.", "",
+              "With fragments (P > 1) the groups are never fully synchronized mid-run: a mid-run evaluation scores "
+              "each rank's rows with its own group's model; the final one follows the final full sync.", ""]
+        L += ["## Time to target loss per link", ""]
+        table, detail = [], []
+        for r in rows:
+            cells = [r["label"], _f(r["tokens_to_target"], "{:,.0f}")]
+            for link in LINKS_ORDER:
+                v = (r.get("links") or {}).get(link, {})
+                if v.get("time_to_target_measured_s") is not None:
+                    cells.append(_minutes(v["time_to_target_measured_s"]))
+                elif v.get("time_to_target_predicted_s") is not None:
+                    cells.append(_minutes(v["time_to_target_predicted_s"]) + " (model)")
+                else:
+                    cells.append("-")
+                detail.append([r["label"], link, _f(v.get("measured"), "{:,.0f}"), _f(v.get("predicted"), "{:,.0f}"),
+                               ", ".join(v.get("sources") or []) or "-", v.get("compute_source") or "-"])
+            table.append(cells)
+        L += [_md(table, ["run", "tokens to target"] + [f"{x} (min)" for x in LINKS_ORDER]), "",
+              "Minutes of training (evaluation excluded) to reach the target on 2 emulated nodes x 2 processes "
+              "joined by the link: tokens to target (above) / tokens/s on that link. tokens/s = the committed "
+              "throughput measurement of the same configuration (" + ", ".join(
+                  f"`bench/results/{s}`" for s in res.get("throughput_sources", [])) + "; the mean where measured "
+              "twice); **(model)** = no measurement of this configuration at this link, the cost model's prediction "
+              "(`fl_accel.cost_model`, compute time per step from the committed calibration of the same "
+              "configuration) instead. The cost model was within 2% of the measured FL+FSDP rows; for FSDP at "
+              "100 Mbit/s the measurement was 0.73x the prediction (gloo's 4-rank ring used 63% of the link), so "
+              "FSDP's predicted 10 Mbit/s time is optimistic. '-' = never reached the target.", "",
+              "### Fastest to the target, per link", "",
+              _md(guide_rows(res), ["link", "fastest", "then", "then", "slowest"]), "",
+              "Rows of the first seed only; each cell is the row and its minutes to target ((model): predicted "
+              "tokens/s). " + _ttt_spread_text(res), "",
+              "### tokens/s behind it", "",
+              _md(detail, ["run", "link", "measured tokens/s", "predicted tokens/s", "measured in",
+                           "compute time from"]), ""]
+    else:
+        ratios = res.get("ratios", {})
+        L += ["## Final eval loss and the FSDP/FL perplexity ratio at equal tokens", ""]
+        table = []
+        for r in rows:
+            groups = r["num_groups"]
+            per_group = r["tokens_per_step"] // groups if r["tokens_per_step"] else None
+            ratio = ratios.get(r["id"], {}).get("final")
+            table.append([r["label"], f"{groups} x {r['world'] // groups}", _f(r["tokens_per_step"], "{:,}"),
+                          _f(per_group, "{:,}"), r["steps"], _f(r["tokens"], "{:,}"), _f(r["eval_loss"], "{:.4f}"),
+                          _f(r["eval_perplexity"], "{:,.1f}"), _signed(r["diff_fsdp"]),
+                          _signed(r["diff_fsdp_in_band"], "{:+.1f}"), _f(ratio, "{:.3f}")])
+        L += [_md(table, ["run", "groups x ranks", "tokens per step (all groups)", "tokens per step per group "
+                          "(one optimizer step's batch)", "optimizer steps", "training tokens", "final eval loss",
+                          "eval ppl", "Δ loss vs FSDP (nats)", "Δ vs FSDP (seed bands)",
+                          "FSDP ppl / FL ppl (> 1: FL lower)"]), "",
+              _band_text(res) + " The paper (Llama-3.1-8B, 512 GPUs, F=128 groups of G=4, 64 steps) reports "
+              "FSDP/FL = 4.48.", ""]
+        if ratios:
+            toks = sorted({c["tokens"] for v in ratios.values() for c in v["curve"]})
+            table = [[f"{t:,}"] + [_f(next((c["ratio"] for c in v["curve"] if c["tokens"] == t), None), "{:.3f}")
+                                   for v in ratios.values()] for t in toks]
+            L += ["### FSDP/FL perplexity ratio at every evaluation", "",
+                  _md(table, ["training tokens"] + [f"{res['rows'][k]['label']} vs {res['rows'][v['vs']]['label']}"
+                                                    for k, v in ratios.items()]), ""]
+    L += ["## Launches", ""]
+    lrows = []
+    for run_path, rec in (meta.get("launches") or {}).items():
+        for s in rec.get("sessions", []):
+            lrows.append([run_path, s.get("started", "-"), s.get("resumed_from_step", 0), s.get("rc"),
+                          f"{s.get('wall_s', 0):.0f}", _pct((s.get("host") or {}).get("background_cpu_share"))])
+    L += [_md(lrows, ["run", "session started", "resumed from step", "exit code", "wall s", "background CPU"])
+          if lrows else "(no launch records)", "",
+          "Wall time includes start-up, evaluations and checkpoints; background CPU = share of all CPUs other "
+          "processes used meanwhile (a shared machine: quality figures do not depend on it, times do).", "",
+          "Plots: `eval_loss_vs_tokens.png`, `ppl_vs_tokens.png`"
+          + (", `time_to_target.png`" if res["suite"] == "convergence" else "") + "; raw per-run files under `raw/`."]
+    text = "\n".join(L) + "\n"
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return text
+
+
+LINKS_ORDER = ("1gbit", "100mbit", "10mbit")
+
+
+def link_minutes(row: dict, link: str) -> tuple[float | None, bool]:
+    """(minutes to target on ``link``, whether the tokens/s behind it is the model's)."""
+    v = (row.get("links") or {}).get(link, {})
+    if v.get("time_to_target_measured_s") is not None:
+        return v["time_to_target_measured_s"] / 60, False
+    if v.get("time_to_target_predicted_s") is not None:
+        return v["time_to_target_predicted_s"] / 60, True
+    return None, False
+
+
+def guide_rows(res: dict) -> list[list[str]]:
+    """Per link, the first-seed rows that reach the target, fastest first: the fastest three
+    and the slowest, as "label: N min" (marked (model) where the tokens/s is predicted)."""
+    out = []
+    for link in LINKS_ORDER:
+        ranked = []
+        for r in res["rows"].values():
+            minutes, model = link_minutes(r, link)
+            if minutes is not None and not r["second_seed"]:
+                ranked.append((minutes, f"{r['label']}: {minutes:.1f} min" + (" (model)" if model else "")))
+        ranked.sort()
+        cells = [c for _, c in ranked]
+        out.append([link] + (cells[:3] + ["-"] * 3)[:3] + [cells[-1] if len(cells) > 3 else "-"])
+    return out
+
+
+def _ttt_spread_text(res: dict) -> str:
+    """How much tokens to target moved between seeds (the noise of the ranking)."""
+    second = [r for r in res["rows"].values() if r["second_seed"]]
+    parts = []
+    for r in second:
+        first = res["rows"].get(r["id"].rsplit("-seed", 1)[0])
+        if first and first.get("tokens_to_target") and r.get("tokens_to_target"):
+            parts.append(f"{first['label']}: {first['tokens_to_target']:,.0f} vs {r['tokens_to_target']:,.0f} "
+                         f"({100 * (r['tokens_to_target'] / first['tokens_to_target'] - 1):+.1f}%)")
+    if not parts:
+        return ""
+    return ("Seed-to-seed change of tokens to target (seed 42 vs 43): " + "; ".join(parts)
+            + ". Rows whose minutes differ by less than this share are not ranked apart by this suite.")
+
+
+def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
+    """eval_loss_vs_tokens.png (all tokens, and the second half zoomed, with the target),
+    ppl_vs_tokens.png, and for convergence time_to_target.png (bars per link)."""
+    rows = list(res["rows"].values())
+    if not rows:
+        return []
+    smoke = " (SMOKE RUN)" if plan.get("smoke") else ""
+    full = [plots.Series(r["label"], [e["tokens"] for e in r["evals"]], [e["loss"] for e in r["evals"]]) for r in rows]
+    half = max(r["tokens"] or 0 for r in rows) / 2
+    zoom = [plots.Series(s.label, [x for x in s.x if x >= half], [y for x, y in zip(s.x, s.y) if x >= half])
+            for s in full]
+    tgt = res.get("target") or {}
+    hl = {"second half": tgt["loss"]} if tgt.get("loss") is not None else None
+    paths = [plots.plot_panels({"all tokens": full, "second half": zoom}, os.path.join(out_dir, "eval_loss_vs_tokens.png"),
+                               xlabel="training tokens", ylabel="eval loss (nats/token)", logy=False, hlines=hl,
+                               title=f"eval loss vs training tokens{smoke}"),
+             plots.plot_panels({"eval perplexity": [plots.Series(r["label"], [e["tokens"] for e in r["evals"]],
+                                                                 [e["perplexity"] for e in r["evals"]]) for r in rows]},
+                               os.path.join(out_dir, "ppl_vs_tokens.png"), xlabel="training tokens",
+                               ylabel="eval perplexity", title=f"eval perplexity vs training tokens{smoke}")]
+    if res["suite"] == "convergence" and any(r.get("tokens_to_target") for r in rows):
+        groups = {}
+        for link in LINKS_ORDER:
+            bars = []
+            for r in rows:
+                v = (r.get("links") or {}).get(link, {})
+                meas, pred = v.get("time_to_target_measured_s"), v.get("time_to_target_predicted_s")
+                if meas is None and pred is None:
+                    continue
+                bars.append((r["label"], (meas if meas is not None else pred) / 60,
+                             pred / 60 if pred is not None else None))
+            if bars:
+                groups[f"link {link}"] = bars
+        if groups:
+            paths.append(plots.plot_bars(groups, os.path.join(out_dir, "time_to_target.png"),
+                                         ylabel="minutes of training to target loss",
+                                         title=f"time to target loss (bar: measured tokens/s, or the model's where "
+                                               f"none){smoke}", reference_label="cost model"))
+    return paths
+
+
+def report_local(plan: dict, meta: dict, root: str, results_root: str | None = None) -> dict:
+    """Analyse a quality suite's runs under ``root`` and (re)write ``plan["results"]``
+    atomically: table.md, the plots, raw/ (all_results.json and metrics.jsonl of every
+    finished run), machine.json, command.txt, bench.json. Works on a partial suite."""
+    from bench.analysis import analyze_local
+
+    res = analyze_local(plan, root, results_root)
+    machine = meta.get("machine") or machine_info()
+    results = plan["results"]
+    tmp = results + ".partial"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    make_local_plots(plan, res, tmp)
+    table = write_local_table(plan, res, machine, meta, os.path.join(tmp, "table.md"))
+    copy_raw(plan, root, tmp)
+    with open(os.path.join(tmp, "machine.json"), "w", encoding="utf-8") as fh:
+        json.dump(machine, fh, indent=1)
+    with open(os.path.join(tmp, "command.txt"), "w", encoding="utf-8") as fh:
+        fh.write(meta.get("command", plan["command"]) + "\n")
+        if meta.get("resume_command"):
+            fh.write(f"# continue an interrupted suite with: {meta['resume_command']}\n")
+        if meta.get("report_command"):
+            fh.write(f"# report rebuilt with: {meta['report_command']}\n")
+    with open(os.path.join(tmp, "bench.json"), "w", encoding="utf-8") as fh:
+        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")},
+                   "launches": meta.get("launches"), "date": meta.get("date"), "results": res}, fh, indent=1,
+                  default=str)
+    if os.path.isdir(results):
+        shutil.rmtree(results)
+    os.replace(tmp, results)
+    print(table)
+    print(f"[bench] results: {results}/ (table.md, *.png, raw/, machine.json, command.txt, bench.json)", flush=True)
+    return res

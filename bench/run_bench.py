@@ -3,6 +3,8 @@ under emulated inter-node links (2 nodes; scripts/netemu.py).
 
     python -m bench.run_bench                       # as root: every suite (bench/README.md)
     python -m bench.run_bench --suite streaming     # one suite (baselines, streaming, hsdp_r2, overhead)
+    python -m bench.run_bench --suite convergence   # quality: no root, hours, resumable (rerun to continue)
+    python -m bench.run_bench --suite paper-regime  # quality: the paper's regime on 8 processes
     python -m bench.run_bench --smoke               # as root: every code path, a few steps, one rate
     python -m bench.run_bench --dry-run             # the plan and every command; needs no root
     python -m bench.run_bench --report-only --name NAME   # rebuild the report, run nothing
@@ -30,9 +32,9 @@ import sys
 
 from scripts import netemu
 
-from bench.launch import run_all
-from bench.plan import BenchError, build_parser, make_plan, runs_of
-from bench.report import loadavg, machine_info, report
+from bench.launch import LAUNCHES_FILE, run_all, run_local
+from bench.plan import LOCAL_SUITES, BenchError, build_parser, make_plan, runs_of
+from bench.report import loadavg, machine_info, report, report_local
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if plan["suites"][0] in LOCAL_SUITES:
+        return main_local(plan, args.dry_run)
     if not args.dry_run:
         ok, reason = netemu.check_privileges()
         if not ok:
@@ -87,6 +91,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main_local(plan: dict, dry: bool) -> int:
+    """A quality suite (convergence, paper_regime): loopback launches, no root. Rerunning the
+    same command (same ``--name``) continues it: finished rows are skipped, the others
+    resume from their last checkpoint. The report is (re)written from whatever has
+    finished, also when a row failed."""
+    runs = runs_of(plan)
+    resume = plan["command"] if "--name" in plan["command"] else f"{plan['command']} --name {plan['name']}"
+    print(f"[bench] {plan['name']}{' (SMOKE)' if plan['smoke'] else ''}: suite {plan['suites'][0]}; {len(runs)} runs "
+          f"of {plan['steps'] or 'one epoch of'} steps on {runs[0].world} processes (loopback)"
+          + (f"; only {', '.join(plan['only'])}" if plan.get("only") else "")
+          + f"\n[bench] work: {plan['work']}\n[bench] results: {plan['results']}\n[bench] to continue after an "
+          f"interruption: {resume}", flush=True)
+    if not dry:
+        os.makedirs(plan["work"], exist_ok=True)
+        os.makedirs(plan["cache_dir"], exist_ok=True)
+        with open(os.path.join(plan["work"], "plan.json"), "w", encoding="utf-8") as fh:
+            json.dump(plan, fh, indent=1)
+    for key in [k for k in os.environ if k.startswith("FL_ACCEL_")]:
+        print(f"[bench] ignoring {key} from the environment: every setting is on the command line", file=sys.stderr)
+        del os.environ[key]
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": plan["command"],
+            "resume_command": resume}
+    machine = machine_info()
+    machine["loadavg_start"] = loadavg()
+    _install_signal_handlers()
+    try:
+        meta.update(run_local(plan, dry))
+    except KeyboardInterrupt:
+        print(f"[bench] interrupted; continue with: {resume}", file=sys.stderr)
+        return 130
+    if dry:
+        return 0
+    machine["loadavg_end"] = loadavg()
+    meta["machine"] = machine
+    with open(os.path.join(plan["work"], "meta.json"), "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=1)
+    report_local(plan, meta, plan["work"])
+    if meta["failed"]:
+        print(f"error: {len(meta['failed'])} run(s) failed: {', '.join(meta['failed'])} (their launch.log under "
+              f"{plan['work']}); rerun to continue them: {resume}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def report_only(args, argv: list[str] | None) -> int:
     """Rebuild the results folder from bench/work/<name>, or from bench/results/<name>/raw.
 
@@ -112,6 +160,7 @@ def report_only(args, argv: list[str] | None) -> int:
             saved = json.load(fh)
         plan = saved["plan"]
         meta = {k: saved[k] for k in ("links", "launches", "timings", "cpu", "date") if saved.get(k) is not None}
+        meta["resume_command"] = None
         if os.path.isfile(os.path.join(results, "machine.json")):
             with open(os.path.join(results, "machine.json"), encoding="utf-8") as fh:
                 meta["machine"] = json.load(fh)
@@ -121,6 +170,17 @@ def report_only(args, argv: list[str] | None) -> int:
                          f"run the benchmark first")
     plan.update(name=name, work=work, results=results)
     plan.setdefault("cache_dir", os.path.join(os.path.abspath(args.work_root), "cache"))
+    if plan.get("suites", [None])[0] in LOCAL_SUITES:
+        if "launches" not in meta and os.path.isfile(os.path.join(work, LAUNCHES_FILE)):
+            with open(os.path.join(work, LAUNCHES_FILE), encoding="utf-8") as fh:
+                meta["launches"] = json.load(fh)  # an interrupted suite has no meta.json yet
+        meta.setdefault("command", plan.get("command", "-"))
+        meta.setdefault("resume_command", plan["command"] if "--name" in plan.get("command", "")
+                        else f"{plan.get('command')} --name {name}")
+        meta["report_command"] = " ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"]
+                                          + list(sys.argv[1:] if argv is None else argv))
+        report_local(plan, meta, root, results_root=os.path.abspath(args.results_root))
+        return 0
     plan.setdefault("suites", ["baselines", "overhead"])
     meta["report_command"] = " ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"]
                                       + list(sys.argv[1:] if argv is None else argv))

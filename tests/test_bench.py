@@ -326,3 +326,263 @@ def dataclasses_replace(spec, **kw):
     import dataclasses
 
     return dataclasses.replace(spec, **kw)
+
+
+# ---------------------------------------------------------------------- quality suites (no training)
+FEDERATION_FLAGS = {"--algorithm", "--num_groups", "--sync_every", "--hsdp_shard_size", "--num_fragments",
+                    "--sync_delay", "--sync_dtype", "--outer_optimizer", "--outer_lr", "--outer_momentum"}
+
+
+def _common_part(args):
+    """The command line without the federation flags, the seed and the per-row names."""
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a in FEDERATION_FLAGS | {"--seed", "--run_name", "--output_dir"}:
+            skip = True
+            continue
+        if a == "--error_feedback":
+            continue
+        out.append(a)
+    return out
+
+
+def _federation_part(args):
+    out = []
+    for i, a in enumerate(args):
+        if a in FEDERATION_FLAGS:
+            out += [a, args[i + 1]]
+        elif a == "--error_feedback":
+            out.append(a)
+    return out
+
+
+def _flag(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_convergence_rows_differ_only_in_federation_flags():
+    plan = _plan("--suite", "convergence")
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
+                          "fl_fsdp-h8-p2-tau2-int8-ef", "fsdp-seed43", "fl_fsdp-h8-seed43"]
+    args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
+    common = {tuple(_common_part(a)) for a in args.values()}
+    assert len(common) == 1  # same tokens, data, model, schedule, evaluations, checkpoints
+    c = list(common.pop())
+    assert _flag(c, "--max_steps") == "832" and _flag(c, "--micro_batch_size") == "4" and _flag(c, "--seq_len") == "256"
+    assert 832 * 4 * 4 * 256 >= 20 * 163_840
+    assert _flag(c, "--eval_every") == "32" and _flag(c, "--resume_from_checkpoint") == "latest"
+    assert _flag(c, "--checkpoint_every") == "64"
+    assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: "43" if k.endswith("seed43") else "42" for k in rows}
+    fed = {k: _federation_part(a) for k, a in args.items()}
+    assert fed["fsdp"] == ["--algorithm", "fsdp"] and fed["fsdp-seed43"] == fed["fsdp"]
+    assert fed["fl_fsdp-h8"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "8"]
+    assert fed["fl_fsdp-h8-seed43"] == fed["fl_fsdp-h8"]
+    assert fed["fl_fsdp-h8-nesterov"] == fed["fl_fsdp-h8"] + ["--outer_optimizer", "nesterov", "--outer_lr", "0.7",
+                                                              "--outer_momentum", "0.9"]
+    assert fed["fl_fsdp-h32"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "32"]
+    assert fed["fl_fsdp-h8-p2-tau1"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "1"]
+    assert fed["fl_fsdp-h8-p2-tau2-int8-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
+                                                                     "--sync_dtype", "int8", "--error_feedback"]
+    assert all(r.world == 4 and r.nodes == 1 and r.path == r.id for r in rows.values())
+    assert rows["fl_fsdp-h8-nesterov"].label == "FL+FSDP H=8 nesterov(0.7, 0.9)"
+    assert rows["fsdp-seed43"].label == "FSDP (seed 43)"
+
+
+def test_a_later_row_is_one_line(monkeypatch):
+    """Issue 21 items 3/4 add a row as one dict: its flags reach the recipe, the rest is shared."""
+    extra = dict(id="fl_fsdp-h8-p2-tau2-sparse", sync_every=8, num_fragments=2, sync_delay=2,
+                 extra_flags=("--some_density", "0.02"))
+    monkeypatch.setattr(bp, "CONVERGENCE_ROWS", bp.CONVERGENCE_ROWS + (extra,))
+    plan = _plan("--suite", "convergence")
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    a = bp.recipe_args(plan, rows["fl_fsdp-h8-p2-tau2-sparse"], "/o/x")
+    assert a[a.index("--some_density") + 1] == "0.02"
+    assert _common_part(a)[: _common_part(a).index("--some_density")] == \
+        _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
+    assert list(rows)[-2:] == ["fsdp-seed43", "fl_fsdp-h8-seed43"]  # second seeds stay last
+
+
+def test_paper_regime_rows():
+    plan = _plan("--suite", "paper-regime")
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    assert list(rows) == ["fsdp-8p", "fl_fsdp-f8g1", "fl_fsdp-f4g2", "fsdp-8p-seed43", "fl_fsdp-f8g1-seed43"]
+    args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
+    assert len({tuple(_common_part(a)) for a in args.values()}) == 1
+    c = _common_part(args["fsdp-8p"])
+    assert _flag(c, "--num_epochs") == "1" and "--max_steps" not in c and _flag(c, "--micro_batch_size") == "8"
+    assert [(_flag(args[k], "--num_groups"), r.world) for k, r in rows.items()] == \
+        [(None, 8), ("8", 8), ("4", 8), (None, 8), ("8", 8)]
+    assert analysis.layout_of(rows["fl_fsdp-f8g1"]).shape == (8, 1, 1)
+    assert analysis.layout_of(rows["fl_fsdp-f4g2"]).shape == (4, 1, 2)
+    assert analysis.layout_of(rows["fsdp-8p"]).shape == (1, 1, 8)
+    assert plan["name"].endswith("-paper-regime") and plan["suites"] == ["paper_regime"]
+
+
+def test_quality_plan_validation():
+    with pytest.raises(bp.BenchError, match="multiple of 2 x --eval-every"):
+        _plan("--suite", "convergence", "--steps", "800")
+    with pytest.raises(bp.BenchError, match="multiple of 32"):
+        _plan("--suite", "convergence", "--eval-every", "16")
+    with pytest.raises(bp.BenchError, match="loopback"):
+        _plan("--suite", "convergence", "--rates", "10mbit")
+    with pytest.raises(bp.BenchError, match="runs alone"):
+        _plan("--suite", "convergence,baselines")
+    with pytest.raises(bp.BenchError, match="unknown row"):
+        _plan("--suite", "convergence", "--only", "fsdp,nope")
+    with pytest.raises(bp.BenchError, match="quality suites"):
+        _plan("--suite", "baselines", "--eval-every", "8")
+    with pytest.raises(bp.BenchError, match="does not apply"):
+        _plan("--suite", "convergence", "--sync-every", "4")
+    assert _plan("--suite", "all")["suites"] == list(bp.EMULATED_SUITES)
+    assert _plan("--suite", "convergence", "--only", "fsdp")["only"] == ["fsdp"]
+
+
+def test_interpolation_seed_band_and_time_to_target():
+    curve = [{"tokens": 100, "loss": 9.0}, {"tokens": 200, "loss": 7.0}, {"tokens": 300, "loss": 6.0},
+             {"tokens": 400, "loss": 6.5}]
+    assert analysis.loss_at_tokens(curve, 150) == pytest.approx(8.0)
+    assert analysis.loss_at_tokens(curve, 300) == 6.0 and analysis.loss_at_tokens(curve, 400) == 6.5
+    assert analysis.loss_at_tokens(curve, 50) is None and analysis.loss_at_tokens(curve, 401) is None
+    assert analysis.tokens_to_loss(curve, 6.5) == pytest.approx(250.0)  # first crossing, linear in tokens
+    assert analysis.tokens_to_loss(curve, 9.5) == 100.0  # already there at the first evaluation
+    assert analysis.tokens_to_loss(curve, 5.9) is None
+    assert analysis.seed_band({"a": (5.0, 5.2), "b": (6.0, 5.95)}) == pytest.approx(0.2)
+    assert analysis.seed_band({"a": (5.0, None)}) is None
+    assert analysis.in_band(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_band(0.1, 0.0) is None
+    assert analysis.time_to_target(1_000_000, 2_500.0) == 400.0 and analysis.time_to_target(None, 1.0) is None
+
+
+def test_committed_throughput_and_predictions():
+    """Measured tokens/s of the convergence rows come from the committed throughput suites;
+    nesterov and H=32 have none (not the same exchange), so their figure is the model's."""
+    plan = _plan("--suite", "convergence")
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    committed = analysis.committed_throughput(os.path.join(REPO, "bench", "results"))
+    assert committed["missing"] == []
+    lt = {k: analysis.link_throughput(plan, rows[k], committed) for k in rows}
+    assert lt["fl_fsdp-h8"]["100mbit"]["measured"] == pytest.approx((6155.1296 + 6513.0758) / 2, rel=1e-6)
+    assert len(lt["fl_fsdp-h8"]["100mbit"]["sources"]) == 2
+    assert lt["fsdp"]["1gbit"]["measured"] == pytest.approx(5453.795, rel=1e-6)
+    assert lt["fsdp"]["10mbit"]["measured"] is None and lt["fsdp"]["10mbit"]["predicted"] > 0
+    assert lt["fl_fsdp-h8-p2-tau2-int8-ef"]["10mbit"]["measured"] == pytest.approx(6692.491, rel=1e-6)
+    assert lt["fl_fsdp-h8-p2-tau2-int8-ef"]["1gbit"]["measured"] is None
+    for k in ("fl_fsdp-h8-nesterov", "fl_fsdp-h32"):
+        assert all(v["measured"] is None and v["predicted"] for v in lt[k].values())
+    # the seed row is the same configuration: same figures
+    assert lt["fl_fsdp-h8-seed43"] == lt["fl_fsdp-h8"]
+    # H=32 sends a quarter of H=8's sync bytes: faster on a slow link, same compute time
+    assert lt["fl_fsdp-h32"]["10mbit"]["predicted"] > lt["fl_fsdp-h8"]["10mbit"]["predicted"]
+    assert lt["fl_fsdp-h32"]["10mbit"]["compute_source"] == lt["fl_fsdp-h8"]["10mbit"]["compute_source"]
+    # the model within 15% of the committed FL+FSDP measurements
+    for link in ("1gbit", "100mbit", "10mbit"):
+        v = lt["fl_fsdp-h8"][link]
+        assert 0.85 < v["measured"] / v["predicted"] < 1.15, (link, v)
+
+
+def _write_fake_run(root, spec, losses, tokens_per_step=16384, eval_every=32):
+    d = root / spec.path
+    d.mkdir(parents=True)
+    recs = []
+    for i, loss in enumerate(losses, 1):
+        step = i * eval_every
+        recs.append({"step": step, "tokens": step * tokens_per_step, "time_s": float(step), "train/loss": loss + 0.1})
+        recs.append({"step": step, "tokens": step * tokens_per_step, "time_s": float(step),
+                     "eval/perplexity": float(__import__("math").exp(loss)), "eval/loss": loss})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    steps = len(losses) * eval_every
+    (d / "all_results.json").write_text(json.dumps({
+        "steps": steps, "train_tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step,
+        "eval_loss": losses[-1], "eval_perplexity": float(__import__("math").exp(losses[-1])), "tokens_per_s": 1000.0}))
+
+
+def test_analyze_and_report_a_convergence_suite(tmp_path):
+    """Synthetic finished runs (4 evaluations each) through analyze_local and report_local."""
+    plan = _plan("--suite", "convergence", "--steps", "128", "--work-root", str(tmp_path / "w"),
+                 "--results-root", str(tmp_path / "r"))
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    root = tmp_path / "w" / plan["name"]
+    curves = {"fsdp": [8.0, 6.0, 5.5, 5.0], "fsdp-seed43": [8.0, 6.1, 5.6, 5.1],
+              "fl_fsdp-h8": [8.2, 6.4, 5.6, 5.2], "fl_fsdp-h8-seed43": [8.2, 6.4, 5.7, 5.25],
+              "fl_fsdp-h32": [8.5, 7.0, 6.5, 6.2]}  # the rest has not run yet
+    for k, c in curves.items():
+        _write_fake_run(root, rows[k], c)
+    res = analysis.analyze_local(plan, str(root), os.path.join(REPO, "bench", "results"))
+    assert res["band"]["loss"] == pytest.approx(0.1) and res["band"]["pairs"]["fl_fsdp-h8"] == pytest.approx(0.05)
+    assert res["target"]["tokens"] == 64 * 16384 and res["target"]["loss"] == 6.0
+    r = res["rows"]
+    assert r["fl_fsdp-h8"]["diff_fsdp"] == pytest.approx(0.2) and r["fl_fsdp-h8"]["diff_fsdp_in_band"] == \
+        pytest.approx(2.0)
+    assert r["fl_fsdp-h32"]["diff_blocking_in_band"] == pytest.approx(10.0)
+    assert r["fsdp"]["tokens_to_target"] == 64 * 16384
+    # FL H=8 crosses 6.0 between 64 steps (6.4) and 96 steps (5.6): halfway
+    assert r["fl_fsdp-h8"]["tokens_to_target"] == pytest.approx(80 * 16384)
+    assert r["fl_fsdp-h32"]["tokens_to_target"] is None
+    v = r["fl_fsdp-h8"]["links"]["100mbit"]
+    assert v["time_to_target_measured_s"] == pytest.approx(80 * 16384 / v["measured"])
+    assert res["status"]["fl_fsdp-h8-nesterov"]["state"] == "not started"
+    from bench import report as br
+
+    br.report_local(plan, {"command": plan["command"], "resume_command": "RESUME"}, str(root),
+                    os.path.join(REPO, "bench", "results"))
+    out = tmp_path / "r" / plan["name"]
+    table = (out / "table.md").read_text()
+    assert "Not finished yet" in table and "RESUME" in table and "Seed band = **0.1000**" in table
+    assert "| FL+FSDP H=8 " in table and "(model)" in table
+    guide = {g[0]: g[1:] for g in br.guide_rows(res)}
+    # 100 Mbit/s: FL+FSDP (6,334 tokens/s measured) needs 80/64 of FSDP's tokens at 5.2x its speed
+    assert guide["100mbit"][0].startswith("FL+FSDP H=8: ") and guide["100mbit"][1].startswith("FSDP: ")
+    # seed 43 of FSDP crosses 6.0 at 64 + 32 x 0.1/0.5 = 70.4 steps: +10% tokens
+    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (+10.0%)" in table
+    for png in ("eval_loss_vs_tokens.png", "ppl_vs_tokens.png", "time_to_target.png"):
+        assert (out / png).stat().st_size > 1000
+    assert (out / "raw" / "fsdp" / "metrics.jsonl").is_file() and not (out / "raw" / "fl_fsdp-h8-nesterov").exists()
+
+
+def test_paper_regime_ratios(tmp_path):
+    plan = _plan("--suite", "paper-regime", "--work-root", str(tmp_path / "w"))
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    root = tmp_path / "w" / plan["name"]
+    _write_fake_run(root, rows["fsdp-8p"], [7.0, 6.0], eval_every=8)
+    _write_fake_run(root, rows["fl_fsdp-f8g1"], [6.5, 5.5], eval_every=8)
+    res = analysis.analyze_local(plan, str(root))
+    ratio = res["ratios"]["fl_fsdp-f8g1"]
+    import math
+
+    assert ratio["vs"] == "fsdp-8p" and ratio["final"] == pytest.approx(math.exp(0.5))
+    assert [c["ratio"] for c in ratio["curve"]] == pytest.approx([math.exp(0.5)] * 2)
+
+
+def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatch):
+    """run_local with a stand-in for the launch (plain python, no training): a finished row is
+    not launched again; the others get --resume_from_checkpoint latest and a launch record."""
+    from bench import launch as bl
+
+    script = tmp_path / "fake.py"
+    script.write_text("import json, os, sys\nargs = sys.argv[1:]\nout = args[args.index('--output_dir') + 1]\n"
+                      "json.dump({'args': args}, open(os.path.join(out, 'all_results.json'), 'w'))\n")
+    monkeypatch.setattr(bl.launch, "torchrun_argv", lambda nproc, s, *a, **kw: [sys.executable, str(script), *a])
+    plan = _plan("--suite", "convergence", "--smoke", "--only", "fsdp,fl_fsdp-h8", "--work-root", str(tmp_path))
+    done = tmp_path / plan["name"] / "fsdp"
+    done.mkdir(parents=True)
+    (done / "all_results.json").write_text("{}")
+    out = bl.run_local(plan, dry=False)
+    assert out["failed"] == [] and list(out["launches"]) == ["fl_fsdp-h8"]
+    assert (done / "all_results.json").read_text() == "{}"
+    args = json.loads((tmp_path / plan["name"] / "fl_fsdp-h8" / "all_results.json").read_text())["args"]
+    assert args[args.index("--resume_from_checkpoint") + 1] == "latest"
+    rec = json.loads((tmp_path / plan["name"] / bl.LAUNCHES_FILE).read_text())
+    assert rec["fl_fsdp-h8"]["sessions"][0]["rc"] == 0
+    # a second pass launches nothing and keeps the records
+    assert list(bl.run_local(plan, dry=False)["launches"]) == ["fl_fsdp-h8"]
+    # a failing row is recorded with its exit code and the suite goes on
+    script.write_text("import sys\nprint('failing on purpose')\nsys.exit(3)\n")
+    plan = _plan("--suite", "convergence", "--smoke", "--only", "fl_fsdp-h32,fl_fsdp-h8-p2-tau1",
+                 "--work-root", str(tmp_path))
+    out = bl.run_local(plan, dry=False)
+    assert out["failed"] == ["fl_fsdp-h32", "fl_fsdp-h8-p2-tau1"]
+    assert out["launches"]["fl_fsdp-h32"]["sessions"][-1]["rc"] == 3
+    assert "failing on purpose" in (tmp_path / plan["name"] / "fl_fsdp-h32" / "launch.log").read_text()
