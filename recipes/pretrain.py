@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from fl_accel.memory_model import model_flops_per_token, peak_tflops
+    from scripts.memory_model import model_flops_per_token, peak_tflops
     from recipes import testing_hooks
     from recipes.banner import banner_lines
     from recipes.inputs import batches, build_data, steps_per_epoch

@@ -317,7 +317,7 @@ def test_recipe_argument_precedence_and_sources(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("seq_len: 128\nfl:\n  algorithm: fl_hsdp\n  hsdp_shard_size: 2\n  sync_every: 4\n")
     parsed = parse_args(["--config", str(yaml_file), "--group_sizes", "2,4", "--sync_every", "6"],
-                        environ={"FL_ACCEL_SYNC_EVERY": "12", "FL_ACCEL_OUTER_OPTIMIZER": "nesterov"})
+                        environ={"FL_ACCEL_SYNC_EVERY": "12", "FL_ACCEL_OUTER_OPTIMIZER": "nesterov", "WORLD_SIZE": "6"})
     assert parsed.args.seq_len == 128 and parsed.fl.group_sizes == [2, 4] and parsed.fl.sync_every == 6
     assert parsed.fl.outer_optimizer == "nesterov" and parsed.fl.algorithm == "fl_hsdp"
     lines = describe_sources(parsed)

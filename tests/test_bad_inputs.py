@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from fl_accel.checkpoint import FORMAT_VERSION
 from _launch import REPO_ROOT, free_port, launch_env, run_torchrun
 from recipes.run_folder import plan_run
 
@@ -42,7 +43,7 @@ def _foreign_checkpoint(tmp_path, **overrides):
     """A complete-looking checkpoint whose metadata says another setup wrote it."""
     ckpt = tmp_path / "ckpt" / "step_4"
     ckpt.mkdir(parents=True)
-    meta = {"format_version": 2, "algorithm": "fl_fsdp", "world_size": 4, "group_sizes": [2, 2], "shards": 2,
+    meta = {"format_version": FORMAT_VERSION, "algorithm": "fl_fsdp", "world_size": 4, "group_sizes": [2, 2], "shards": 2,
             "outer_optimizer": "avg", "sync_dtype": "fp32", "error_feedback": False, "num_fragments": 1,
             "completed_steps": 4, **overrides}
     (ckpt / "fl_accel_checkpoint.json").write_text(json.dumps(meta))
@@ -52,7 +53,7 @@ def _foreign_checkpoint(tmp_path, **overrides):
 
 CASES = {
     # name: (builder(tmp_path) -> extra args, expected message fragment)
-    "yaml_wrong_type": (lambda t: _yaml(t, "micro_batch_size: four\n"), "micro_batch_size must be int"),
+    "yaml_wrong_type": (lambda t: _yaml(t, "micro_batch_size: four\n"), "micro_batch_size must be an integer"),
     "yaml_fl_wrong_type": (lambda t: _yaml(t, "fl:\n  num_groups: '2'\n"), "FLConfig.num_groups must be an integer"),
     "yaml_not_a_mapping": (lambda t: _yaml(t, "- a\n- b\n"), "must be a YAML mapping"),
     "yaml_unknown_key": (lambda t: _yaml(t, "learning_rat: 0.1\n"),

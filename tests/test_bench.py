@@ -39,7 +39,7 @@ def test_plan_validation():
 
 def test_full_plan_suites_links_and_shared_rows():
     plan = _plan()
-    assert plan["suites"] == list(bp.SUITES) and plan["sync_every"] == 8 and plan["steps"] == 40
+    assert plan["suites"] == list(bp.EMULATED_SUITES) and plan["sync_every"] == 8 and plan["steps"] == 40
     main = [r for r in bp.runs_of(plan) if r.phase == "main"]
     assert list(dict.fromkeys(r.link for r in main)) == ["1gbit", "100mbit", "10mbit"]
     assert set(_rows(plan, "1gbit")) == {"fsdp", "fl_fsdp", "hsdp", "fl_hsdp", "fl_fsdp-limit"}

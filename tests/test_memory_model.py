@@ -1,11 +1,11 @@
-"""fl_accel.memory_model: model FLOPs per token (torchtitan's formula) and MFU."""
+"""scripts.memory_model: model FLOPs per token (torchtitan's formula) and MFU."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fl_accel import cost_model as cm
-from fl_accel import memory_model as mm
+from scripts import memory_model as mm
 
 
 def test_llama_3_1_8b_at_2048_is_48_25_gflop_per_token():

@@ -78,7 +78,7 @@ def test_epochs_count_the_forced_step_at_the_end_of_the_loader(full):
     assert sorted(os.listdir(out / "checkpoints")) == [f"step_{k}" for k in range(1, 7)]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k", [2, 3])  # H=2: a sync boundary right after an evaluation, and mid-round
 def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     """Resume from step_k in a copy of the folder cut at step k (later checkpoints and the final
     results removed, metrics.jsonl still holding later records, as after a crash): the later
@@ -87,7 +87,7 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     run's: bytes per axis, tokens, steps; tokens/s = tokens / training seconds. metrics.jsonl
     holds every step once and curves.png is drawn from it (the whole history).
 
-    The bytes are equal at every step, also at the first step after an evaluation (k = 2, 4:
+    The bytes are equal at every step, also at the first step after an evaluation (k = 2:
     the checkpoint follows the evaluation of step k). FSDP2 keeps an evaluation's
     post-forward order until the next backward, whose backward prefetch then all-gathered the
     tail unit once more for nothing; a resumed run has no such leftovers, so it counted one

@@ -421,7 +421,7 @@ def test_unequal_recipe_yaml_parses_to_the_2_4_layout():
     environment) into fl_hsdp, group_sizes [2, 4], S=2, and validates on 6 ranks."""
     from recipes.args import parse_args
 
-    fl = parse_args(["--config", str(UNEQUAL_YAML)], environ={}).fl
+    fl = parse_args(["--config", str(UNEQUAL_YAML)], environ={"WORLD_SIZE": str(WORLD)}).fl
     assert (fl.algorithm, fl.group_sizes, fl.hsdp_shard_size, fl.group_weighting) == ("fl_hsdp", [2, 4], 2, "size")
     assert FLLayout.from_config(fl.validate(world_size=WORLD), WORLD) == LAYOUT
 
