@@ -20,7 +20,7 @@ On a cluster the same pattern is one Lighthouse job step and one job (or step) p
 group; see the README section "Groups that fail alone (torchft)".
 
 The functions are used by tests/test_ft.py and the benchmark: :func:`start_lighthouse`,
-:func:`group_env`, :func:`start_group`.
+:func:`group_env`, :func:`start_group`, :func:`kill_group`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,29 @@ def start_group(group_index: int, nproc: int, script: str | os.PathLike, *args, 
     argv = torchrun_argv(nproc, script, *args, port=free_port())
     return start(argv, env=group_env(group_index, lighthouse, env, pythonpath), cwd=cwd, stdout=stdout,
                  stderr=stderr)
+
+
+def kill_group(proc, sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` (default SIGKILL, i.e. ``kill -9``) to a group launch and every process
+    below it, then reap the launcher. torchrun starts each worker in a session of its own
+    (torch 2.13 ``elastic/multiprocessing/subprocess_handler``), so signalling the
+    launcher's process group alone would leave the workers running. Returns the pids
+    signalled."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    proc.wait()
+    return [p.pid for p in procs]
 
 
 def main(argv: list[str] | None = None) -> int:

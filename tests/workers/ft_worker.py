@@ -6,13 +6,16 @@ The mode comes from the environment as a user would set it: ``FL_ACCEL_FAULT_TOL
 and ``FL_ACCEL_GROUP_INDEX`` (scripts/ft_launch.py sets both), else the single world.
 SPEC.json: ``fl`` (FLConfig fields), ``optimizer`` ("sgd" | "adamw"), ``lr``,
 ``max_steps``, ``step_sleep`` (seconds after each optimizer step), ``record_steps``
-(snapshot the local shards after every step) and ``scheduler`` (a LambdaLR).
+(snapshot the local shards after every step), ``scheduler`` (a LambdaLR) and
+``stop_file`` (when OUT_DIR/stop_at exists, its number replaces ``max_steps``: the test
+ends a run with a kill and restart once the restarted group healed).
 
 The plain Accelerate loop runs until the synchronizer's ``global_step`` reaches
 ``max_steps`` (a healed group takes over its peer's step count), then ``end_training``
 (the final sync). Written to OUT_DIR:
 
 * ``progress/g<f>_r<k>``: the last finished optimizer step and the time (rewritten each step);
+* ``healed/g<f>_r<k>_a<attempt>``: written when this rank's group healed from a live group;
 * ``g<f>_r<k>_a<attempt>.pt`` (``FT_TEST_ATTEMPT``): the records: ``steps`` (global step,
   local shards), ``quorums`` (at every new torchft round: the manager's committed step,
   whether this group healed, live groups, and the full state compared across groups:
@@ -93,7 +96,10 @@ def main() -> None:
         def spy_begin():
             opened = transport.round is None
             rnd = real_begin()
-            if opened:
+            if opened and transport.healed:
+                (out / "healed").mkdir(exist_ok=True)
+                (out / "healed" / f"g{f}_r{rank}_a{attempt}").write_text(str(transport.manager.current_step()))
+            if opened and rnd.num_groups > 1:
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
                                        "state": full_state(acc, torch_opt, scheduler)})
@@ -102,7 +108,12 @@ def main() -> None:
         transport.begin = spy_begin
 
     progress = out / "progress" / f"g{f}_r{rank}"
-    while sync.schedule.global_step < steps:
+
+    def target() -> int:
+        stop = out / "stop_at"
+        return int(stop.read_text()) if spec.get("stop_file") and stop.exists() else steps
+
+    while sync.schedule.global_step < target():
         for batch in loader:
             loss = model(input_ids=batch, labels=batch).loss
             acc.backward(loss)
@@ -118,7 +129,7 @@ def main() -> None:
             progress.write_text(f"{step} {now} {attempt}")
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
-            if step >= steps:
+            if step >= target():
                 break
     acc.end_training()
     rec["final"] = full_state(acc, torch_opt, scheduler)
