@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from .exchange import MeshTransport, Round
 from .fsdp import local
@@ -67,8 +68,14 @@ class _Reported:
         try:
             self.work.wait()
         except Exception as exc:  # a peer group died: the round will not commit
-            self.manager.report_error(exc)
+            _report(self.manager, exc)
         return True
+
+
+def _report(manager, exc: Exception) -> None:
+    logger.warning("fl_accel sync: a collective across federation groups failed (%s: %s); this round will not "
+                   "commit", type(exc).__name__, exc)
+    manager.report_error(exc)
 
 
 @dataclass
@@ -172,7 +179,7 @@ class ManagedTransport:
         try:
             return _Reported(launch(), self.manager)
         except Exception as exc:
-            self.manager.report_error(exc)
+            _report(self.manager, exc)
             return _Done()
 
     @staticmethod
@@ -183,17 +190,17 @@ class ManagedTransport:
         return None
 
     def all_reduce(self, tensor, async_op=False):
-        opts = dist.AllreduceOptions()
+        opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts)), async_op)
 
     def all_to_all(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], dist.AllToAllOptions())),
+        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions())),
                             async_op)
 
     def all_gather(self, output, input, async_op=False):
         return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
-            [output.view(-1)], [input.reshape(-1)], dist.AllgatherOptions())), async_op)
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions())), async_op)
 
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)
