@@ -179,8 +179,6 @@ def train(run: "Run") -> None:
             continue
         run.scheduler.step()
         step = meter.step_done()
-        if accelerator.fault_tolerant:  # a group that healed took over a live group's step count
-            step = meter.completed_steps = accelerator.synchronizer.schedule.global_step
         run.progress.update(1)
         if step % args.log_every == 0 or step == run.max_steps:
             run.log_train()

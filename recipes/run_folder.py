@@ -70,8 +70,6 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)
-    if fl.fault_tolerance == "torchft":  # each group is its own launch with its own results
-        args.output_dir = os.path.join(args.output_dir, f"group{fl.group_index}")
     from .modeling import check_model
 
     check_model(args.model, args.seq_len)
@@ -110,8 +108,6 @@ def plan_layout(fl, world: int, ranks_per_node: int | None = None):
     """
     from fl_accel.mesh import FLLayout
 
-    if getattr(fl, "fault_tolerance", "none") == "torchft":  # this launch is one group of the federation
-        ranks_per_node, world = ranks_per_node or world, world * fl.federation_size
     try:
         return FLLayout.from_config(fl, world, ranks_per_node=ranks_per_node or world)
     except ValueError as exc:
