@@ -34,9 +34,6 @@ import sys
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 RUNS = [("none", False), ("full", False), ("none", True), ("full", True)]
 """(activation checkpointing, compile) of the four runs."""
 MiB = 2**20

@@ -31,9 +31,6 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 MODEL = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=8192, hidden_size=256,
              intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
              rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False)

@@ -245,10 +245,16 @@ def test_only_accelerator_module_imports_accelerate():
 
 
 def test_no_sys_path_manipulation_outside_tests():
-    """recipes/, scripts/ and bench/ run as installed packages (pip install -e .), not via sys.path edits."""
+    """Only fl_accel is installed; recipes/, scripts/ and bench/ run from the repository root
+    (``python -m ...``). The one sys.path edit is the recipe's entry point, and only when it is
+    run as a script (``accelerate launch recipes/pretrain.py``: Python puts recipes/ first on
+    the path, not the root)."""
     offenders = [str(p.relative_to(REPO_ROOT)) for d in ("recipes", "scripts", "bench", "fl_accel")
                  for p in (REPO_ROOT / d).rglob("*.py") if re.search(r"sys\.path\.(insert|append)", p.read_text())]
-    assert offenders == []
+    assert offenders == ["recipes/pretrain.py"]
+    text = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
+    assert len(re.findall(r"sys\.path\.(?:insert|append)", text)) == 1
+    assert re.search(r'if __package__ in \(None, ""\):.*\n\s+sys\.path\.insert\(0, ', text)
 
 
 def test_a_new_flconfig_field_is_a_flag_a_yaml_key_and_an_env_variable(tmp_path):

@@ -153,7 +153,11 @@ def test_cli_signal_tears_down(tmp_path, signum):
             time.sleep(0.1)
         assert started.exists(), "the emulated job did not start"
         proc.send_signal(signum)
-        _, err = proc.communicate(timeout=40)
+        try:  # teardown: SIGTERM to each torchrun's group, 5 s grace, then the namespaces (a loaded CI box is slow)
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"netemu did not tear down within 120 s of the signal; its stderr:\n"
+                                 f"{(exc.stderr or b'')[-3000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
