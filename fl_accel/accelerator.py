@@ -191,6 +191,13 @@ class FLAccelerator(Accelerator):
         return self.layout.num_groups
 
     @property
+    def launch_layout(self) -> FLLayout:
+        """The layout of this launch's world (``num_processes`` ranks): ``layout`` in the
+        single world; with ``fault_tolerance="torchft"`` this group's ranks alone (one
+        group), the world that per-rank figures and evaluations are gathered over."""
+        return self._mesh_layout
+
+    @property
     def precision_policy(self) -> dict:
         """The FSDP2 policy every unit gets: ``{"param", "reduce", "output"}`` dtype names
         ("bf16", "fp32"; "output" None: no cast). Unset fields follow FSDP2's meaning."""

@@ -10,21 +10,25 @@ scripts/ft_launch.py's functions, as a user would.
   restarted; group 0 keeps stepping alone, group 1 heals from it (parameters, inner
   optimizer state, anchor, momentum, counters, LR equal group 0's, bitwise) and both end
   equal after the final sync.
+* The recipe runs in the mode (scripts/ft_launch.py): each group trains, logs and
+  evaluates into its own folder, and the groups' final eval losses are equal.
 * Unequal groups are refused on every rank before any collective.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from fl_accel import FLConfig
-from tests._launch import REPO_ROOT, WORKERS, run_torchrun, write_json
+from tests._launch import REPO_ROOT, WORKERS, launch_env, run_torchrun, write_json
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0): "
                                                 "the fault-tolerant mode and its tests need it")
@@ -226,6 +230,69 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path, case, fl, kill_s
         for name in ("params", "schedule"):
             _assert_state_equal(healed["final"][name], src["final"][name], f"rank {k} final {name}")
         assert src["final"]["schedule"]["global_step"] == final_step
+
+
+# ---------------------------------------------------------------------- the recipe
+RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "4", "--log_every",
+               "1", "--eval_every", "2", "--max_eval_blocks", "16", "--sync_every", "2", "--num_groups", "2",
+               "--report_to", "none"]
+
+
+def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
+    """``python scripts/ft_launch.py --num_groups 2 --nproc_per_group 2 -- recipes/pretrain.py
+    --fault_tolerance torchft ...`` (one launch: a Lighthouse and two torchruns of 2 ranks,
+    the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
+    ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
+    its own 2 ranks only (traffic of one group, tokens of 2 ranks); the eval losses after
+    the syncs (steps 2 and 4) are equal in both groups, bitwise (fp32 "avg": the groups
+    hold the same parameters); results record the torchft mode, the group and the
+    synchronizer's counters (2 syncs, no heal)."""
+    out = tmp_path / "out"
+    argv = [sys.executable, str(REPO_ROOT / "scripts" / "ft_launch.py"), "--num_groups", "2", "--nproc_per_group",
+            str(G), "--log_dir", str(tmp_path / "logs"), "--", "recipes/pretrain.py", "--fault_tolerance", "torchft",
+            *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            ft_launch.kill_group(proc)
+    logs = "\n".join(_log_tail(tmp_path / "logs" / f"group{f}.log") for f in range(2))
+    assert proc.returncode == 0 and "group exit statuses: [0, 0]" in stdout, stdout + logs
+    results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
+    for f, r in enumerate(results):
+        assert r["fault_tolerance"]["mode"] == "torchft" == r["fl"]["fault_tolerance"], r["fault_tolerance"]
+        assert r["fault_tolerance"]["group_index"] == f and r["fault_tolerance"]["group_world_size"] == G
+        assert r["fault_tolerance"]["heals"] == 0 and r["fault_tolerance"]["steps_trained"] == 4
+        assert r["fault_tolerance"]["sync"]["global_step"] == 4 and r["fault_tolerance"]["sync"]["num_syncs"] == 2
+        assert r["steps"] == 4 and r["num_groups"] == 2 and r["world_size"] == 2 * G
+        assert r["train_tokens"] == 4 * G * 2 * 64  # this group's tokens only: 2 ranks x 2 blocks x 64 tokens
+        assert len(r["comm_by_group"]) == 1 and r["comm"]["world"]["calls"] > 0  # gathered in its own world
+        assert math.isfinite(r["eval_loss"]) and r["eval_scored"] == "synchronized"
+    assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
+    evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
+              if "eval/loss" in m} for f in range(2)]
+    assert sorted(evals[0]) == [2, 4] and evals[0] == evals[1], evals
+
+
+@pytest.mark.parametrize("flags,text", [(["--checkpoint_every", "2"], "--checkpoint_every is not supported"),
+                                        (["--resume_from_checkpoint", "latest"], "--resume_from_checkpoint is not"),
+                                        (["--eval_groups"], "--eval_groups is not supported")])
+def test_recipe_refuses_unsupported_flags_in_torchft_mode(tmp_path, flags, text):
+    """The recipe's planning (pure Python, every rank before any collective) refuses flags
+    the torchft mode does not support, naming the flag; without them it plans the
+    federation's layout (F groups of this launch's world) and the group's own folder."""
+    from recipes.args import RecipeError
+    from recipes.run_folder import plan_run
+
+    environ = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FL_ACCEL_GROUP_INDEX": "1"}
+    base = ["--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(tmp_path)]
+    with pytest.raises(RecipeError, match=text):
+        plan_run(base + flags, environ=environ)
+    plan = plan_run(base, environ=environ)
+    assert plan.layout.world_size == 4 and plan.layout.num_groups == 2
+    assert plan.args.output_dir == str(tmp_path / "group1")
 
 
 # ---------------------------------------------------------------------- refusals
