@@ -29,9 +29,19 @@ What torchft does, and what we rely on (read in torchft 0.2.0):
   ``allgather_into_tensor_coalesced`` are used (``dist.all_gather_into_tensor`` fails
   there: the group is not in the world's group map).
 
-Known torchft limits handled here: rank 0 of a group creates its Manager (which writes
-the ManagerServer's address into the launcher's store) before the other ranks read it,
-so a ``torchrun --max-restarts`` attempt never reads the previous attempt's address.
+Known torchft limits handled here:
+
+* rank 0 of a group creates its Manager (which writes the ManagerServer's address into
+  the launcher's store) before the other ranks read it, so a ``torchrun --max-restarts``
+  attempt never reads the previous attempt's address;
+* torchft #343: the ManagerServer assigns recovery sources per group rank (torchft
+  0.2.0 ``src/manager.rs`` ``compute_quorum_results``: recovering group i, rank k heals
+  from up-to-date group ``(i + k) mod U``), so with two or more up-to-date groups
+  (F >= 3) the ranks of one recovering group heal from different groups, whose
+  parameters differ mid-round. :class:`_AgreedClient` makes every rank of a group use its
+  rank 0's recovery assignment (source and destinations), broadcast over a gloo group of
+  the group's own ranks: the ranks of a recovering group all heal from one source, and
+  every rank of that source serves them.
 """
 
 from __future__ import annotations
@@ -78,6 +88,47 @@ def _report(manager, exc: Exception) -> None:
     manager.report_error(exc)
 
 
+class _Agreed:
+    """A torchft ``QuorumResult`` with the recovery fields of the group's rank 0."""
+
+    def __init__(self, quorum, agreed: dict):
+        self._quorum, self._agreed = quorum, agreed
+
+    def __getattr__(self, name):
+        return self._agreed[name] if name in self._agreed else getattr(self._quorum, name)
+
+
+RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_address", "recover_dst_replica_ranks")
+
+
+class _AgreedClient:
+    """Wraps a Manager's ``ManagerClient``: after each quorum (on torchft's quorum thread,
+    while the main thread waits in ``start_quorum``) the group's ranks take rank 0's
+    :data:`RECOVERY_FIELDS` (``broadcast_object_list`` over ``group``, a gloo group of the
+    group's ranks) and record the heal in ``transport.heal_sources``: the quorum id, the
+    source group's replica id (the one every rank healed from) and the one torchft had
+    assigned to this rank. Everything else is the ManagerClient's."""
+
+    def __init__(self, client, group, transport: "ManagedTransport"):
+        self._client, self._group, self._transport = client, group, transport
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def _quorum(self, *args, **kwargs):
+        quorum = self._client._quorum(*args, **kwargs)
+        box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
+        dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
+        agreed = box[0]
+        if agreed["heal"]:
+            names = [r.split(":")[0] for r in quorum.replica_ids]
+            src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
+            self._transport.heal_sources.append({"quorum_id": quorum.quorum_id, "max_step": quorum.max_step,
+                                                 "source": names[src], "torchft_source": None if own is None
+                                                 else names[own]})
+        return _Agreed(quorum, agreed)
+
+
 @dataclass
 class ManagedTransport:
     """:class:`~fl_accel.exchange.Transport` over torchft's managed process group.
@@ -93,7 +144,9 @@ class ManagedTransport:
     exchanges chunk r of every shard with replica r of the other groups, then the
     replicas share the chunks over "dp_replicate" inside the group), ``device``,
     ``healed`` (True from a :meth:`begin` that healed this group until the next quorum),
-    ``heals`` (how many times it healed), ``round`` (the open round or None).
+    ``heals`` (how many times it healed), ``heal_sources`` (per heal: quorum id, the
+    source group's replica id, the one torchft had assigned to this rank; see
+    :class:`_AgreedClient`), ``round`` (the open round or None).
     """
 
     manager: object
@@ -108,6 +161,7 @@ class ManagedTransport:
     def __post_init__(self):
         self.round: Round | None = None
         self.healed, self.heals = False, 0
+        self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
@@ -142,9 +196,11 @@ class ManagedTransport:
                            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
                            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
 
+        agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
         manager = make() if group_rank == 0 else None
         dist.barrier()  # rank 0 has published this attempt's ManagerServer address
         transport.manager = manager if manager is not None else make()
+        transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
         return transport
 
     # ------------------------------------------------------------------ rounds

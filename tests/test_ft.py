@@ -10,6 +10,8 @@ scripts/ft_launch.py's functions, as a user would.
   restarted; group 0 keeps stepping alone, group 1 heals from it (parameters, inner
   optimizer state, anchor, momentum, counters, LR equal group 0's, bitwise) and both end
   equal after the final sync.
+* Three groups: both ranks of a recovering group heal from one source group (the torchft
+  #343 guard), and all groups end equal.
 * The recipe runs in the mode (scripts/ft_launch.py): each group trains, logs and
   evaluates into its own folder, and the groups' final eval losses are equal.
 * Unequal groups are refused on every rank before any collective.
@@ -230,6 +232,63 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path, case, fl, kill_s
         for name in ("params", "schedule"):
             _assert_state_equal(healed["final"][name], src["final"][name], f"rank {k} final {name}")
         assert src["final"]["schedule"]["global_step"] == final_step
+
+
+def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
+    """torchft #343 guard: 3 groups x 2 ranks, H=4, AdamW. Every process of group 1 gets
+    SIGKILL mid-round and restarts 3 s later. With two up-to-date groups torchft 0.2.0
+    assigns rank 0 and rank 1 of the recovering group different sources (recorded as
+    ``torchft_source``); with the guard both ranks heal from rank 0's source, record the
+    same ``source``, and their state right after the heal is bitwise that source group's
+    at the same quorum. Groups 0 and 2 never exit, and all three groups end bitwise equal
+    after the final sync."""
+    out = tmp_path / "out"
+    spec = write_json(tmp_path / "spec.json", {
+        "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
+        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15})
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
+    logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g2", "g1a1")}
+    procs, g1 = [], None
+    try:
+        g0 = _group(0, spec, out, addr, log=open(logs["g0"], "w"))
+        g1 = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w"))
+        g2 = _group(2, spec, out, addr, log=open(logs["g2"], "w"))
+        procs = [g0, g1, g2]
+        _wait_for(lambda: _progress(out, 1)[0] >= 6, 240, "group 1 at step 6", procs)
+        ft_launch.kill_group(g1)
+        time.sleep(3.0)
+        assert g0.poll() is None and g2.poll() is None
+        g1b = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "1"}, log=open(logs["g1a1"], "w"))
+        procs = [g0, g1b, g2]
+        _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a1").exists() for k in range(G)), 240,
+                  "group 1 to heal", procs)
+        (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(3)) + 8))
+        codes = [wait(p, 240).returncode for p in procs]
+    finally:
+        for p in {p for p in procs + [g1] if p is not None}:
+            ft_launch.kill_group(p)
+        terminate(lighthouse)
+    assert codes == [0, 0, 0], "\n".join(f"--- {n}\n{_log_tail(p)}" for n, p in logs.items())
+
+    healed = [_load(out / f"g1_r{k}_a1.pt") for k in range(G)]
+    sources = [h["heal_sources"] for h in healed]
+    print(f"\nheal sources per rank of group 1: {sources}")
+    assert all(len(s) == 1 for s in sources), sources
+    agreed = {s[0]["source"] for s in sources}
+    assert len(agreed) == 1 and agreed <= {"fl_accel_group_0", "fl_accel_group_2"}, sources
+    assert len({s[0]["torchft_source"] for s in sources}) == 2, sources  # torchft alone would have split them
+    src_group = int(agreed.pop().rsplit("_", 1)[1])
+    for k in range(G):
+        heal = [q for q in healed[k]["quorums"] if q["healed"]]
+        assert len(heal) == 1 and healed[k]["heals"] == 1
+        src = _load(out / f"g{src_group}_r{k}_a0.pt")
+        peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]]
+        assert len(peer) == 1 and peer[0]["num_groups"] == 3
+        _assert_state_equal(heal[0]["state"], peer[0]["state"], f"rank {k} after the heal from group {src_group}")
+        finals = [_load(out / f"g{f}_r{k}_a{1 if f == 1 else 0}.pt")["final"] for f in range(3)]
+        for f in (1, 2):
+            for name in ("params", "schedule"):
+                _assert_state_equal(finals[f][name], finals[0][name], f"rank {k} group {f} final {name}")
 
 
 # ---------------------------------------------------------------------- the recipe

@@ -15,12 +15,14 @@ The plain Accelerate loop runs until the synchronizer's ``global_step`` reaches
 (the final sync). Written to OUT_DIR:
 
 * ``progress/g<f>_r<k>``: the last finished optimizer step and the time (rewritten each step);
-* ``healed/g<f>_r<k>_a<attempt>``: written when this rank's group healed from a live group;
+* ``healed/g<f>_r<k>_a<attempt>``: written when this rank's group healed from a live group
+  (JSON: the manager's step and ``transport.heal_sources``, the group it healed from);
 * ``g<f>_r<k>_a<attempt>.pt`` (``FT_TEST_ATTEMPT``): the records: ``steps`` (global step,
   local shards), ``quorums`` (at every new torchft round: the manager's committed step,
   whether this group healed, live groups, and the full state compared across groups:
   local shards, inner optimizer state, anchor, momentum, schedule counters, LR),
-  ``final`` (after end_training's sync) and ``times`` (step finish times).
+  ``final`` (after end_training's sync), ``times`` (step finish times), ``heals`` and
+  ``heal_sources``.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def main() -> None:
             rnd = real_begin()
             if opened and transport.healed:
                 (out / "healed").mkdir(exist_ok=True)
-                (out / "healed" / f"g{f}_r{rank}_a{attempt}").write_text(str(transport.manager.current_step()))
+                (out / "healed" / f"g{f}_r{rank}_a{attempt}").write_text(json.dumps(
+                    {"manager_step": transport.manager.current_step(), "sources": transport.heal_sources}))
             if opened and rnd.num_groups > 1:
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
@@ -134,6 +137,7 @@ def main() -> None:
     acc.end_training()
     rec["final"] = full_state(acc, torch_opt, scheduler)
     rec["heals"] = getattr(transport, "heals", 0)
+    rec["heal_sources"] = list(getattr(transport, "heal_sources", []))
     torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.pt")
 
 
