@@ -330,6 +330,8 @@ class Meter:
                   "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
                   "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
                   **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
+        if getattr(acc, "fault_tolerant", False):  # groups are separate launches: align them by the clock
+            record["unix_time"] = time.time()
         self.window_loss.zero_()
         self.window_n = self.window_tokens = 0
         self.window_train_s = 0.0

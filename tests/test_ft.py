@@ -333,6 +333,9 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
               if "eval/loss" in m} for f in range(2)]
     assert sorted(evals[0]) == [2, 4] and evals[0] == evals[1], evals
+    for f in range(2):  # train records carry the wall clock: the groups are separate launches
+        train = [m for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open()) if "train/loss" in m]
+        assert [m["step"] for m in train] == [1, 2, 3, 4] and all(m["unix_time"] > 0 for m in train)
 
 
 @pytest.mark.parametrize("flags,text", [(["--checkpoint_every", "2"], "--checkpoint_every is not supported"),
