@@ -69,6 +69,21 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
                          f"outer state in host memory) or activation checkpointing.")
 
 
+def _lighthouse_addr(config: FLConfig) -> str:
+    """``FLConfig.lighthouse_addr`` or torchft's ``TORCHFT_LIGHTHOUSE``; ValueError (every
+    rank, before any collective) when neither is set or torchft is missing."""
+    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not addr:
+        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
+                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
+                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
+    return addr
+
+
 def _start_notes(cfg: FLConfig, layout: FLLayout, device_type: str, mixed_precision: str) -> list[str]:
     """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
     notes = list(cfg.ignored_settings())
@@ -112,7 +127,15 @@ class FLAccelerator(Accelerator):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
         world = world_size_from_env()
         self.fl_config = fl_config.validate()
-        self.layout = FLLayout.from_config(fl_config, world, ranks_per_node=ranks_per_node(world))
+        self.fault_tolerant = fl_config.fault_tolerance == "torchft"
+        if self.fault_tolerant:  # this world is one federation group; the layout is the federation's
+            self._lighthouse = _lighthouse_addr(fl_config)
+            self.layout = FLLayout.from_config(fl_config, world * fl_config.federation_size,
+                                               ranks_per_node=ranks_per_node(world))
+            self._mesh_layout = FLLayout((world,), self.layout.shards, "hsdp" if self.layout.uses_hsdp else "fsdp")
+        else:
+            self.layout = FLLayout.from_config(fl_config, world, ranks_per_node=ranks_per_node(world))
+            self._mesh_layout = self.layout
         _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
         accelerate_kwargs.setdefault("cpu", not torch.cuda.is_available())
         timeout = timedelta(seconds=fl_config.collective_timeout_s)
@@ -123,15 +146,17 @@ class FLAccelerator(Accelerator):
         user_policy = getattr(plugin, "mixed_precision_policy", None)
         init_process_group("gloo" if accelerate_kwargs["cpu"] else "nccl", timeout)
         super().__init__(kwargs_handlers=handlers, **accelerate_kwargs)
-        if self.num_processes != self.layout.world_size:
+        if self.num_processes != self._mesh_layout.world_size:
             raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world}")
-        self.mesh = build_mesh(self.layout, self.device.type, timeout, self.process_index)
+        self.mesh = build_mesh(self._mesh_layout, self.device.type, timeout, self.process_index)
         self.device_mesh = self.mesh.device_mesh
-        self.group_index, self.replica_index, self.shard_index = self.layout.coords(self.process_index)
+        offset = fl_config.group_index * world if self.fault_tolerant else 0
+        self._fl_rank = offset + self.process_index  # this rank in the federation's layout
+        self.group_index, self.replica_index, self.shard_index = self.layout.coords(self._fl_rank)
         self._use_fsdp2(plugin, user_policy)
         self.comm_stats = CommStats()
         groups = {pg: axis for axis, pg in self.mesh.groups.items()}
-        ranks = {tuple(sorted(self.layout.axis_ranks(a, self.process_index))): a for a in AXES}
+        ranks = {tuple(sorted(self._mesh_layout.axis_ranks(a, self.process_index))): a for a in AXES}
         self._comm_meter = CommMeter(self.comm_stats, groups, {r: a for r, a in ranks.items() if len(r) > 1})
         self.synchronizer: FederatedSynchronizer | None = None
         self._last_loss: torch.Tensor | None = None
@@ -164,6 +189,13 @@ class FLAccelerator(Accelerator):
     def num_groups(self) -> int:
         """F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines)."""
         return self.layout.num_groups
+
+    @property
+    def launch_layout(self) -> FLLayout:
+        """The layout of this launch's world (``num_processes`` ranks): ``layout`` in the
+        single world; with ``fault_tolerance="torchft"`` this group's ranks alone (one
+        group), the world that per-rank figures and evaluations are gathered over."""
+        return self._mesh_layout
 
     @property
     def precision_policy(self) -> dict:
@@ -230,14 +262,35 @@ class FLAccelerator(Accelerator):
             named = list(model.named_parameters())
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
                                                 self.device)
+            if self.fault_tolerant:
+                transport = self._managed_transport(transport)
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]))
             self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(self._models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
             if not any(p.is_meta for p in model.parameters()):
-                fsdp.check_replicas_identical(model, self.layout, self.process_index, self.device)
+                fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
+
+    def _managed_transport(self, inside: MeshTransport):
+        """The torchft transport of this rank (:mod:`fl_accel.ft`), its recovery state
+        being the synchronizer's, the prepared LR schedulers' and Accelerate's step."""
+        from . import ft
+
+        def save():
+            return ft.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
+
+        def load(state):
+            fsdp.reshard(self._models)
+            ft.restore(self.synchronizer, self._schedulers, state)
+            self.step = state["extra"].get("accelerate_step", self.step)
+
+        return ft.ManagedTransport.create(
+            group_index=self.group_index, group_rank=self.process_index, group_size=self.num_processes,
+            lighthouse_addr=self._lighthouse, timeout=timedelta(seconds=self.fl_config.collective_timeout_s),
+            device=self.device, inside=inside, replica_index=self.replica_index,
+            replicas=self.layout.replicas_of(self.group_index), save=save, load=load)
 
     def prepare_scheduler(self, scheduler):
         """Accelerate's prepare_scheduler, stepping once per optimizer step."""
@@ -256,7 +309,7 @@ class FLAccelerator(Accelerator):
         check that all groups hold the same values (ValueError: a non-deterministic
         ``init_fn``), and take the sync's anchor."""
         fsdp.materialize(model, init_fn, self.device, seed)
-        fsdp.check_replicas_identical(model, self.layout, self.process_index, self.device)
+        fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
             self.synchronizer.outer.reset()
 
@@ -285,9 +338,9 @@ class FLAccelerator(Accelerator):
         """``(num_shards, shard_index, seed)`` of this rank's data under ``data_sharding``."""
         seed = self.dataloader_config.data_seed
         if self.fl_config.data_sharding == "group" and self.fl_config.is_federated:
-            return (self.layout.group_size_of(self.group_index), self.layout.group_local_rank(self.process_index),
+            return (self.layout.group_size_of(self.group_index), self.layout.group_local_rank(self._fl_rank),
                     (seed or 0) + self.group_index)
-        return self.num_processes, self.process_index, seed
+        return self.layout.world_size, self._fl_rank, seed
 
     def sync_if_pending(self) -> bool:
         """Sync if the groups may differ (the end-of-training sync). Returns True if it synced."""
@@ -313,6 +366,7 @@ class FLAccelerator(Accelerator):
         ``extra_meta`` and ``rank_state`` included). Collective. ValueError without ``output_dir``."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
+        self._refuse_checkpoint("save_state")
         return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
@@ -321,14 +375,24 @@ class FLAccelerator(Accelerator):
         ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
+        self._refuse_checkpoint("load_state")
         return load_federated_state(_checkpoint_io(self), input_dir)
+
+    def _refuse_checkpoint(self, what: str) -> None:
+        if self.fault_tolerant:
+            raise ValueError(f"FLAccelerator.{what} is not supported with fault_tolerance='torchft' yet: a restarted "
+                             f"group heals from a live group instead. Use fault_tolerance='none' for checkpointed runs.")
 
     def end_training(self):
         """The final sync (groups end identical), then Accelerate's end_training (which
-        destroys the process groups: save or gather the model before)."""
+        destroys the process groups: save or gather the model before). With
+        ``fault_tolerance="torchft"`` the final sync averages over the live groups, and
+        this rank's torchft Manager is shut down."""
         self.sync_if_pending()
         if self.synchronizer is not None:
             self.synchronizer.detach()
+            if self.fault_tolerant:
+                self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()
 

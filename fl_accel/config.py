@@ -31,7 +31,7 @@ ENV_PREFIX = "FL_ACCEL_"
 TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
 """Test hooks (``FL_ACCEL_TEST_FAULT_INJECT``, ...): skipped by :func:`env_overrides`."""
 
-NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s")
+NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
 """Fields that place state or bound waits without changing any value: a run may resume a
 checkpoint written with other values of them (run and checkpoint identity leave them out)."""
 
@@ -140,6 +140,23 @@ class FLConfig:
     group and every mesh sub-group: a dead or hung rank makes the others exit with an
     error instead of hanging."""
 
+    fault_tolerance: Literal["none", "torchft"] = "none"
+    """"none": every federation group lives in one torch.distributed world (one launch);
+    a dead rank ends the job. "torchft": each federation group is its own launch (its
+    world is its G ranks, ``group_index`` says which group it is); torchft 0.2.0's
+    Lighthouse decides at every sync which groups are alive, the sync averages over
+    those, and a restarted group heals from a live one (:mod:`fl_accel.ft`). Needs a
+    federated ``algorithm`` and equal groups."""
+
+    group_index: int | None = None
+    """With ``fault_tolerance="torchft"``: this launch's federation group, 0 <= f <
+    ``num_groups`` (``FL_ACCEL_GROUP_INDEX`` or ``--group_index``). It names the group
+    to the Lighthouse and picks the group's slice of the data."""
+
+    lighthouse_addr: str | None = None
+    """With ``fault_tolerance="torchft"``: the Lighthouse's address, e.g.
+    ``http://127.0.0.1:29510``. None: torchft's ``TORCHFT_LIGHTHOUSE`` variable."""
+
     def __post_init__(self) -> None:
         self._check_fields()
 
@@ -168,7 +185,31 @@ class FLConfig:
         if not 0 <= self.sync_delay < period:
             raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
                              f"{period}, got {self.sync_delay}")
+        if self.fault_tolerance == "torchft":
+            self._check_torchft()
         mesh.check_group_fields(self, explicit_num_groups="num_groups" in self._explicit)
+
+    def _check_torchft(self) -> None:
+        """The fault-tolerant mode's own checks (pure Python: every rank raises them)."""
+        if not self.is_federated:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
+                             f"'fl_hsdp'), got algorithm={self.algorithm!r}")
+        if self.group_sizes is not None and len(set(self.group_sizes)) > 1:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
+                             f"{self.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
+                             f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
+                             f"groups (num_groups) or fault_tolerance='none'.")
+        if self.group_index is None:
+            raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
+                             "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
+        if not 0 <= self.group_index < self.federation_size:
+            raise ValueError(f"FLConfig.group_index must be in [0, num_groups={self.federation_size}), got "
+                             f"{self.group_index}")
+
+    @property
+    def federation_size(self) -> int:
+        """F as configured: ``len(group_sizes)`` when given, else ``num_groups``."""
+        return len(self.group_sizes) if self.group_sizes is not None else self.num_groups
 
     _explicit = property(lambda self: {f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
@@ -221,6 +262,9 @@ class FLConfig:
         if self.is_federated and self.outer_optimizer == "avg":
             out += [f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'"
                     for name in ("outer_lr", "outer_momentum") if name in explicit]
+        if self.fault_tolerance == "none":
+            out += [f"{name}={getattr(self, name)!r} is ignored with fault_tolerance 'none' (one world)"
+                    for name in ("group_index", "lighthouse_addr") if name in explicit]
         if self.error_feedback and not self.compressed:
             out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
         if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:

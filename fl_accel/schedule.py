@@ -67,6 +67,12 @@ class SyncSchedule:
         self.local_step += 1
         self.global_step += 1
         self.in_sync = False
+        return self.actions()
+
+    def actions(self) -> list[tuple[str, int | None]]:
+        """The actions due after the step just counted, from the counters as they are now
+        (:meth:`step` returns them; a group whose counters were replaced by a peer's during
+        a heal asks again)."""
         if not self.active:
             return []
         k, tau, out = self.num_fragment_syncs % self.num_fragments, self.sync_delay, []

@@ -157,14 +157,16 @@ class FederatedSynchronizer:
         units = units if units is not None else [[i] for i in range(len(self.params))]
         self.fragments = [Fragment(k, idx, [self.names[i] for i in idx])
                           for k, idx in enumerate(deal_fragments(units, config.num_fragments))]
+        elastic = bool(getattr(transport, "elastic", False))  # membership decided at each sync (fl_accel.ft)
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
-                                     config.fragment_update_alpha, active=transport.begin().num_groups > 1)
+                                     config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
         self.outer = OuterState(self.params, config)
         self.guard = NonFiniteGuard(config.on_nonfinite, transport)
         self.clock = WaitClock()
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
+        self._deferred: list | None = None  # writes waiting for the transport's should_commit
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -216,6 +218,10 @@ class FederatedSynchronizer:
             return False
         actions = self.schedule.step()
         with self.clock.measure(self.device) if actions else contextlib.nullcontext():
+            if actions and getattr(self.transport, "elastic", False):
+                self.transport.begin()  # the quorum of this event; a heal replaces the counters
+                if self.transport.healed:
+                    actions = self.schedule.actions()
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
                 if kind == LAUNCH:
@@ -241,9 +247,44 @@ class FederatedSynchronizer:
         fragment.pending = self._exchange(fragment.params).start()
 
     def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
-        """A blocking exchange of ``indices``, applied bucket by bucket."""
-        self._exchange(indices, rnd).run(lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
+        """A blocking exchange of ``indices``, applied bucket by bucket (inside a gated
+        event: completed whole, applied after the commit)."""
+        if self._deferred is not None:
+            means = self._exchange(indices, rnd).start().finish()
+            self._write(lambda: self._apply(indices, means, alpha))
+        else:
+            self._exchange(indices, rnd).run(lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
         self._average_optimizer_state(indices, rnd)
+
+    def _write(self, fn) -> None:
+        """Run ``fn`` now, or after the commit inside a gated event."""
+        if self._deferred is None:
+            fn()
+        else:
+            self._deferred.append(fn)
+
+    @contextlib.contextmanager
+    def _event(self):
+        """One sync event. A transport with ``should_commit()`` (:class:`fl_accel.ft.ManagedTransport`)
+        gates it: every write of the event (parameters, outer state, optimizer state)
+        waits until the exchanges completed and the transport agreed to commit; without
+        the commit nothing is written and the groups keep their local values."""
+        if not hasattr(self.transport, "should_commit"):
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+            writes = self._deferred
+        finally:
+            self._deferred = None
+        if self.transport.should_commit():
+            for fn in writes:
+                fn()
+        else:
+            logger.warning("sync %d (optimizer step %d) not committed: a federation group failed during the "
+                           "exchange; every group keeps its local values", self.schedule.num_syncs + 1,
+                           self.schedule.global_step)
 
     def _apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
         self.outer.apply(indices, means, alpha)
@@ -252,13 +293,15 @@ class FederatedSynchronizer:
     def _sync_fragment(self, fragment: Fragment) -> None:
         self._pre_sync(full=False)
         rnd = self.transport.begin()
-        if self._healthy(rnd):
-            alpha = self.config.fragment_update_alpha
-            if fragment.pending is None:
-                self._run(fragment.params, rnd, alpha)
-            else:
-                self._apply(fragment.params, fragment.finish(), alpha)
-                self._average_optimizer_state(fragment.params, rnd)
+        with self._event():
+            if self._healthy(rnd):
+                alpha = self.config.fragment_update_alpha
+                if fragment.pending is None:
+                    self._run(fragment.params, rnd, alpha)
+                else:
+                    means = fragment.finish()
+                    self._write(lambda: self._apply(fragment.params, means, alpha))
+                    self._average_optimizer_state(fragment.params, rnd)
         self.schedule.applied()
 
     @torch.no_grad()
@@ -277,12 +320,14 @@ class FederatedSynchronizer:
         with self.clock.measure(self.device):
             self._pre_sync(full=True)
             rnd = self.transport.begin()
-            if self._healthy(rnd):
-                pending = next((f for f in self.fragments if f.pending is not None), None)
-                if pending is not None:  # apply as scheduled
-                    self._apply(pending.params, pending.finish(), self.config.fragment_update_alpha)
-                    self._average_optimizer_state(pending.params, rnd)
-                self._run(list(range(len(self.params))), rnd, alpha)
+            with self._event():
+                if self._healthy(rnd):
+                    pending = next((f for f in self.fragments if f.pending is not None), None)
+                    if pending is not None:  # apply as scheduled
+                        means = pending.finish()
+                        self._write(lambda: self._apply(pending.params, means, self.config.fragment_update_alpha))
+                        self._average_optimizer_state(pending.params, rnd)
+                    self._run(list(range(len(self.params))), rnd, alpha)
             self.schedule.synced(alpha)
 
     def _pre_sync(self, full: bool) -> None:
@@ -301,12 +346,19 @@ class FederatedSynchronizer:
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean over groups (bucket by bucket, unless not
         ``write``: the collectives still run), then ``also(positions, means)``."""
-        def put(pos, means):
+        def copy(pos, means):
             for j, m in zip(pos, means):
                 if write:
                     tensors[j].copy_(m)
             if also is not None:
                 also(pos, means)
+
+        def put(pos, means):
+            if self._deferred is None:
+                copy(pos, means)
+            else:  # the bucket is released after this call
+                kept = [m.clone() for m in means]
+                self._deferred.append(lambda: copy(pos, kept))
 
         Exchange(self.transport, rnd, tensors, mask=mask,
                  bucket_values=max(1, self.config.sync_bucket_mb * 2**18)).run(put)
@@ -329,7 +381,7 @@ class FederatedSynchronizer:
                 fragment.finish()
         mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
         self._mean_into([local(p) for p in self.params], rnd, mask, also=self.outer.set_global)
-        self.outer.zero_residuals()
+        self._write(self.outer.zero_residuals)
         tensors = self._state_tensors(list(range(len(self.params))))
         if tensors:
             self._mean_into(tensors, rnd, mask, write=rnd.position in bad or self.config.average_optimizer_state)

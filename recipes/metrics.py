@@ -27,6 +27,10 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   ``sync_time_share`` = the training thread's wait for inter-group communication
   (``accelerator.sync_wait_seconds``, largest rank) / ``train_seconds``.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
+
+With ``--fault_tolerance torchft`` each federation group is its own launch: every figure
+above is gathered over the group's own ranks (``accelerator.launch_layout``) and is that
+group's (its tokens, its tokens/s, its traffic), written into its own folder.
 """
 
 from __future__ import annotations
@@ -228,7 +232,7 @@ class Meter:
         import torch
 
         self.accelerator, self.clock = accelerator, clock
-        self.layout = accelerator.layout
+        self.layout = getattr(accelerator, "launch_layout", accelerator.layout)  # torchft mode: this group's ranks
         self.tokens_per_step, self.completed_steps = tokens_per_step, completed_steps
         self.tokens = completed_steps * tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
@@ -253,7 +257,13 @@ class Meter:
         self.grad_norm = torch.as_tensor(norm, device=self.accelerator.device).double()
 
     def step_done(self) -> int:
+        """Count one optimizer step; returns the run's step count. With ``--fault_tolerance
+        torchft`` that is the synchronizer's ``global_step``: a group that healed took over a
+        live group's count (its tokens stay the ones it trained)."""
         self.completed_steps += 1
+        sync = getattr(self.accelerator, "synchronizer", None)
+        if getattr(self.accelerator, "fault_tolerant", False) and sync is not None:
+            self.completed_steps = sync.schedule.global_step
         self.tokens += self.tokens_per_step
         self.window_tokens += self.tokens_per_step
         self.window_train_s += self.clock.tick("train_seconds")
@@ -305,7 +315,8 @@ class Meter:
         layout, acc, F_ = self.layout, self.accelerator, self.layout.num_groups
         head = [0.0] * (1 + F_)
         head[0] = (self.window_loss / self.window_n / acc.num_processes).item()
-        head[1 + acc.group_index] = (self.grad_norm / layout.group_size_of(acc.group_index)).item()
+        slot = acc.group_index if F_ > 1 else 0  # torchft mode: this launch holds one group
+        head[1 + slot] = (self.grad_norm / layout.group_size_of(slot)).item()
         head, run = self.gather(head)
         tps = self.window_tokens / self.window_train_s if self.window_train_s > 0 else None
         per_process = tps / acc.num_processes if tps else None
@@ -319,6 +330,8 @@ class Meter:
                   "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
                   "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
                   **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
+        if getattr(acc, "fault_tolerant", False):  # groups are separate launches: align them by the clock
+            record["unix_time"] = time.time()
         self.window_loss.zero_()
         self.window_n = self.window_tokens = 0
         self.window_train_s = 0.0

@@ -114,6 +114,7 @@ def main(argv=None) -> dict:
     eval_every, notes = plan_evaluations(args, fl, max_steps)
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * layout.world_size
+    launch_tokens_per_step = tokens_per_rank_step * accelerator.num_processes  # torchft mode: this group's
     flops = model_flops_per_token(config, args.seq_len, num_params=n_params, embedding_params=n_embedding)
     peak_tf = args.peak_tflops or (peak_tflops(torch.cuda.get_device_name(accelerator.device))
                                    if accelerator.device.type == "cuda" else None)
@@ -129,11 +130,15 @@ def main(argv=None) -> dict:
         policy=what_ran["precision_policy"], activation_checkpointing=what_ran["activation_checkpointing"],
         compiled=what_ran["compile"], peak_mb=peak_host_mb_after_prepare, tokens_per_rank_step=tokens_per_rank_step,
         tokens_per_step=tokens_per_step, data_line=data_line)
+    if accelerator.fault_tolerant:
+        notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
+                     f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
+                     f"in {args.output_dir}")
     accelerator.print("\n".join(f"[fl_accel] {line}" for line in banner + notes))
 
     completed_steps, restored = resume(accelerator, plan, data.stream)
     clock = Clock(plan.t0, restored)
-    meter = Meter(accelerator, clock, tokens_per_step=tokens_per_step, completed_steps=completed_steps,
+    meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
     run = Run(plan=plan, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
               data=data, meter=meter, max_steps=max_steps, eval_every=eval_every, config=config,
@@ -156,6 +161,8 @@ def main(argv=None) -> dict:
     results["session"] = {"resumed_from_step": completed_steps, "steps": meter.completed_steps - completed_steps,
                           "launch_seconds": launched, "wall_seconds": sum(clock.session.values()), **clock.session}
     results["host"] = host.stop()
+    if accelerator.fault_tolerant:
+        results["fault_tolerance"] = fault_tolerance_results(accelerator, meter)
     write_results(run, results)
     return results
 
@@ -179,7 +186,7 @@ def train(run: "Run") -> None:
             continue
         run.scheduler.step()
         step = meter.step_done()
-        run.progress.update(1)
+        run.progress.update(step - run.progress.n)  # 1, or more after a heal (Meter.step_done)
         if step % args.log_every == 0 or step == run.max_steps:
             run.log_train()
         with meter.outside_training():
@@ -189,6 +196,17 @@ def train(run: "Run") -> None:
                 run.save_checkpoint(step)
         if step >= run.max_steps:
             break
+
+
+def fault_tolerance_results(accelerator, meter) -> dict:
+    """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
+    launch's federation group and world size, how often it healed from a live group, the
+    synchronizer's counters (``SyncSchedule.state_dict``: global_step, num_syncs, ...) and
+    the optimizer steps this launch trained itself (``steps`` minus those taken over in a heal)."""
+    sync = accelerator.synchronizer
+    return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
+            "group_world_size": accelerator.num_processes, "heals": getattr(sync.transport, "heals", 0),
+            "sync": sync.schedule.state_dict(), "steps_trained": meter.tokens // meter.tokens_per_step}
 
 
 # =========================================================================== the accelerator

@@ -7,6 +7,9 @@ rank before any collective, so no rank is left waiting. :func:`prepare_output_di
 :func:`resume` and :func:`save_checkpoint` own the folder's contents afterwards::
 
     <output_dir>/metrics.jsonl  all_results.json  curves.png  checkpoints/step_N  final_model/  wandb/
+
+With ``--fault_tolerance torchft`` each federation group is its own launch and writes the
+same files into ``<output_dir>/group<f>``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)
+    if fl.fault_tolerance == "torchft":  # each group is its own launch, with its own folder and results
+        check_fault_tolerant(args)
+        args.output_dir = os.path.join(args.output_dir, f"group{fl.group_index}")
     from .modeling import check_model
 
     check_model(args.model, args.seq_len)
@@ -108,6 +114,8 @@ def plan_layout(fl, world: int, ranks_per_node: int | None = None):
     """
     from fl_accel.mesh import FLLayout
 
+    if getattr(fl, "fault_tolerance", "none") == "torchft":  # this launch is one group: F equal groups
+        ranks_per_node, world = ranks_per_node or world, world * fl.federation_size
     try:
         return FLLayout.from_config(fl, world, ranks_per_node=ranks_per_node or world)
     except ValueError as exc:
@@ -117,6 +125,26 @@ def plan_layout(fl, world: int, ranks_per_node: int | None = None):
                     "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
                     "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
         raise RecipeError(f"{exc}.{hint}") from exc
+
+
+def check_fault_tolerant(args) -> None:
+    """Flags the torchft mode does not support yet (``FLConfig.fault_tolerance="torchft"``).
+
+    Raises:
+        RecipeError: ``--checkpoint_every``/``--resume_from_checkpoint`` (a restarted group
+            heals from a live group; FLAccelerator.save_state/load_state refuse this mode) or
+            ``--eval_groups`` (a group's launch holds only its own model).
+    """
+    for flag, on in (("checkpoint_every", args.checkpoint_every), ("resume_from_checkpoint",
+                                                                   args.resume_from_checkpoint)):
+        if on:
+            raise RecipeError(f"--{flag} is not supported with --fault_tolerance torchft yet: a restarted group "
+                              f"heals from a live group instead of a checkpoint. Drop --{flag}, or use "
+                              f"--fault_tolerance none")
+    if args.eval_groups:
+        raise RecipeError("--eval_groups is not supported with --fault_tolerance torchft: each group's launch "
+                          "holds only its own model, and every group evaluates it into its own folder "
+                          "(<output_dir>/group<f>)")
 
 
 # =========================================================================== what the launcher exported

@@ -40,7 +40,7 @@ def test_defaults():
         "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
-        "collective_timeout_s": 300.0,
+        "collective_timeout_s": 300.0, "fault_tolerance": "none", "group_index": None, "lighthouse_addr": None,
     }
     assert c.validate() is c
     assert c.validate(world_size=4) is c

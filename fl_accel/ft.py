@@ -1,0 +1,352 @@
+"""Federation groups that fail alone: the "fl" exchange over torchft's managed process group.
+
+With ``FLConfig(fault_tolerance="torchft")`` each federation group is its own launch (a
+torch.distributed world of its G ranks, FSDP2 inside it). Across groups the sync uses
+torchft 0.2.0 (``torchft/manager.py``, ``torchft/process_group.py``) for membership,
+quorum, the reconfigurable process group and recovery only; the exchange, the outer
+step and the schedule stay ours (:mod:`fl_accel.exchange`, :mod:`fl_accel.sync`).
+
+What torchft does, and what we rely on (read in torchft 0.2.0):
+
+* One ``Manager`` per rank; rank 0 of a group hosts the group's ``ManagerServer``, which
+  gathers the quorum requests of its G ranks and asks the Lighthouse. The Lighthouse
+  (``src/lighthouse.rs``) forms a quorum of the groups that asked, at once when every
+  member of the previous quorum asked again ("fast quorum"), otherwise when more than
+  half of the heartbeating groups asked and the stragglers' join timeout passed. A group
+  that stopped heartbeating for ``--heartbeat_timeout_ms`` is dropped.
+* ``start_quorum()`` with ``use_async_quorum=False`` blocks until the quorum is known,
+  reconfigures the managed process group when the membership changed (a new gloo/NCCL
+  group per quorum id, rank k of every live group joined as "participating rank"
+  ``manager.participating_rank()`` of ``manager.num_participants()``), and heals: a
+  group whose committed step (``manager.current_step()``) is behind the quorum's
+  maximum downloads the state of a group at that step over HTTP (``HTTPTransport``;
+  each rank from the rank with the same group rank) and applies it through the
+  registered ``load_state_dict`` callback before returning.
+* ``should_commit()`` is a vote of the group's ranks: False when any of them reported
+  an error (``report_error``) or its process group errored. The committed step then
+  does not advance, so the next quorum heals the group from one that committed.
+* On the managed process group only ``allreduce``, ``alltoall_base`` and
+  ``allgather_into_tensor_coalesced`` are used (``dist.all_gather_into_tensor`` fails
+  there: the group is not in the world's group map).
+
+Known torchft limits handled here:
+
+* rank 0 of a group creates its Manager (which writes the ManagerServer's address into
+  the launcher's store) before the other ranks read it, so a ``torchrun --max-restarts``
+  attempt never reads the previous attempt's address;
+* torchft #343: the ManagerServer assigns recovery sources per group rank (torchft
+  0.2.0 ``src/manager.rs`` ``compute_quorum_results``: recovering group i, rank k heals
+  from up-to-date group ``(i + k) mod U``), so with two or more up-to-date groups
+  (F >= 3) the ranks of one recovering group heal from different groups, whose
+  parameters differ mid-round. :class:`_AgreedClient` makes every rank of a group use its
+  rank 0's recovery assignment (source and destinations), broadcast over a gloo group of
+  the group's own ranks: the ranks of a recovering group all heal from one source, and
+  every rank of that source serves them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+
+from .exchange import MeshTransport, Round
+from .fsdp import local
+
+logger = logging.getLogger(__name__)
+
+
+class _Done:
+    """A finished (or abandoned) collective: ``wait()`` returns at once."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _Reported:
+    """A collective whose failure is reported to the torchft Manager instead of raised."""
+
+    def __init__(self, work, manager):
+        self.work, self.manager = work, manager
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.work.wait()
+        except Exception as exc:  # a peer group died: the round will not commit
+            _report(self.manager, exc)
+        return True
+
+
+def _report(manager, exc: Exception) -> None:
+    logger.warning("fl_accel sync: a collective across federation groups failed (%s: %s); this round will not "
+                   "commit", type(exc).__name__, exc)
+    manager.report_error(exc)
+
+
+class _Agreed:
+    """A torchft ``QuorumResult`` with the recovery fields of the group's rank 0."""
+
+    def __init__(self, quorum, agreed: dict):
+        self._quorum, self._agreed = quorum, agreed
+
+    def __getattr__(self, name):
+        return self._agreed[name] if name in self._agreed else getattr(self._quorum, name)
+
+
+RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_address", "recover_dst_replica_ranks")
+
+
+class _AgreedClient:
+    """Wraps a Manager's ``ManagerClient``: after each quorum (on torchft's quorum thread,
+    while the main thread waits in ``start_quorum``) the group's ranks take rank 0's
+    :data:`RECOVERY_FIELDS` (``broadcast_object_list`` over ``group``, a gloo group of the
+    group's ranks) and record the heal in ``transport.heal_sources``: the quorum id, the
+    source group's replica id (the one every rank healed from) and the one torchft had
+    assigned to this rank. Everything else is the ManagerClient's."""
+
+    def __init__(self, client, group, transport: "ManagedTransport"):
+        self._client, self._group, self._transport = client, group, transport
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def _quorum(self, *args, **kwargs):
+        quorum = self._client._quorum(*args, **kwargs)
+        box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
+        dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
+        agreed = box[0]
+        if agreed["heal"]:
+            names = [r.split(":")[0] for r in quorum.replica_ids]
+            src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
+            self._transport.heal_sources.append({"quorum_id": quorum.quorum_id, "max_step": quorum.max_step,
+                                                 "source": names[src], "torchft_source": None if own is None
+                                                 else names[own]})
+        return _Agreed(quorum, agreed)
+
+
+@dataclass
+class ManagedTransport:
+    """:class:`~fl_accel.exchange.Transport` over torchft's managed process group.
+
+    Each sync event opens a round with :meth:`begin` (a torchft quorum; the round stays
+    open, so a delayed exchange keeps its process group until it is applied) and closes
+    it with :meth:`should_commit`. The round's F is the number of live groups, the
+    position this group's participating rank, and the weights ``1/F`` ("size" and
+    "uniform" agree for equal groups, the only ones this mode accepts).
+
+    Attributes: ``manager`` (``torchft.Manager``), ``pg`` (its managed process group),
+    ``num_chunks``/``chunk_index`` (the 1/R rule of FL+HSDP: HSDP replica r of a group
+    exchanges chunk r of every shard with replica r of the other groups, then the
+    replicas share the chunks over "dp_replicate" inside the group), ``device``,
+    ``healed`` (True from a :meth:`begin` that healed this group until the next quorum),
+    ``heals`` (how many times it healed), ``heal_sources`` (per heal: quorum id, the
+    source group's replica id, the one torchft had assigned to this rank; see
+    :class:`_AgreedClient`), ``round`` (the open round or None).
+    """
+
+    manager: object
+    pg: object
+    inside: MeshTransport
+    num_chunks: int = 1
+    chunk_index: int | None = 0
+    device: torch.device = torch.device("cpu")
+    elastic = True
+    """Membership is decided at every sync (the synchronizer asks :meth:`begin` before acting)."""
+
+    def __post_init__(self):
+        self.round: Round | None = None
+        self.healed, self.heals = False, 0
+        self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
+
+    @classmethod
+    def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
+               timeout: timedelta, device: torch.device, inside: MeshTransport, replica_index: int,
+               replicas: int, save: Callable[[], dict], load: Callable[[dict], None]) -> "ManagedTransport":
+        """Create this rank's torchft Manager (replica id ``fl_accel_group_<f>``, synchronous
+        quorum, ``min_replica_size=1``, ``init_sync=False``: the groups start from
+        identical seeded parameters) and its managed ``ProcessGroupGloo`` (CPU) or
+        ``ProcessGroupNCCL`` (CUDA), every wait bounded by ``timeout``. ``save()`` and
+        ``load(state)`` are the recovery callbacks (:func:`capture`/:func:`restore`).
+        Collective over the group's world (a barrier orders rank 0 first).
+
+        Raises:
+            ImportError: torchft is not installed (``pip install torchft==0.2.0``).
+        """
+        from torchft import Manager
+        from torchft.checkpointing import HTTPTransport
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        transport = cls(manager=None, pg=pg, inside=inside, num_chunks=replicas, chunk_index=replica_index,
+                        device=device)
+
+        def on_heal(state):
+            transport.healed, transport.heals = True, transport.heals + 1
+            load(state)
+
+        def make():
+            return Manager(pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1,
+                           use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                           rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr,
+                           replica_id=f"fl_accel_group_{group_index}", init_sync=False,
+                           checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
+
+        agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
+        manager = make() if group_rank == 0 else None
+        dist.barrier()  # rank 0 has published this attempt's ManagerServer address
+        transport.manager = manager if manager is not None else make()
+        transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
+        return transport
+
+    # ------------------------------------------------------------------ rounds
+    def begin(self) -> Round:
+        """The round of the sync event starting now: a torchft quorum (blocking; may heal
+        this group through the ``load`` callback) unless a round is open."""
+        if self.round is None:
+            self.healed = False
+            self.manager.start_quorum()
+            num, position = self.manager.num_participants(), self.manager.participating_rank()
+            if position is None or num < 1:
+                raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
+                                   f"of {num})")
+            self.round = Round(num, position, (1.0 / num,) * num)
+            if num > 1 or self.healed:
+                logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
+                            " (healed from a live group)" if self.healed else "")
+        return self.round
+
+    def should_commit(self) -> bool:
+        """torchft's vote of this group's ranks (False after any reported error); closes
+        the round. Collective over the group's ranks."""
+        try:
+            return bool(self.manager.should_commit())
+        finally:
+            self.round = None
+
+    # ------------------------------------------------------------------ collectives
+    def _call(self, launch):
+        if self.manager.errored() is not None:  # the round is lost: skip what is left of it
+            return _Done()
+        try:
+            return _Reported(launch(), self.manager)
+        except Exception as exc:
+            _report(self.manager, exc)
+            return _Done()
+
+    @staticmethod
+    def _finish(work, async_op: bool):
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor, async_op=False):
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts)), async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions())),
+                            async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions())), async_op)
+
+    def share_chunks(self, flat):
+        self.inside.share_chunks(flat)
+
+    def bad_groups(self, local_bad, rnd):
+        """Any rank of this group bad (a MAX over the group's world), then the flags of
+        every live group (a SUM over the managed group). Empty when the round failed."""
+        flag = torch.tensor([float(local_bad)], dtype=torch.float32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flags = torch.zeros(rnd.num_groups, dtype=torch.float32, device=self.device)
+        flags[rnd.position] = flag[0]
+        self.all_reduce(flags)
+        if self.manager.errored() is not None:
+            return []
+        return [g for g in range(rnd.num_groups) if flags[g] > 0]
+
+    def shutdown(self) -> None:
+        """Stop this rank's Manager (its ManagerServer and checkpoint server)."""
+        self.manager.shutdown(wait=False)
+
+
+# ---------------------------------------------------------------------- recovery state
+def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
+    """What a group needs to continue as the group it heals from (per rank, plain local
+    tensors, cloned): ``params`` (local shards), ``optimizer`` (inner optimizer state per
+    parameter index and the param groups' hyperparameters, lr included), ``outer``
+    (anchor and outer momentum), ``schedule`` (the sync counters, fragment phase
+    included), ``schedulers`` (LR schedulers' state dicts) and ``extra``. Error-feedback
+    residuals and the data position are each group's own and are not sent. Called by
+    torchft on the quorum thread while the main thread waits in :meth:`ManagedTransport.begin`."""
+    opt = sync.optimizer
+    state = {}
+    for i, p in enumerate(sync.params):
+        st = opt.state.get(p)
+        if st:
+            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
+                        for k, v in st.items()}
+    shared, _ = sync.outer.tensors()
+    return {"params": [local(p).detach().clone() for p in sync.params],
+            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
+                                                     for g in opt.param_groups]},
+            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
+            "schedule": sync.schedule.state_dict(),
+            "schedulers": [s.state_dict() for s in schedulers],
+            "extra": dict(extra or {})}
+
+
+@torch.no_grad()
+def restore(sync, schedulers: list, state: dict) -> None:
+    """Inverse of :func:`capture` on the healing group (main thread, inside
+    :meth:`ManagedTransport.begin`); the error-feedback residuals are zeroed and nothing
+    is in flight afterwards. The caller reshards the model first and applies ``extra``.
+
+    Raises:
+        ValueError: the state's parameter count or shard shapes differ from this model's.
+    """
+    params = sync.params
+    if len(state["params"]) != len(params) or any(
+            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
+        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
+                         "shard shapes differ); every federation group must run the same model and group size")
+    for p, v in zip(params, state["params"]):
+        local(p).copy_(v)
+    opt = sync.optimizer
+    for i, p in enumerate(params):
+        saved = state["optimizer"]["state"].get(i)
+        if saved is None:
+            opt.state.pop(p, None)
+            continue
+        current = opt.state.setdefault(p, {})
+        for k, v in saved.items():
+            if not isinstance(v, tuple):
+                current[k] = v
+                continue
+            value, distributed = v
+            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
+                local(current[k]).copy_(value)
+            elif distributed:
+                from torch.distributed.tensor import DTensor
+                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
+                                                shape=p.shape, stride=p.stride())
+            else:
+                current[k] = value.clone()
+    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
+        group.update(saved)
+    residuals = {i: {"residual": r} for i, r in enumerate(sync.outer.residuals or ())}
+    sync.outer.load(state["outer"], residuals)
+    sync.outer.zero_residuals()
+    sync.schedule.load_state_dict(state["schedule"])
+    for fragment in sync.fragments:
+        fragment.pending = None
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(saved)
