@@ -1,0 +1,93 @@
+"""Typed field values: the type check and the text parsing shared by FLConfig (YAML and
+``FL_ACCEL_<FIELD>`` variables) and the recipe's argument parser, so both accept and refuse
+the same values with the same words. Pure Python: every rank raises the same ``ValueError``
+before any collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import typing
+from typing import Any, Literal, get_args
+
+import yaml
+
+
+def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
+    """Read a YAML file holding a mapping (an empty file is ``{}``).
+
+    Raises:
+        ValueError: unreadable file, invalid YAML, non-UTF-8 text, or not a mapping.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{what} {path} must be a YAML mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``X | None``, else ``(hint, False)``."""
+    args = get_args(hint)
+    if type(None) in args and typing.get_origin(hint) is not Literal:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def check_type(label: str, value: Any, hint: Any) -> None:
+    """Raise ValueError ``"<label> must be ..."`` unless ``value`` fits the annotation
+    ``hint``: a Literal's choices, ``X | None``, ``list[int]``, bool, int (not bool),
+    float (int or float, not bool), str. ``label`` is e.g. ``FLConfig.sync_every`` or
+    ``--seq_len``."""
+    hint, optional = _unwrap_optional(hint)
+    if optional and value is None:
+        return
+    if typing.get_origin(hint) is Literal:
+        if value not in get_args(hint):
+            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}")
+        return
+    if typing.get_origin(hint) is list:
+        ok, what = isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value), "a list of integers"
+    else:
+        ok, what = {bool: (isinstance(value, bool), "a boolean"),
+                    int: (isinstance(value, int) and not isinstance(value, bool), "an integer"),
+                    float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+                    str: (isinstance(value, str), "a string")}.get(hint, (True, ""))
+    if not ok:
+        raise ValueError(f"{label} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def parse_env_value(var: str, raw: str, hint: Any) -> Any:
+    """Parse the text of environment variable ``var`` into the type annotated by ``hint``.
+
+    Raises:
+        ValueError: naming the variable when the text does not parse.
+    """
+    text = raw.strip()
+    hint, optional = _unwrap_optional(hint)
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if typing.get_origin(hint) is list:
+            return [int(x) for x in text.replace(",", " ").split()]
+        if hint is bool:
+            return {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}[text.lower()]
+        if hint in (int, float):
+            return hint(text)
+    except (KeyError, ValueError):
+        what = {bool: "a boolean", int: "an integer", float: "a number"}.get(hint, "a list of integers (e.g. '2,4')")
+        raise ValueError(f"{var}={raw!r} is not {what}") from None
+    return text
