@@ -15,16 +15,19 @@ streams that is a lower bound of the link time.
 
 Metering is explicit (``with accelerator.meter_comm(): ...``). Several meters may be
 entered at once (two accelerators in one process); each counts only the process
-groups it was given.
+groups it was given. :class:`WaitClock` measures what the training stream waits for the
+sync (``FLAccelerator.sync_wait_seconds``): CUDA events on GPUs, where host time reads ~0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from .cost_model import ring_bytes
@@ -211,3 +214,38 @@ class CommMeter:
         """Leave completely, however often it was entered."""
         while self._depth:
             self.__exit__(None, None, None)
+
+
+class WaitClock:
+    """Seconds the training stream spends in sync events: host wall time on CPU; on CUDA
+    the time between events recorded on the compute stream around each event (the waits
+    for NCCL included), resolved when read."""
+
+    def __init__(self):
+        self.host_seconds, self.pairs, self.depth = 0.0, [], 0
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device):
+        self.depth += 1
+        cuda = device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda and self.depth == 1:
+            start.record()
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0 and cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.pairs.append((start, end))
+            elif self.depth == 0:
+                self.host_seconds += time.perf_counter() - start
+
+    @property
+    def seconds(self) -> float:
+        for start, end in self.pairs:
+            end.synchronize()
+            self.host_seconds += start.elapsed_time(end) / 1000.0
+        self.pairs.clear()
+        return self.host_seconds

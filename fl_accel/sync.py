@@ -26,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .comm import WaitClock
 from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .outer import OuterState
@@ -88,41 +88,6 @@ class NonFiniteGuard:
             raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at {when}; aborting. "
                                  f"Set on_nonfinite='reset' to drop such groups for the round instead.")
         return bad
-
-
-class WaitClock:
-    """Seconds the training stream spends in sync events: host wall time on CPU; on CUDA
-    the time between events recorded on the compute stream around each event (the waits
-    for NCCL included), resolved when read."""
-
-    def __init__(self):
-        self.host_seconds, self.pairs, self.depth = 0.0, [], 0
-
-    @contextlib.contextmanager
-    def measure(self, device: torch.device):
-        self.depth += 1
-        cuda = device.type == "cuda"
-        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda and self.depth == 1:
-            start.record()
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0 and cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self.pairs.append((start, end))
-            elif self.depth == 0:
-                self.host_seconds += time.perf_counter() - start
-
-    @property
-    def seconds(self) -> float:
-        for start, end in self.pairs:
-            end.synchronize()
-            self.host_seconds += start.elapsed_time(end) / 1000.0
-        self.pairs.clear()
-        return self.host_seconds
 
 
 class FederatedSynchronizer:
