@@ -44,10 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts import ft_launch  # noqa: E402
+from scripts import ft_launch
 from scripts.launch import HostLoad, child_env, free_port, start, terminate, torchrun_argv, wait  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "pretrain.py"

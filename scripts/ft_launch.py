@@ -8,7 +8,7 @@ each with its own free ``--master_port``, ``FL_ACCEL_FAULT_TOLERANCE=torchft``,
 ``FL_ACCEL_GROUP_INDEX=f``, ``TORCHFT_LIGHTHOUSE`` and ``OMP_NUM_THREADS=1``, and waits
 for the groups (the Lighthouse is stopped at the end)::
 
-    python scripts/ft_launch.py --num_groups 2 --nproc_per_group 2 -- \\
+    python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 -- \\
         recipes/pretrain.py --config recipes/configs/cpu_fl_fsdp.yaml --max_steps 40
 
 Each group's output goes to ``--log_dir/group<f>.log`` (default: this terminal, with a
@@ -34,10 +34,7 @@ import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
-if __package__ in (None, ""):  # run as a script: make `scripts` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.launch import child_env, free_port, start, terminate, torchrun_argv, wait  # noqa: E402
+from scripts.launch import child_env, free_port, start, terminate, torchrun_argv, wait
 
 LIGHTHOUSE_DEFAULTS = {"min_replicas": 1, "quorum_tick_ms": 100, "join_timeout_ms": 2000,
                        "heartbeat_timeout_ms": 3000}

@@ -298,7 +298,7 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
 
 
 def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
-    """``python scripts/ft_launch.py --num_groups 2 --nproc_per_group 2 -- recipes/pretrain.py
+    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 -- recipes/pretrain.py
     --fault_tolerance torchft ...`` (one launch: a Lighthouse and two torchruns of 2 ranks,
     the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
     ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
