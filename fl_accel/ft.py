@@ -47,6 +47,7 @@ Known torchft limits handled here:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -69,16 +70,20 @@ class _Done:
 
 
 class _Reported:
-    """A collective whose failure is reported to the torchft Manager instead of raised."""
+    """A collective whose failure is reported to the torchft Manager instead of raised;
+    ``on_wait(seconds)`` is charged with the time spent in ``wait()``."""
 
-    def __init__(self, work, manager):
-        self.work, self.manager = work, manager
+    def __init__(self, work, manager, on_wait=None):
+        self.work, self.manager, self.on_wait = work, manager, on_wait
 
     def wait(self, timeout=None) -> bool:
+        t0 = time.perf_counter()
         try:
             self.work.wait()
         except Exception as exc:  # a peer group died: the round will not commit
             _report(self.manager, exc)
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - t0)
         return True
 
 
@@ -155,6 +160,8 @@ class ManagedTransport:
     num_chunks: int = 1
     chunk_index: int | None = 0
     device: torch.device = torch.device("cpu")
+    meter: object = None
+    """The accelerator's :class:`~fl_accel.comm.CommMeter` ("fl" traffic is counted while it is entered)."""
     elastic = True
     """Membership is decided at every sync (the synchronizer asks :meth:`begin` before acting)."""
 
@@ -229,14 +236,28 @@ class ManagedTransport:
             self.round = None
 
     # ------------------------------------------------------------------ collectives
-    def _call(self, launch):
+    def _call(self, launch, op: str | None = None, tensor=None):
+        """Launch a collective on the managed group. While ``meter`` (the accelerator's
+        :class:`~fl_accel.comm.CommMeter`) is entered, it is counted in the "fl" bucket as
+        :mod:`fl_accel.comm` counts the single world's: ring bytes of ``tensor`` over the
+        round's F, host seconds in the call and its ``wait()``."""
         if self.manager.errored() is not None:  # the round is lost: skip what is left of it
             return _Done()
+        from . import comm
+
+        meter = self.meter if self.meter is not None and self.meter in comm._active else None
         try:
-            return _Reported(launch(), self.manager)
+            t0 = time.perf_counter()
+            work = launch()
         except Exception as exc:
             _report(self.manager, exc)
             return _Done()
+        if meter is None or op is None:
+            return _Reported(work, self.manager)
+        num = self.round.num_groups if self.round is not None else 1
+        meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
+                           time.perf_counter() - t0)
+        return _Reported(work, self.manager, lambda s: meter._add_seconds("fl", s))
 
     @staticmethod
     def _finish(work, async_op: bool):
@@ -248,15 +269,15 @@ class ManagedTransport:
     def all_reduce(self, tensor, async_op=False):
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts)), async_op)
+        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor), async_op)
 
     def all_to_all(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions())),
-                            async_op)
+        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()),
+                                       "all_to_all", input), async_op)
 
     def all_gather(self, output, input, async_op=False):
         return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
-            [output.view(-1)], [input.reshape(-1)], AllgatherOptions())), async_op)
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output), async_op)
 
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)

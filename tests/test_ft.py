@@ -302,7 +302,8 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
     --fault_tolerance torchft ...`` (one launch: a Lighthouse and two torchruns of 2 ranks,
     the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
     ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
-    its own 2 ranks only (traffic of one group, tokens of 2 ranks); the eval losses after
+    its own 2 ranks only (traffic of one group, tokens of 2 ranks; the exchange over
+    torchft's process group counted in "fl"); the eval losses after
     the syncs (steps 2 and 4) are equal in both groups, bitwise (fp32 "avg": the groups
     hold the same parameters); results record the torchft mode, the group and the
     synchronizer's counters (2 syncs, no heal)."""
@@ -328,6 +329,7 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
         assert r["steps"] == 4 and r["num_groups"] == 2 and r["world_size"] == 2 * G
         assert r["train_tokens"] == 4 * G * 2 * 64  # this group's tokens only: 2 ranks x 2 blocks x 64 tokens
         assert len(r["comm_by_group"]) == 1 and r["comm"]["world"]["calls"] > 0  # gathered in its own world
+        assert r["comm"]["fl"]["bytes"] > 0 and r["comm"]["fl"]["calls"] >= 2, r["comm"]["fl"]  # 2 syncs
         assert math.isfinite(r["eval_loss"]) and r["eval_scored"] == "synchronized"
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
