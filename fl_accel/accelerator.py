@@ -286,11 +286,13 @@ class FLAccelerator(Accelerator):
             ft.restore(self.synchronizer, self._schedulers, state)
             self.step = state["extra"].get("accelerate_step", self.step)
 
-        return ft.ManagedTransport.create(
+        transport = ft.ManagedTransport.create(
             group_index=self.group_index, group_rank=self.process_index, group_size=self.num_processes,
             lighthouse_addr=self._lighthouse, timeout=timedelta(seconds=self.fl_config.collective_timeout_s),
             device=self.device, inside=inside, replica_index=self.replica_index,
             replicas=self.layout.replicas_of(self.group_index), save=save, load=load)
+        transport.meter = self._comm_meter  # the exchange's traffic in the "fl" bucket
+        return transport
 
     def prepare_scheduler(self, scheduler):
         """Accelerate's prepare_scheduler, stepping once per optimizer step."""

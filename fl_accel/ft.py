@@ -47,6 +47,7 @@ Known torchft limits handled here:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -69,16 +70,20 @@ class _Done:
 
 
 class _Reported:
-    """A collective whose failure is reported to the torchft Manager instead of raised."""
+    """A collective whose failure is reported to the torchft Manager instead of raised;
+    ``on_wait(seconds)`` is charged with the time spent in ``wait()``."""
 
-    def __init__(self, work, manager):
-        self.work, self.manager = work, manager
+    def __init__(self, work, manager, on_wait=None):
+        self.work, self.manager, self.on_wait = work, manager, on_wait
 
     def wait(self, timeout=None) -> bool:
+        t0 = time.perf_counter()
         try:
             self.work.wait()
         except Exception as exc:  # a peer group died: the round will not commit
             _report(self.manager, exc)
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - t0)
         return True
 
 
@@ -107,7 +112,8 @@ class _AgreedClient:
     :data:`RECOVERY_FIELDS` (``broadcast_object_list`` over ``group``, a gloo group of the
     group's ranks) and record the heal in ``transport.heal_sources``: the quorum id, the
     source group's replica id (the one every rank healed from) and the one torchft had
-    assigned to this rank. Everything else is the ManagerClient's."""
+    assigned to this rank; ``transport.behind`` is the number of groups behind the
+    quorum's max step. Everything else is the ManagerClient's."""
 
     def __init__(self, client, group, transport: "ManagedTransport"):
         self._client, self._group, self._transport = client, group, transport
@@ -120,6 +126,7 @@ class _AgreedClient:
         box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
         dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
         agreed = box[0]
+        self._transport.behind = quorum.replica_world_size - quorum.max_world_size
         if agreed["heal"]:
             names = [r.split(":")[0] for r in quorum.replica_ids]
             src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
@@ -136,7 +143,8 @@ class ManagedTransport:
     Each sync event opens a round with :meth:`begin` (a torchft quorum; the round stays
     open, so a delayed exchange keeps its process group until it is applied) and closes
     it with :meth:`should_commit`. The round's F is the number of live groups, the
-    position this group's participating rank, and the weights ``1/F`` ("size" and
+    position this group's participating rank, and the weights ``1/F`` (in a quorum where
+    groups heal: 0 for them, 1/(F - H) for the others) ("size" and
     "uniform" agree for equal groups, the only ones this mode accepts).
 
     Attributes: ``manager`` (``torchft.Manager``), ``pg`` (its managed process group),
@@ -155,6 +163,8 @@ class ManagedTransport:
     num_chunks: int = 1
     chunk_index: int | None = 0
     device: torch.device = torch.device("cpu")
+    meter: object = None
+    """The accelerator's :class:`~fl_accel.comm.CommMeter` ("fl" traffic is counted while it is entered)."""
     elastic = True
     """Membership is decided at every sync (the synchronizer asks :meth:`begin` before acting)."""
 
@@ -162,6 +172,7 @@ class ManagedTransport:
         self.round: Round | None = None
         self.healed, self.heals = False, 0
         self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
+        self.behind = 0  # groups of the last quorum behind its max step (they heal in it; _AgreedClient)
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
@@ -215,10 +226,25 @@ class ManagedTransport:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
                                    f"of {num})")
             self.round = Round(num, position, (1.0 / num,) * num)
+            if num > 1 and self.behind:  # groups healed in this quorum: they hold a source's values
+                self.round = Round(num, position, self._weights_without_healed(num, position))
             if num > 1 or self.healed:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
+
+    def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
+        """Weights 1/(F - H) over the groups that did not heal in this quorum, 0 for the H
+        that did (each holds a copy of its source's values, which would otherwise weigh
+        twice). Which groups healed: a SUM of 0/1 flags over the managed group; every group
+        of the quorum runs it, since all of them see the same ``behind`` count."""
+        flags = torch.zeros(num, dtype=torch.float32, device=self.device)
+        flags[position] = float(self.healed)
+        self.all_reduce(flags)
+        live = [g for g in range(num) if flags[g].item() == 0]
+        if self.manager.errored() is not None or not 0 < len(live) < num:
+            return (1.0 / num,) * num
+        return tuple(1.0 / len(live) if g in live else 0.0 for g in range(num))
 
     def should_commit(self) -> bool:
         """torchft's vote of this group's ranks (False after any reported error); closes
@@ -229,14 +255,28 @@ class ManagedTransport:
             self.round = None
 
     # ------------------------------------------------------------------ collectives
-    def _call(self, launch):
+    def _call(self, launch, op: str | None = None, tensor=None):
+        """Launch a collective on the managed group. While ``meter`` (the accelerator's
+        :class:`~fl_accel.comm.CommMeter`) is entered, it is counted in the "fl" bucket as
+        :mod:`fl_accel.comm` counts the single world's: ring bytes of ``tensor`` over the
+        round's F, host seconds in the call and its ``wait()``."""
         if self.manager.errored() is not None:  # the round is lost: skip what is left of it
             return _Done()
+        from . import comm
+
+        meter = self.meter if self.meter is not None and self.meter in comm._active else None
         try:
-            return _Reported(launch(), self.manager)
+            t0 = time.perf_counter()
+            work = launch()
         except Exception as exc:
             _report(self.manager, exc)
             return _Done()
+        if meter is None or op is None:
+            return _Reported(work, self.manager)
+        num = self.round.num_groups if self.round is not None else 1
+        meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
+                           time.perf_counter() - t0)
+        return _Reported(work, self.manager, lambda s: meter._add_seconds("fl", s))
 
     @staticmethod
     def _finish(work, async_op: bool):
@@ -248,15 +288,15 @@ class ManagedTransport:
     def all_reduce(self, tensor, async_op=False):
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts)), async_op)
+        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor), async_op)
 
     def all_to_all(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions())),
-                            async_op)
+        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()),
+                                       "all_to_all", input), async_op)
 
     def all_gather(self, output, input, async_op=False):
         return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
-            [output.view(-1)], [input.reshape(-1)], AllgatherOptions())), async_op)
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output), async_op)
 
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)

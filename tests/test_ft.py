@@ -240,12 +240,13 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
     assigns rank 0 and rank 1 of the recovering group different sources (recorded as
     ``torchft_source``); with the guard both ranks heal from rank 0's source, record the
     same ``source``, and their state right after the heal is bitwise that source group's
-    at the same quorum. Groups 0 and 2 never exit, and all three groups end bitwise equal
+    at the same quorum; that sync's mean is over groups 0 and 2 only (the healed copy has
+    weight 0, the source does not count twice). Groups 0 and 2 never exit, and all three groups end bitwise equal
     after the final sync."""
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
-        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15})
+        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
     logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g2", "g1a1")}
     procs, g1 = [], None
@@ -285,6 +286,15 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
         peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]]
         assert len(peer) == 1 and peer[0]["num_groups"] == 3
         _assert_state_equal(heal[0]["state"], peer[0]["state"], f"rank {k} after the heal from group {src_group}")
+        # the heal's sync averages the two live groups only: the healed copy of the source has weight 0
+        other = _load(out / f"g{2 - src_group}_r{k}_a0.pt")
+        mine = [q for q in other["quorums"] if q["manager_step"] == heal[0]["manager_step"]][0]["state"]["params"]
+        step = heal[0]["state"]["schedule"]["global_step"]
+        after = [p for s_, p in src["steps"] if s_ == step][0]
+        for i, (a, b, c) in enumerate(zip(peer[0]["state"]["params"], mine, after)):
+            assert torch.allclose(c, (a + b) / 2, rtol=0, atol=1e-6), f"rank {k} param {i} after the heal's sync"
+        assert max((c - (2 * a + b) / 3).abs().max().item() for a, b, c in
+                   zip(peer[0]["state"]["params"], mine, after)) > 1e-5  # not the source counted twice
         finals = [_load(out / f"g{f}_r{k}_a{1 if f == 1 else 0}.pt")["final"] for f in range(3)]
         for f in (1, 2):
             for name in ("params", "schedule"):
@@ -302,7 +312,8 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
     --fault_tolerance torchft ...`` (one launch: a Lighthouse and two torchruns of 2 ranks,
     the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
     ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
-    its own 2 ranks only (traffic of one group, tokens of 2 ranks); the eval losses after
+    its own 2 ranks only (traffic of one group, tokens of 2 ranks; the exchange over
+    torchft's process group counted in "fl"); the eval losses after
     the syncs (steps 2 and 4) are equal in both groups, bitwise (fp32 "avg": the groups
     hold the same parameters); results record the torchft mode, the group and the
     synchronizer's counters (2 syncs, no heal)."""
@@ -328,6 +339,7 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
         assert r["steps"] == 4 and r["num_groups"] == 2 and r["world_size"] == 2 * G
         assert r["train_tokens"] == 4 * G * 2 * 64  # this group's tokens only: 2 ranks x 2 blocks x 64 tokens
         assert len(r["comm_by_group"]) == 1 and r["comm"]["world"]["calls"] > 0  # gathered in its own world
+        assert r["comm"]["fl"]["bytes"] > 0 and r["comm"]["fl"]["calls"] >= 2, r["comm"]["fl"]  # 2 syncs
         assert math.isfinite(r["eval_loss"]) and r["eval_scored"] == "synchronized"
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
