@@ -49,9 +49,12 @@ def runs(tmp_path_factory, data_cache):
     done: dict[str, tuple] = {}
 
     def get(algorithm: str):
+        """``algorithm``, or "fl_fsdp_f1": FL+FSDP with a single federation group."""
         if algorithm not in done:
             out = str(tmp_path_factory.mktemp(f"run_{algorithm}"))
-            proc = launch([*COMMON, "--algorithm", algorithm, "--output_dir", out, "--cache_dir", data_cache])
+            extra = ["--algorithm", "fl_fsdp", "--num_groups", "1"] if algorithm == "fl_fsdp_f1" else \
+                ["--algorithm", algorithm]
+            proc = launch([*COMMON, *extra, "--output_dir", out, "--cache_dir", data_cache])
             done[algorithm] = (out, proc)
         return done[algorithm]
 
@@ -279,3 +282,42 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
             assert measured == 0, (axis, measured)
         else:
             assert abs(measured - predicted[axis]) <= 0.05 * predicted[axis], (axis, measured, predicted[axis])
+
+
+GOLDEN = REPO_ROOT / "tests" / "golden" / "fl_fsdp_tiny_losses.json"
+
+
+def _train_losses(out: str) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+
+
+def test_golden_losses_of_fl_fsdp(runs):
+    """Regression guard (torchtitan style): the train losses of every step and the final eval
+    loss of the tiny FL+FSDP run (4 ranks, F=2, H=3, seed 42, the embedded corpus) equal the
+    committed values within 1e-5. A change that moves the numerics on purpose regenerates
+    the file: ``FL_ACCEL_REGEN_GOLDEN=1 python -m pytest tests/test_recipe.py -k golden``."""
+    out, proc = runs("fl_fsdp")
+    assert proc.returncode == 0, proc.tail()
+    got = {"train_loss": {str(k): v for k, v in sorted(_train_losses(out).items())},
+           "eval_loss": json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())["eval_loss"],
+           "command": " ".join([*COMMON, "--algorithm", "fl_fsdp"])}
+    if os.environ.get("FL_ACCEL_REGEN_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert want["command"] == got["command"], "the golden run's flags changed: regenerate the file"
+    assert list(got["train_loss"]) == list(want["train_loss"]) == ["1", "2", "3", "4"]
+    for step, loss in want["train_loss"].items():
+        assert abs(got["train_loss"][step] - loss) <= 1e-5, (step, got["train_loss"][step], loss)
+    assert abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5, (got["eval_loss"], want["eval_loss"])
+
+
+def test_one_federation_group_is_fsdp_bitwise(runs):
+    """FL+FSDP with F=1 is FSDP: the same train loss at every step and the same eval loss,
+    bitwise (one group's mean of itself changes nothing; H=3 syncs at steps 3 and 4)."""
+    (f1, p1), (fsdp, p0) = runs("fl_fsdp_f1"), runs("fsdp")
+    assert p1.returncode == 0 and p0.returncode == 0, p1.tail() + p0.tail()
+    a, b = _train_losses(f1), _train_losses(fsdp)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a == b, (a, b)
+    ra, rb = (json.loads(open(os.path.join(d, "all_results.json"), encoding="utf-8").read()) for d in (f1, fsdp))
+    assert ra["eval_loss"] == rb["eval_loss"] and ra["num_groups"] == 1
