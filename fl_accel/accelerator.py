@@ -36,7 +36,7 @@ from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataPa
 from . import fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
-from .config import FLConfig
+from .config import FLConfig, lighthouse_addr, start_notes
 from .exchange import MeshTransport
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .sync import FederatedSynchronizer
@@ -67,34 +67,6 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
                          f"supported with algorithm {config.algorithm!r}: the sync's collectives need the parameters "
                          f"on the accelerator. To save accelerator memory, set outer_state_device='cpu' (the sync's "
                          f"outer state in host memory) or activation checkpointing.")
-
-
-def _lighthouse_addr(config: FLConfig) -> str:
-    """``FLConfig.lighthouse_addr`` or torchft's ``TORCHFT_LIGHTHOUSE``; ValueError (every
-    rank, before any collective) when neither is set or torchft is missing."""
-    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not addr:
-        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
-                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
-                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
-    try:
-        import torchft  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
-    return addr
-
-
-def _start_notes(cfg: FLConfig, layout: FLLayout, device_type: str, mixed_precision: str) -> list[str]:
-    """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
-    notes = list(cfg.ignored_settings())
-    if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
-        notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
-                     f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
-                                  f"{layout.shards // 2} for 2 replicas"
-                                  if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
-    if device_type == "cpu" and mixed_precision != "no":
-        notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
-    return notes
 
 
 class FLAccelerator(Accelerator):
@@ -129,7 +101,7 @@ class FLAccelerator(Accelerator):
         self.fl_config = fl_config.validate()
         self.fault_tolerant = fl_config.fault_tolerance == "torchft"
         if self.fault_tolerant:  # this world is one federation group; the layout is the federation's
-            self._lighthouse = _lighthouse_addr(fl_config)
+            self._lighthouse = lighthouse_addr(fl_config)
             self.layout = FLLayout.from_config(fl_config, world * fl_config.federation_size,
                                                ranks_per_node=ranks_per_node(world))
             self._mesh_layout = FLLayout((world,), self.layout.shards, "hsdp" if self.layout.uses_hsdp else "fsdp")
@@ -162,7 +134,7 @@ class FLAccelerator(Accelerator):
         self._last_loss: torch.Tensor | None = None
         self._grads_accumulating = False  # micro-batch gradients wait for their optimizer step
         if self.is_main_process:
-            for note in _start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
+            for note in start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
 
     def _use_fsdp2(self, plugin, user_policy) -> None:

@@ -323,6 +323,34 @@ class FLConfig:
         return cls.from_dict(values, source=str(yaml_path or "defaults"))
 
 
+def lighthouse_addr(config: FLConfig) -> str:
+    """``FLConfig.lighthouse_addr`` or torchft's ``TORCHFT_LIGHTHOUSE``; ValueError (every
+    rank, before any collective) when neither is set or torchft is missing."""
+    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not addr:
+        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
+                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
+                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
+    return addr
+
+
+def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_precision: str) -> list[str]:
+    """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
+    notes = list(cfg.ignored_settings())
+    if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
+        notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
+                     f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
+                                  f"{layout.shards // 2} for 2 replicas"
+                                  if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
+    if device_type == "cpu" and mixed_precision != "no":
+        notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
+    return notes
+
+
 # ---------------------------------------------------------------------- shared with recipes/args.py
 def resolve_sources(yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
                     environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None,
