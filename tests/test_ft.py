@@ -308,8 +308,9 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
 
 
 def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
-    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 -- recipes/pretrain.py
-    --fault_tolerance torchft ...`` (one launch: a Lighthouse and two torchruns of 2 ranks,
+    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
+    recipes/pretrain.py --fault_tolerance torchft ...`` (every quorum waits for both groups, so
+    a slow start of one group cannot leave the other syncing alone; one launch: a Lighthouse and two torchruns of 2 ranks,
     the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
     ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
     its own 2 ranks only (traffic of one group, tokens of 2 ranks; the exchange over
@@ -318,8 +319,8 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
     hold the same parameters); results record the torchft mode, the group and the
     synchronizer's counters (2 syncs, no heal)."""
     out = tmp_path / "out"
-    argv = [sys.executable, str(REPO_ROOT / "scripts" / "ft_launch.py"), "--num_groups", "2", "--nproc_per_group",
-            str(G), "--log_dir", str(tmp_path / "logs"), "--", "recipes/pretrain.py", "--fault_tolerance", "torchft",
+    argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
+            "--min_replicas", "2", "--log_dir", str(tmp_path / "logs"), "--", "recipes/pretrain.py", "--fault_tolerance", "torchft",
             *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache")]
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

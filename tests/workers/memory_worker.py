@@ -3,7 +3,9 @@ and reports its resident memory before and after, for the memory model's small r
 
     MALLOC_MMAP_THRESHOLD_=131072 python tests/workers/memory_worker.py CONFIG.json SEQ_LEN MICRO_BATCH STEPS
 
-Prints one JSON line: ``{"before_mb": ..., "after_mb": ...}``, ``ru_maxrss`` / 1024 (MiB)
+Prints one JSON line: ``{"before_mb": ..., "after_mb": ...}``, the peak resident set ``VmHWM``
+of ``/proc/self/status`` in MiB (not ``ru_maxrss``: after ``exec`` it keeps the parent's peak,
+which a big pytest process makes larger than this worker's)
 right before the first step (the model and the optimizer exist, no state yet) and after the
 last. The peak is reset right before the first step (``5 > /proc/self/clear_refs``, Linux),
 so a higher peak during the imports cannot hide the training's. The loop is the recipe's: AdamW (the paper's settings), ``zero_grad(set_to_none=True)``,
@@ -13,11 +15,16 @@ follows the bytes in use.
 """
 
 import json
-import resource
 import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def _peak_mb() -> float:
+    """This process's own peak resident set (``VmHWM``, kB in /proc/self/status) in MiB."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
 
 
 def main(path: str, seq_len: int, micro_batch: int, steps: int) -> None:
@@ -28,13 +35,13 @@ def main(path: str, seq_len: int, micro_batch: int, steps: int) -> None:
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len))
     with open("/proc/self/clear_refs", "w") as fh:  # reset the peak resident set (VmHWM, ru_maxrss) to the current
         fh.write("5")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = _peak_mb()
     for _ in range(steps):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    print(json.dumps({"before_mb": before, "after_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    print(json.dumps({"before_mb": before, "after_mb": _peak_mb(),
                       "loss": out.loss.item()}))
 
 
