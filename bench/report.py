@@ -265,6 +265,36 @@ def copy_raw(plan: dict, root: str, dest: str) -> None:
                 shutil.copy2(os.path.join(src, fname), os.path.join(dst, fname))
 
 
+def _write_results_folder(plan: dict, root: str, machine: dict, meta: dict, write, bench: dict) -> str:
+    """(Re)write ``plan["results"]`` atomically (built in ``<results>.partial``, then moved):
+    ``write(tmp)`` draws the plots and writes table.md (returns the table, printed), then raw/,
+    machine.json, command.txt (with the continue and rebuild commands when ``meta`` has them)
+    and bench.json (``{"plan": ..., **bench}``). Returns the table."""
+    results = plan["results"]
+    tmp = results + ".partial"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    table = write(tmp)
+    copy_raw(plan, root, tmp)
+    with open(os.path.join(tmp, "machine.json"), "w", encoding="utf-8") as fh:
+        json.dump(machine, fh, indent=1)
+    with open(os.path.join(tmp, "command.txt"), "w", encoding="utf-8") as fh:
+        fh.write(meta.get("command", plan["command"]) + "\n")
+        if meta.get("resume_command"):
+            fh.write(f"# continue an interrupted suite with: {meta['resume_command']}\n")
+        if meta.get("report_command"):
+            fh.write(f"# report rebuilt with: {meta['report_command']}\n")
+    with open(os.path.join(tmp, "bench.json"), "w", encoding="utf-8") as fh:
+        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")}, **bench},
+                  fh, indent=1, default=str)
+    if os.path.isdir(results):
+        shutil.rmtree(results)
+    os.replace(tmp, results)
+    print(table)
+    return table
+
+
 def report(plan: dict, meta: dict, root: str, wandb_log: bool = True) -> dict:
     """Analyse the runs under ``root`` and (re)write ``plan["results"]`` atomically.
 
@@ -275,27 +305,15 @@ def report(plan: dict, meta: dict, root: str, wandb_log: bool = True) -> dict:
     machine = meta.get("machine") or machine_info()
     machine.setdefault("loadavg_end", loadavg())
     results = plan["results"]
-    tmp = results + ".partial"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    plot_paths = make_plots(plan, res, tmp)
-    table = write_table(plan, res, machine, meta, os.path.join(tmp, "table.md"))
-    copy_raw(plan, root, tmp)
-    with open(os.path.join(tmp, "machine.json"), "w", encoding="utf-8") as fh:
-        json.dump(machine, fh, indent=1)
-    with open(os.path.join(tmp, "command.txt"), "w", encoding="utf-8") as fh:
-        fh.write(meta.get("command", plan["command"]) + "\n")
-        if meta.get("report_command"):
-            fh.write(f"# report rebuilt with: {meta['report_command']}\n")
-    with open(os.path.join(tmp, "bench.json"), "w", encoding="utf-8") as fh:
-        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")},
-                   "links": meta.get("links"), "launches": meta.get("launches"), "timings": meta.get("timings"),
-                   "cpu": meta.get("cpu"), "date": meta.get("date"), "results": res}, fh, indent=1, default=str)
-    if os.path.isdir(results):
-        shutil.rmtree(results)
-    os.replace(tmp, results)
-    print(table)
+    plot_paths: list[str] = []
+
+    def write(tmp: str) -> str:
+        plot_paths.extend(make_plots(plan, res, tmp))
+        return write_table(plan, res, machine, meta, os.path.join(tmp, "table.md"))
+
+    table = _write_results_folder(plan, root, machine, meta, write, {
+        "links": meta.get("links"), "launches": meta.get("launches"), "timings": meta.get("timings"),
+        "cpu": meta.get("cpu"), "date": meta.get("date"), "results": res})
     note = "W&B: skipped"
     if wandb_log:
         try:
@@ -555,28 +573,12 @@ def report_local(plan: dict, meta: dict, root: str, results_root: str | None = N
     res = analyze_local(plan, root, results_root)
     machine = meta.get("machine") or machine_info()
     results = plan["results"]
-    tmp = results + ".partial"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    make_local_plots(plan, res, tmp)
-    table = write_local_table(plan, res, machine, meta, os.path.join(tmp, "table.md"))
-    copy_raw(plan, root, tmp)
-    with open(os.path.join(tmp, "machine.json"), "w", encoding="utf-8") as fh:
-        json.dump(machine, fh, indent=1)
-    with open(os.path.join(tmp, "command.txt"), "w", encoding="utf-8") as fh:
-        fh.write(meta.get("command", plan["command"]) + "\n")
-        if meta.get("resume_command"):
-            fh.write(f"# continue an interrupted suite with: {meta['resume_command']}\n")
-        if meta.get("report_command"):
-            fh.write(f"# report rebuilt with: {meta['report_command']}\n")
-    with open(os.path.join(tmp, "bench.json"), "w", encoding="utf-8") as fh:
-        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")},
-                   "launches": meta.get("launches"), "date": meta.get("date"), "results": res}, fh, indent=1,
-                  default=str)
-    if os.path.isdir(results):
-        shutil.rmtree(results)
-    os.replace(tmp, results)
-    print(table)
+
+    def write(tmp: str) -> str:
+        make_local_plots(plan, res, tmp)
+        return write_local_table(plan, res, machine, meta, os.path.join(tmp, "table.md"))
+
+    _write_results_folder(plan, root, machine, meta, write,
+                          {"launches": meta.get("launches"), "date": meta.get("date"), "results": res})
     print(f"[bench] results: {results}/ (table.md, *.png, raw/, machine.json, command.txt, bench.json)", flush=True)
     return res
