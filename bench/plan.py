@@ -239,12 +239,9 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     dict(id="fl_fsdp-h8-p2-tau1", sync_every=8, num_fragments=2, sync_delay=1),
     dict(id="fl_fsdp-h8-p2-tau2-int8-ef", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="int8",
          error_feedback=True),
-    # Issue 21 item 3 (sparse compressed exchange) and item 4 (outer-LR schedule) each add one
-    # line here once the library has them, e.g. (their FLConfig names are not settled yet):
-    # dict(id="fl_fsdp-h8-p2-tau2-sparse", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="<sparse>",
-    #      extra_flags=("--<density field>", "0.02")),
-    # dict(id="fl_fsdp-h8-nesterov-cosine", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
-    #      outer_momentum=0.9, extra_flags=("--<outer lr schedule field>", "cosine")),
+    dict(id="fl_fsdp-h8-nesterov-cosine", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
+         outer_momentum=0.9, extra_flags=("--outer_lr_schedule", "cosine", "--outer_lr_warmup_steps", "64")),
+    # Issue 21 item 3 (sparse compressed exchange) adds its row here.
 )
 CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8")
 """Rows trained again with a second seed: the seed band."""

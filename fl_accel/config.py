@@ -106,6 +106,18 @@ class FLConfig:
     outer_momentum: float = 0.9
     """Momentum of the "nesterov" outer optimizer (DiLoCo default 0.9), in [0, 1)."""
 
+    outer_lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """How the "nesterov" outer LR changes over the run (transformers' schedules, decaying
+    to 0 at ``outer_lr_decay_steps``); each fragment's outer step uses the value at the
+    optimizer step just taken (:meth:`fl_accel.outer.OuterState.lr_at`)."""
+
+    outer_lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup of the outer LR from 0 (any schedule)."""
+
+    outer_lr_decay_steps: int | None = None
+    """Optimizer steps over which "cosine"/"linear" decay (the run's length); None: the
+    recipe sets its ``max_steps``, a library user must set it."""
+
     average_optimizer_state: bool = False
     """Also average the inner optimizer's floating-point state tensors (e.g. AdamW
     moments) across groups at each sync. Off, as in the paper."""
@@ -172,6 +184,7 @@ class FLConfig:
             raise ValueError(f"FLConfig.outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"FLConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        self._check_outer_lr_schedule()
         if not 0 <= self.fragment_update_alpha <= 1:
             raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
         if not self.collective_timeout_s > 0:
@@ -186,6 +199,19 @@ class FLConfig:
         if self.fault_tolerance == "torchft":
             self._check_torchft()
         mesh.check_group_fields(self, explicit_num_groups="num_groups" in self._explicit)
+
+    def _check_outer_lr_schedule(self) -> None:
+        if self.outer_lr_schedule == "constant" and not self.outer_lr_warmup_steps:
+            return
+        if self.outer_optimizer != "nesterov":
+            raise ValueError(f"FLConfig.outer_lr_schedule={self.outer_lr_schedule!r} with outer_lr_warmup_steps="
+                             f"{self.outer_lr_warmup_steps} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
+        if self.outer_lr_warmup_steps < 0:
+            raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {self.outer_lr_warmup_steps}")
+        decay = self.outer_lr_decay_steps
+        if decay is not None and not self.outer_lr_warmup_steps < decay:
+            raise ValueError(f"FLConfig.outer_lr_warmup_steps={self.outer_lr_warmup_steps} must be shorter than the "
+                             f"run (FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
 
     def _check_torchft(self) -> None:
         """The fault-tolerant mode's own checks (pure Python: every rank raises them)."""

@@ -11,7 +11,8 @@ weighted mean over groups of what was sent::
                                          g = mean(Delta), or anchor - mean(theta) for "fp32"
     anchor <- global;  theta <- global + alpha (theta - global)
 
-With ``outer_lr`` 1 and ``outer_momentum`` 0 "nesterov" is "avg".
+With ``outer_lr`` 1 and ``outer_momentum`` 0 "nesterov" is "avg". The outer LR may follow a
+schedule (``outer_lr_schedule``: :meth:`OuterState.lr_at`).
 
 Placement (``outer_state_device``). "same": anchor, momentum and error-feedback residuals
 live on the parameters' device. "cpu": in host memory, sparing 4 bytes per local value
@@ -44,10 +45,37 @@ class OuterState:
 
     def __init__(self, params: list, config):
         self.params, self.config = params, config
+        self.step = 0  # the optimizer step of the sync being applied (set by the synchronizer)
         self.anchor: list[torch.Tensor] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.residuals: list[torch.Tensor] | None = None
         self._events: list = []
+        self._multiplier = None
+
+    def lr_at(self, step: int) -> float:
+        """The "nesterov" outer LR of a sync right after optimizer step ``step`` (1-based):
+        ``outer_lr`` times transformers' schedule multiplier ("constant_with_warmup",
+        "cosine" or "linear", ``outer_lr_warmup_steps``, ``outer_lr_decay_steps``) at the
+        0-based index ``step - 1`` of that step, i.e. the multiplier an inner LR scheduler
+        of the same shape used for it; so the sync at the run's last step still moves.
+        A pure function of the step: a resumed run continues the schedule exactly.
+
+        Raises:
+            ValueError: a decaying schedule without ``outer_lr_decay_steps``.
+        """
+        cfg = self.config
+        if cfg.outer_lr_schedule == "constant" and not cfg.outer_lr_warmup_steps:
+            return float(cfg.outer_lr)
+        if self._multiplier is None:
+            if cfg.outer_lr_schedule != "constant" and cfg.outer_lr_decay_steps is None:
+                raise ValueError(f"FLConfig.outer_lr_schedule={cfg.outer_lr_schedule!r} needs "
+                                 f"FLConfig.outer_lr_decay_steps (the run's optimizer steps)")
+            from transformers import get_scheduler  # its LambdaLR's lr_lambdas: the schedule's formula
+            name = "constant_with_warmup" if cfg.outer_lr_schedule == "constant" else cfg.outer_lr_schedule
+            probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+            self._multiplier = get_scheduler(name, probe, num_warmup_steps=cfg.outer_lr_warmup_steps,
+                                             num_training_steps=cfg.outer_lr_decay_steps).lr_lambdas[0]
+        return float(cfg.outer_lr) * float(self._multiplier(step - 1))
 
     @property
     def on_host(self) -> bool:
@@ -134,6 +162,8 @@ class OuterState:
             self._record()
 
     def _outer_step(self, indices: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
         for i, g in zip(indices, grads):
             self.anchor[i].grad = g
         self.optimizer.step()  # anchors without .grad (other fragments) are skipped

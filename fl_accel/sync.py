@@ -154,6 +154,8 @@ class FederatedSynchronizer:
             if self.config.keeps_outer_state and self.outer.anchor is None:
                 raise RuntimeError("the model was prepared on the meta device: call accelerator.materialize(model, "
                                    "init_fn) before training")
+            if self.outer.optimizer is not None and self.schedule.due():
+                self.outer.lr_at(1)  # an outer-LR schedule without its length raises before any collective
             loss = loss_fn() if loss_fn is not None and self.schedule.due() else None
             if loss is not None:
                 self.last_loss = float(loss)
@@ -252,6 +254,7 @@ class FederatedSynchronizer:
                            self.schedule.global_step)
 
     def _apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
+        self.outer.step = self.schedule.global_step
         self.outer.apply(indices, means, alpha)
 
     @torch.no_grad()

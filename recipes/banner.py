@@ -19,7 +19,7 @@ LETTERS = ("F federation groups of G ranks each; a group is R replicas x S shard
 
 FL_ONLY = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fragments", "sync_delay",
            "fragment_update_alpha", "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr", "outer_momentum",
-           "average_optimizer_state", "on_nonfinite", "sync_bucket_mb", "data_sharding", "anchor_device",
+           "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps", "average_optimizer_state", "on_nonfinite", "sync_bucket_mb", "data_sharding", "anchor_device",
            "outer_state_device")
 """FLConfig fields only a federated algorithm reads (both the old and the new name of the
 outer-state placement field, whichever this fl_accel has)."""
@@ -34,7 +34,7 @@ def ignored_fields(fl) -> set[str]:
     if not fl.uses_hsdp:
         out.add("hsdp_shard_size")
     if fl.outer_optimizer == "avg":
-        out |= {"outer_lr", "outer_momentum"}
+        out |= {"outer_lr", "outer_momentum", "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps"}
     if fl.sync_dtype == "fp32":
         out.add("error_feedback")
     if fl.outer_optimizer == "avg" and fl.sync_dtype == "fp32":

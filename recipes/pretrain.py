@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     from recipes.inputs import batches, build_data, steps_per_epoch
     from recipes.metrics import Clock, Meter, fl_accel_origin, peak_host_mb
     from recipes.modeling import build_model, build_optimizer, embedding_params, resolve_config
-    from recipes.run_folder import prepare_output_dir, resume
+    from recipes.run_folder import fill_outer_lr_decay, prepare_output_dir, resume
 
     accelerator = build_accelerator(plan)
     prepare_output_dir(accelerator, args)
@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
 
     per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
     max_steps = args.max_steps or args.num_epochs * per_epoch
+    fill_outer_lr_decay(fl, max_steps)
     scheduler = accelerator.prepare(get_scheduler(  # FLAccelerator: one scheduler step per optimizer step
         args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
         num_training_steps=max_steps))

@@ -21,6 +21,8 @@ import shutil
 import time
 from typing import Any
 
+from fl_accel import FLConfig
+
 from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity
 
 OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png")
@@ -80,12 +82,29 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
 
     check_model(args.model, args.seq_len)
     identity = run_identity(args, fl)
+    if args.max_steps:
+        fill_outer_lr_decay(fl, args.max_steps)
     resume_path = preflight(args, fl, layout, identity)
     mixed = resolve_mixed_precision(args.mixed_precision, environ)
     ac, ac_source = resolve_activation_checkpointing(args, environ)
     compiled, compile_source = resolve_compile(args, environ)
     return RunPlan(parsed, layout, run_name, identity, resume_path, mixed, ac, compiled,
                    {"activation_checkpointing": ac_source, "compile": compile_source}, t0)
+
+
+def fill_outer_lr_decay(fl, max_steps: int) -> None:
+    """A decaying outer-LR schedule without ``outer_lr_decay_steps`` spans the run's
+    ``max_steps`` (like the inner LR scheduler; left out of the run identity like it).
+
+    Raises:
+        RecipeError: the outer-LR warmup is not shorter than the run.
+    """
+    if fl.outer_lr_schedule != "constant" and fl.outer_lr_decay_steps is None:
+        fl.outer_lr_decay_steps = max_steps
+        try:
+            fl.validate()
+        except ValueError as exc:
+            raise RecipeError(f"{exc}: the run has {max_steps} optimizer steps (--max_steps / --num_epochs)") from exc
 
 
 # =========================================================================== names and layout
@@ -307,6 +326,9 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
 
 def _check_resume(resume: str, meta: dict, args, identity: dict) -> None:
     theirs = meta.get("run_identity")
+    if theirs is not None and isinstance(theirs.get("fl"), dict):  # FLConfig fields newer than the checkpoint
+        defaults = {f.name: f.default for f in dataclasses.fields(FLConfig) if f.name in identity.get("fl", {})}
+        theirs = {**theirs, "fl": {**defaults, **theirs["fl"]}}
     if theirs is not None and theirs != json.loads(json.dumps(identity)):
         diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
         raise RecipeError(f"checkpoint {resume} was written by another run: {diff} differ "

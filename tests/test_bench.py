@@ -367,8 +367,16 @@ def test_convergence_rows_differ_only_in_federation_flags():
     plan = _plan("--suite", "convergence")
     rows = {r.id: r for r in bp.runs_of(plan)}
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
-                          "fl_fsdp-h8-p2-tau2-int8-ef", "fsdp-seed43", "fl_fsdp-h8-seed43"]
+                          "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fsdp-seed43",
+                          "fl_fsdp-h8-seed43"]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
+    cosine = args.pop("fl_fsdp-h8-nesterov-cosine")
+    assert _federation_part(cosine) == _federation_part(args["fl_fsdp-h8-nesterov"])
+    extra = ["--outer_lr_schedule", "cosine", "--outer_lr_warmup_steps", "64"]
+    at = _common_part(cosine).index(extra[0])
+    assert _common_part(cosine)[at:at + 4] == extra
+    assert _common_part(cosine)[:at] + _common_part(cosine)[at + 4:] == _common_part(args["fl_fsdp-h8-nesterov"])
+    rows.pop("fl_fsdp-h8-nesterov-cosine")
     common = {tuple(_common_part(a)) for a in args.values()}
     assert len(common) == 1  # same tokens, data, model, schedule, evaluations, checkpoints
     c = list(common.pop())

@@ -45,8 +45,27 @@ def test_resume_is_the_same_run(full_run, k):
             assert lr_used == lr_sched == full[rank]["lr"][step][1], (rank, step)
         for a, b in zip(resumed[rank]["params"], full[rank]["params"]):
             assert torch.equal(a, b), rank
+        assert resumed[rank]["outer_lr"] == {6: full[rank]["outer_lr"][6]}, rank  # the schedule continues
     # groups differed at the mid-round checkpoint; each must have been restored to its own state
     assert full[0]["losses"][4] != full[2]["losses"][4]
+
+
+def test_outer_lr_at_each_sync_follows_its_schedule(full_run):
+    """Cosine outer-LR schedule, warmup 4, decay over 8 steps, outer_lr 0.7: the sync after
+    optimizer step s uses 0.7 x the multiplier at index s - 1 (the formula written out here,
+    independent of the transformers schedule the library uses)."""
+    def expected(step, warmup=4, total=8):
+        i = step - 1
+        if i < warmup:
+            return 0.7 * i / warmup
+        return 0.7 * 0.5 * (1 + math.cos(math.pi * (i - warmup) / (total - warmup)))
+
+    _, full = full_run
+    for rank in range(4):
+        assert set(full[rank]["outer_lr"]) == {3, 6}
+        for step, lr in full[rank]["outer_lr"].items():
+            assert lr == pytest.approx(expected(step), rel=1e-12), (rank, step)
+    assert full[0]["outer_lr"][3] == pytest.approx(0.35) and full[0]["outer_lr"][6] < 0.7
 
 
 def test_mid_round_checkpoint_keeps_each_groups_state(full_run):

@@ -38,7 +38,8 @@ def test_defaults():
         "algorithm": "fl_fsdp", "num_groups": 2, "group_sizes": None, "group_weighting": "size",
         "hsdp_shard_size": None, "sync_every": 8, "num_fragments": 1, "sync_delay": 0,
         "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
-        "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "average_optimizer_state": False,
+        "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_lr_schedule": "constant",
+        "outer_lr_warmup_steps": 0, "outer_lr_decay_steps": None, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
         "collective_timeout_s": 300.0, "fault_tolerance": "none", "group_index": None, "lighthouse_addr": None,
     }
@@ -155,6 +156,13 @@ def test_describe():
     ({"outer_state_device": None}, None, "outer_state_device"),
     ({"collective_timeout_s": 0}, None, "collective_timeout_s"),
     ({"collective_timeout_s": "60"}, None, "collective_timeout_s"),
+    ({"outer_lr_schedule": "cosine"}, None, "outer_lr_schedule"),  # a schedule with "avg"
+    ({"outer_lr_warmup_steps": 10}, None, "outer_lr_schedule.*outer_lr_warmup_steps=10"),  # warmup with "avg"
+    ({"outer_lr_schedule": "step"}, None, "outer_lr_schedule"),
+    ({"outer_optimizer": "nesterov", "outer_lr_schedule": "cosine", "outer_lr_warmup_steps": -1}, None,
+     "outer_lr_warmup_steps must be >= 0"),
+    ({"outer_optimizer": "nesterov", "outer_lr_schedule": "linear", "outer_lr_warmup_steps": 100,
+      "outer_lr_decay_steps": 100}, None, "outer_lr_warmup_steps=100 must be shorter than the run"),
 ])
 def test_validate_names_the_field(kwargs, world, field):
     """Each invalid value raises ValueError whose message names the offending field, at
@@ -423,3 +431,22 @@ def test_node_spans_and_link_share(shape, rpn, spans, share):
     assert {a: layout.spans_nodes(a, rpn) for a in AXES} == spans
     for axis, n in share.items():
         assert layout.link_share(axis, rpn) == n, axis
+
+
+def test_outer_lr_schedule_values_and_its_missing_length():
+    """OuterState.lr_at (no process group): constant without warmup is outer_lr at every
+    step; linear decay with warmup follows the formula at index step - 1; a decaying
+    schedule without outer_lr_decay_steps raises ValueError naming the field."""
+    from fl_accel.outer import OuterState
+
+    params = [torch.zeros(3)]
+    assert OuterState(params, FLConfig(outer_optimizer="nesterov")).lr_at(17) == 0.7
+    cfg = FLConfig(outer_optimizer="nesterov", outer_lr=0.5, outer_lr_schedule="linear", outer_lr_warmup_steps=2,
+                   outer_lr_decay_steps=10)
+    lrs = [OuterState(params, cfg).lr_at(s) for s in range(1, 12)]
+    want = [0.5 * (i / 2 if i < 2 else max(0.0, (10 - i) / 8)) for i in range(11)]
+    assert lrs == pytest.approx(want, abs=1e-15)
+    warm = FLConfig(outer_optimizer="nesterov", outer_lr_warmup_steps=4)  # constant after a warmup
+    assert [OuterState(params, warm).lr_at(s) for s in (1, 3, 5, 50)] == pytest.approx([0, 0.35, 0.7, 0.7])
+    with pytest.raises(ValueError, match="outer_lr_decay_steps"):
+        OuterState(params, FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine")).lr_at(8)

@@ -374,3 +374,15 @@ def test_evaluation_notes_follow_the_banner_and_round_eval_every():
     assert "own group per rank" in notes[1] and "fragments" in notes[1]
     source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
     assert 'for line in banner + notes' in source
+
+
+def test_outer_lr_schedule_spans_the_run_and_its_warmup_must_be_shorter(tmp_path):
+    """--outer_lr_schedule cosine without --outer_lr_decay_steps decays over --max_steps (left
+    out of the run identity, like max_steps); a warmup as long as the run is a RecipeError
+    naming the field and the run's steps, raised by the planning every rank does."""
+    flags = ["--algorithm", "fl_fsdp", "--num_groups", "2", "--outer_optimizer", "nesterov",
+             "--outer_lr_schedule", "cosine", "--output_dir", str(tmp_path / "o")]
+    plan = plan_run(flags + ["--max_steps", "40", "--outer_lr_warmup_steps", "8"], environ=ENV)
+    assert plan.fl.outer_lr_decay_steps == 40 and plan.identity["fl"]["outer_lr_decay_steps"] is None
+    with pytest.raises(RecipeError, match=r"outer_lr_warmup_steps=40 must be shorter than the run.*40 optimizer steps"):
+        plan_run(flags + ["--max_steps", "40", "--outer_lr_warmup_steps", "40"], environ=ENV)

@@ -2,7 +2,8 @@
 
     ckpt_worker.py MODE OUT_DIR [extra]
 
-MODE ``full``: train 8 optimizer steps (H=3, outer "nesterov", AdamW, cosine LR) and
+MODE ``full``: train 8 optimizer steps (H=3, outer "nesterov" with a cosine outer-LR schedule
+(warmup 4, decay over the 8 steps), AdamW, cosine LR) and
 save a checkpoint after steps 3 (a sync boundary) and 4 (mid-round); record per-step
 losses and the final local shards. MODE ``resume``: load ``OUT_DIR/step_<extra>`` and
 continue to step 8, recording the same. MODE ``nan``: make group 1's parameters NaN
@@ -35,8 +36,9 @@ def main() -> None:
         return nan_through_loss(out_dir, average_state=(extra == "avg_state"))
     on_nonfinite = extra if mode == "nan" else "abort"
     outer = "avg" if mode == "opt_state" else "nesterov"
+    scheduled = {"outer_lr_schedule": "cosine", "outer_lr_warmup_steps": 4, "outer_lr_decay_steps": STEPS}
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer=outer,
-                                 on_nonfinite=on_nonfinite,
+                                 on_nonfinite=on_nonfinite, **(scheduled if mode in ("full", "resume") else {}),
                                  average_optimizer_state=(mode == "opt_state" and extra == "on")), cpu=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -75,6 +77,8 @@ def main() -> None:
         rec["losses"][step + 1] = loss.item()
         # the LR each group actually uses, and the scheduler's value
         rec["lr"][step + 1] = (opt.param_groups[0]["lr"], sched.get_last_lr()[0])
+        if (step + 1) % H == 0 and acc.synchronizer.outer.optimizer is not None:  # the outer LR of this sync
+            rec.setdefault("outer_lr", {})[step + 1] = acc.synchronizer.outer.optimizer.param_groups[0]["lr"]
         if mode == "full" and step + 1 in (3, 4):
             acc.save_state(f"{out_dir}/step_{step + 1}", extra_meta={"completed_steps": step + 1})
         if mode in ("nan", "opt_state") and step + 1 == 3:
