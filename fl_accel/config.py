@@ -84,14 +84,21 @@ class FLConfig:
     """alpha in [0, 1]: when a delayed result is applied, the parameters become
     global + alpha * (local - global). 0 takes the global result."""
 
-    sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    sync_dtype: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
     """What crosses the "fl" axis: "fp32" (the exact mean of the parameters), "bf16" or
     "int8" (compressed exchange: the mean of pseudo-gradients, quantized, int8 with one
-    fp32 scale per block of 256 values; about 1/2 and 1/4 of the fp32 bytes)."""
+    fp32 scale per block of 256 values; about 1/2 and 1/4 of the fp32 bytes), or "sparse"
+    (SparseLoCo, arXiv 2508.15706: top-k of each 4096 values, with ``error_feedback``)."""
+
+    sync_density: float = 1 / 64
+    """With "sparse": the share of every 4096 values sent (largest magnitudes), in (0, 1]."""
+
+    sync_value_bits: int = 2
+    """With "sparse": bits per sent value, 2, 4 or 8 (a sign and a magnitude level)."""
 
     error_feedback: bool = False
-    """For "bf16"/"int8": each rank keeps what quantization dropped from its
-    pseudo-gradient and adds it to the next one (error feedback)."""
+    """For a compressed ``sync_dtype``: each rank keeps what quantization (or top-k) dropped
+    from its pseudo-gradient and adds it to the next one (error feedback)."""
 
     outer_optimizer: Literal["avg", "nesterov"] = "avg"
     """"avg": plain FedAvg, the new parameters are the (weighted) mean over groups.
@@ -187,6 +194,13 @@ class FLConfig:
         self._check_outer_lr_schedule()
         if not 0 <= self.fragment_update_alpha <= 1:
             raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
+        if not 0 < self.sync_density <= 1:
+            raise ValueError(f"FLConfig.sync_density must be in (0, 1], got {self.sync_density}")
+        if self.sync_value_bits not in (2, 4, 8):
+            raise ValueError(f"FLConfig.sync_value_bits must be 2, 4 or 8, got {self.sync_value_bits}")
+        if self.sync_dtype == "sparse" and not self.error_feedback:
+            raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
+                             "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"FLConfig.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         if self.sync_every % self.num_fragments:
@@ -249,21 +263,14 @@ class FLConfig:
     uses_hsdp = property(lambda self: mesh.uses_hsdp(self.algorithm), doc='True for "hsdp" and "fl_hsdp".')
     is_federated = property(lambda self: mesh.is_federated(self.algorithm), doc='True for "fl_fsdp", "fl_hsdp".')
 
-    @property
-    def fragmented(self) -> bool:
-        """True when the sync is split into fragments, delayed or mixed (P > 1, tau > 0, alpha > 0)."""
-        return self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0
+    fragmented = property(lambda self: self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0,
+                          doc="True when the sync is split into fragments, delayed or mixed (P > 1, tau > 0, alpha > 0).")
+    compressed = property(lambda self: self.sync_dtype != "fp32",
+                          doc='True when the exchange is compressed (``sync_dtype`` "bf16", "int8" or "sparse").')
 
-    @property
-    def compressed(self) -> bool:
-        """True when the exchange is quantized (``sync_dtype`` "bf16" or "int8")."""
-        return self.sync_dtype != "fp32"
-
-    @property
-    def keeps_outer_state(self) -> bool:
-        """True when a sync keeps an fp32 anchor (and so honours ``outer_state_device``):
-        outer optimizer "nesterov" or a compressed exchange."""
-        return self.outer_optimizer == "nesterov" or self.compressed
+    keeps_outer_state = property(lambda self: self.outer_optimizer == "nesterov" or self.compressed,
+                                 doc="True when a sync keeps an fp32 anchor (and so honours ``outer_state_device``): "
+                                     'outer optimizer "nesterov" or a compressed exchange.')
 
     def sync_state(self, num_groups: int) -> dict[str, Any]:
         """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
@@ -289,6 +296,8 @@ class FLConfig:
         if self.fault_tolerance == "none":
             out += [f"{name}={getattr(self, name)!r} is ignored with fault_tolerance 'none' (one world)"
                     for name in ("group_index", "lighthouse_addr") if name in explicit]
+        out += [f"{n}={getattr(self, n)!r} is ignored with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"
+                for n in ("sync_density", "sync_value_bits") if n in explicit and self.sync_dtype != "sparse"]
         if self.error_feedback and not self.compressed:
             out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
         if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:

@@ -17,11 +17,12 @@ reduced once per step (not on the first A-1 micro-batches) in b_g = ``grad_bytes
 
 Sync (F > 1), byte for byte :mod:`fl_accel.exchange`: unit u is in fragment u mod P, one
 fragment syncs every H/P steps; its local fp32 shards, n values per bucket
-(:func:`plan_buckets`), padded to a multiple of C = R_min (fp32) or C F 256 (bf16, int8),
+(:func:`plan_buckets`), padded to a multiple of C = R_min (fp32), C F 256 (bf16, int8) or C 4096 (sparse),
 chunk c over "fl" by replica c, shared over "dp_replicate" (all-gather if R_f == C, else
 C broadcasts); a world all-reduce of F fp32 flags checks for NaN/Inf::
 
     fl = 2 (F-1)/F n/C b  (b = 4 fp32, 2 bf16, 1 + 4/256 int8);  dp_replicate = (R_f-1)/R_f 4n;  world = 2 (N-1)/N 4F
+    sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`sparse_k`)
 
 With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched early when T falls
 in its tau-step window, and ``end_training``'s full sync unless step T ended one (P = 1).
@@ -50,6 +51,23 @@ BLOCK = 256
 """Values per int8 scale of the compressed exchange (one fp32 absmax scale per block)."""
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
 """Bytes per value on the "fl" axis by ``sync_dtype`` (payload and int8 scales)."""
+SPARSE_BLOCK = 4096
+"""Values per top-k block of the "sparse" exchange (int16 indices inside a block)."""
+
+
+def sparse_k(density: float, bits: int) -> int:
+    """Values kept per ``SPARSE_BLOCK`` by "sparse": ``density`` x 4096 rounded up to a
+    multiple of 32 / ``bits`` (whole bytes of codes, payload fields 4-byte aligned), <= 4096."""
+    q = 32 // bits
+    return min(SPARSE_BLOCK, max(q, math.ceil(density * SPARSE_BLOCK / q) * q))
+
+
+def sparse_bytes(numel: int, density: float, bits: int) -> int:
+    """Bytes one rank sends for ``numel`` values (a multiple of 4096) in "sparse": per
+    block two fp32 (smallest kept magnitude, level step), k int16 indices, k codes of
+    ``bits`` bits."""
+    k = sparse_k(density, bits)
+    return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
 RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
 """Ring factor of each collective: bytes sent per rank = factor (p-1)/p M."""
 
@@ -94,18 +112,23 @@ def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[list[int]]:
     return out
 
 
-def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int) -> list[Traffic]:
-    """Per group, the Traffic of one exchange of local tensors of ``sizes`` fp32 values."""
+def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int,
+                sparse: tuple = (1 / 64, 2)) -> list[Traffic]:
+    """Per group, the Traffic of one exchange of local tensors of ``sizes`` fp32 values
+    (``sparse``: density and value bits of "sparse")."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
-    pad = C * (1 if dtype == "fp32" else F * BLOCK)
+    pad = C * (1 if dtype == "fp32" else SPARSE_BLOCK if dtype == "sparse" else F * BLOCK)
     out = []
     for f in range(F):
         t, R = Traffic(), layout.replicas_of(f)
         for n in buckets:
             chunk = math.ceil(n / pad) * pad // C
-            for op in ("all_reduce",) if dtype == "fp32" else ("all_to_all", "all_gather"):
-                t.add(FL, op, chunk * SYNC_VALUE_BYTES[dtype], F)
+            if dtype == "sparse":  # an all-gather of every group's top-k
+                t.add(FL, "all_gather", F * sparse_bytes(chunk, *sparse), F)
+            else:
+                for op in ("all_reduce",) if dtype == "fp32" else ("all_to_all", "all_gather"):
+                    t.add(FL, op, chunk * SYNC_VALUE_BYTES[dtype], F)
             if R == C:
                 t.add(DP_REPLICATE, "all_gather", 4 * chunk * C, R)
             else:
@@ -197,18 +220,19 @@ class CommEstimate:
 def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every: int, num_fragments: int = 1,
              sync_dtype: str = "fp32", param_bytes: float = 4, grad_bytes: float | None = None,
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
-             sync_delay: int = 0, sync_bucket_mb: int = 256) -> CommEstimate:
+             sync_delay: int = 0, sync_bucket_mb: int = 256, sync_density: float = 1 / 64,
+             sync_value_bits: int = 2) -> CommEstimate:
     """Bytes per rank per optimizer step of ``layout`` training ``units`` (:func:`llama_units`,
     :func:`units_from_module` or a parameter count); H, P, ``sync_dtype``, tau and
-    ``sync_bucket_mb`` as FLConfig; bytes per gathered parameter / reduced gradient element;
+    ``sync_bucket_mb`` (``sync_density``, ``sync_value_bits``) as FLConfig; bytes per gathered parameter / reduced gradient element;
     A micro-batches; ``ranks_per_node`` enables the node split; ``total_steps`` T counts a
     T-step run's syncs instead of 1/H per step. Raises ValueError naming the argument."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
         raise ValueError(f"sync_every={H} must be a multiple of num_fragments={P}, and sync_delay={tau} < H/P")
-    if sync_dtype not in SYNC_VALUE_BYTES:
-        raise ValueError(f"sync_dtype must be one of {list(SYNC_VALUE_BYTES)}, got {sync_dtype!r}")
+    if sync_dtype not in (*SYNC_VALUE_BYTES, "sparse"):
+        raise ValueError(f"sync_dtype must be one of {[*SYNC_VALUE_BYTES, 'sparse']}, got {sync_dtype!r}")
     pb = _num("param_bytes", param_bytes)
     gb = pb if grad_bytes is None else _num("grad_bytes", grad_bytes)
     if ranks_per_node is not None:
@@ -230,8 +254,9 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
             raise ValueError(f"num_fragments={P} exceeds the {len(units)} FSDP units; each fragment needs one")
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in units[k::P] for n in u.local_sizes(S)] for k in range(P)]
-        fragments = [_sync_event(layout, s, sync_dtype, bucket) for s in sizes]
-        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], sync_dtype, bucket)
+        sparse = (sync_density, sync_value_bits)
+        fragments = [_sync_event(layout, s, sync_dtype, bucket, sparse) for s in sizes]
+        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], sync_dtype, bucket, sparse)
         weights = [1.0 / H] * P
         if total_steps is not None:
             T = _int("total_steps", total_steps)
@@ -248,10 +273,12 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
 def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit] | float, *,
                          ranks_per_node: int | None = None, **kw: Any) -> CommEstimate:
     """:func:`estimate` with ``FLLayout.from_config`` and the config's sync_every,
-    num_fragments, sync_dtype, sync_delay and sync_bucket_mb (``kw`` overrides them).
+    num_fragments, sync_dtype, sync_delay, sync_bucket_mb, sync_density and sync_value_bits
+    (``kw`` overrides them).
     Raises ValueError naming the FLConfig field or the argument."""
     layout = FLLayout.from_config(config, world_size, ranks_per_node)
-    names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb")
+    names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
+             "sync_value_bits")
     return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 

@@ -30,8 +30,14 @@ Modes (``sync_dtype``), for a buffer of n fp32 values per rank:
   sub-chunk in fp32 with the weights, re-quantizes the sum and all-gathers it. Payload and
   scales travel in one uint8 buffer. Bytes on "fl": 2 (F-1)/F * n * b, with b =
   ``fl_accel.cost_model.SYNC_VALUE_BYTES`` (2, or 1 + 4/256).
+* "sparse" (SparseLoCo, arXiv 2508.15706; :mod:`fl_accel.compress`): each rank keeps the
+  top-k of every 4096 values and codes them in ``value_bits``; one ``all_gather`` of every
+  group's payload (same size everywhere), each rank adds the groups' decoded values in
+  fp32 with the weights. Bytes on "fl": (F-1) ``cost_model.sparse_bytes(n)``, i.e. about
+  F (2 + bits/8) density / 8 of fp32's (the all-gather grows with F).
 
-Padding: n is rounded up to a multiple of C (fp32), or of C * F * BLOCK (compressed).
+Padding: n is rounded up to a multiple of C (fp32), C * F * BLOCK (bf16, int8) or C *
+4096 (sparse).
 """
 
 from __future__ import annotations
@@ -44,10 +50,9 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .cost_model import BLOCK, plan_buckets
+from .compress import QMAX, dequantize, quantize, sparse_encode, sparse_sum  # noqa: F401 (QMAX: tests)
+from .cost_model import BLOCK, SPARSE_BLOCK, plan_buckets
 from .mesh import DP_REPLICATE, FL
-
-QMAX = 127.0
 
 
 @dataclass(frozen=True)
@@ -148,34 +153,6 @@ class MeshTransport:
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
 
-# ---------------------------------------------------------------------- quantization
-def quantize(x: torch.Tensor, sync_dtype: str, rows: int) -> torch.Tensor:
-    """Quantize fp32 ``x`` (numel divisible by ``rows`` * BLOCK for int8) into a uint8
-    tensor ``[rows, row_bytes]``: row i holds sub-chunk i (payload, then int8 scales)."""
-    x = x.view(rows, -1)
-    if sync_dtype == "bf16":
-        return x.to(torch.bfloat16).view(torch.uint8).view(rows, -1)
-    m = x.shape[1]
-    blocks = x.view(rows, m // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=2).div_(QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(blocks / scale.unsqueeze(2)).clamp_(-QMAX, QMAX).to(torch.int8)
-    out = torch.empty(rows, m + 4 * (m // BLOCK), dtype=torch.uint8, device=x.device)
-    out[:, :m].view(torch.int8).copy_(q.view(rows, m))
-    out[:, m:].view(torch.float32).copy_(scale)
-    return out
-
-
-def dequantize(buf: torch.Tensor, sync_dtype: str) -> torch.Tensor:
-    """Inverse of :func:`quantize`: ``[rows, row_bytes]`` uint8 -> ``[rows, m]`` fp32."""
-    rows = buf.shape[0]
-    if sync_dtype == "bf16":
-        return buf.contiguous().view(torch.bfloat16).view(rows, -1).to(torch.float32)
-    m = buf.shape[1] * BLOCK // (BLOCK + 4)
-    q = buf[:, :m].contiguous().view(torch.int8).to(torch.float32)
-    scale = buf[:, m:].contiguous().view(torch.float32)
-    return (q.view(rows, m // BLOCK, BLOCK) * scale.unsqueeze(2)).view(rows, m)
-
-
 # ---------------------------------------------------------------------- the exchange
 class _Bucket:
     __slots__ = ("idx", "flat", "piece", "work", "recv", "sent", "gathered", "stage")
@@ -197,7 +174,8 @@ class Exchange:
         sources: this rank's tensors, or callables returning them (called one at a time
             while packing, so computed values never exist for all tensors at once).
         shapes, device: of the sources (required with callables).
-        sync_dtype: "fp32" exact, or "bf16"/"int8" quantized (see the module docstring).
+        sync_dtype: "fp32" exact, "bf16"/"int8" quantized, or "sparse" (module docstring;
+            ``density``, ``value_bits`` as FLConfig's ``sync_density``, ``sync_value_bits``).
         mask: per-group 0/1; groups flagged 0 contribute nothing and the weights are
             renormalized over the others (the non-finite reset).
         residuals: error feedback, one fp32 tensor per source (may live in host memory):
@@ -209,11 +187,13 @@ class Exchange:
     """
 
     def __init__(self, transport: Transport, rnd: Round, sources: list, *, shapes=None, device=None,
-                 sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20):
+                 sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20,
+                 density: float = 1 / 64, value_bits: int = 2):
         self.t, self.round, self.sources, self.residuals = transport, rnd, sources, residuals
         self.shapes = [tuple(s) for s in (shapes if shapes is not None else [x.shape for x in sources])]
         self.device = device if device is not None else (sources[0].device if sources else torch.device("cpu"))
         self.sync_dtype, self.compressed = sync_dtype, sync_dtype != "fp32"
+        self.sparse = (density, value_bits) if sync_dtype == "sparse" else None
         self.weights = list(rnd.weights)
         if mask is not None:
             total = sum(w * m for w, m in zip(self.weights, mask))
@@ -266,7 +246,8 @@ class Exchange:
         self.peak_bytes = max(self.peak_bytes, sum(b.nbytes() for b in self.buckets))
 
     def _pack(self, idx: list[int]) -> _Bucket:
-        pad = self.t.num_chunks * (self.round.num_groups * BLOCK if self.compressed else 1)
+        pad = self.t.num_chunks * (SPARSE_BLOCK if self.sparse else self.round.num_groups * BLOCK if self.compressed
+                                   else 1)
         numel = sum(math.prod(self.shapes[i]) for i in idx)
         with self._stream():
             flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=self.device)
@@ -301,6 +282,13 @@ class Exchange:
                     w = self.weights[self.round.position]
                     b.piece.mul_(w) if w else b.piece.zero_()  # zero, not 0 * NaN, for a dropped group
                 b.work = self.t.all_reduce(b.piece, async_op=True)
+            elif self.sparse:  # one stage: the all-gather of every group's top-k
+                payload, sent = sparse_encode(mine, *self.sparse)
+                if self.residuals is not None:
+                    self._store_residual(b, mine - sent)
+                b.gathered = torch.empty(self.round.num_groups, payload.numel(), dtype=torch.uint8, device=mine.device)
+                b.sent, b.stage = payload, 2
+                b.work = self.t.all_gather(b.gathered, payload, async_op=True)
             else:
                 b.sent = quantize(mine, self.sync_dtype, self.round.num_groups)
                 if self.residuals is not None:
@@ -346,14 +334,16 @@ class Exchange:
         with self._stream():
             if b.work is not None:
                 b.work.wait()
-                if self.compressed:
+                if self.sparse:
+                    mine.copy_(sparse_sum(b.gathered, self.weights, *self.sparse))
+                elif self.compressed:
                     mine.copy_(dequantize(b.gathered, self.sync_dtype).view(-1))
                 else:
                     if not self.scale_first:
                         b.piece.div_(self.round.num_groups)
                     if b.piece is not mine:
                         mine.copy_(b.piece)
-                b.work = b.piece = b.gathered = None
+                b.work = b.piece = b.gathered = b.sent = None
             self.t.share_chunks(b.flat)
         if self.stream is not None:  # read on the compute stream from now on
             torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -207,6 +207,7 @@ class FederatedSynchronizer:
         return Exchange(self.transport, rnd or self.transport.begin(), [self.outer.source(i) for i in indices],
                         shapes=[tuple(local(self.params[i]).shape) for i in indices], device=self.device,
                         sync_dtype=self.config.sync_dtype, bucket_values=max(1, self.config.sync_bucket_mb * 2**18),
+                        density=self.config.sync_density, value_bits=self.config.sync_value_bits,
                         residuals=None if self.outer.residuals is None else [self.outer.residuals[i] for i in indices])
 
     @torch.no_grad()

@@ -37,7 +37,8 @@ def test_defaults():
     assert c.to_dict() == {
         "algorithm": "fl_fsdp", "num_groups": 2, "group_sizes": None, "group_weighting": "size",
         "hsdp_shard_size": None, "sync_every": 8, "num_fragments": 1, "sync_delay": 0,
-        "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "error_feedback": False,
+        "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "sync_density": 1 / 64, "sync_value_bits": 2,
+        "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_lr_schedule": "constant",
         "outer_lr_warmup_steps": 0, "outer_lr_decay_steps": None, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
@@ -143,6 +144,13 @@ def test_describe():
     ({"fragment_update_alpha": -0.1}, None, "fragment_update_alpha"),
     ({"sync_dtype": "fp8"}, None, "sync_dtype"),
     ({"error_feedback": "yes"}, None, "error_feedback"),
+    ({"sync_density": 0.0}, None, r"FLConfig\.sync_density must be in \(0, 1\]"),
+    ({"sync_density": -0.01}, None, "sync_density"),
+    ({"sync_density": 1.01}, None, "sync_density"),
+    ({"sync_density": float("nan")}, None, "sync_density"),
+    ({"sync_density": "0.02"}, None, "sync_density"),
+    ({"sync_value_bits": 3}, None, "FLConfig.sync_value_bits"),
+    ({"sync_dtype": "sparse"}, None, r"FLConfig\.error_feedback must be True with sync_dtype='sparse'"),
     ({"group_sizes": [2, 2], "num_groups": 3}, None, "num_groups"),  # disagrees with an explicit num_groups
     ({"group_sizes": [2, 4]}, None, "fl_hsdp"),  # fl_fsdp with unequal sizes: suggests fl_hsdp
     ({"algorithm": "fl_hsdp", "group_sizes": [2, 4], "hsdp_shard_size": 4}, None, "hsdp_shard_size"),
@@ -275,6 +283,27 @@ def test_env_values_are_typed():
     assert FLConfig.from_env(environ={"FL_ACCEL_OUTER_STATE_DEVICE": "cpu"}).outer_state_device == "cpu"
     with pytest.raises(ValueError, match="outer_state_device must be one of"):
         FLConfig.from_env(environ={"FL_ACCEL_OUTER_STATE_DEVICE": "gpu"})
+
+
+def test_sparse_fields_from_env_yaml_and_flags(tmp_path):
+    """The sparse exchange's fields travel like every field: FL_ACCEL_<FIELD> variables,
+    YAML under ``fl:``, the recipe's flags; a bad density raises naming the field; a
+    density with another sync_dtype is named as ignored."""
+    from recipes.args import parse_args
+
+    c = FLConfig.from_env({"FL_ACCEL_SYNC_DTYPE": "sparse", "FL_ACCEL_ERROR_FEEDBACK": "1",
+                           "FL_ACCEL_SYNC_DENSITY": "0.02", "FL_ACCEL_SYNC_VALUE_BITS": "4"})
+    assert (c.sync_dtype, c.sync_density, c.sync_value_bits, c.compressed) == ("sparse", 0.02, 4, True)
+    with pytest.raises(ValueError, match="FLConfig.sync_density"):
+        FLConfig.from_env({"FL_ACCEL_SYNC_DENSITY": "0"})
+    path = tmp_path / "fl.yaml"
+    path.write_text("fl:\n  sync_dtype: sparse\n  error_feedback: true\n  sync_density: 0.03\n")
+    assert FLConfig.from_yaml(path).sync_density == 0.03
+    parsed = parse_args(["--sync_dtype", "sparse", "--error_feedback", "--sync_density", "0.01"], environ={})
+    assert (parsed.fl.sync_dtype, parsed.fl.sync_density) == ("sparse", 0.01)
+    with pytest.raises((ValueError, SystemExit)):
+        parse_args(["--sync_dtype", "sparse", "--error_feedback", "--sync_density", "2"], environ={})
+    assert any("sync_density" in n for n in FLConfig(sync_density=0.5).ignored_settings())
 
 
 def test_env_parser_skips_test_hooks_and_reads_the_timeout():

@@ -116,6 +116,29 @@ def test_sync_dtypes(dtype, limit):
     assert low.by_axis()["dp_shard"] == fp32.by_axis()["dp_shard"]
 
 
+def test_sparse_bytes_formula_and_payload():
+    """"sparse": an all-gather of (F-1) x the payload per rank, the payload being per 4096
+    values 8 + 2k + k bits/8 bytes (k = density x 4096 rounded up to 32/bits); it is what
+    fl_accel.compress.sparse_encode really builds, and at the default density (1/64, 2
+    bits) it is <= 0.05x the fp32 all-reduce for F <= 10 groups (F x 0.00464)."""
+    from fl_accel.compress import sparse_encode
+
+    assert [cm.sparse_k(d, b) for d, b in ((1 / 64, 2), (0.02, 2), (0.02, 8), (1e-6, 4), (1.0, 2))] == \
+        [64, 96, 84, 8, 4096]
+    for density, bits in ((1 / 64, 2), (0.02, 4), (0.1, 8)):
+        payload, _ = sparse_encode(torch.randn(3 * cm.SPARSE_BLOCK), density, bits)
+        assert payload.dtype == torch.uint8 and payload.numel() == cm.sparse_bytes(3 * cm.SPARSE_BLOCK, density, bits)
+    units = cm.units_from_param_count(2**22)  # local 2**21 values: a multiple of 4096
+    for F in (2, 4, 10, 16):
+        fp32 = est(EQ(F, 1, 2), units).sync_by_axis()["fl"]
+        sparse = est(EQ(F, 1, 2), units, sync_dtype="sparse")
+        assert sparse.sync_by_axis()["fl"] == approx((F - 1) * 2**21 // 4096 * (8 + 2 * 64 + 64 // 4))
+        assert set(sparse.fragments[0][0].bytes["fl"]) == {"all_gather"} and sparse.fragments[0][0].calls["fl"] == 1
+        assert (sparse.sync_by_axis()["fl"] / fp32 <= 0.05) == (F <= 10)
+    low = est(EQ(2, 1, 2), units, sync_dtype="sparse", sync_density=0.01, sync_value_bits=8)
+    assert low.sync_by_axis()["fl"] == approx(2**21 // 4096 * (8 + 3 * 44))
+
+
 def test_fragments_cut_peak_not_amortized_bytes():
     units = [cm.ShardUnit(f"u{i}", 4096, True, ((64, 64),)) for i in range(8)]
     one = est(EQ(4, 1, 2), units, sync_every=8)
