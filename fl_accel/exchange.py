@@ -288,7 +288,7 @@ class Exchange:
                     self._store_residual(b, mine - sent)
                 b.gathered = torch.empty(self.round.num_groups, payload.numel(), dtype=torch.uint8, device=mine.device)
                 b.sent, b.stage = payload, 2
-                b.work = self.t.all_gather(b.gathered, payload, async_op=True)
+                b.work = self.t.all_gather(b.gathered, payload.view(1, -1), async_op=True)  # gloo: rows match
             else:
                 b.sent = quantize(mine, self.sync_dtype, self.round.num_groups)
                 if self.residuals is not None:
