@@ -216,8 +216,11 @@ def _main_rows(suite: str, link: str, s: dict) -> list[RunSpec]:
         # int8 takes two collectives (all-to-all, then all-gather of the re-quantized sum); with
         # tau=2 both run behind compute (the second is launched one step after the first).
         tau = min(2, H // 2 - 1)  # tau < H/P
+        # sparse (issue 21 item 3): one all-gather of every group's top-k, at the default density (1/64, 2 bits)
         return [blocking, RunSpec("fl_fsdp-p2-tau1", **stream),
                 RunSpec(f"fl_fsdp-p2-tau{tau}-int8-ef", sync_dtype="int8", error_feedback=True,
+                        **dict(stream, sync_delay=tau)),
+                RunSpec(f"fl_fsdp-p2-tau{tau}-sparse-ef", sync_dtype="sparse", error_feedback=True,
                         **dict(stream, sync_delay=tau)), limit]
     if suite == "hsdp_r2":
         eight = dict(common, nproc_per_node=4, num_groups=2, shard_size=2, limit="fl_hsdp-r2-8p-limit")
@@ -241,7 +244,9 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
          error_feedback=True),
     dict(id="fl_fsdp-h8-nesterov-cosine", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
          outer_momentum=0.9, extra_flags=("--outer_lr_schedule", "cosine", "--outer_lr_warmup_steps", "64")),
-    # Issue 21 item 3 (sparse compressed exchange) adds its row here.
+    # issue 21 item 3: top-k 1/64 of every 4096 values, 2-bit values, error feedback (FLConfig defaults)
+    dict(id="fl_fsdp-h8-p2-tau2-sparse-ef", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="sparse",
+         error_feedback=True),
 )
 CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8")
 """Rows trained again with a second seed: the seed band."""
@@ -295,6 +300,11 @@ def build_runs(s: dict) -> list[RunSpec]:
         for link in (s["rates"] or SUITE_RATES[suite]):
             for row in _main_rows(suite, link, s):
                 main.setdefault((link, row.id), row)
+    if s.get("only"):  # --only: these main rows (and the calibration of their configurations)
+        unknown = sorted(set(s["only"]) - {r.id for r in main.values()})
+        if unknown:
+            raise BenchError(f"--only: unknown row(s) {unknown}; the rows are {sorted({r.id for r in main.values()})}")
+        main = {k: r for k, r in main.items() if r.id in s["only"]}
     calib: dict[tuple, RunSpec] = {}
     for row in main.values():
         if row.sync_every == LIMIT_SYNC_EVERY or row.config_key() in calib:
@@ -340,7 +350,8 @@ def build_parser(prog: str = "python -m bench.run_bench"):
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="quality suites: steps between checkpoints, which an interrupted suite resumes from "
                         "(convergence 64, paper-regime 16)")
-    p.add_argument("--only", default=None, help="quality suites: run only these row ids (comma list); finished "
+    p.add_argument("--only", default=None, help="run only these row ids (comma list; throughput suites: at "
+                   "every rate, with their calibration); quality suites: finished "
                                                 "rows are skipped anyway")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=42)
@@ -386,7 +397,7 @@ def make_plan(args) -> dict:
     suites = parse_suites(args.suite)
     if suites[0] in LOCAL_SUITES:
         return _make_local_plan(args, suites[0])
-    for flag in ("eval_every", "checkpoint_every", "only"):
+    for flag in ("eval_every", "checkpoint_every"):
         if getattr(args, flag) is not None:
             raise BenchError(f"--{flag.replace('_', '-')} applies to the quality suites (convergence, paper-regime)")
     base = SMOKE if args.smoke else FULL
@@ -427,6 +438,7 @@ def make_plan(args) -> dict:
              cache_dir=os.path.abspath(args.cache_dir or os.path.join(args.work_root, "cache")),
              nodes=NODES, command=" ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"] + sys.argv[1:]))
     s["run_timeout"] = args.run_timeout or (600.0 + 60.0 * max(s["steps"], s["calib_steps"], s["overhead_steps"]))
+    s["only"] = [x.strip() for x in (args.only or "").split(",") if x.strip()] or None
     s["runs"] = [dataclasses.asdict(r) for r in build_runs(s)]
     return s
 
