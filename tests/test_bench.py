@@ -51,7 +51,7 @@ def test_full_plan_suites_links_and_shared_rows():
     # one calibration per distinct configuration, none for the limits
     calib = _rows(plan, phase="calibration")
     assert set(calib) == {"fsdp", "fl_fsdp", "hsdp", "fl_hsdp", "fl_fsdp-p2-tau1", "fl_fsdp-p2-tau2-int8-ef",
-                          "hsdp-8p", "fl_hsdp-r2-8p"}
+                          "fl_fsdp-p2-tau2-sparse-ef", "hsdp-8p", "fl_hsdp-r2-8p"}
     assert all(r.link is None and r.eval_every == 0 for r in calib.values())
 
 
@@ -367,7 +367,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
     plan = _plan("--suite", "convergence")
     rows = {r.id: r for r in bp.runs_of(plan)}
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
-                          "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fsdp-seed43",
+                          "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
+                          "fsdp-seed43",
                           "fl_fsdp-h8-seed43"]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
     cosine = args.pop("fl_fsdp-h8-nesterov-cosine")
@@ -395,6 +396,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert fed["fl_fsdp-h8-p2-tau1"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "1"]
     assert fed["fl_fsdp-h8-p2-tau2-int8-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
                                                                      "--sync_dtype", "int8", "--error_feedback"]
+    assert fed["fl_fsdp-h8-p2-tau2-sparse-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
+                                                                       "--sync_dtype", "sparse", "--error_feedback"]
     assert all(r.world == 4 and r.nodes == 1 and r.path == r.id for r in rows.values())
     assert rows["fl_fsdp-h8-nesterov"].label == "FL+FSDP H=8 nesterov(0.7, 0.9)"
     assert rows["fsdp-seed43"].label == "FSDP (seed 43)"
@@ -412,6 +415,17 @@ def test_a_later_row_is_one_line(monkeypatch):
     assert _common_part(a)[: _common_part(a).index("--some_density")] == \
         _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
     assert list(rows)[-2:] == ["fsdp-seed43", "fl_fsdp-h8-seed43"]  # second seeds stay last
+
+
+def test_only_selects_throughput_rows_and_their_calibration():
+    """``--only`` on a throughput suite keeps those main rows (every rate) and the
+    calibration of their configurations; an unknown id is one error naming the rows."""
+    plan = _plan("--suite", "streaming", "--rates", "10mbit", "--only", "fl_fsdp-p2-tau2-sparse-ef,fl_fsdp-limit")
+    runs = bp.runs_of(plan)
+    assert sorted((r.phase, r.id) for r in runs) == [("calibration", "fl_fsdp-p2-tau2-sparse-ef"),
+                                                     ("main", "fl_fsdp-limit"), ("main", "fl_fsdp-p2-tau2-sparse-ef")]
+    with pytest.raises(bp.BenchError, match="--only: unknown"):
+        _plan("--suite", "streaming", "--only", "nope")
 
 
 def test_paper_regime_rows():
