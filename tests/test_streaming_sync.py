@@ -278,16 +278,18 @@ def ref_sparse(x: torch.Tensor, density: float, bits: int) -> torch.Tensor:
     return out
 
 
-def sparse_mean(anchor, thetas, residual, idx, cfg, shards: int = 2) -> list[torch.Tensor]:
-    """The "sparse" exchange of parameters ``idx`` across F equal groups of ``shards`` ranks:
-    rank (g, s) packs its dim-0 shards (torch.chunk) of (anchor - theta_g) + residual into
-    one buffer, padded to a multiple of 4096, sends :func:`ref_sparse` of it and keeps the
-    rest as its residual (error feedback); the mean is sum_g sent_g / F, added in group
-    order. Returns the full mean per parameter."""
+def sparse_mean(anchor, thetas, residual, idx, cfg, shards: int = 2, weights=None) -> list[torch.Tensor]:
+    """The "sparse" exchange of parameters ``idx`` across the groups of ``thetas`` (each of
+    ``shards`` ranks holding one chunk): rank (g, s) packs its dim-0 shards (torch.chunk)
+    of (anchor - theta_g) + residual into one buffer, padded to a multiple of 4096, sends
+    :func:`ref_sparse` of it and keeps the rest as its residual (error feedback); the mean
+    is sum_g w_g sent_g (default w_g = 1/F), added in group order. Returns the full mean
+    per parameter."""
+    weights = weights or [1.0 / len(thetas)] * len(thetas)
     means = [[] for _ in idx]
     for s in range(shards):
         total = 0
-        for g in range(F):
+        for g, w in enumerate(weights):
             parts = [((anchor[i] - thetas[g][i].detach()) + residual[g][i]).chunk(shards)[s] for i in idx]
             flat = _flat(parts, 4096)
             sent = ref_sparse(flat, cfg.sync_density, cfg.sync_value_bits)
@@ -295,7 +297,7 @@ def sparse_mean(anchor, thetas, residual, idx, cfg, shards: int = 2) -> list[tor
             for i, part in zip(idx, parts):
                 residual[g][i].chunk(shards)[s].copy_((flat - sent)[offset:offset + part.numel()].view_as(part))
                 offset += part.numel()
-            total = total + sent * (1.0 / F)
+            total = total + sent * w
         offset = 0
         for j, part in enumerate(parts):
             means[j].append(total[offset:offset + part.numel()].view_as(part))

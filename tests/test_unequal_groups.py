@@ -41,6 +41,7 @@ WORLD = 6
 H, STEPS, LR_SGD = 3, 7, 1.0
 UNEQUAL = {"algorithm": "fl_hsdp", "group_sizes": [2, 4], "hsdp_shard_size": 2, "sync_every": H}
 TOL = 1e-6
+SPARSE = {**UNEQUAL, "sync_dtype": "sparse", "error_feedback": True}
 MEASURED: dict[str, float] = {}  # figures printed at the end of the module (pytest -s)
 
 
@@ -85,6 +86,7 @@ def six(tmp_path_factory):
         _sc("uniform", {**UNEQUAL, "group_weighting": "uniform", "data_sharding": "group"}),
         _sc("ckpt", {**UNEQUAL, "outer_optimizer": "nesterov"}, "adamw", 1e-2, save_at=[3, 4],
             save_dir=str(out / "ckpt_dir")),
+        _sc("sparse", SPARSE),
     ]}
     return _launch(WORLD, out, spec)
 
@@ -144,10 +146,11 @@ def group_batches(recs, layout: FLLayout) -> list[list[list[torch.Tensor]]]:
     return out
 
 
-def simulate(batches, weights, average) -> dict:
+def simulate(batches, weights, average, sync_all=None) -> dict:
     """The exact single-process reference: group f trains on the mean loss of its own
     ranks' batches (one SGD step, lr LR_SGD, no momentum); after every H-th step and at
-    the end (``end_training``) every group becomes ``average(thetas)``."""
+    the end (``end_training``) every group becomes ``average(thetas)`` (parameter by
+    parameter), or ``sync_all(models)`` does the sync."""
     models = []
     for _ in batches:
         torch.manual_seed(0)
@@ -158,6 +161,8 @@ def simulate(batches, weights, average) -> dict:
         return [p.detach().clone() for p in m.parameters()]
 
     def sync():
+        if sync_all is not None:
+            return sync_all(models)
         with torch.no_grad():
             for ps in zip(*(m.parameters() for m in models)):
                 mean = average([p.detach() for p in ps])
@@ -266,6 +271,50 @@ def test_unequal_groups_equal_exact_simulation_at_every_step(six, scenario, weig
     pre = [full_params(recs, 5, f, 0) for f in (0, 1)]
     assert max_diff(full_params(recs, 3, 0, 0), sim[3][0]) <= TOL
     assert max(max_diff([other([a, b])], [average([a, b])]) for a, b in zip(*pre)) > 1e2 * TOL
+
+
+def test_unequal_groups_sparse_equals_simulation(six):
+    """sync_dtype "sparse" + error feedback on [2, 4] (weights 1/3, 2/3; replica 0 of each
+    group sends, replica 1 of group 1 receives its chunk by a broadcast): every rank equals
+    a single-process simulation (top-k, 2-bit codes, error feedback and the weighted sum
+    of tests/test_streaming_sync.py) after every step and at the end (<= 1e-6), the groups
+    are identical after each sync, and the uniform weights (1/2, 1/2) miss it."""
+    from test_streaming_sync import sparse_mean
+
+    recs = six("sparse")
+    cfg = FLConfig(**SPARSE)
+
+    def run(weights):
+        state = {}
+
+        def sync_all(models):
+            thetas = [list(m.parameters()) for m in models]
+            state.setdefault("anchor", [p.detach().clone() for p in W_init])
+            state.setdefault("residual", [[torch.zeros_like(p) for p in W_init] for _ in models])
+            idx = list(range(len(W_init)))
+            with torch.no_grad():
+                mean = sparse_mean(state["anchor"], thetas, state["residual"], idx, cfg, 2, list(weights))
+                for i in idx:
+                    state["anchor"][i] = state["anchor"][i] - mean[i]
+                    for th in thetas:
+                        th[i].copy_(state["anchor"][i])
+
+        return simulate(group_batches(recs, LAYOUT), weights, None, sync_all)
+
+    torch.manual_seed(0)
+    W_init = [p.detach().clone() for p in W.build_model().parameters()]
+    sim = run(LAYOUT.weights("size"))
+    worst = 0.0
+    for key in ["init", *range(1, STEPS + 1), "final"]:
+        for f in (0, 1):
+            for r in range(LAYOUT.replicas_of(f)):
+                worst = max(worst, max_diff(full_params(recs, key, f, r), sim[key][f]))
+    MEASURED["max |fl_accel - sparse simulation| ([2, 4])"] = worst
+    assert worst <= TOL, worst
+    assert max_diff(full_params(recs, 6, 0, 0), full_params(recs, 6, 1, 0)) == 0.0
+    uniform = run((0.5, 0.5))
+    miss = max(max_diff(full_params(recs, k, 0, 0), uniform[k][0]) for k in range(1, STEPS + 1))
+    assert miss > 1e-3, miss
 
 
 # ====================================================================== 2. bytes
