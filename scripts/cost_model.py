@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [(base.algorithm.upper(), base, 1, 0, "fp32"),
                 (f"{name} fp32, blocking", fl, 1, 0, "fp32"),
                 ("fragmented fp32", fl, a.num_fragments, a.sync_delay, "fp32"),
-                ("fragmented int8", fl, a.num_fragments, a.sync_delay, "int8")]
+                ("fragmented int8", fl, a.num_fragments, a.sync_delay, "int8"),
+                ("fragmented sparse", fl, a.num_fragments, a.sync_delay, "sparse")]
         out = []
         for label, layout, P, tau, dtype in rows:
             e = estimate(layout, units, sync_every=a.sync_every, num_fragments=P, sync_delay=tau, sync_dtype=dtype,
