@@ -20,14 +20,12 @@ from typing import Any, Literal, Mapping, get_args
 
 
 from . import mesh
-from .fields import _type_hints, check_type, parse_env_value, read_yaml_mapping
+from .fields import (ENV_PREFIX, TEST_ENV_PREFIX, _type_hints, check_type, env_overrides,  # noqa: F401
+                     read_yaml_mapping, resolve_sources)
 
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
 assert get_args(Algorithm) == mesh.ALGORITHMS
 
-ENV_PREFIX = "FL_ACCEL_"
-TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
-"""Test hooks (``FL_ACCEL_TEST_FAULT_INJECT``, ...): skipped by :func:`env_overrides`."""
 
 NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
 """Fields that place state or bound waits without changing any value: a run may resume a
@@ -175,74 +173,7 @@ class FLConfig:
     ``http://127.0.0.1:29510``. None: torchft's ``TORCHFT_LIGHTHOUSE`` variable."""
 
     def __post_init__(self) -> None:
-        self._check_fields()
-
-    def _check_fields(self) -> None:
-        """Types, ranges and constraints between fields; no world size needed."""
-        hints = _type_hints(type(self))
-        for f in fields(self):
-            check_type(f"FLConfig.{f.name}", getattr(self, f.name), hints[f.name])
-        if self.group_sizes is not None:
-            self.group_sizes = list(self.group_sizes)
-        for name in ("num_groups", "sync_every", "num_fragments", "sync_bucket_mb"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"FLConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"FLConfig.outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"FLConfig.outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        self._check_outer_lr_schedule()
-        if not 0 <= self.fragment_update_alpha <= 1:
-            raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
-        if not 0 < self.sync_density <= 1:
-            raise ValueError(f"FLConfig.sync_density must be in (0, 1], got {self.sync_density}")
-        if self.sync_value_bits not in (2, 4, 8):
-            raise ValueError(f"FLConfig.sync_value_bits must be 2, 4 or 8, got {self.sync_value_bits}")
-        if self.sync_dtype == "sparse" and not self.error_feedback:
-            raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
-                             "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
-        if not self.collective_timeout_s > 0:
-            raise ValueError(f"FLConfig.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
-        if self.sync_every % self.num_fragments:
-            raise ValueError(f"FLConfig.sync_every={self.sync_every} must be a multiple of "
-                             f"FLConfig.num_fragments={self.num_fragments} (one fragment syncs every H/P steps)")
-        period = self.sync_every // self.num_fragments
-        if not 0 <= self.sync_delay < period:
-            raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
-                             f"{period}, got {self.sync_delay}")
-        if self.fault_tolerance == "torchft":
-            self._check_torchft()
-        mesh.check_group_fields(self, explicit_num_groups="num_groups" in self._explicit)
-
-    def _check_outer_lr_schedule(self) -> None:
-        if self.outer_lr_schedule == "constant" and not self.outer_lr_warmup_steps:
-            return
-        if self.outer_optimizer != "nesterov":
-            raise ValueError(f"FLConfig.outer_lr_schedule={self.outer_lr_schedule!r} with outer_lr_warmup_steps="
-                             f"{self.outer_lr_warmup_steps} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
-        if self.outer_lr_warmup_steps < 0:
-            raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {self.outer_lr_warmup_steps}")
-        decay = self.outer_lr_decay_steps
-        if decay is not None and not self.outer_lr_warmup_steps < decay:
-            raise ValueError(f"FLConfig.outer_lr_warmup_steps={self.outer_lr_warmup_steps} must be shorter than the "
-                             f"run (FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
-
-    def _check_torchft(self) -> None:
-        """The fault-tolerant mode's own checks (pure Python: every rank raises them)."""
-        if not self.is_federated:
-            raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
-                             f"'fl_hsdp'), got algorithm={self.algorithm!r}")
-        if self.group_sizes is not None and len(set(self.group_sizes)) > 1:
-            raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
-                             f"{self.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
-                             f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
-                             f"groups (num_groups) or fault_tolerance='none'.")
-        if self.group_index is None:
-            raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
-                             "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
-        if not 0 <= self.group_index < self.federation_size:
-            raise ValueError(f"FLConfig.group_index must be in [0, num_groups={self.federation_size}), got "
-                             f"{self.group_index}")
+        check_fields(self)
 
     @property
     def federation_size(self) -> int:
@@ -255,7 +186,7 @@ class FLConfig:
         """Check every field and, given ``world_size``, that the layout fits it
         (:meth:`fl_accel.mesh.FLLayout.from_config`). Returns ``self``. Raises ValueError
         naming the field (type, range, H not a multiple of P, tau, F or S not dividing)."""
-        self._check_fields()
+        check_fields(self)
         if world_size is not None:
             mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
         return self
@@ -282,28 +213,7 @@ class FLConfig:
 
     def ignored_settings(self) -> list[str]:
         """Non-default settings the chosen ``algorithm`` ignores, one sentence each."""
-        out, explicit = [], self._explicit
-        if not self.is_federated:
-            for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}):
-                out.append(f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} "
-                           f"(one group spans the world)")
-        if not self.uses_hsdp and self.hsdp_shard_size is not None:
-            out.append(f"hsdp_shard_size={self.hsdp_shard_size} is ignored by algorithm {self.algorithm!r} "
-                       f"(it shards over the whole group)")
-        if self.is_federated and self.outer_optimizer == "avg":
-            out += [f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'"
-                    for name in ("outer_lr", "outer_momentum") if name in explicit]
-        if self.fault_tolerance == "none":
-            out += [f"{name}={getattr(self, name)!r} is ignored with fault_tolerance 'none' (one world)"
-                    for name in ("group_index", "lighthouse_addr") if name in explicit]
-        out += [f"{n}={getattr(self, n)!r} is ignored with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"
-                for n in ("sync_density", "sync_value_bits") if n in explicit and self.sync_dtype != "sparse"]
-        if self.error_feedback and not self.compressed:
-            out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
-        if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:
-            out.append(f"outer_state_device={self.outer_state_device!r} is ignored with outer_optimizer 'avg' "
-                       f"and sync_dtype 'fp32' (the sync keeps no anchor)")
-        return out
+        return ignored_settings(self)
 
     # ------------------------------------------------------------------ loading
     def to_dict(self) -> dict[str, Any]:
@@ -354,8 +264,103 @@ class FLConfig:
                 yaml_values = yaml_values["fl"] or {}  # an empty `fl:` section means the defaults
                 if not isinstance(yaml_values, dict):
                     raise ValueError(f"'fl:' in {yaml_path} must be a mapping, got {type(yaml_values).__name__}")
-        values, _ = resolve_sources(yaml_values, str(yaml_path), environ, overrides, cls=cls)
+        values, _ = resolve_sources(cls, yaml_values, str(yaml_path), environ, overrides)
         return cls.from_dict(values, source=str(yaml_path or "defaults"))
+
+
+def check_fields(cfg: FLConfig) -> None:
+    """Types, ranges and constraints between the fields of ``cfg`` (an FLConfig); no world
+    size needed. Raises ValueError naming the field."""
+    hints = _type_hints(type(cfg))
+    for f in fields(cfg):
+        check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
+    if cfg.group_sizes is not None:
+        cfg.group_sizes = list(cfg.group_sizes)
+    for name in ("num_groups", "sync_every", "num_fragments", "sync_bucket_mb"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"FLConfig.{name} must be >= 1, got {getattr(cfg, name)}")
+    if not cfg.outer_lr > 0:
+        raise ValueError(f"FLConfig.outer_lr must be > 0, got {cfg.outer_lr}")
+    if not 0 <= cfg.outer_momentum < 1:
+        raise ValueError(f"FLConfig.outer_momentum must be in [0, 1), got {cfg.outer_momentum}")
+    _check_outer_lr_schedule(cfg)
+    if not 0 <= cfg.fragment_update_alpha <= 1:
+        raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {cfg.fragment_update_alpha}")
+    if not 0 < cfg.sync_density <= 1:
+        raise ValueError(f"FLConfig.sync_density must be in (0, 1], got {cfg.sync_density}")
+    if cfg.sync_value_bits not in (2, 4, 8):
+        raise ValueError(f"FLConfig.sync_value_bits must be 2, 4 or 8, got {cfg.sync_value_bits}")
+    if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
+        raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
+                         "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
+    if not cfg.collective_timeout_s > 0:
+        raise ValueError(f"FLConfig.collective_timeout_s must be > 0 seconds, got {cfg.collective_timeout_s}")
+    if cfg.sync_every % cfg.num_fragments:
+        raise ValueError(f"FLConfig.sync_every={cfg.sync_every} must be a multiple of "
+                         f"FLConfig.num_fragments={cfg.num_fragments} (one fragment syncs every H/P steps)")
+    period = cfg.sync_every // cfg.num_fragments
+    if not 0 <= cfg.sync_delay < period:
+        raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
+                         f"{period}, got {cfg.sync_delay}")
+    if cfg.fault_tolerance == "torchft":
+        _check_torchft(cfg)
+    mesh.check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)
+
+def _check_outer_lr_schedule(cfg: FLConfig) -> None:
+    if cfg.outer_lr_schedule == "constant" and not cfg.outer_lr_warmup_steps:
+        return
+    if cfg.outer_optimizer != "nesterov":
+        raise ValueError(f"FLConfig.outer_lr_schedule={cfg.outer_lr_schedule!r} with outer_lr_warmup_steps="
+                         f"{cfg.outer_lr_warmup_steps} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
+    if cfg.outer_lr_warmup_steps < 0:
+        raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {cfg.outer_lr_warmup_steps}")
+    decay = cfg.outer_lr_decay_steps
+    if decay is not None and not cfg.outer_lr_warmup_steps < decay:
+        raise ValueError(f"FLConfig.outer_lr_warmup_steps={cfg.outer_lr_warmup_steps} must be shorter than the "
+                         f"run (FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
+
+def _check_torchft(cfg: FLConfig) -> None:
+    """The fault-tolerant mode's own checks (pure Python: every rank raises them)."""
+    if not cfg.is_federated:
+        raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
+                         f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
+    if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
+        raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
+                         f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
+                         f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
+                         f"groups (num_groups) or fault_tolerance='none'.")
+    if cfg.group_index is None:
+        raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
+                         "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
+    if not 0 <= cfg.group_index < cfg.federation_size:
+        raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
+                         f"{cfg.group_index}")
+
+
+def ignored_settings(cfg: FLConfig) -> list[str]:
+    """Non-default settings of ``cfg`` its ``algorithm`` and modes ignore, one sentence each."""
+    out, explicit = [], cfg._explicit
+    if not cfg.is_federated:
+        for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}):
+            out.append(f"{name}={getattr(cfg, name)!r} is ignored by algorithm {cfg.algorithm!r} "
+                       f"(one group spans the world)")
+    if not cfg.uses_hsdp and cfg.hsdp_shard_size is not None:
+        out.append(f"hsdp_shard_size={cfg.hsdp_shard_size} is ignored by algorithm {cfg.algorithm!r} "
+                   f"(it shards over the whole group)")
+    if cfg.is_federated and cfg.outer_optimizer == "avg":
+        out += [f"{name}={getattr(cfg, name)!r} is ignored by outer_optimizer 'avg'"
+                for name in ("outer_lr", "outer_momentum") if name in explicit]
+    if cfg.fault_tolerance == "none":
+        out += [f"{name}={getattr(cfg, name)!r} is ignored with fault_tolerance 'none' (one world)"
+                for name in ("group_index", "lighthouse_addr") if name in explicit]
+    out += [f"{n}={getattr(cfg, n)!r} is ignored with sync_dtype {cfg.sync_dtype!r} (only 'sparse' uses it)"
+            for n in ("sync_density", "sync_value_bits") if n in explicit and cfg.sync_dtype != "sparse"]
+    if cfg.error_feedback and not cfg.compressed:
+        out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
+    if cfg.is_federated and cfg.outer_state_device != "same" and not cfg.keeps_outer_state:
+        out.append(f"outer_state_device={cfg.outer_state_device!r} is ignored with outer_optimizer 'avg' "
+                   f"and sync_dtype 'fp32' (the sync keeps no anchor)")
+    return out
 
 
 def lighthouse_addr(config: FLConfig) -> str:
@@ -384,43 +389,3 @@ def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_
     if device_type == "cpu" and mixed_precision != "no":
         notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
     return notes
-
-
-# ---------------------------------------------------------------------- shared with recipes/args.py
-def resolve_sources(yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
-                    environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None,
-                    cls=FLConfig) -> tuple[dict[str, Any], dict[str, str]]:
-    """Merge YAML values < ``FL_ACCEL_<FIELD>`` variables of ``environ`` (default
-    ``os.environ``) < ``overrides`` (None values skipped). Returns ``(values, sources)``:
-    ``sources[field]`` is ``yaml_source``, the variable's name, or "override".
-
-    Raises:
-        ValueError: an unknown or unparsable ``FL_ACCEL_*`` variable.
-    """
-    values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
-    env = env_overrides(os.environ if environ is None else environ, cls=cls)
-    values.update(env)
-    sources.update({k: ENV_PREFIX + k.upper() for k in env})
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            values[k], sources[k] = v, "override"
-    return values, sources
-
-
-def env_overrides(environ: Mapping[str, str], cls=FLConfig) -> dict[str, Any]:
-    """Parse the ``FL_ACCEL_<FIELD>`` variables of ``environ`` into typed values of ``cls``'s
-    fields; ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
-
-    Raises:
-        ValueError: for an unknown ``FL_ACCEL_*`` name or an unparsable value.
-    """
-    by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
-    hints = _type_hints(cls)
-    out: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
-            continue
-        if key not in by_env:
-            raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
-        out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
-    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import yaml
@@ -91,3 +92,50 @@ def parse_env_value(var: str, raw: str, hint: Any) -> Any:
         what = {bool: "a boolean", int: "an integer", float: "a number"}.get(hint, "a list of integers (e.g. '2,4')")
         raise ValueError(f"{var}={raw!r} is not {what}") from None
     return text
+
+
+ENV_PREFIX = "FL_ACCEL_"
+TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
+"""Test hooks (``FL_ACCEL_TEST_FAULT_INJECT``, ...): skipped by :func:`env_overrides`."""
+
+
+# ---------------------------------------------------------------------- FL_ACCEL_* variables (FLConfig, recipes/args.py)
+def resolve_sources(cls, yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
+                    environ: Mapping[str, str] | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """For the dataclass ``cls`` (FLConfig): merge YAML values < ``FL_ACCEL_<FIELD>`` variables of ``environ`` (default
+    ``os.environ``) < ``overrides`` (None values skipped). Returns ``(values, sources)``:
+    ``sources[field]`` is ``yaml_source``, the variable's name, or "override".
+
+    Raises:
+        ValueError: an unknown or unparsable ``FL_ACCEL_*`` variable.
+    """
+    values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
+    env = env_overrides(os.environ if environ is None else environ, cls)
+    values.update(env)
+    sources.update({k: ENV_PREFIX + k.upper() for k in env})
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k], sources[k] = v, "override"
+    return values, sources
+
+
+def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
+    """Parse the ``FL_ACCEL_<FIELD>`` variables of ``environ`` into typed values of ``cls``'s
+    fields; ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
+
+    Raises:
+        ValueError: for an unknown ``FL_ACCEL_*`` name or an unparsable value.
+    """
+    if cls is None:
+        from .config import FLConfig as cls
+    by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
+    hints = _type_hints(cls)
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
+            continue
+        if key not in by_env:
+            raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
+        out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
+    return out
