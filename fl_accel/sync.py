@@ -9,8 +9,9 @@ stride: only their local tensors are written, in place.
 
 Who does what: :class:`~fl_accel.schedule.SyncSchedule` decides when (fragments, sync
 delay), :class:`~fl_accel.outer.OuterState` holds the anchor, momentum and residuals and
-runs the outer step, :class:`NonFiniteGuard` checks every sync for NaN/Inf, and
-:class:`FederatedSynchronizer` owns the optimizer hook and the :class:`Fragment` objects.
+runs the outer step, :class:`NonFiniteGuard` checks every sync for NaN/Inf, :class:`CommitGate`
+holds an event's writes until torchft commits, and :class:`FederatedSynchronizer` owns the
+optimizer hook and the :class:`Fragment` objects.
 
 Non-finite values. At every sync each group checks its parameters and last loss, and the
 transport tells every rank which groups are bad. "abort" raises :class:`NonFiniteError` on
@@ -19,6 +20,11 @@ of every group (all fragments) and the anchors to the weighted mean of the healt
 zeroes the residuals, and sets the bad groups' optimizer state (every group's, with
 ``average_optimizer_state``) to the healthy groups' mean. Counters and the outer momentum
 are kept.
+
+Memory per rank besides the model (n = numel of this rank's local shards): the outer
+state (:mod:`fl_accel.outer`: 4n bytes each for the anchor, momentum and residuals that
+exist); during a blocking sync at most two ``sync_bucket_mb`` fp32 buckets (plus their
+compressed copies); a delayed exchange holds its whole fragment.
 """
 
 from __future__ import annotations
@@ -69,6 +75,17 @@ class Fragment:
         return means
 
 
+def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list:
+    """The inner optimizer's floating-point state tensors (e.g. AdamW's ``exp_avg``,
+    ``exp_avg_sq``; not the scalar ``step``) of parameters ``indices``, as local shards."""
+    out = []
+    for i in indices:
+        state = optimizer.state.get(params[i], {})
+        out += [local(state[k]) for k in sorted(state)
+                if torch.is_tensor(state[k]) and state[k].is_floating_point() and state[k].dim() > 0]
+    return out
+
+
 class NonFiniteGuard:
     """The check every sync runs first, and its policy ``on_nonfinite`` ("abort" | "reset")."""
 
@@ -89,6 +106,68 @@ class NonFiniteGuard:
                                  f"Set on_nonfinite='reset' to drop such groups for the round instead.")
         return bad
 
+    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
+        """Run the check at ``sync``'s next event; True when every group is healthy. Under
+        "reset" with bad groups, the reset (module docstring) through ``sync``'s exchange
+        of means, and False: the event carries nothing else."""
+        s = sync.schedule
+        bad = self.bad_groups(sync.params, sync.last_loss, rnd,
+                              f"optimizer step {s.global_step} (sync {s.num_syncs + 1})")
+        if not bad:
+            return True
+        for fragment in sync.fragments:  # complete the collectives, discard what they carried
+            if fragment.pending is not None:
+                fragment.finish()
+        mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
+        sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
+        sync.gate.write(sync.outer.zero_residuals)
+        tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
+        if tensors:
+            sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
+        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
+                       "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
+        sync.last_loss = None
+        return False
+
+
+class CommitGate:
+    """Holds back the writes of a sync event until the transport agrees to commit.
+
+    A transport with ``should_commit()`` (:class:`fl_accel.ft.ManagedTransport`) gates every
+    event: its writes (parameters, outer state, optimizer state) wait until the exchanges
+    completed and the transport agreed; without the commit nothing is written and the
+    groups keep their local values. Other transports write at once.
+    """
+
+    def __init__(self, transport: Transport):
+        self.transport, self.deferred = transport, None  # deferred: the open event's writes
+
+    def write(self, fn) -> None:
+        """Run ``fn`` now, or after the commit inside a gated event."""
+        if self.deferred is None:
+            fn()
+        else:
+            self.deferred.append(fn)
+
+    @contextlib.contextmanager
+    def event(self, schedule: SyncSchedule):
+        if not hasattr(self.transport, "should_commit"):
+            yield
+            return
+        self.deferred = []
+        try:
+            yield
+            writes = self.deferred
+        finally:
+            self.deferred = None
+        if self.transport.should_commit():
+            for fn in writes:
+                fn()
+        else:
+            logger.warning("sync %d (optimizer step %d) not committed: a federation group failed during the "
+                           "exchange; every group keeps its local values", schedule.num_syncs + 1,
+                           schedule.global_step)
+
 
 class FederatedSynchronizer:
     """Averages a model's local shards across federation groups every H optimizer steps
@@ -104,11 +183,6 @@ class FederatedSynchronizer:
         config: the FLConfig.
         units: parameter indices per FSDP unit, in forward order (default: one unit per
             parameter); fragments are dealt from them.
-
-    Memory per rank besides the model (n = numel of this rank's local shards): the outer
-    state (:mod:`fl_accel.outer`: 4n bytes each for the anchor, momentum and residuals
-    that exist); during a blocking sync at most two ``sync_bucket_mb`` fp32 buckets (plus
-    their quantized copies, 1/2 or ~1/4); a delayed exchange holds its whole fragment.
 
     Attributes: ``schedule``, ``outer``, ``guard``, ``fragments``, ``names``, ``params``,
     ``pre_sync_hooks`` (``hook(synchronizer, full)`` before every sync event), ``clock``.
@@ -131,7 +205,7 @@ class FederatedSynchronizer:
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
-        self._deferred: list | None = None  # writes waiting for the transport's should_commit
+        self.gate = CommitGate(transport)
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -217,42 +291,12 @@ class FederatedSynchronizer:
     def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
         """A blocking exchange of ``indices``, applied bucket by bucket (inside a gated
         event: completed whole, applied after the commit)."""
-        if self._deferred is not None:
+        if self.gate.deferred is not None:
             means = self._exchange(indices, rnd).start().finish()
-            self._write(lambda: self._apply(indices, means, alpha))
+            self.gate.write(lambda: self._apply(indices, means, alpha))
         else:
             self._exchange(indices, rnd).run(lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
         self._average_optimizer_state(indices, rnd)
-
-    def _write(self, fn) -> None:
-        """Run ``fn`` now, or after the commit inside a gated event."""
-        if self._deferred is None:
-            fn()
-        else:
-            self._deferred.append(fn)
-
-    @contextlib.contextmanager
-    def _event(self):
-        """One sync event. A transport with ``should_commit()`` (:class:`fl_accel.ft.ManagedTransport`)
-        gates it: every write of the event (parameters, outer state, optimizer state)
-        waits until the exchanges completed and the transport agreed to commit; without
-        the commit nothing is written and the groups keep their local values."""
-        if not hasattr(self.transport, "should_commit"):
-            yield
-            return
-        self._deferred = []
-        try:
-            yield
-            writes = self._deferred
-        finally:
-            self._deferred = None
-        if self.transport.should_commit():
-            for fn in writes:
-                fn()
-        else:
-            logger.warning("sync %d (optimizer step %d) not committed: a federation group failed during the "
-                           "exchange; every group keeps its local values", self.schedule.num_syncs + 1,
-                           self.schedule.global_step)
 
     def _apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
         self.outer.step = self.schedule.global_step
@@ -262,14 +306,14 @@ class FederatedSynchronizer:
     def _sync_fragment(self, fragment: Fragment) -> None:
         self._pre_sync(full=False)
         rnd = self.transport.begin()
-        with self._event():
-            if self._healthy(rnd):
+        with self.gate.event(self.schedule):
+            if self.guard.check(self, rnd):
                 alpha = self.config.fragment_update_alpha
                 if fragment.pending is None:
                     self._run(fragment.params, rnd, alpha)
                 else:
                     means = fragment.finish()
-                    self._write(lambda: self._apply(fragment.params, means, alpha))
+                    self.gate.write(lambda: self._apply(fragment.params, means, alpha))
                     self._average_optimizer_state(fragment.params, rnd)
         self.schedule.applied()
 
@@ -289,12 +333,12 @@ class FederatedSynchronizer:
         with self.clock.measure(self.device):
             self._pre_sync(full=True)
             rnd = self.transport.begin()
-            with self._event():
-                if self._healthy(rnd):
+            with self.gate.event(self.schedule):
+                if self.guard.check(self, rnd):
                     pending = next((f for f in self.fragments if f.pending is not None), None)
                     if pending is not None:  # apply as scheduled
                         means = pending.finish()
-                        self._write(lambda: self._apply(pending.params, means, self.config.fragment_update_alpha))
+                        self.gate.write(lambda: self._apply(pending.params, means, self.config.fragment_update_alpha))
                         self._average_optimizer_state(pending.params, rnd)
                     self._run(list(range(len(self.params))), rnd, alpha)
             self.schedule.synced(alpha)
@@ -304,14 +348,6 @@ class FederatedSynchronizer:
             hook(self, full)
 
     # ------------------------------------------------------------------ optimizer state
-    def _state_tensors(self, indices: list[int]) -> list[torch.Tensor]:
-        out = []
-        for i in indices:
-            state = self.optimizer.state.get(self.params[i], {})
-            out += [local(state[k]) for k in sorted(state)
-                    if torch.is_tensor(state[k]) and state[k].is_floating_point() and state[k].dim() > 0]
-        return out
-
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean over groups (bucket by bucket, unless not
         ``write``: the collectives still run), then ``also(positions, means)``."""
@@ -323,41 +359,19 @@ class FederatedSynchronizer:
                 also(pos, means)
 
         def put(pos, means):
-            if self._deferred is None:
+            if self.gate.deferred is None:
                 copy(pos, means)
             else:  # the bucket is released after this call
                 kept = [m.clone() for m in means]
-                self._deferred.append(lambda: copy(pos, kept))
+                self.gate.deferred.append(lambda: copy(pos, kept))
 
         Exchange(self.transport, rnd, tensors, mask=mask,
                  bucket_values=max(1, self.config.sync_bucket_mb * 2**18)).run(put)
 
     def _average_optimizer_state(self, indices: list[int], rnd: Round) -> None:
-        tensors = self._state_tensors(indices) if self.config.average_optimizer_state else []
-        if tensors:
+        tensors = optimizer_state_tensors(self.optimizer, self.params, indices)
+        if self.config.average_optimizer_state and tensors:
             self._mean_into(tensors, rnd)
-
-    # ------------------------------------------------------------------ non-finite values
-    def _healthy(self, rnd: Round) -> bool:
-        """The guard's check; on bad groups under "reset", the reset (module docstring)."""
-        s = self.schedule
-        bad = self.guard.bad_groups(self.params, self.last_loss, rnd,
-                                    f"optimizer step {s.global_step} (sync {s.num_syncs + 1})")
-        if not bad:
-            return True
-        for fragment in self.fragments:  # complete the collectives, discard what they carried
-            if fragment.pending is not None:
-                fragment.finish()
-        mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
-        self._mean_into([local(p) for p in self.params], rnd, mask, also=self.outer.set_global)
-        self._write(self.outer.zero_residuals)
-        tensors = self._state_tensors(list(range(len(self.params))))
-        if tensors:
-            self._mean_into(tensors, rnd, mask, write=rnd.position in bad or self.config.average_optimizer_state)
-        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
-                       "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
-        self.last_loss = None
-        return False
 
     # ------------------------------------------------------------------ checkpointing
     def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
