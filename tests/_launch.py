@@ -1,15 +1,28 @@
-"""The tests' launch names, as thin wrappers over :mod:`scripts.launch`.
+"""The tests' launch names, as thin wrappers over :mod:`scripts.launch` and the fork
+launcher (tests/_forkserver.py).
 
-Every launch uses ``sys.executable -m torch.distributed.run`` (the interpreter that
-runs pytest), a fresh free ``--master_port`` (retried once if another suite took it),
+:func:`run_torchrun` starts ``nproc`` ranks of a script in one of two ways:
+
+* ``launcher="fork"`` (the default): ranks forked from one server that imported torch,
+  accelerate, transformers, datasets and fl_accel once per pytest session
+  (tests/_forkserver.py: why, what a rank sees, what it does not cover);
+* ``launcher="torchrun"``: ``sys.executable -m torch.distributed.run``, for tests whose
+  subject is the launch itself (torchrun's failure summary, ``--max-restarts``, Ctrl-C,
+  ``accelerate launch``), per-exec process state (peak memory), the CUDA tests, the
+  torchft tests (tests/test_ft.py, see :data:`TORCHRUN_CALLERS`), and a few recipe runs
+  kept on the user's launch path.
+
+Both use a fresh free ``--master_port`` (retried once if another suite took it),
 ``OMP_NUM_THREADS=1``, the repository root on ``PYTHONPATH`` and a wall-clock timeout,
-after which the whole process tree is killed, so a hang fails the test instead of
-blocking the suite.
+after which every process is killed, so a hang fails the test instead of blocking the
+suite.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from scripts import launch as _launch
@@ -22,12 +35,22 @@ Launch = _launch.Result
 """Outcome of a launch: ``returncode`` (None on timeout), ``stdout``, ``stderr``,
 ``seconds``, ``timed_out`` and ``tail()`` for assertion messages."""
 
+LAUNCHER_VAR = "FL_ACCEL_TEST_LAUNCHER"
+"""``FL_ACCEL_TEST_LAUNCHER=torchrun`` sends every default launch through real torchrun
+(to compare the two, or to rule the fork launcher out when a test fails)."""
+
+TORCHRUN_CALLERS = ("test_ft",)
+"""Test modules whose :func:`run_torchrun` calls default to real torchrun (the torchft
+tests run their baselines the way their fault-tolerant runs start)."""
+
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launch: ours, minus FL_ACCEL_* (a caller's settings must
     not leak into the tests), plus single-threaded BLAS/OpenMP, the repo on
-    PYTHONPATH, offline Hugging Face libraries and a short collective timeout."""
-    return _launch.child_env({"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "120", **(extra or {})}, pythonpath=[str(REPO_ROOT)])
+    PYTHONPATH, offline Hugging Face libraries without datasets' progress bars and a
+    short collective timeout."""
+    return _launch.child_env({"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "120", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                              **(extra or {})}, pythonpath=[str(REPO_ROOT)])
 
 
 def torchrun_cmd(nproc: int, script: Path | str, *args: str, port: int | None = None) -> list[str]:
@@ -36,9 +59,34 @@ def torchrun_cmd(nproc: int, script: Path | str, *args: str, port: int | None = 
 
 
 def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: float,
-                 env: dict[str, str] | None = None) -> Launch:
-    """Run torchrun to completion or until ``timeout`` seconds, then kill its process group."""
-    return _launch.run_torchrun(nproc, script, *args, timeout=timeout, env=launch_env(env), cwd=REPO_ROOT)
+                 env: dict[str, str] | None = None, launcher: str | None = None) -> Launch:
+    """Run ``nproc`` ranks of ``script args`` to completion or ``timeout`` seconds.
+
+    Args:
+        launcher: "fork" or "torchrun" (see the module docstring); None is "torchrun" for
+            callers in :data:`TORCHRUN_CALLERS`, else ``$FL_ACCEL_TEST_LAUNCHER`` or "fork".
+
+    Raises:
+        ValueError: an unknown ``launcher``; with "fork", ``env`` changes a variable read
+            at import time (tests/_forkserver.py ``IMPORT_TIME_VARS``).
+    """
+    if launcher is None:
+        caller = sys._getframe(1).f_globals.get("__name__", "").rsplit(".", 1)[-1]
+        launcher = "torchrun" if caller in TORCHRUN_CALLERS else os.environ.get(LAUNCHER_VAR, "fork")
+    if launcher == "torchrun":
+        return _launch.run_torchrun(nproc, script, *args, timeout=timeout, env=launch_env(env), cwd=REPO_ROOT)
+    if launcher != "fork":
+        raise ValueError(f"launcher must be 'fork' or 'torchrun', got {launcher!r}")
+    import _forkserver
+
+    for attempt in range(2):
+        rc, out, err, seconds, timed_out = _forkserver.run_forked(
+            nproc, script, *args, timeout=timeout, env=launch_env(env), static_env=launch_env(), cwd=REPO_ROOT,
+            port=free_port())
+        res = Launch(rc, out, err, seconds, timed_out)
+        if not (rc not in (0, None) and any(s in err for s in _launch.ADDRESS_IN_USE)):
+            break
+    return res
 
 
 def write_json(path: Path, obj) -> Path:

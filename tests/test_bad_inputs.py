@@ -121,7 +121,8 @@ def test_launched_bad_input_is_one_line_and_torchruns_root_cause(tmp_path):
     launcher's "Root Cause" box, no checkpoint."""
     out_dir = tmp_path / "out"
     result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(out_dir), "--checkpoint_every",
-                          "1", *_yaml(tmp_path, "max_step: 3\nlr: 0.1\n"), timeout=120)
+                          "1", *_yaml(tmp_path, "max_step: 3\nlr: 0.1\n"), timeout=120,
+                          launcher="torchrun")
     assert not result.timed_out and result.returncode != 0, result.tail()
     assert_every_rank_failed(result, "2 bad keys in --config")
     assert "did you mean 'max_steps'?" in result.stderr and "did you mean 'learning_rate'?" in result.stderr
@@ -134,7 +135,8 @@ def test_validation_split_too_small_fails_on_every_rank(tmp_path):
     val = _file(tmp_path, "val.txt", b"Brief.\n")
     result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(tmp_path / "out"),
                           "--train_file", train, "--validation_file", val, "--seq_len", "32",
-                          "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), timeout=240)
+                          "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), timeout=240,
+                          launcher="torchrun")
     assert not result.timed_out, result.tail()
     assert result.returncode != 0
     assert_every_rank_failed(result, "validation split has 0 blocks")

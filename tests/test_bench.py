@@ -246,13 +246,15 @@ def test_predict_with_the_real_cost_model(tmp_path):
 
 
 # ---------------------------------------------------------------------- report
-def test_report_only_on_committed_results(tmp_path):
+def test_report_only_on_committed_results(tmp_path, monkeypatch, capsys):
+    """``run_bench --report-only`` in this process (the ``python -m bench.run_bench`` entry point
+    is exercised by the dry-run test)."""
     dst = _committed_copy(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "bench.run_bench", "--report-only", "--name", "2026-11-30-cpu2",
-                           "--results-root", str(dst.parent), "--work-root", str(tmp_path / "work")],
-                          capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env=dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rc = rb.main(["--report-only", "--name", "2026-11-30-cpu2", "--results-root", str(dst.parent),
+                  "--work-root", str(tmp_path / "work")])
+    assert rc == 0, capsys.readouterr().err[-3000:]
     table = (dst / "table.md").read_text()
     assert "| 100mbit | FL+FSDP" in table and "2.55x vs fsdp" in table
     assert "Checks against" not in table and "**+0.8%**" in table

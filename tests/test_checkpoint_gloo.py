@@ -1,5 +1,10 @@
 """Checkpoint/resume of the full federated state, and the divergence guard (4 gloo ranks).
 
+Three launches: the checkpointed run; the resumes and the truncated checkpoint (one launch of
+tests/workers/ckpt_worker.py's ``batch`` mode); the non-finite and optimizer-state cases (one
+more ``batch``, the aborting case last). Each test reads its own case's records and, for
+messages, its own case's section of the ranks' stderr.
+
 The checkpointed run uses FL+FSDP with 2 groups x 2 ranks, H=3, the DiLoCo-style
 "nesterov" outer optimizer (so the anchor and the outer momentum must survive too),
 AdamW and a cosine schedule, in fp32 on CPU. A resume from step 3 (right after a
@@ -18,10 +23,17 @@ import torch
 from _launch import WORKERS, run_torchrun
 
 WORKER = WORKERS / "ckpt_worker.py"
+BEGIN = "[ckpt_worker] begin "  # ckpt_worker.BEGIN: printed on stderr before each case of a batch
 
 
 def load(out, name, world=4):
     return [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def section(stderr: str, case: str) -> str:
+    """What the ranks printed while running ``case`` ("mode:extra") of a batch launch."""
+    parts = stderr.split(BEGIN)
+    return "".join(p.split("\n", 1)[1] for p in parts[1:] if p.split("\n", 1)[0] == case and "\n" in p)
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +44,35 @@ def full_run(tmp_path_factory):
     return out, load(out, "full-")
 
 
+@pytest.fixture(scope="module")
+def after_full(full_run, tmp_path_factory):
+    """One launch: resume from step 3 and from step 4, then load a truncated copy of step_4."""
+    out, _ = full_run
+    bad = tmp_path_factory.mktemp("truncated") / "step_4"
+    shutil.copytree(out / "step_4", bad)
+    shard = sorted(bad.glob("*.distcp"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    result = run_torchrun(4, WORKER, "batch", str(out), "resume:3", "resume:4", f"load_corrupt:{bad}", timeout=300)
+    assert not result.timed_out, result.tail()
+    return result
+
+
+NONFINITE = ["nan:reset", "nan_loss:", "nan_loss:avg_state", "opt_state:on", "opt_state:off", "nan:abort"]
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tmp_path_factory):
+    """One launch of the divergence-guard and optimizer-state cases (the aborting one last)."""
+    out = tmp_path_factory.mktemp("nonfinite")
+    result = run_torchrun(4, WORKER, "batch", str(out), *NONFINITE, timeout=400)
+    assert not result.timed_out, result.tail()
+    return out, result
+
+
 @pytest.mark.parametrize("k", [3, 4], ids=["at_sync_boundary", "mid_round"])
-def test_resume_is_the_same_run(full_run, k):
+def test_resume_is_the_same_run(full_run, after_full, k):
     out, full = full_run
-    result = run_torchrun(4, WORKER, "resume", str(out), str(k), timeout=240)
-    assert result.returncode == 0, result.tail()
+    assert after_full.returncode == 0, after_full.tail()
     resumed = load(out, f"resume-{k}")
     for rank in range(4):
         for step in range(k + 1, 9):
@@ -81,52 +117,46 @@ def test_mid_round_checkpoint_keeps_each_groups_state(full_run):
     assert any(k.startswith("fl.anchor/") for k in keys) and any(k.startswith("fl.momentum/") for k in keys)
 
 
-def test_truncated_checkpoint_fails_on_every_rank(full_run, tmp_path):
+def test_truncated_checkpoint_fails_on_every_rank(full_run, after_full):
     out, _ = full_run
-    bad = tmp_path / "step_4"
-    shutil.copytree(out / "step_4", bad)
-    shard = sorted(bad.glob("*.distcp"))[1]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    result = run_torchrun(4, WORKER, "load_corrupt", str(tmp_path), str(bad), timeout=180)
-    assert not result.timed_out, result.tail()
-    errors = [r["error"] for r in load(tmp_path, "load_corrupt")]
+    errors = [r["error"] for r in load(out, "load_corrupt")]
     assert all(e and "CheckpointError" in e and "cannot load checkpoint" in e for e in errors), errors
 
 
-def test_nan_in_one_group_aborts_naming_it(tmp_path):
-    result = run_torchrun(4, WORKER, "nan", str(tmp_path), "abort", timeout=180)
-    assert not result.timed_out, result.tail()
-    recs = load(tmp_path, "nan-abort")
+def test_nan_in_one_group_aborts_naming_it(nonfinite):
+    out, _ = nonfinite
+    recs = load(out, "nan-abort")
     for rec in recs:
         assert rec["error"] and "NonFiniteError" in rec["error"], rec["error"]
         assert "federation group(s) [1]" in rec["error"] and "optimizer step 3" in rec["error"]
 
 
-def test_nan_in_one_group_reset_to_healthy_mean(tmp_path):
-    result = run_torchrun(4, WORKER, "nan", str(tmp_path), "reset", timeout=180)
+def test_nan_in_one_group_reset_to_healthy_mean(nonfinite):
+    out, result = nonfinite
     assert result.returncode == 0, result.tail()
-    recs = load(tmp_path, "nan-reset")
+    recs = load(out, "nan-reset")
     for r in range(4):
         assert recs[r]["error"] is None and recs[r]["num_syncs"] == 1
         assert all(torch.isfinite(p).all() for p in recs[r]["params"])
     # same shard coordinate in both groups: group 1 was reset to the healthy (group 0) value
     for a, b in zip(recs[0]["params"], recs[2]["params"]):
         assert torch.equal(a, b)
-    assert "dropped federation group(s) [1]" in result.stderr, result.tail()
+    assert "dropped federation group(s) [1]" in section(result.stderr, "nan:reset"), result.tail()
     assert not math.isnan(recs[2]["losses"][3])
 
 
 @pytest.mark.parametrize("state", ["own", "avg"], ids=["own_optimizer_state", "averaged_optimizer_state"])
-def test_nan_through_the_loss_is_recovered_by_reset(tmp_path, state):
+def test_nan_through_the_loss_is_recovered_by_reset(nonfinite, state):
     """A NaN loss in group 1 at step 2 poisons its gradients and AdamW moments. With
     on_nonfinite="reset" the sync at step 2 resets group 1's parameters AND moments to the
     healthy group's; every rank then stays finite through steps 3-4 and the groups are
     equal after the sync at step 4. With average_optimizer_state the NaN moments are kept
     out of the average (else every group would be NaN at step 3)."""
-    result = run_torchrun(4, WORKER, "nan_loss", str(tmp_path), "avg_state" if state == "avg" else "", timeout=180)
+    out, result = nonfinite
     assert result.returncode == 0, result.tail()
-    recs = load(tmp_path, f"nan_loss-{state}")
-    assert "dropped federation group(s) [1]" in result.stderr, result.tail()
+    recs = load(out, f"nan_loss-{state}")
+    case = "nan_loss:avg_state" if state == "avg" else "nan_loss:"
+    assert "dropped federation group(s) [1]" in section(result.stderr, case), result.tail()
     for r in range(4):
         assert recs[r]["finite"][1], r
         assert recs[r]["finite"][2] and recs[r]["finite"][3] and recs[r]["finite"][4], (r, recs[r]["finite"])
@@ -139,12 +169,11 @@ def test_nan_through_the_loss_is_recovered_by_reset(tmp_path, state):
         assert not all(torch.equal(x, y) for x, y in zip(recs[a]["params"][3], recs[b]["params"][3]))
 
 
-def test_average_optimizer_state_makes_adamw_moments_equal_across_groups(tmp_path):
+def test_average_optimizer_state_makes_adamw_moments_equal_across_groups(nonfinite):
     """With average_optimizer_state the AdamW moments are averaged at the sync too; without, they differ."""
-    for flag in ("on", "off"):
-        result = run_torchrun(4, WORKER, "opt_state", str(tmp_path), flag, timeout=180)
-        assert result.returncode == 0, result.tail()
-    on, off = load(tmp_path, "opt_state-on"), load(tmp_path, "opt_state-off")
+    out, result = nonfinite
+    assert result.returncode == 0, result.tail()
+    on, off = load(out, "opt_state-on"), load(out, "opt_state-off")
     for a, b in ((0, 2), (1, 3)):  # same shard coordinate, different groups
         assert on[a]["num_syncs"] == 1
         assert all(torch.equal(x, y) for x, y in zip(on[a]["opt_state"], on[b]["opt_state"]))

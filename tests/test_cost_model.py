@@ -453,15 +453,13 @@ def test_model_equals_measured_fsdp2_hsdp_bytes(tmp_path):
     per-axis, per-op bytes equal fl_accel.comm's accounting of the real collectives; then
     fl_accel.exchange's sync over unequal groups (1 and 3 ranks), fp32 and int8, likewise."""
     import json
-    import os
 
     script = tmp_path / "measure.py"
     script.write_text(_MEASURE_SCRIPT)
     out = tmp_path / "out.json"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    from scripts.launch import child_env, run_torchrun
+    from _launch import run_torchrun
 
-    res = run_torchrun(4, script, out, timeout=120, env=child_env(pythonpath=[repo]), cwd=repo)
+    res = run_torchrun(4, script, out, timeout=120)
     assert res.returncode == 0, res.tail(3000)
     data = json.loads(open(f"{out}.0").read())
     assert data["measured"] == data["model"] and set(data["model"]) == {"dp_shard", "dp_replicate"}

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_every_collective_runs_on_a_one_process_nccl_group(tmp_path):
-    res = run_torchrun(1, WORKERS / "api_worker.py", "collectives", str(tmp_path), timeout=600)
+    res = run_torchrun(1, WORKERS / "api_worker.py", "collectives", str(tmp_path), timeout=600,
+                       launcher="torchrun")
     assert res.returncode == 0, res.tail()
     rec = json.loads((tmp_path / "collectives-rank0.json").read_text())
     assert rec["backend"] == "nccl" and rec["device"].startswith("cuda") and rec["ok"]
@@ -67,7 +68,8 @@ def test_outer_state_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_
     almost every value equal (an fp32 rounding difference can flip an int8 rounding). State
     moves between the placements unchanged, and DCP saves and loads a host tensor keyed by
     shard (as the checkpoint keeps the sync's state) without moving it to the GPU."""
-    res = run_torchrun(1, WORKERS / "api_worker.py", "outer_state_device", str(tmp_path), timeout=600)
+    res = run_torchrun(1, WORKERS / "api_worker.py", "outer_state_device", str(tmp_path), timeout=600,
+                       launcher="torchrun")
     assert res.returncode == 0, res.tail()
     rec = json.loads((tmp_path / "outer_state_device-rank0.json").read_text())
     assert rec["backend"] == "nccl" and rec["device"].startswith("cuda") and rec["ok"]

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from _launch import REPO_ROOT, launch_env
+from _launch import REPO_ROOT, launch_env, run_torchrun
 from fl_accel import FLConfig
 from scripts import launch
 
@@ -34,9 +34,14 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def torchrun(args, env, timeout, *torchrun_flags, cache_dir):
-    cmd = launch.torchrun_argv(4, RECIPE, *args, "--cache_dir", cache_dir, extra_flags=torchrun_flags)
-    res = launch.wait(launch.start(cmd, launch_env(env), REPO_ROOT, subprocess.PIPE, subprocess.PIPE), timeout)
+def torchrun(args, env, timeout, *torchrun_flags, cache_dir, launcher="torchrun"):
+    """4 ranks of the recipe under real torchrun (its messages and restarts are asserted on),
+    or with ``launcher="fork"`` the tests' fork launcher (tests/_forkserver.py)."""
+    if launcher == "fork":
+        res = run_torchrun(4, RECIPE, *args, "--cache_dir", cache_dir, timeout=timeout, env=env, launcher="fork")
+    else:
+        cmd = launch.torchrun_argv(4, RECIPE, *args, "--cache_dir", cache_dir, extra_flags=torchrun_flags)
+        res = launch.wait(launch.start(cmd, launch_env(env), REPO_ROOT, subprocess.PIPE, subprocess.PIPE), timeout)
     if res.timed_out:
         raise AssertionError(f"job hung: killed after {timeout}s\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
     return res.returncode, res.stdout, res.stderr, res.seconds
@@ -65,8 +70,9 @@ def test_hung_rank_makes_peers_time_out(tmp_path, cache):
     groups; with the backend's 30-minute default on a sub-group it would hang."""
     args = [*FAST, "--algorithm", "fl_hsdp", "--hsdp_shard_size", "2", "--max_steps", "8", "--sync_every", "4",
             "--output_dir", str(tmp_path)]
+    # the subject is the recipe's collective timeout, not the launcher: forked ranks
     rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "stop:3:2", TIMEOUT_VAR: "10"}, timeout=300,
-                                     cache_dir=cache)
+                                     cache_dir=cache, launcher="fork")
     assert rc != 0
     assert "FL_ACCEL_TEST_FAULT_INJECT: stop rank 3 at step 2" in err
     assert "a collective failed; a peer rank died or hung (collective timeout " in err, err[-5000:]

@@ -26,10 +26,9 @@ COMMON = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--ma
 PEAK_TFLOPS = 0.5
 
 
-def launch(args: list[str]):
+def launch(args: list[str], launcher: str | None = None):
     """The recipe on 4 gloo processes; W&B offline, as a user gets it by default."""
-    return run_torchrun(4, RECIPE, *args, timeout=600,
-                        env={"WANDB_MODE": "offline", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    return run_torchrun(4, RECIPE, *args, timeout=600, env={"WANDB_MODE": "offline"}, launcher=launcher)
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -236,7 +235,7 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_
     assert os.path.isfile(os.path.join(ckpt, "fl_accel_checkpoint.json"))
     resumed_out = str(tmp_path / "resumed")
     proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed_out, "--cache_dir", data_cache,
-                    "--resume_from_checkpoint", ckpt])
+                    "--resume_from_checkpoint", ckpt], launcher="torchrun")  # the user's launch path
     assert proc2.returncode == 0, proc2.tail()
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
     full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}

@@ -202,7 +202,7 @@ def _recipe(corpus, out: Path, *extra: str):
             "--algorithm", "fl_fsdp", "--num_groups", str(F), "--sync_every", "2", "--report_to", "none",
             "--cache_dir", corpus["cache"], "--output_dir", str(out), *extra]
     return run_torchrun(4, RECIPE, *args, timeout=600,
-                        env={"FL_ACCEL_TEST_RECORD_BLOCKS": str(out / "blocks"), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+                        env={"FL_ACCEL_TEST_RECORD_BLOCKS": str(out / "blocks")})
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,11 @@
 """Worker of tests/test_checkpoint_gloo.py (torchrun, gloo, 4 ranks = 2 groups x 2).
 
     ckpt_worker.py MODE OUT_DIR [extra]
+    ckpt_worker.py batch OUT_DIR MODE:EXTRA [MODE:EXTRA ...]
+
+``batch`` runs several modes one after the other in one launch (tests/workers/_scenario.py:
+the world process group is kept, Accelerate's singletons reset between them); a mode that
+ends in an error (``nan:abort``) must be the last.
 
 MODE ``full``: train 8 optimizer steps (H=3, outer "nesterov" with a cosine outer-LR schedule
 (warmup 4, decay over the 8 steps), AdamW, cosine LR) and
@@ -19,9 +24,12 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
+import _scenario
 from fl_accel import FLAccelerator, FLConfig
 
 STEPS, H = 8, 3
+BEGIN = "[ckpt_worker] begin "
+"""Printed on stderr before each mode, so a test can tell the modes' messages apart."""
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -31,9 +39,19 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
-    extra = sys.argv[3] if len(sys.argv) > 3 else ""
+    if mode == "batch":
+        items = sys.argv[3:]
+        for i, item in enumerate(items):
+            m, _, e = item.partition(":")
+            run(m, out_dir, e, last=(i == len(items) - 1))
+        return
+    run(mode, out_dir, sys.argv[3] if len(sys.argv) > 3 else "", last=True)
+
+
+def run(mode: str, out_dir: str, extra: str, last: bool) -> None:
+    print(f"{BEGIN}{mode}:{extra}", file=sys.stderr, flush=True)
     if mode == "nan_loss":
-        return nan_through_loss(out_dir, average_state=(extra == "avg_state"))
+        return nan_through_loss(out_dir, average_state=(extra == "avg_state"), last=last)
     on_nonfinite = extra if mode == "nan" else "abort"
     outer = "avg" if mode == "opt_state" else "nesterov"
     scheduled = {"outer_lr_schedule": "cosine", "outer_lr_warmup_steps": 4, "outer_lr_decay_steps": STEPS}
@@ -58,7 +76,7 @@ def main() -> None:
         except ValueError as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
         torch.save(rec, f"{out_dir}/{mode}-rank{acc.process_index}.pt")
-        acc.end_training()
+        _next(acc, last)
         return
     for step in range(start, STEPS):
         x = batch(step, acc.process_index)
@@ -89,10 +107,19 @@ def main() -> None:
                         for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     torch.save(rec, f"{out_dir}/{mode}-{extra}-rank{acc.process_index}.pt")
     if rec["error"] is None:
-        acc.end_training()
+        _next(acc, last)
+    elif not last:
+        raise RuntimeError(f"mode {mode}:{extra} ended in an error and must be the last of the batch")
 
 
-def nan_through_loss(out_dir: str, average_state: bool) -> None:
+def _next(acc, last: bool) -> None:
+    """end_training; before another mode of the batch, keep the world group and reset Accelerate."""
+    _scenario.end_training(acc, last)
+    if not last:
+        _scenario.reset_for_next_scenario()
+
+
+def nan_through_loss(out_dir: str, average_state: bool, last: bool = True) -> None:
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=2, on_nonfinite="reset",
                                  average_optimizer_state=average_state), cpu=True)
     torch.manual_seed(0)
@@ -116,7 +143,7 @@ def nan_through_loss(out_dir: str, average_state: bool) -> None:
         rec["finite"][step + 1] = all(torch.isfinite(t).all().item() for t in params + moments)
         rec["num_syncs"][step + 1] = acc.synchronizer.schedule.num_syncs
     torch.save(rec, f"{out_dir}/nan_loss-{'avg' if average_state else 'own'}-rank{acc.process_index}.pt")
-    acc.end_training()
+    _next(acc, last)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,299 @@
+"""A torchrun stand-in for the tests: ranks forked from one pre-imported server.
+
+Why: importing torch, accelerate, transformers, datasets and fl_accel costs about 10 s of
+CPU per process (``python -X importtime``), and torchrun's agent about 3 s more. The suite
+launches about 100 jobs of 2-6 processes; on a 2-core machine the imports alone were
+about 3,500 CPU-s, most of the suite's wall time. Here those modules are imported once per
+pytest session, by a ``multiprocessing`` fork server (``set_forkserver_preload``), and
+every rank is a fork of it: a rank starts in a fraction of a second.
+
+What a rank sees (as under ``torchrun --nproc_per_node N script args``):
+
+* ``os.environ`` = the launch's environment plus torchrun's variables (``RANK``,
+  ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``,
+  ``ROLE_NAME``, ``GROUP_WORLD_SIZE``, ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+  ``TORCHELASTIC_RESTART_COUNT=0``, ``TORCHELASTIC_MAX_RESTARTS=0``, ``TORCHELASTIC_RUN_ID``,
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), read from torch 2.13's
+  ``LocalElasticAgent._start_workers``. ``TORCHELASTIC_USE_AGENT_STORE=False``: there is
+  no agent, so rank 0 hosts the rendezvous store on ``MASTER_PORT`` (``env://``), as
+  with a plain multi-process launch;
+* the working directory, ``sys.argv = [script, *args]``, and ``sys.path`` as
+  ``python script.py`` builds it: the script's folder, then ``PYTHONPATH``, then the
+  interpreter's own entries (``runpy.run_path`` alone would not add the folder);
+* its own session (process group), stdout/stderr on per-rank files (``dup2`` of fds 1
+  and 2), the script run by ``runpy.run_path(script, run_name="__main__")``;
+* at the end, as an interpreter exit: non-daemon threads joined, ``atexit`` callbacks
+  run, streams flushed. Exit status: the ``SystemExit`` code, 1 after an uncaught
+  exception (traceback printed), or the signal that killed it.
+
+The parent acts like torchrun's agent: when a rank exits non-zero it waits up to
+:data:`FAIL_GRACE_S` for the others, then sends SIGTERM to their process groups (SIGKILL
+after :data:`KILL_GRACE_S`) and returns that rank's exit status; on a timeout every rank
+is killed and ``timed_out`` is set. The Result's stdout/stderr are the ranks' outputs
+concatenated in rank order (whole lines, never interleaved).
+
+Not covered here (those tests keep ``launcher="torchrun"``):
+
+* torchrun itself: ``--max-restarts`` and restarts (``TORCHELASTIC_RESTART_COUNT`` > 0),
+  its failure summary ("Root Cause", ``TORCHELASTIC_ERROR_FILE``), signal forwarding
+  (Ctrl-C), ``accelerate launch``;
+* per-exec process state: peak memory (``ru_maxrss``/``VmHWM`` start at the server's
+  footprint), environment read at import time (below), allocator/OpenMP settings;
+* CUDA (tests/test_cuda.py): the server never initializes CUDA, but those tests are the
+  GPU launch path and stay real.
+
+Import-time environment: variables that a module reads when imported (the Hugging Face
+offline switches, thread counts, progress-bar switches, cache folders) must be right in the
+server. It is started with the static part of the tests' launch environment, and a launch
+whose environment differs from the server's in one of :data:`IMPORT_TIME_VARS` is refused
+with a ValueError (use ``launcher="torchrun"`` for it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["run_forked", "PRELOAD", "IMPORT_TIME_VARS"]
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.tensor", "accelerate", "transformers", "transformers.models.llama.modeling_llama",
+           "datasets", "tokenizers", "fl_accel", "recipes.pretrain"]
+"""Modules the server imports once; every rank inherits them."""
+
+IMPORT_TIME_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONHASHSEED",
+                    "PYTHONDONTWRITEBYTECODE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                    "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "XDG_CACHE_HOME",
+                    "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_LOGS",
+                    "TORCHINDUCTOR_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
+"""Variables read when a module is imported (or at interpreter start): they must be equal
+in the launch's environment and the server's."""
+
+FAIL_GRACE_S = 2.0
+"""After a rank fails, how long the others get to end on their own (and print their own
+error) before SIGTERM."""
+
+KILL_GRACE_S = 10.0
+"""SIGTERM to SIGKILL."""
+
+_server: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------------- in the rank
+def _reseed() -> None:
+    """A fresh interpreter seeds Python's and numpy's global RNGs from the OS; forks would
+    share the server's state."""
+    import random
+
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def _exit_status(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish() -> None:
+    """What the interpreter does at exit: join non-daemon threads, run atexit, flush."""
+    import atexit
+
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _rank_main(script: str, args: Sequence[str], env: Mapping[str, str], cwd: str, base_path: Sequence[str],
+               out_path: str, err_path: str) -> None:
+    """Body of one forked rank (see the module docstring). Never returns."""
+    os.setsid()
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    code = 1
+    try:
+        import runpy
+
+        # a rank is a main process, as under torchrun: named so, and without a parent
+        # whose death multiprocessing would watch for
+        multiprocessing.current_process().name = "MainProcess"
+        multiprocessing.process._parent_process = None
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(os.path.abspath(script))] + pythonpath + list(base_path)
+        sys.argv = [script, *args]
+        _reseed()
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        _finish()
+    finally:
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------- in the parent
+def _base_sys_path() -> list[str]:
+    """The interpreter's own ``sys.path`` entries (stdlib, site-packages, .pth additions),
+    i.e. those of ``python -c`` without PYTHONPATH, minus the leading script folder."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                         capture_output=True, text=True, env=env, check=True, cwd="/")
+    import json
+
+    return json.loads(out.stdout)
+
+
+def _ensure_server(static_env: Mapping[str, str]) -> dict[str, Any]:
+    """Start the fork server (once per process) with ``static_env`` as its environment."""
+    if _server.get("ctx") is not None:
+        return _server
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(static_env)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _server.update(ctx=ctx, env=dict(static_env), base_path=_base_sys_path())
+    return _server
+
+
+def _kill_group(pid: int | None, sig: int, *, alive: bool = True) -> None:
+    """Signal the rank's process group; a live rank that has not called setsid yet gets it
+    directly (an ended one never: its pid may be reused)."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if alive:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _end(procs: list, grace: float) -> None:
+    """SIGTERM the process group of every live rank, SIGKILL after ``grace`` seconds."""
+    live = [p for p in procs if p.exitcode is None]
+    for p in live:
+        _kill_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            _kill_group(p.pid, signal.SIGKILL)
+            p.join()
+        else:  # what the rank left in its process group goes too
+            _kill_group(p.pid, signal.SIGKILL, alive=False)
+
+
+def run_forked(nproc: int, script: str | os.PathLike, *args: Any, timeout: float, env: Mapping[str, str],
+               static_env: Mapping[str, str], cwd: str | os.PathLike, port: int) -> tuple[int | None, str, str,
+                                                                                          float, bool]:
+    """Run ``script args`` as ``nproc`` forked ranks on rendezvous port ``port``.
+
+    Args:
+        env: the ranks' environment (torchrun's variables are added).
+        static_env: the environment the server is started with (the first call's wins);
+            ``env`` must agree with it on :data:`IMPORT_TIME_VARS`.
+
+    Returns:
+        ``(returncode, stdout, stderr, seconds, timed_out)``: returncode 0, the first failed
+        rank's exit status (negative: its signal), or None on timeout.
+
+    Raises:
+        ValueError: ``env`` differs from the server's environment in an import-time variable.
+    """
+    server = _ensure_server(static_env)
+    bad = [k for k in IMPORT_TIME_VARS if env.get(k) != server["env"].get(k)]
+    if bad:
+        raise ValueError(f"the fork launcher's server imported its modules with {', '.join(bad)}="
+                         f"{[server['env'].get(k) for k in bad]}, this launch sets {[env.get(k) for k in bad]}: "
+                         f"these are read at import time; launch with launcher='torchrun'")
+    script = str(script)
+    t0 = time.monotonic()
+    common = {"GROUP_RANK": "0", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+              "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    with tempfile.TemporaryDirectory(prefix="fl_accel_fork_") as logs:
+        outs = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
+        procs = []
+        returncode: int | None = 0
+        timed_out = False
+        try:
+            for r in range(nproc):
+                rank_env = {**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+                p = server["ctx"].Process(target=_rank_main, name=f"rank{r}", daemon=False,
+                                          args=(script, [str(a) for a in args], rank_env, str(cwd),
+                                                server["base_path"], *outs[r]))
+                p.start()
+                procs.append(p)
+            deadline = t0 + timeout
+            failed_at = None
+            while True:
+                live = [p for p in procs if p.exitcode is None]
+                if not live:
+                    break
+                failed = [p for p in procs if p.exitcode not in (None, 0)]
+                now = time.monotonic()
+                if failed and failed_at is None:
+                    failed_at = now
+                    returncode = failed[0].exitcode
+                if failed_at is not None and now - failed_at >= FAIL_GRACE_S:
+                    _end(procs, KILL_GRACE_S)
+                    break
+                if now >= deadline:
+                    timed_out, returncode = True, None
+                    _end(procs, 0.0)
+                    break
+                wait_s = deadline - now if failed_at is None else FAIL_GRACE_S - (now - failed_at)
+                multiprocessing.connection.wait([p.sentinel for p in live], timeout=max(0.01, min(wait_s, 5.0)))
+            if returncode == 0:
+                returncode = next((p.exitcode for p in procs if p.exitcode != 0), 0)
+        finally:
+            _end(procs, 0.0)
+        stdout = "".join(Path(o).read_text(errors="replace") for o, _ in outs if os.path.exists(o))
+        stderr = "".join(Path(e).read_text(errors="replace") for _, e in outs if os.path.exists(e))
+    return returncode, stdout, stderr, time.monotonic() - t0, timed_out
