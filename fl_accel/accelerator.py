@@ -69,6 +69,27 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
                          f"outer state in host memory) or activation checkpointing.")
 
 
+def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
+    """Point Accelerate's FSDP2 path (``acc.state``) at this rank's group with the precision policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    state = acc.state
+    plugin = plugin or getattr(state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        # Reads the FSDP_* environment variables `accelerate launch` sets for the rest.
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+    if user_policy is None:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if acc.mixed_precision == "bf16" else None
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.parallelism_config = ParallelismConfig(dp_replicate_size=acc.layout.replicas_of(acc.group_index),
+                                                 dp_shard_size=acc.layout.shards)
+    state.device_mesh = acc.device_mesh
+
+
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
@@ -125,7 +146,7 @@ class FLAccelerator(Accelerator):
         offset = fl_config.group_index * world if self.fault_tolerant else 0
         self._fl_rank = offset + self.process_index  # this rank in the federation's layout
         self.group_index, self.replica_index, self.shard_index = self.layout.coords(self._fl_rank)
-        self._use_fsdp2(plugin, user_policy)
+        _use_fsdp2(self, plugin, user_policy)
         self.comm_stats = CommStats()
         groups = {pg: axis for axis, pg in self.mesh.groups.items()}
         ranks = {tuple(sorted(self._mesh_layout.axis_ranks(a, self.process_index))): a for a in AXES}
@@ -136,26 +157,6 @@ class FLAccelerator(Accelerator):
         if self.is_main_process:
             for note in start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
-
-    def _use_fsdp2(self, plugin, user_policy) -> None:
-        """Point Accelerate's FSDP2 path at this rank's group with the precision policy."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        state = self.state
-        plugin = plugin or getattr(state, "fsdp_plugin", None)
-        if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
-            # Reads the FSDP_* environment variables `accelerate launch` sets for the rest.
-            plugin = FullyShardedDataParallelPlugin(
-                fsdp_version=2, auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
-        if user_policy is None:
-            plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if self.mixed_precision == "bf16" else None
-        state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        state.parallelism_config = ParallelismConfig(dp_replicate_size=self.layout.replicas_of(self.group_index),
-                                                     dp_shard_size=self.layout.shards)
-        state.device_mesh = self.device_mesh
 
     @property
     def num_groups(self) -> int:
