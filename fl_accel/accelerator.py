@@ -337,10 +337,10 @@ class FLAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, **kwargs):
         """Save every group's state atomically (:func:`fl_accel.checkpoint.save_federated_state`,
-        ``extra_meta`` and ``rank_state`` included). Collective. ValueError without ``output_dir``."""
+        ``extra_meta`` and ``rank_state`` included; torchft mode: this group's state, over its
+        ranks, into a folder of its own). Collective. ValueError without ``output_dir``."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
-        self._refuse_checkpoint("save_state")
         return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
@@ -349,13 +349,7 @@ class FLAccelerator(Accelerator):
         ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
-        self._refuse_checkpoint("load_state")
         return load_federated_state(_checkpoint_io(self), input_dir)
-
-    def _refuse_checkpoint(self, what: str) -> None:
-        if self.fault_tolerant:
-            raise ValueError(f"FLAccelerator.{what} is not supported with fault_tolerance='torchft' yet: a restarted "
-                             f"group heals from a live group instead. Use fault_tolerance='none' for checkpointed runs.")
 
     def end_training(self):
         """The final sync (groups end identical), then Accelerate's end_training (which
@@ -384,9 +378,9 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
 
     return CheckpointIO(
         models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
-        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc.process_index,
+        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
         barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
-        load_extras=lambda path: accelerate_call("load_state", path))
+        load_extras=lambda path: accelerate_call("load_state", path), launch_rank=acc.process_index)
 
 
 class _Handle:

@@ -8,20 +8,15 @@ step and the schedule stay ours (:mod:`fl_accel.exchange`, :mod:`fl_accel.sync`)
 
 What torchft does, and what we rely on (read in torchft 0.2.0):
 
-* One ``Manager`` per rank; rank 0 of a group hosts the group's ``ManagerServer``, which
-  gathers the quorum requests of its G ranks and asks the Lighthouse. The Lighthouse
-  (``src/lighthouse.rs``) forms a quorum of the groups that asked, at once when every
-  member of the previous quorum asked again ("fast quorum"), otherwise when more than
-  half of the heartbeating groups asked and the stragglers' join timeout passed. A group
-  that stopped heartbeating for ``--heartbeat_timeout_ms`` is dropped.
-* ``start_quorum()`` with ``use_async_quorum=False`` blocks until the quorum is known,
-  reconfigures the managed process group when the membership changed (a new gloo/NCCL
-  group per quorum id, rank k of every live group joined as "participating rank"
-  ``manager.participating_rank()`` of ``manager.num_participants()``), and heals: a
-  group whose committed step (``manager.current_step()``) is behind the quorum's
-  maximum downloads the state of a group at that step over HTTP (``HTTPTransport``;
-  each rank from the rank with the same group rank) and applies it through the
-  registered ``load_state_dict`` callback before returning.
+* One ``Manager`` per rank; the group's rank 0 hosts its ``ManagerServer``, which asks
+  the Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups (at once
+  when the previous quorum's members all asked again, else after the join timeout).
+* ``start_quorum()`` (``use_async_quorum=False``) blocks until the quorum is known,
+  reconfigures the managed process group when the membership changed (rank k of every
+  live group is "participating rank" ``manager.participating_rank()`` of
+  ``manager.num_participants()``), and heals: a group whose committed step
+  (``manager.current_step()``) is behind the quorum's maximum downloads the state of a
+  group at that step over HTTP and applies it through the ``load_state_dict`` callback.
 * ``should_commit()`` is a vote of the group's ranks: False when any of them reported
   an error (``report_error``) or its process group errored. The committed step then
   does not advance, so the next quorum heals the group from one that committed.
@@ -31,22 +26,21 @@ What torchft does, and what we rely on (read in torchft 0.2.0):
 
 Known torchft limits handled here:
 
-* rank 0 of a group creates its Manager (which writes the ManagerServer's address into
-  the launcher's store) before the other ranks read it, so a ``torchrun --max-restarts``
-  attempt never reads the previous attempt's address;
-* torchft #343: the ManagerServer assigns recovery sources per group rank (torchft
-  0.2.0 ``src/manager.rs`` ``compute_quorum_results``: recovering group i, rank k heals
-  from up-to-date group ``(i + k) mod U``), so with two or more up-to-date groups
-  (F >= 3) the ranks of one recovering group heal from different groups, whose
-  parameters differ mid-round. :class:`_AgreedClient` makes every rank of a group use its
-  rank 0's recovery assignment (source and destinations), broadcast over a gloo group of
-  the group's own ranks: the ranks of a recovering group all heal from one source, and
-  every rank of that source serves them.
+* torchft keeps its keys (the ManagerServer's address, the managed group's rendezvous
+  ``torchft/<quorum>/<rank>``) in the store it is given, and ``torchrun`` keeps one store
+  across ``--max-restarts`` attempts (torch 2.13: attempt 1 saw attempt 0's keys), so an
+  attempt could read the previous attempt's ``manager_addr``: each attempt gets a store
+  of its own (:func:`_attempt_store`);
+* torchft #343: recovering group i, rank k heals from up-to-date group ``(i + k) mod U``
+  (``src/manager.rs`` ``compute_quorum_results``), so with F >= 3 the ranks of one group
+  heal from different groups, which differ mid-round. :class:`_AgreedClient` makes every
+  rank of a group use its rank 0's recovery assignment (source and destinations).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,9 +57,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Done:
-    """A finished (or abandoned) collective: ``wait()`` returns at once."""
-
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout=None) -> bool:  # a finished (or abandoned) collective
         return True
 
 
@@ -144,8 +136,7 @@ class ManagedTransport:
     open, so a delayed exchange keeps its process group until it is applied) and closes
     it with :meth:`should_commit`. The round's F is the number of live groups, the
     position this group's participating rank, and the weights ``1/F`` (in a quorum where
-    groups heal: 0 for them, 1/(F - H) for the others) ("size" and
-    "uniform" agree for equal groups, the only ones this mode accepts).
+    groups heal: 0 for them, 1/(F - H) for the others; "size" = "uniform" for equal groups).
 
     Attributes: ``manager`` (``torchft.Manager``), ``pg`` (its managed process group),
     ``num_chunks``/``chunk_index`` (the 1/R rule of FL+HSDP: HSDP replica r of a group
@@ -163,10 +154,8 @@ class ManagedTransport:
     num_chunks: int = 1
     chunk_index: int | None = 0
     device: torch.device = torch.device("cpu")
-    meter: object = None
-    """The accelerator's :class:`~fl_accel.comm.CommMeter` ("fl" traffic is counted while it is entered)."""
-    elastic = True
-    """Membership is decided at every sync (the synchronizer asks :meth:`begin` before acting)."""
+    meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
+    elastic = True  # membership is decided at every sync (the synchronizer asks begin() before acting)
 
     def __post_init__(self):
         self.round: Round | None = None
@@ -180,10 +169,10 @@ class ManagedTransport:
                replicas: int, save: Callable[[], dict], load: Callable[[dict], None]) -> "ManagedTransport":
         """Create this rank's torchft Manager (replica id ``fl_accel_group_<f>``, synchronous
         quorum, ``min_replica_size=1``, ``init_sync=False``: the groups start from
-        identical seeded parameters) and its managed ``ProcessGroupGloo`` (CPU) or
-        ``ProcessGroupNCCL`` (CUDA), every wait bounded by ``timeout``. ``save()`` and
-        ``load(state)`` are the recovery callbacks (:func:`capture`/:func:`restore`).
-        Collective over the group's world (a barrier orders rank 0 first).
+        identical seeded parameters; its keys in :func:`_attempt_store`) and its managed
+        ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA), every wait bounded by
+        ``timeout``. ``save()``/``load(state)``: the recovery callbacks
+        (:func:`capture`/:func:`restore`). Collective over the group's world.
 
         Raises:
             ImportError: torchft is not installed (``pip install torchft==0.2.0``).
@@ -204,13 +193,13 @@ class ManagedTransport:
             return Manager(pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1,
                            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                            rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr,
+                           store_addr=store_addr, store_port=store_port,
                            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
                            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
-        manager = make() if group_rank == 0 else None
-        dist.barrier()  # rank 0 has published this attempt's ManagerServer address
-        transport.manager = manager if manager is not None else make()
+        store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
+        transport.manager = make()
         transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
         return transport
 
@@ -313,9 +302,30 @@ class ManagedTransport:
             return []
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
+    def state_dict(self) -> dict:
+        """For this group's checkpoints: the Manager's committed step and batches (torchft
+        heals a group whose step is behind the quorum's maximum)."""
+        return {"manager": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manager.load_state_dict(state["manager"])
+
     def shutdown(self) -> None:
         """Stop this rank's Manager (its ManagerServer and checkpoint server)."""
         self.manager.shutdown(wait=False)
+
+
+def _attempt_store(group_rank: int, group, timeout: timedelta):
+    """``(host, port, server)``: a TCPStore for this launch attempt's torchft keys, served by
+    the group's rank 0 (``server``; None elsewhere) on a free port of ``MASTER_ADDR``
+    (rank 0's node under torchrun, the address torchft itself would use), the port sent
+    to the group's ranks over ``group``. A new attempt starts with no keys."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if group_rank == 0 \
+        else None
+    box = [server.port if server is not None else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return host, int(box[0]), server
 
 
 # ---------------------------------------------------------------------- recovery state

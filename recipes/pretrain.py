@@ -149,8 +149,8 @@ def main(argv=None) -> dict:
     testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch)
 
     clock.start_training()
-    run.batches = batches(data, train_loader, completed_steps, per_epoch, args.gradient_accumulation_steps,
-                          accelerator)
+    run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,
+                          accelerator)  # this launch's own data position (torchft mode: not a healed count)
     with accelerator.meter_comm():
         if completed_steps < max_steps:
             train(run)
