@@ -235,7 +235,7 @@ class FLAccelerator(Accelerator):
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
                                                 self.device)
             if self.fault_tolerant:
-                transport = self._managed_transport(transport)
+                transport = self._managed_transport(transport, [p for _, p in named])
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]))
@@ -245,24 +245,26 @@ class FLAccelerator(Accelerator):
                 fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
 
-    def _managed_transport(self, inside: MeshTransport):
+    def _managed_transport(self, inside: MeshTransport, params: list):
         """The torchft transport of this rank (:mod:`fl_accel.ft`), its recovery state
-        being the synchronizer's, the prepared LR schedulers' and Accelerate's step."""
-        from . import ft
+        being the synchronizer's, the prepared LR schedulers' and Accelerate's step; the
+        groups' initial ``params`` are compared at the first quorum (not on meta)."""
+        from . import ft, ft_state
 
         def save():
-            return ft.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
+            return ft_state.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
 
         def load(state):
             fsdp.reshard(self._models)
-            ft.restore(self.synchronizer, self._schedulers, state)
+            ft_state.restore(self.synchronizer, self._schedulers, state)
             self.step = state["extra"].get("accelerate_step", self.step)
 
         transport = ft.ManagedTransport.create(
             group_index=self.group_index, group_rank=self.process_index, group_size=self.num_processes,
             lighthouse_addr=self._lighthouse, timeout=timedelta(seconds=self.fl_config.collective_timeout_s),
             device=self.device, inside=inside, replica_index=self.replica_index,
-            replicas=self.layout.replicas_of(self.group_index), save=save, load=load)
+            replicas=self.layout.replicas_of(self.group_index), save=save, load=load, init_sum=None if any(
+                p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
         transport.meter = self._comm_meter  # the exchange's traffic in the "fl" bucket
         return transport
 

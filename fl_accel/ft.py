@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from .exchange import MeshTransport, Round
-from .fsdp import local
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,7 @@ class _Done:
 
 
 class _Reported:
-    """A collective whose failure is reported to the torchft Manager instead of raised;
-    ``on_wait(seconds)`` is charged with the time spent in ``wait()``."""
+    """A collective whose failure is reported to the Manager, not raised; ``on_wait(s)``: its wait's seconds."""
 
     def __init__(self, work, manager, on_wait=None):
         self.work, self.manager, self.on_wait = work, manager, on_wait
@@ -85,9 +83,7 @@ def _report(manager, exc: Exception) -> None:
     manager.report_error(exc)
 
 
-class _Agreed:
-    """A torchft ``QuorumResult`` with the recovery fields of the group's rank 0."""
-
+class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
     def __init__(self, quorum, agreed: dict):
         self._quorum, self._agreed = quorum, agreed
 
@@ -119,6 +115,7 @@ class _AgreedClient:
         dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
         agreed = box[0]
         self._transport.behind = quorum.replica_world_size - quorum.max_world_size
+        self._transport.max_step = quorum.max_step
         if agreed["heal"]:
             names = [r.split(":")[0] for r in quorum.replica_ids]
             src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
@@ -155,6 +152,7 @@ class ManagedTransport:
     chunk_index: int | None = 0
     device: torch.device = torch.device("cpu")
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
+    init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
     elastic = True  # membership is decided at every sync (the synchronizer asks begin() before acting)
 
     def __post_init__(self):
@@ -162,17 +160,19 @@ class ManagedTransport:
         self.healed, self.heals = False, 0
         self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
         self.behind = 0  # groups of the last quorum behind its max step (they heal in it; _AgreedClient)
+        self.max_step = 0  # the last quorum's max committed step (_AgreedClient)
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
                timeout: timedelta, device: torch.device, inside: MeshTransport, replica_index: int,
-               replicas: int, save: Callable[[], dict], load: Callable[[dict], None]) -> "ManagedTransport":
+               replicas: int, save: Callable[[], dict], load: Callable[[dict], None],
+               init_sum: float | None = None) -> "ManagedTransport":
         """Create this rank's torchft Manager (replica id ``fl_accel_group_<f>``, synchronous
         quorum, ``min_replica_size=1``, ``init_sync=False``: the groups start from
         identical seeded parameters; its keys in :func:`_attempt_store`) and its managed
         ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA), every wait bounded by
         ``timeout``. ``save()``/``load(state)``: the recovery callbacks
-        (:func:`capture`/:func:`restore`). Collective over the group's world.
+        (:func:`fl_accel.ft_state.capture`/``restore``). Collective over the group's world.
 
         Raises:
             ImportError: torchft is not installed (``pip install torchft==0.2.0``).
@@ -183,7 +183,7 @@ class ManagedTransport:
 
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         transport = cls(manager=None, pg=pg, inside=inside, num_chunks=replicas, chunk_index=replica_index,
-                        device=device)
+                        device=device, init_sum=init_sum)
 
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
@@ -215,12 +215,31 @@ class ManagedTransport:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
                                    f"of {num})")
             self.round = Round(num, position, (1.0 / num,) * num)
+            if num > 1 and self.max_step == 0 and self.init_sum is not None:  # no commit yet: the start-up check
+                self._check_identical(num, position)
             if num > 1 and self.behind:  # groups healed in this quorum: they hold a source's values
                 self.round = Round(num, position, self._weights_without_healed(num, position))
             if num > 1 or self.healed:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
+
+    def _check_identical(self, num: int, position: int) -> None:
+        """The start-up identity check across groups (in every quorum before the first
+        commit): ``init_sum`` of every live group, compared over the managed group.
+
+        Raises:
+            ValueError: on every rank of every live group, the groups' checksums differ."""
+        sums = torch.zeros(num, dtype=torch.float64, device=self.device)
+        sums[position] = self.init_sum
+        self.all_reduce(sums)
+        bad = torch.tensor([float(self.manager.errored() is None and bool((sums != sums[position]).any()))],
+                           device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # any rank of this group
+        if bad.item():
+            raise ValueError(f"fault_tolerance='torchft': the federation groups started from different parameters "
+                             f"(checksums of the local shards: {sums.tolist()}); build the model with the same seed "
+                             f"in every group (accelerate.utils.set_seed before creating it)")
 
     def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
         """Weights 1/(F - H) over the groups that did not heal in this quorum, 0 for the H
@@ -326,77 +345,3 @@ def _attempt_store(group_rank: int, group, timeout: timedelta):
     box = [server.port if server is not None else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return host, int(box[0]), server
-
-
-# ---------------------------------------------------------------------- recovery state
-def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
-    """What a group needs to continue as the group it heals from (per rank, plain local
-    tensors, cloned): ``params`` (local shards), ``optimizer`` (inner optimizer state per
-    parameter index and the param groups' hyperparameters, lr included), ``outer``
-    (anchor and outer momentum), ``schedule`` (the sync counters, fragment phase
-    included), ``schedulers`` (LR schedulers' state dicts) and ``extra``. Error-feedback
-    residuals and the data position are each group's own and are not sent. Called by
-    torchft on the quorum thread while the main thread waits in :meth:`ManagedTransport.begin`."""
-    opt = sync.optimizer
-    state = {}
-    for i, p in enumerate(sync.params):
-        st = opt.state.get(p)
-        if st:
-            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
-                        for k, v in st.items()}
-    shared, _ = sync.outer.tensors()
-    return {"params": [local(p).detach().clone() for p in sync.params],
-            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
-                                                     for g in opt.param_groups]},
-            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
-            "schedule": sync.schedule.state_dict(),
-            "schedulers": [s.state_dict() for s in schedulers],
-            "extra": dict(extra or {})}
-
-
-@torch.no_grad()
-def restore(sync, schedulers: list, state: dict) -> None:
-    """Inverse of :func:`capture` on the healing group (main thread, inside
-    :meth:`ManagedTransport.begin`); the error-feedback residuals are zeroed and nothing
-    is in flight afterwards. The caller reshards the model first and applies ``extra``.
-
-    Raises:
-        ValueError: the state's parameter count or shard shapes differ from this model's.
-    """
-    params = sync.params
-    if len(state["params"]) != len(params) or any(
-            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
-        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
-                         "shard shapes differ); every federation group must run the same model and group size")
-    for p, v in zip(params, state["params"]):
-        local(p).copy_(v)
-    opt = sync.optimizer
-    for i, p in enumerate(params):
-        saved = state["optimizer"]["state"].get(i)
-        if saved is None:
-            opt.state.pop(p, None)
-            continue
-        current = opt.state.setdefault(p, {})
-        for k, v in saved.items():
-            if not isinstance(v, tuple):
-                current[k] = v
-                continue
-            value, distributed = v
-            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
-                local(current[k]).copy_(value)
-            elif distributed:
-                from torch.distributed.tensor import DTensor
-                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
-                                                shape=p.shape, stride=p.stride())
-            else:
-                current[k] = value.clone()
-    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
-        group.update(saved)
-    residuals = {i: {"residual": r} for i, r in enumerate(sync.outer.residuals or ())}
-    sync.outer.load(state["outer"], residuals)
-    sync.outer.zero_residuals()
-    sync.schedule.load_state_dict(state["schedule"])
-    for fragment in sync.fragments:
-        fragment.pending = None
-    for scheduler, saved in zip(schedulers, state["schedulers"]):
-        scheduler.load_state_dict(saved)

@@ -67,12 +67,13 @@ def _flags(options: Mapping) -> list[str]:
 def start_lighthouse(*, port: int | None = None, host: str = "127.0.0.1", log: IO | None = None,
                      **options):
     """Start a Lighthouse; returns ``(Popen, address)`` with address ``http://host:port``
-    once it accepts connections (at most 30 s; RuntimeError if it exits or never listens)."""
+    once it accepts connections (at most 120 s: a loaded machine; RuntimeError if it exits
+    or never listens)."""
     import socket
 
     port = port or free_port(host)
     proc = start(lighthouse_argv(port, host, **options), env=child_env(), stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"torchft_lighthouse exited with status {proc.returncode}")
@@ -82,7 +83,7 @@ def start_lighthouse(*, port: int | None = None, host: str = "127.0.0.1", log: I
         except OSError:
             time.sleep(0.1)
     terminate(proc)
-    raise RuntimeError(f"torchft_lighthouse did not listen on {host}:{port} within 30 s")
+    raise RuntimeError(f"torchft_lighthouse did not listen on {host}:{port} within 120 s")
 
 
 def group_env(group_index: int, lighthouse: str, extra: Mapping[str, str] | None = None,

@@ -145,6 +145,7 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
     cases = {name: {"fl": fl, "optimizer": opt, "lr": 0.05 if opt == "sgd" else 1e-3}
              for name, (fl, opt, _) in PARITY.items()}
     cases["fp32_avg"].update(scheduler=True, checkpoint_every=3)
+    cases["seeded_apart"] = {"optimizer": "sgd", "lr": 0.05, "seed_by_group": True, "expect_error": True}
     base = {"fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4}, "max_steps": 8, "record_steps": True}
     spec = write_json(tmp_path / "spec.json", {**base, "cases": cases})
     single = run_torchrun(2 * G, WORKER, spec, tmp_path / "single", timeout=420)
@@ -163,6 +164,12 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
                 assert [q["num_groups"] for q in ft_rec["quorums"]] == [2] * events
                 assert not any(q["healed"] for q in ft_rec["quorums"])
         print(f"\n[{case}] largest |torchft - single world| over every step and shard: {worst:.3g}")
+    for f in range(2):  # the start-up identity check: at prepare (single world), at the first quorum (torchft)
+        for k in range(G):
+            err = json.loads((tmp_path / "single" / "seeded_apart" / f"error_g{f}_r{f * G + k}.json").read_text())
+            assert "do not start from identical parameters" in err["message"] and not err["step"], err
+            err = json.loads((tmp_path / "ft" / "seeded_apart" / f"error_g{f}_r{k}.json").read_text())
+            assert "groups started from different parameters" in err["message"] and err["step"] == 4, err
     for k in range(G):
         g0, g1 = (_load(tmp_path / "ft" / "fp32_avg" / f"g{f}_r{k}_a0.pt")["steps"] for f in range(2))
         for step in range(1, 9):
@@ -171,10 +178,11 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
 
     # the whole federation stops after step 8 and restarts from each group's step-3 checkpoint
     for f in range(2):
-        shutil.copytree(tmp_path / "ft" / "fp32_avg" / "ckpt" / f"g{f}" / "step_3", tmp_path / "ckpt" / f"g{f}" / "step_3")
+        shutil.copytree(tmp_path / "ft" / "fp32_avg" / "ckpt" / f"g{f}" / "step_3",
+                        tmp_path / "ckpt" / f"g{f}" / "step_3")
         meta = json.loads((tmp_path / "ckpt" / f"g{f}" / "step_3" / "fl_accel_checkpoint.json").read_text())
         assert meta["group_index"] == f and meta["fault_tolerance"] == "torchft" and meta["scopes"]["model"] == "group"
-    resume = {**base, **cases["fp32_avg"], "resume": True, "checkpoint_dir": str(tmp_path / "ckpt")}
+    resume = {**base, **cases["fp32_avg"], "fl": base["fl"], "resume": True, "checkpoint_dir": str(tmp_path / "ckpt")}
     specs = [write_json(tmp_path / "resume0.json", resume),
              write_json(tmp_path / "resume1.json", {**resume, "crash": {"group": 1, "step": 6}})]
     logs = _ft_launch(tmp_path, "resumed", specs, env={"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "300"}, max_restarts=(0, 1))
@@ -281,7 +289,8 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
             # its own data position: attempt 1 resumed before any heal, attempt 2 after one (behind the count)
             assert (resumed["batches"] == resumed["step"]) if attempt == 1 else (resumed["batches"] < resumed["step"])
             heal = [q for q in healed["quorums"] if q["healed"]]
-            assert len(heal) == 1 and healed["heals"] == 1, [(q["manager_step"], q["healed"]) for q in healed["quorums"]]
+            assert len(heal) == 1 and healed["heals"] == 1, [(q["manager_step"], q["healed"])
+                                                             for q in healed["quorums"]]
             assert resumed["manager_step"] < heal[0]["manager_step"]  # behind group 0's torchft step: it healed
             peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]]
             assert len(peer) == 1 and peer[0]["num_groups"] == 2

@@ -14,8 +14,10 @@ ends a run with a kill and restart once the restarted group healed). Checkpoints
 group, ``FLAccelerator.save_state``): ``checkpoint_every`` (save
 ``<checkpoint_dir>/g<f>/step_<n>`` after every n-th step, with this rank's data position,
 the batches it consumed, as ``rank_state``), ``checkpoint_dir`` (default OUT_DIR/ckpt),
-``checkpoint_groups`` (only these groups save), ``resume`` (load the newest complete checkpoint of this group first, if any, and skip the
-batches it had consumed), ``crash`` (``{"group": f, "step": n}``: on the first attempt
+``checkpoint_groups`` (only these groups save), ``resume`` (load the newest complete
+checkpoint of this group first, if any, and skip the batches it had consumed),
+``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
+case's ValueError is recorded in ``<case>/error_g<f>_r<k>.json`` with the step), ``crash`` (``{"group": f, "step": n}``: on the first attempt
 of a torchrun with ``--max-restarts``, every rank of group f exits with status 3 right
 after step n and its checkpoint: torchrun starts the next attempt).
 
@@ -82,10 +84,22 @@ def main() -> None:
             PartialState.destroy_process_group = lambda self, group=None: None
         try:
             run_case({**spec, **fields, "fl": {**spec.get("fl", {}), **fields.get("fl", {})}}, out / name)
+        except ValueError as exc:  # an expected refusal: recorded, and the next case runs
+            if not fields.get("expect_error"):
+                raise
+            acc = CURRENT.pop("acc")
+            sync = acc.synchronizer
+            (out / name / f"error_g{acc.group_index}_r{acc.process_index}.json").write_text(json.dumps({
+                "message": str(exc), "step": sync.schedule.global_step if sync is not None else None}))
+            if sync is not None and hasattr(sync.transport, "shutdown"):
+                sync.transport.shutdown()
         finally:
             PartialState.destroy_process_group = destroy
         AcceleratorState._reset_state()  # the next case's FLAccelerator sets Accelerate up anew
         GradientState._reset_state()
+
+
+CURRENT: dict = {}  # the case's accelerator (main() shuts an expected refusal's torchft Manager down)
 
 
 def run_case(spec: dict, out: Path) -> None:
@@ -97,10 +111,11 @@ def run_case(spec: dict, out: Path) -> None:
 
     (out / "progress").mkdir(parents=True, exist_ok=True)
     acc = FLAccelerator(FLConfig.from_env(**spec["fl"]), cpu=True)
+    CURRENT["acc"] = acc
     f, rank = acc.group_index, acc.process_index
     attempt = os.environ.get("FT_TEST_ATTEMPT", "0")
 
-    torch.manual_seed(0)
+    torch.manual_seed(f if spec.get("seed_by_group") else 0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     if spec["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
