@@ -255,7 +255,7 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
         procs = [g0, started[-1]]
         for attempt, parity in ((1, 0), (2, 1)):  # a P=2, tau=1 exchange launches at odd steps, applies at even ones
             first = 6 if attempt == 1 else _progress(out, 1)[0] + 3
-            _wait_for(lambda: _progress(out, 1)[0] >= first and _progress(out, 1)[0] % 2 == parity, 150,
+            _wait_for(lambda: _progress(out, 1)[0] >= first and _progress(out, 1)[0] % 2 == parity, 300,
                       f"group 1 at step {first} (parity {parity})", procs)
             killed = ft_launch.kill_group(started[-1])  # kill -9 every process of group 1: torchrun and its workers
             assert len(killed) == 1 + G, killed
@@ -266,10 +266,10 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
                                   log=open(logs[f"g1a{attempt}"], "w")))
             procs = [g0, started[-1]]
             outages.append((step_at_kill, t_kill, time.time()))
-            _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a{attempt}").exists() for k in range(G)), 150,
+            _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a{attempt}").exists() for k in range(G)), 300,
                       f"group 1 to heal (attempt {attempt})", procs)
         (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(2)) + 8))
-        codes = [wait(p, 150).returncode for p in procs]
+        codes = [wait(p, 300).returncode for p in procs]
     finally:
         for p in set(procs + started):
             ft_launch.kill_group(p)
