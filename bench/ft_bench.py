@@ -311,6 +311,9 @@ def run_link(args, work: Path, cache: Path) -> dict:
                 runs[kind].append({"tokens_per_s": tps, "codes": codes, "wall_s": time.time() - t0,
                                    "host": load.stop(), "out": str(out),
                                    "sync_time_share": [r.get("sync_time_share") for r in results],
+                                   "train_seconds": [r.get("train_seconds") for r in results],
+                                   "torchft_seconds": [r.get("fault_tolerance", {}).get("torchft_seconds")
+                                                       for r in results],
                                    "wire_tx_mb": sum(wire1[k]["tx_bytes"] - wire0[k]["tx_bytes"] for k in wire1) / 1e6})
                 print(f"[ft_bench] {args.link} {kind} #{i}: {tps} tokens/s (exit {codes})", flush=True)
     return {"link": link, "runs": runs}
@@ -341,6 +344,11 @@ def link_table(summary: dict) -> str:
         f"- Overhead of the torchft mode: **{100 * s['overhead']:.1f}%** of the single world's tokens/s "
         f"(1 - median torchft / median single; per pair of adjacent runs: "
         f"{', '.join(f'{100 * x:.1f}%' for x in s['pair_overheads'])}).",
+        f"- Where the torchft runs' sync time goes (rank 0 of each group, mean per sync event): "
+        f"{s['per_sync']['quorum'] * 1e3:.0f} ms in torchft's quorum (`start_quorum`: the RPCs to the group's "
+        f"ManagerServer and the Lighthouse, and the wait for the other group to arrive, which the single world "
+        f"spends in its all-reduce instead), {s['per_sync']['commit'] * 1e3:.0f} ms in the commit vote "
+        f"(`should_commit`), over {s['per_sync']['quorums']:.0f} quorums per group and run.",
         "",
     ])
 
@@ -361,6 +369,9 @@ def link_main(args) -> int:
                "sync_share": {k: statistics.mean(x for r in rs for x in r["sync_time_share"] if x is not None)
                               for k, rs in runs.items()},
                "settings": {k: v for k, v in vars(args).items() if k != "report_only"}}
+    fts = [x for r in runs["torchft"] for x in r["torchft_seconds"] if x]
+    summary["per_sync"] = {k: statistics.mean(x[k] / max(1, x["quorums"]) for x in fts) for k in ("quorum", "commit")}
+    summary["per_sync"]["quorums"] = statistics.mean(x["quorums"] for x in fts)
     dest = ROOT / "bench" / "results" / args.name
     raw = dest / "raw-link"
     raw.mkdir(parents=True, exist_ok=True)

@@ -142,7 +142,8 @@ class ManagedTransport:
     ``healed`` (True from a :meth:`begin` that healed this group until the next quorum),
     ``heals`` (how many times it healed), ``heal_sources`` (per heal: quorum id, the
     source group's replica id, the one torchft had assigned to this rank; see
-    :class:`_AgreedClient`), ``round`` (the open round or None).
+    :class:`_AgreedClient`), ``round`` (the open round or None), ``seconds`` (host seconds
+    spent in torchft's quorums, heals included, and commit votes; the number of quorums).
     """
 
     manager: object
@@ -161,6 +162,7 @@ class ManagedTransport:
         self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
         self.behind = 0  # groups of the last quorum behind its max step (they heal in it; _AgreedClient)
         self.max_step = 0  # the last quorum's max committed step (_AgreedClient)
+        self.seconds = {"quorum": 0.0, "commit": 0.0, "quorums": 0}  # host time in start_quorum / should_commit
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
@@ -208,8 +210,10 @@ class ManagedTransport:
         """The round of the sync event starting now: a torchft quorum (blocking; may heal
         this group through the ``load`` callback) unless a round is open."""
         if self.round is None:
-            self.healed = False
+            self.healed, t0 = False, time.perf_counter()
             self.manager.start_quorum()
+            self.seconds["quorum"] += time.perf_counter() - t0
+            self.seconds["quorums"] += 1
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
@@ -257,10 +261,12 @@ class ManagedTransport:
     def should_commit(self) -> bool:
         """torchft's vote of this group's ranks (False after any reported error); closes
         the round. Collective over the group's ranks."""
+        t0 = time.perf_counter()
         try:
             return bool(self.manager.should_commit())
         finally:
             self.round = None
+            self.seconds["commit"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ collectives
     def _call(self, launch, op: str | None = None, tensor=None):

@@ -254,7 +254,9 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
         started.append(_group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w")))
         procs = [g0, started[-1]]
         for attempt, parity in ((1, 0), (2, 1)):  # a P=2, tau=1 exchange launches at odd steps, applies at even ones
-            first = 6 if attempt == 1 else _progress(out, 1)[0] + 3
+            if attempt == 2:  # attempt 1 logged a step after its heal: a checkpoint of its own comes within 4
+                _wait_for(lambda: _progress(out, 1)[2] == "1", 300, "group 1's attempt 1 to step", procs)
+            first = 6 if attempt == 1 else _progress(out, 1)[0] + 4
             _wait_for(lambda: _progress(out, 1)[0] >= first and _progress(out, 1)[0] % 2 == parity, 300,
                       f"group 1 at step {first} (parity {parity})", procs)
             killed = ft_launch.kill_group(started[-1])  # kill -9 every process of group 1: torchrun and its workers
