@@ -244,7 +244,7 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "num_fragments": 2, "sync_delay": 1,
                "sync_dtype": "int8", "error_feedback": True, "outer_optimizer": "nesterov"},
-        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15,
+        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.15,
         "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
     logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g1a1", "g1a2")}
