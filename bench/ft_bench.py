@@ -336,14 +336,20 @@ def link_table(summary: dict) -> str:
         f"two modes alternate, {s['settings']['repeats']} runs each; the whole bench niced on a shared 2-core "
         f"machine (other processes' CPU share per run in link_summary.json).",
         "",
-        "| mode | tokens/s per run | median | mean sync_time_share |",
-        "|---|---|---|---|",
+        "| mode | tokens/s per run | median | train s per run | sync s per run | mean sync_time_share |",
+        "|---|---|---|---|---|---|",
         *[f"| {kind} | {', '.join(f'{x:,.0f}' for x in row(kind) if x)} | {s['median'][kind]:,.0f} | "
-          f"{s['sync_share'][kind]:.3f} |" for kind in ("single", "torchft")],
+          f"{', '.join(f'{x:.0f}' for x in s['train_seconds'][kind])} | "
+          f"{', '.join(f'{x:.1f}' for x in s['sync_seconds'][kind])} | {s['sync_share'][kind]:.3f} |"
+          for kind in ("single", "torchft")],
         "",
         f"- Overhead of the torchft mode: **{100 * s['overhead']:.1f}%** of the single world's tokens/s "
         f"(1 - median torchft / median single; per pair of adjacent runs: "
         f"{', '.join(f'{100 * x:.1f}%' for x in s['pair_overheads'])}).",
+        f"- Overhead in sync time alone: **{100 * s['sync_overhead']:.1f}%** (median extra seconds the torchft "
+        f"runs spent in sync events, over the single world's median train seconds; torchft: the mean over its "
+        f"groups). Train seconds differ between runs by more than this: the machine's other work sets the pace "
+        f"of the compute, and it changed from run to run.",
         f"- Where the torchft runs' sync time goes (rank 0 of each group, mean per sync event): "
         f"{s['per_sync']['quorum'] * 1e3:.0f} ms in torchft's quorum (`start_quorum`: the RPCs to the group's "
         f"ManagerServer and the Lighthouse, and the wait for the other group to arrive, which the single world "
@@ -353,32 +359,50 @@ def link_table(summary: dict) -> str:
     ])
 
 
-def link_main(args) -> int:
+def link_summarize(measured: dict, settings: dict) -> dict:
+    """Medians, the overhead (1 - median torchft / median single, and per adjacent pair),
+    the sync seconds per run (``sync_time_share`` x ``train_seconds``; torchft: the mean
+    over the groups) and the sync-time overhead (the torchft runs' extra sync seconds over
+    the single world's train seconds), and torchft's quorum/commit seconds per sync."""
     import statistics
 
-    work = ROOT / "bench" / "work" / args.name
-    work.mkdir(parents=True, exist_ok=True)
-    measured = run_link(args, work, work / "cache")
     runs = measured["runs"]
-    if any(r["tokens_per_s"] is None for rs in runs.values() for r in rs):
-        raise RuntimeError(f"a run failed: {[(k, r['codes'], r['out']) for k, rs in runs.items() for r in rs]}")
     median = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
-    summary = {**measured, "median": median, "overhead": 1 - median["torchft"] / median["single"],
-               "pair_overheads": [1 - t["tokens_per_s"] / s["tokens_per_s"] for s, t in zip(runs["single"],
-                                                                                          runs["torchft"])],
-               "sync_share": {k: statistics.mean(x for r in rs for x in r["sync_time_share"] if x is not None)
-                              for k, rs in runs.items()},
-               "settings": {k: v for k, v in vars(args).items() if k != "report_only"}}
+    sync_s = {k: [statistics.mean(a * b for a, b in zip(r["sync_time_share"], r["train_seconds"])) for r in rs]
+              for k, rs in runs.items()}
+    train_s = {k: [statistics.mean(r["train_seconds"]) for r in rs] for k, rs in runs.items()}
     fts = [x for r in runs["torchft"] for x in r["torchft_seconds"] if x]
-    summary["per_sync"] = {k: statistics.mean(x[k] / max(1, x["quorums"]) for x in fts) for k in ("quorum", "commit")}
-    summary["per_sync"]["quorums"] = statistics.mean(x["quorums"] for x in fts)
+    per_sync = {k: statistics.mean(x[k] / max(1, x["quorums"]) for x in fts) for k in ("quorum", "commit")}
+    return {**measured, "median": median, "overhead": 1 - median["torchft"] / median["single"],
+            "pair_overheads": [1 - t["tokens_per_s"] / s["tokens_per_s"] for s, t in zip(runs["single"],
+                                                                                       runs["torchft"])],
+            "sync_share": {k: statistics.mean(x for r in rs for x in r["sync_time_share"] if x is not None)
+                           for k, rs in runs.items()},
+            "sync_seconds": sync_s, "train_seconds": train_s,
+            "sync_overhead": (statistics.median(sync_s["torchft"]) - statistics.median(sync_s["single"]))
+            / statistics.median(train_s["single"]),
+            "per_sync": {**per_sync, "quorums": statistics.mean(x["quorums"] for x in fts)}, "settings": settings}
+
+
+def link_main(args) -> int:
     dest = ROOT / "bench" / "results" / args.name
-    raw = dest / "raw-link"
-    raw.mkdir(parents=True, exist_ok=True)
-    for res in work.glob("link-*/**/all_results.json"):
-        rel = res.parent.relative_to(work)
-        (raw / rel).mkdir(parents=True, exist_ok=True)
-        shutil.copy(res, raw / rel / "all_results.json")
+    if args.report_only:  # recompute the figures and the table from the recorded runs
+        summary = link_summarize(json.loads((dest / "link_summary.json").read_text()),
+                                 json.loads((dest / "link_summary.json").read_text())["settings"])
+    else:
+        work = ROOT / "bench" / "work" / args.name
+        work.mkdir(parents=True, exist_ok=True)
+        measured = run_link(args, work, work / "cache")
+        runs = measured["runs"]
+        if any(r["tokens_per_s"] is None for rs in runs.values() for r in rs):
+            raise RuntimeError(f"a run failed: {[(k, r['codes'], r['out']) for k, rs in runs.items() for r in rs]}")
+        summary = link_summarize(measured, {k: v for k, v in vars(args).items() if k != "report_only"})
+        raw = dest / "raw-link"
+        raw.mkdir(parents=True, exist_ok=True)
+        for res in work.glob("link-*/**/all_results.json"):
+            rel = res.parent.relative_to(work)
+            (raw / rel).mkdir(parents=True, exist_ok=True)
+            shutil.copy(res, raw / rel / "all_results.json")
     (dest / "link_summary.json").write_text(json.dumps(summary, indent=1))
     (dest / "link_table.md").write_text(link_table(summary))
     print((dest / "link_table.md").read_text())
