@@ -325,6 +325,9 @@ def link_table(summary: dict) -> str:
     def row(kind):
         return [r["tokens_per_s"] for r in runs[kind]]
 
+    def share(run):
+        return run["host"].get("background_cpu_share", 0)
+
     return "\n".join([
         f"# torchft mode: overhead on the emulated {s['settings']['link']} link ({time.strftime('%Y-%m-%d')})",
         "",
@@ -336,16 +339,21 @@ def link_table(summary: dict) -> str:
         f"two modes alternate, {s['settings']['repeats']} runs each; the whole bench niced on a shared 2-core "
         f"machine (other processes' CPU share per run in link_summary.json).",
         "",
-        "| mode | tokens/s per run | median | train s per run | sync s per run | mean sync_time_share |",
-        "|---|---|---|---|---|---|",
+        "| mode | tokens/s per run | median | train s per run | sync s per run | mean sync_time_share | "
+        "other processes' CPU share per run |",
+        "|---|---|---|---|---|---|---|",
         *[f"| {kind} | {', '.join(f'{x:,.0f}' for x in row(kind) if x)} | {s['median'][kind]:,.0f} | "
           f"{', '.join(f'{x:.0f}' for x in s['train_seconds'][kind])} | "
-          f"{', '.join(f'{x:.1f}' for x in s['sync_seconds'][kind])} | {s['sync_share'][kind]:.3f} |"
+          f"{', '.join(f'{x:.1f}' for x in s['sync_seconds'][kind])} | {s['sync_share'][kind]:.3f} | "
+          f"{', '.join(f'{100 * share(r):.0f}%' for r in runs[kind])} |"
           for kind in ("single", "torchft")],
         "",
         f"- Overhead of the torchft mode: **{100 * s['overhead']:.1f}%** of the single world's tokens/s "
         f"(1 - median torchft / median single; per pair of adjacent runs: "
         f"{', '.join(f'{100 * x:.1f}%' for x in s['pair_overheads'])}).",
+        f"- Per CPU the bench got (tokens/s / (1 - other processes' CPU share), medians): single "
+        f"{s['per_cpu']['single']:,.0f}, torchft {s['per_cpu']['torchft']:,.0f}: overhead "
+        f"**{100 * (1 - s['per_cpu']['torchft'] / s['per_cpu']['single']):.1f}%**.",
         f"- Overhead in sync time alone: **{100 * s['sync_overhead']:.1f}%** (median extra seconds the torchft "
         f"runs spent in sync events, over the single world's median train seconds; torchft: the mean over its "
         f"groups). Train seconds differ between runs by more than this: the machine's other work sets the pace "
@@ -379,6 +387,9 @@ def link_summarize(measured: dict, settings: dict) -> dict:
             "sync_share": {k: statistics.mean(x for r in rs for x in r["sync_time_share"] if x is not None)
                            for k, rs in runs.items()},
             "sync_seconds": sync_s, "train_seconds": train_s,
+            "per_cpu": {k: statistics.median(r["tokens_per_s"] / max(1e-9, 1 - r["host"].get("background_cpu_share",
+                                                                                             0)) for r in rs)
+                        for k, rs in runs.items()},
             "sync_overhead": (statistics.median(sync_s["torchft"]) - statistics.median(sync_s["single"]))
             / statistics.median(train_s["single"]),
             "per_sync": {**per_sync, "quorums": statistics.mean(x["quorums"] for x in fts)}, "settings": settings}
