@@ -246,7 +246,8 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
                "sync_dtype": "int8", "error_feedback": True, "outer_optimizer": "nesterov"},
         "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.15,
         "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
-    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
+                                                 join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
     logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g1a1", "g1a2")}
     procs, started, outages = [], [], []
     try:
@@ -288,8 +289,9 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
             healed = _load(out / f"g1_r{k}_a{attempt}.heal.pt")  # its records up to the heal
             resumed = healed["resumed"]
             assert resumed is not None and resumed["step"] % 3 == 0 and resumed["step"] > 0, resumed
-            # its own data position: attempt 1 resumed before any heal, attempt 2 after one (behind the count)
-            assert (resumed["batches"] == resumed["step"]) if attempt == 1 else (resumed["batches"] < resumed["step"])
+            # its own data position, behind the step count once it healed (attempt 0 may have healed already when
+            # group 0 committed before group 1's first quorum; attempt 1 did)
+            assert (resumed["batches"] <= resumed["step"]) if attempt == 1 else (resumed["batches"] < resumed["step"])
             heal = [q for q in healed["quorums"] if q["healed"]]
             assert len(heal) == 1 and healed["heals"] == 1, [(q["manager_step"], q["healed"])
                                                              for q in healed["quorums"]]
@@ -320,7 +322,8 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
         "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
-    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
+                                                 join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
     logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g2", "g1a1")}
     procs, g1 = [], None
     try:
