@@ -30,6 +30,14 @@ stores all bind 127.0.0.1). Run it niced on a quiet machine; on a shared 2-core 
 timings are noisy (the table records the other processes' CPU share per run)::
 
     nice -n 10 python -m bench.ft_bench [--steps 360] [--kill_step 40] [--outage_s 20] [--report_only]
+
+``--link 100mbit`` measures the overhead alone on the emulated 2-node link of the
+baseline bench (:class:`scripts.netemu.Emulator`, root needed; one group per node, the
+Lighthouse on node 0; the single world as ``torchrun --nnodes 2``), with the baseline
+bench's recipe settings (seq_len 256, micro-batch 4, H=8, fp32 "avg"), the two modes
+alternated ``--repeats`` times; it writes ``link_table.md`` and ``link_summary.json``::
+
+    nice -n 15 python -m bench.ft_bench --link 100mbit [--steps 48] [--repeats 3] --name <date>-ft
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -253,6 +262,164 @@ def table(summary: dict, args) -> str:
     ])
 
 
+def link_args(steps: int, out: str, cache: Path) -> list[str]:
+    return ["--model", "tiny", "--seq_len", "256", "--micro_batch_size", "4", "--max_steps", str(steps),
+            "--mixed_precision", "no", "--num_groups", str(F), "--sync_every", "8", "--eval_every", "0",
+            "--log_every", "8", "--max_eval_blocks", "32", "--report_to", "none", "--save_final_model", "false",
+            "--output_dir", out, "--cache_dir", str(cache)]
+
+
+def run_link(args, work: Path, cache: Path) -> dict:
+    """The single world and the torchft mode, alternated ``args.repeats`` times on one
+    emulated 2-node link; per run the federation's tokens/s (single: its ``tokens_per_s``;
+    torchft: the sum over groups of tokens / ``train_seconds``) and the wire bytes."""
+    from scripts.netemu import Emulator
+
+    env = child_env({"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "600"}, pythonpath=[str(ROOT)])
+    runs: dict = {"single": [], "torchft": []}
+    with Emulator(2, args.link) as emu:
+        link = emu.measure(seconds=2.0)
+        for i in range(args.repeats):
+            for kind in ("single", "torchft") if i % 2 == 0 else ("torchft", "single"):
+                out = work / f"link-{kind}-{i}"
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(parents=True)
+                load, wire0, t0 = HostLoad().start(), emu.link_bytes(), time.time()
+                if kind == "single":
+                    rc = emu.run_torchrun([str(RECIPE), *link_args(args.steps, str(out), cache)], nproc_per_node=G,
+                                          master_port=29500, env=env, timeout=args.timeout,
+                                          stdout=open(out / "log", "w"), stderr=subprocess.STDOUT)
+                    codes = [rc]
+                    results = [json.loads((out / "all_results.json").read_text())] if rc == 0 else []
+                    tps = results[0]["tokens_per_s"] if results else None
+                else:
+                    lighthouse = emu.popen(0, ft_launch.lighthouse_argv(29510, emu.address(0), min_replicas=F),
+                                           env=env, stdout=open(out / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
+                    groups = [emu.popen(f, torchrun_argv(G, RECIPE, "--fault_tolerance", "torchft",
+                                                         *link_args(args.steps, str(out), cache), port=29520,
+                                                         master_addr=emu.address(f)),
+                                        env=ft_launch.group_env(f, f"http://{emu.address(0)}:29510",
+                                                                {"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "600"}, [str(ROOT)]),
+                                        stdout=open(out / f"group{f}.log", "w"), stderr=subprocess.STDOUT)
+                              for f in range(F)]
+                    codes = [wait(g, args.timeout).returncode for g in groups]
+                    terminate(lighthouse)
+                    results = [json.loads((out / f"group{f}" / "all_results.json").read_text())
+                               for f in range(F) if codes == [0] * F]
+                    tps = sum(r["train_tokens"] / r["train_seconds"] for r in results) if results else None
+                wire1 = emu.link_bytes()
+                runs[kind].append({"tokens_per_s": tps, "codes": codes, "wall_s": time.time() - t0,
+                                   "host": load.stop(), "out": str(out),
+                                   "sync_time_share": [r.get("sync_time_share") for r in results],
+                                   "train_seconds": [r.get("train_seconds") for r in results],
+                                   "torchft_seconds": [r.get("fault_tolerance", {}).get("torchft_seconds")
+                                                       for r in results],
+                                   "wire_tx_mb": sum(wire1[k]["tx_bytes"] - wire0[k]["tx_bytes"] for k in wire1) / 1e6})
+                print(f"[ft_bench] {args.link} {kind} #{i}: {tps} tokens/s (exit {codes})", flush=True)
+    return {"link": link, "runs": runs}
+
+
+def link_table(summary: dict) -> str:
+    s, runs = summary, summary["runs"]
+
+    def row(kind):
+        return [r["tokens_per_s"] for r in runs[kind]]
+
+    def share(run):
+        return run["host"].get("background_cpu_share", 0)
+
+    return "\n".join([
+        f"# torchft mode: overhead on the emulated {s['settings']['link']} link ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"2 emulated nodes (network namespaces, tc tbf {s['settings']['link']} per node and direction; measured "
+        f"single TCP stream {s['link']['bits_per_s'] / 1e6:.0f} Mbit/s), one federation group of 2 ranks per node. "
+        f"Recipe as the baseline bench: tiny Llama, seq_len 256, micro-batch 4, {s['settings']['steps']} steps, "
+        f"H=8, fp32 avg, no evaluation during training. single = today's single world (torchrun --nnodes 2); "
+        f"torchft = a Lighthouse on node 0 and one torchrun per group (every quorum waits for both groups). The "
+        f"two modes alternate, {s['settings']['repeats']} runs each; the whole bench niced on a shared 2-core "
+        f"machine (other processes' CPU share per run in link_summary.json).",
+        "",
+        "| mode | tokens/s per run | median | train s per run | sync s per run | mean sync_time_share | "
+        "other processes' CPU share per run |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {kind} | {', '.join(f'{x:,.0f}' for x in row(kind) if x)} | {s['median'][kind]:,.0f} | "
+          f"{', '.join(f'{x:.0f}' for x in s['train_seconds'][kind])} | "
+          f"{', '.join(f'{x:.1f}' for x in s['sync_seconds'][kind])} | {s['sync_share'][kind]:.3f} | "
+          f"{', '.join(f'{100 * share(r):.0f}%' for r in runs[kind])} |"
+          for kind in ("single", "torchft")],
+        "",
+        f"- Overhead of the torchft mode: **{100 * s['overhead']:.1f}%** of the single world's tokens/s "
+        f"(1 - median torchft / median single; per pair of adjacent runs: "
+        f"{', '.join(f'{100 * x:.1f}%' for x in s['pair_overheads'])}).",
+        f"- Per CPU the bench got (tokens/s / (1 - other processes' CPU share), medians): single "
+        f"{s['per_cpu']['single']:,.0f}, torchft {s['per_cpu']['torchft']:,.0f}: overhead "
+        f"**{100 * (1 - s['per_cpu']['torchft'] / s['per_cpu']['single']):.1f}%**.",
+        f"- Overhead in sync time alone: **{100 * s['sync_overhead']:.1f}%** (median extra seconds the torchft "
+        f"runs spent in sync events, over the single world's median train seconds; torchft: the mean over its "
+        f"groups). Train seconds differ between runs by more than this: the machine's other work sets the pace "
+        f"of the compute, and it changed from run to run.",
+        f"- Where the torchft runs' sync time goes (rank 0 of each group, mean per sync event): "
+        f"{s['per_sync']['quorum'] * 1e3:.0f} ms in torchft's quorum (`start_quorum`: the RPCs to the group's "
+        f"ManagerServer and the Lighthouse, and the wait for the other group to arrive, which the single world "
+        f"spends in its all-reduce instead), {s['per_sync']['commit'] * 1e3:.0f} ms in the commit vote "
+        f"(`should_commit`), over {s['per_sync']['quorums']:.0f} quorums per group and run.",
+        "",
+    ])
+
+
+def link_summarize(measured: dict, settings: dict) -> dict:
+    """Medians, the overhead (1 - median torchft / median single, and per adjacent pair),
+    the sync seconds per run (``sync_time_share`` x ``train_seconds``; torchft: the mean
+    over the groups) and the sync-time overhead (the torchft runs' extra sync seconds over
+    the single world's train seconds), and torchft's quorum/commit seconds per sync."""
+    import statistics
+
+    runs = measured["runs"]
+    median = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
+    sync_s = {k: [statistics.mean(a * b for a, b in zip(r["sync_time_share"], r["train_seconds"])) for r in rs]
+              for k, rs in runs.items()}
+    train_s = {k: [statistics.mean(r["train_seconds"]) for r in rs] for k, rs in runs.items()}
+    fts = [x for r in runs["torchft"] for x in r["torchft_seconds"] if x]
+    per_sync = {k: statistics.mean(x[k] / max(1, x["quorums"]) for x in fts) for k in ("quorum", "commit")}
+    return {**measured, "median": median, "overhead": 1 - median["torchft"] / median["single"],
+            "pair_overheads": [1 - t["tokens_per_s"] / s["tokens_per_s"] for s, t in zip(runs["single"],
+                                                                                       runs["torchft"])],
+            "sync_share": {k: statistics.mean(x for r in rs for x in r["sync_time_share"] if x is not None)
+                           for k, rs in runs.items()},
+            "sync_seconds": sync_s, "train_seconds": train_s,
+            "per_cpu": {k: statistics.median(r["tokens_per_s"] / max(1e-9, 1 - r["host"].get("background_cpu_share",
+                                                                                             0)) for r in rs)
+                        for k, rs in runs.items()},
+            "sync_overhead": (statistics.median(sync_s["torchft"]) - statistics.median(sync_s["single"]))
+            / statistics.median(train_s["single"]),
+            "per_sync": {**per_sync, "quorums": statistics.mean(x["quorums"] for x in fts)}, "settings": settings}
+
+
+def link_main(args) -> int:
+    dest = ROOT / "bench" / "results" / args.name
+    if args.report_only:  # recompute the figures and the table from the recorded runs
+        summary = link_summarize(json.loads((dest / "link_summary.json").read_text()),
+                                 json.loads((dest / "link_summary.json").read_text())["settings"])
+    else:
+        work = ROOT / "bench" / "work" / args.name
+        work.mkdir(parents=True, exist_ok=True)
+        measured = run_link(args, work, work / "cache")
+        runs = measured["runs"]
+        if any(r["tokens_per_s"] is None for rs in runs.values() for r in rs):
+            raise RuntimeError(f"a run failed: {[(k, r['codes'], r['out']) for k, rs in runs.items() for r in rs]}")
+        summary = link_summarize(measured, {k: v for k, v in vars(args).items() if k != "report_only"})
+        raw = dest / "raw-link"
+        raw.mkdir(parents=True, exist_ok=True)
+        for res in work.glob("link-*/**/all_results.json"):
+            rel = res.parent.relative_to(work)
+            (raw / rel).mkdir(parents=True, exist_ok=True)
+            shutil.copy(res, raw / rel / "all_results.json")
+    (dest / "link_summary.json").write_text(json.dumps(summary, indent=1))
+    (dest / "link_table.md").write_text(link_table(summary))
+    print((dest / "link_table.md").read_text())
+    return 0
+
+
 def report_only(name: str) -> None:
     """Rewrite ``results/<name>/table.md`` from its ``summary.json`` (after a change of the text)."""
     dest = ROOT / "bench" / "results" / name
@@ -268,7 +435,12 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="2026-12-01-ft")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     parser.add_argument("--report_only", action="store_true", help="rewrite table.md from summary.json")
+    parser.add_argument("--link", default=None, help="e.g. 100mbit: the overhead alone on an emulated 2-node link")
+    parser.add_argument("--repeats", type=int, default=3, help="--link: runs of each mode, alternated")
     args = parser.parse_args(argv)
+    if args.link:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        return link_main(args)
     if args.report_only:
         report_only(args.name)
         return 0

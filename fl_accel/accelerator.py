@@ -236,7 +236,7 @@ class FLAccelerator(Accelerator):
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
                                                 self.device)
             if self.fault_tolerant:
-                transport = self._managed_transport(transport)
+                transport = self._managed_transport(transport, [p for _, p in named])
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]))
@@ -246,24 +246,26 @@ class FLAccelerator(Accelerator):
                 fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
 
-    def _managed_transport(self, inside: MeshTransport):
+    def _managed_transport(self, inside: MeshTransport, params: list):
         """The torchft transport of this rank (:mod:`fl_accel.ft`), its recovery state
-        being the synchronizer's, the prepared LR schedulers' and Accelerate's step."""
-        from . import ft
+        being the synchronizer's, the prepared LR schedulers' and Accelerate's step; the
+        groups' initial ``params`` are compared at the first quorum (not on meta)."""
+        from . import ft, ft_state
 
         def save():
-            return ft.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
+            return ft_state.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
 
         def load(state):
             fsdp.reshard(self._models)
-            ft.restore(self.synchronizer, self._schedulers, state)
+            ft_state.restore(self.synchronizer, self._schedulers, state)
             self.step = state["extra"].get("accelerate_step", self.step)
 
         transport = ft.ManagedTransport.create(
             group_index=self.group_index, group_rank=self.process_index, group_size=self.num_processes,
             lighthouse_addr=self._lighthouse, timeout=timedelta(seconds=self.fl_config.collective_timeout_s),
             device=self.device, inside=inside, replica_index=self.replica_index,
-            replicas=self.layout.replicas_of(self.group_index), save=save, load=load)
+            replicas=self.layout.replicas_of(self.group_index), save=save, load=load, init_sum=None if any(
+                p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
         transport.meter = self._comm_meter  # the exchange's traffic in the "fl" bucket
         return transport
 
@@ -338,10 +340,10 @@ class FLAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, **kwargs):
         """Save every group's state atomically (:func:`fl_accel.checkpoint.save_federated_state`,
-        ``extra_meta`` and ``rank_state`` included). Collective. ValueError without ``output_dir``."""
+        ``extra_meta`` and ``rank_state`` included; torchft mode: this group's state, over its
+        ranks, into a folder of its own). Collective. ValueError without ``output_dir``."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
-        self._refuse_checkpoint("save_state")
         return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
@@ -350,13 +352,7 @@ class FLAccelerator(Accelerator):
         ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
-        self._refuse_checkpoint("load_state")
         return load_federated_state(_checkpoint_io(self), input_dir)
-
-    def _refuse_checkpoint(self, what: str) -> None:
-        if self.fault_tolerant:
-            raise ValueError(f"FLAccelerator.{what} is not supported with fault_tolerance='torchft' yet: a restarted "
-                             f"group heals from a live group instead. Use fault_tolerance='none' for checkpointed runs.")
 
     def end_training(self):
         """The final sync (groups end identical), then Accelerate's end_training (which
@@ -385,9 +381,9 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
 
     return CheckpointIO(
         models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
-        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc.process_index,
+        synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
         barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
-        load_extras=lambda path: accelerate_call("load_state", path))
+        load_extras=lambda path: accelerate_call("load_state", path), launch_rank=acc.process_index)
 
 
 class _Handle:

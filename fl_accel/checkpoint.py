@@ -23,6 +23,12 @@ Layout of ``step_N/``::
 A save writes into ``step_N.partial`` and renames it when every rank has finished,
 so a crash mid-save never leaves a directory that :func:`find_latest` would pick.
 
+With ``fault_tolerance="torchft"`` each group is its own world and saves its own
+checkpoint (the same layout, over its own ranks, into its own folder): its state under
+``group{f}.``/``fl.``, the torchft Manager's committed step in the metadata (a group
+restarted from an older checkpoint than its live peers' heals from them), and
+``group_index`` (another group's checkpoint is refused).
+
 This module does not import Accelerate: :class:`CheckpointIO` carries what it needs
 (the models, optimizers, synchronizer, a barrier, and Accelerate's save/load of the
 rest), built by ``FLAccelerator``.
@@ -55,8 +61,9 @@ class CheckpointError(ValueError):
 class CheckpointIO:
     """What a save or load needs from the accelerator: the prepared (FSDP2) ``models``, their
     inner torch ``optimizers``, the ``synchronizer`` (or None), the ``layout`` and ``config``,
-    this global ``rank``, a ``barrier``, and ``save_extras``/``load_extras`` writing/reading
-    what is not models and optimizers (RNG per rank, schedulers, samplers) into/from a folder."""
+    this ``rank`` in the layout, a ``barrier``, and ``save_extras``/``load_extras`` writing/reading
+    what is not models and optimizers (RNG per rank, schedulers, samplers) into/from a folder;
+    ``launch_rank``: this rank in the launch's world when it is one group (torchft mode)."""
 
     models: list
     optimizers: list
@@ -67,10 +74,11 @@ class CheckpointIO:
     barrier: Callable[[], None]
     save_extras: Callable[[str], None]
     load_extras: Callable[[str], None]
+    launch_rank: int | None = None
 
     group_index = property(lambda self: self.layout.coords(self.rank)[0])
     replica_index = property(lambda self: self.layout.coords(self.rank)[1])
-    is_main_process = property(lambda self: self.rank == 0)
+    is_main_process = property(lambda self: (self.rank if self.launch_rank is None else self.launch_rank) == 0)
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
@@ -135,13 +143,17 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
 
 def layout_meta(config, layout) -> dict[str, Any]:
     """What a checkpoint must share with the run loading it: the layout, and the settings
-    that decide which sync state exists (``FLConfig.sync_state``; not where it lives)."""
-    return {**layout.as_dict(), **config.sync_state(layout.num_groups)}
+    that decide which sync state exists (``FLConfig.sync_state``; not where it lives); in
+    the torchft mode also the group whose checkpoint it is."""
+    per_group = {"fault_tolerance": "torchft", "group_index": config.group_index} \
+        if config.fault_tolerance == "torchft" else {}
+    return {**layout.as_dict(), **config.sync_state(layout.num_groups), **per_group}
 
 
 def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
     """Raise CheckpointError if the checkpoint's layout or sync state differs from ``here``
     (:func:`layout_meta` of the current run; pure, no collectives)."""
+    here = {**dict.fromkeys(k for k in ("fault_tolerance", "group_index") if k in meta), **here}
     theirs = {k: meta.get(k) for k in here}
     if theirs != here:
         diff = {k: (theirs[k], here[k]) for k in here if theirs[k] != here[k]}
@@ -235,6 +247,8 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
         sync = io.synchronizer
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
                 "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
+        if hasattr(getattr(sync, "transport", None), "state_dict"):  # torchft mode: the Manager's step
+            meta["transport"] = sync.transport.state_dict()
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -298,6 +312,8 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
                 out.setdefault(index[name], {})[kind] = t
             parsed.append(out)
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
+        if meta.get("transport") is not None:
+            sync.transport.load_state_dict(meta["transport"])
     io.load_extras(input_dir)
     rank_file = os.path.join(input_dir, "rank_state", f"rank{io.rank}.json")
     if os.path.isfile(rank_file):

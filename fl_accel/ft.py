@@ -8,20 +8,15 @@ step and the schedule stay ours (:mod:`fl_accel.exchange`, :mod:`fl_accel.sync`)
 
 What torchft does, and what we rely on (read in torchft 0.2.0):
 
-* One ``Manager`` per rank; rank 0 of a group hosts the group's ``ManagerServer``, which
-  gathers the quorum requests of its G ranks and asks the Lighthouse. The Lighthouse
-  (``src/lighthouse.rs``) forms a quorum of the groups that asked, at once when every
-  member of the previous quorum asked again ("fast quorum"), otherwise when more than
-  half of the heartbeating groups asked and the stragglers' join timeout passed. A group
-  that stopped heartbeating for ``--heartbeat_timeout_ms`` is dropped.
-* ``start_quorum()`` with ``use_async_quorum=False`` blocks until the quorum is known,
-  reconfigures the managed process group when the membership changed (a new gloo/NCCL
-  group per quorum id, rank k of every live group joined as "participating rank"
-  ``manager.participating_rank()`` of ``manager.num_participants()``), and heals: a
-  group whose committed step (``manager.current_step()``) is behind the quorum's
-  maximum downloads the state of a group at that step over HTTP (``HTTPTransport``;
-  each rank from the rank with the same group rank) and applies it through the
-  registered ``load_state_dict`` callback before returning.
+* One ``Manager`` per rank; the group's rank 0 hosts its ``ManagerServer``, which asks
+  the Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups (at once
+  when the previous quorum's members all asked again, else after the join timeout).
+* ``start_quorum()`` (``use_async_quorum=False``) blocks until the quorum is known,
+  reconfigures the managed process group when the membership changed (rank k of every
+  live group is "participating rank" ``manager.participating_rank()`` of
+  ``manager.num_participants()``), and heals: a group whose committed step
+  (``manager.current_step()``) is behind the quorum's maximum downloads the state of a
+  group at that step over HTTP and applies it through the ``load_state_dict`` callback.
 * ``should_commit()`` is a vote of the group's ranks: False when any of them reported
   an error (``report_error``) or its process group errored. The committed step then
   does not advance, so the next quorum heals the group from one that committed.
@@ -31,22 +26,21 @@ What torchft does, and what we rely on (read in torchft 0.2.0):
 
 Known torchft limits handled here:
 
-* rank 0 of a group creates its Manager (which writes the ManagerServer's address into
-  the launcher's store) before the other ranks read it, so a ``torchrun --max-restarts``
-  attempt never reads the previous attempt's address;
-* torchft #343: the ManagerServer assigns recovery sources per group rank (torchft
-  0.2.0 ``src/manager.rs`` ``compute_quorum_results``: recovering group i, rank k heals
-  from up-to-date group ``(i + k) mod U``), so with two or more up-to-date groups
-  (F >= 3) the ranks of one recovering group heal from different groups, whose
-  parameters differ mid-round. :class:`_AgreedClient` makes every rank of a group use its
-  rank 0's recovery assignment (source and destinations), broadcast over a gloo group of
-  the group's own ranks: the ranks of a recovering group all heal from one source, and
-  every rank of that source serves them.
+* torchft keeps its keys (the ManagerServer's address, the managed group's rendezvous
+  ``torchft/<quorum>/<rank>``) in the store it is given, and ``torchrun`` keeps one store
+  across ``--max-restarts`` attempts (torch 2.13: attempt 1 saw attempt 0's keys), so an
+  attempt could read the previous attempt's ``manager_addr``: each attempt gets a store
+  of its own (:func:`_attempt_store`);
+* torchft #343: recovering group i, rank k heals from up-to-date group ``(i + k) mod U``
+  (``src/manager.rs`` ``compute_quorum_results``), so with F >= 3 the ranks of one group
+  heal from different groups, which differ mid-round. :class:`_AgreedClient` makes every
+  rank of a group use its rank 0's recovery assignment (source and destinations).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,21 +51,17 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from .exchange import MeshTransport, Round
-from .fsdp import local
 
 logger = logging.getLogger(__name__)
 
 
 class _Done:
-    """A finished (or abandoned) collective: ``wait()`` returns at once."""
-
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout=None) -> bool:  # a finished (or abandoned) collective
         return True
 
 
 class _Reported:
-    """A collective whose failure is reported to the torchft Manager instead of raised;
-    ``on_wait(seconds)`` is charged with the time spent in ``wait()``."""
+    """A collective whose failure is reported to the Manager, not raised; ``on_wait(s)``: its wait's seconds."""
 
     def __init__(self, work, manager, on_wait=None):
         self.work, self.manager, self.on_wait = work, manager, on_wait
@@ -93,9 +83,7 @@ def _report(manager, exc: Exception) -> None:
     manager.report_error(exc)
 
 
-class _Agreed:
-    """A torchft ``QuorumResult`` with the recovery fields of the group's rank 0."""
-
+class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
     def __init__(self, quorum, agreed: dict):
         self._quorum, self._agreed = quorum, agreed
 
@@ -127,6 +115,7 @@ class _AgreedClient:
         dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
         agreed = box[0]
         self._transport.behind = quorum.replica_world_size - quorum.max_world_size
+        self._transport.max_step = quorum.max_step
         if agreed["heal"]:
             names = [r.split(":")[0] for r in quorum.replica_ids]
             src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
@@ -144,8 +133,7 @@ class ManagedTransport:
     open, so a delayed exchange keeps its process group until it is applied) and closes
     it with :meth:`should_commit`. The round's F is the number of live groups, the
     position this group's participating rank, and the weights ``1/F`` (in a quorum where
-    groups heal: 0 for them, 1/(F - H) for the others) ("size" and
-    "uniform" agree for equal groups, the only ones this mode accepts).
+    groups heal: 0 for them, 1/(F - H) for the others; "size" = "uniform" for equal groups).
 
     Attributes: ``manager`` (``torchft.Manager``), ``pg`` (its managed process group),
     ``num_chunks``/``chunk_index`` (the 1/R rule of FL+HSDP: HSDP replica r of a group
@@ -154,7 +142,8 @@ class ManagedTransport:
     ``healed`` (True from a :meth:`begin` that healed this group until the next quorum),
     ``heals`` (how many times it healed), ``heal_sources`` (per heal: quorum id, the
     source group's replica id, the one torchft had assigned to this rank; see
-    :class:`_AgreedClient`), ``round`` (the open round or None).
+    :class:`_AgreedClient`), ``round`` (the open round or None), ``seconds`` (host seconds
+    spent in torchft's quorums, heals included, and commit votes; the number of quorums).
     """
 
     manager: object
@@ -163,27 +152,29 @@ class ManagedTransport:
     num_chunks: int = 1
     chunk_index: int | None = 0
     device: torch.device = torch.device("cpu")
-    meter: object = None
-    """The accelerator's :class:`~fl_accel.comm.CommMeter` ("fl" traffic is counted while it is entered)."""
-    elastic = True
-    """Membership is decided at every sync (the synchronizer asks :meth:`begin` before acting)."""
+    meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
+    init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
+    elastic = True  # membership is decided at every sync (the synchronizer asks begin() before acting)
 
     def __post_init__(self):
         self.round: Round | None = None
         self.healed, self.heals = False, 0
         self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
         self.behind = 0  # groups of the last quorum behind its max step (they heal in it; _AgreedClient)
+        self.max_step = 0  # the last quorum's max committed step (_AgreedClient)
+        self.seconds = {"quorum": 0.0, "commit": 0.0, "quorums": 0}  # host time in start_quorum / should_commit
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
                timeout: timedelta, device: torch.device, inside: MeshTransport, replica_index: int,
-               replicas: int, save: Callable[[], dict], load: Callable[[dict], None]) -> "ManagedTransport":
+               replicas: int, save: Callable[[], dict], load: Callable[[dict], None],
+               init_sum: float | None = None) -> "ManagedTransport":
         """Create this rank's torchft Manager (replica id ``fl_accel_group_<f>``, synchronous
         quorum, ``min_replica_size=1``, ``init_sync=False``: the groups start from
-        identical seeded parameters) and its managed ``ProcessGroupGloo`` (CPU) or
-        ``ProcessGroupNCCL`` (CUDA), every wait bounded by ``timeout``. ``save()`` and
-        ``load(state)`` are the recovery callbacks (:func:`capture`/:func:`restore`).
-        Collective over the group's world (a barrier orders rank 0 first).
+        identical seeded parameters; its keys in :func:`_attempt_store`) and its managed
+        ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA), every wait bounded by
+        ``timeout``. ``save()``/``load(state)``: the recovery callbacks
+        (:func:`fl_accel.ft_state.capture`/``restore``). Collective over the group's world.
 
         Raises:
             ImportError: torchft is not installed (``pip install torchft==0.2.0``).
@@ -194,7 +185,7 @@ class ManagedTransport:
 
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         transport = cls(manager=None, pg=pg, inside=inside, num_chunks=replicas, chunk_index=replica_index,
-                        device=device)
+                        device=device, init_sum=init_sum)
 
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
@@ -204,13 +195,13 @@ class ManagedTransport:
             return Manager(pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1,
                            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                            rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr,
+                           store_addr=store_addr, store_port=store_port,
                            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
                            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
-        manager = make() if group_rank == 0 else None
-        dist.barrier()  # rank 0 has published this attempt's ManagerServer address
-        transport.manager = manager if manager is not None else make()
+        store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
+        transport.manager = make()
         transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
         return transport
 
@@ -219,19 +210,40 @@ class ManagedTransport:
         """The round of the sync event starting now: a torchft quorum (blocking; may heal
         this group through the ``load`` callback) unless a round is open."""
         if self.round is None:
-            self.healed = False
+            self.healed, t0 = False, time.perf_counter()
             self.manager.start_quorum()
+            self.seconds["quorum"] += time.perf_counter() - t0
+            self.seconds["quorums"] += 1
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
                                    f"of {num})")
             self.round = Round(num, position, (1.0 / num,) * num)
+            if num > 1 and self.max_step == 0 and self.init_sum is not None:  # no commit yet: the start-up check
+                self._check_identical(num, position)
             if num > 1 and self.behind:  # groups healed in this quorum: they hold a source's values
                 self.round = Round(num, position, self._weights_without_healed(num, position))
             if num > 1 or self.healed:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
+
+    def _check_identical(self, num: int, position: int) -> None:
+        """The start-up identity check across groups (in every quorum before the first
+        commit): ``init_sum`` of every live group, compared over the managed group.
+
+        Raises:
+            ValueError: on every rank of every live group, the groups' checksums differ."""
+        sums = torch.zeros(num, dtype=torch.float64, device=self.device)
+        sums[position] = self.init_sum
+        self.all_reduce(sums)
+        bad = torch.tensor([float(self.manager.errored() is None and bool((sums != sums[position]).any()))],
+                           device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # any rank of this group
+        if bad.item():
+            raise ValueError(f"fault_tolerance='torchft': the federation groups started from different parameters "
+                             f"(checksums of the local shards: {sums.tolist()}); build the model with the same seed "
+                             f"in every group (accelerate.utils.set_seed before creating it)")
 
     def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
         """Weights 1/(F - H) over the groups that did not heal in this quorum, 0 for the H
@@ -249,10 +261,12 @@ class ManagedTransport:
     def should_commit(self) -> bool:
         """torchft's vote of this group's ranks (False after any reported error); closes
         the round. Collective over the group's ranks."""
+        t0 = time.perf_counter()
         try:
             return bool(self.manager.should_commit())
         finally:
             self.round = None
+            self.seconds["commit"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ collectives
     def _call(self, launch, op: str | None = None, tensor=None):
@@ -313,80 +327,27 @@ class ManagedTransport:
             return []
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
+    def state_dict(self) -> dict:
+        """For this group's checkpoints: the Manager's committed step and batches (torchft
+        heals a group whose step is behind the quorum's maximum)."""
+        return {"manager": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manager.load_state_dict(state["manager"])
+
     def shutdown(self) -> None:
         """Stop this rank's Manager (its ManagerServer and checkpoint server)."""
         self.manager.shutdown(wait=False)
 
 
-# ---------------------------------------------------------------------- recovery state
-def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
-    """What a group needs to continue as the group it heals from (per rank, plain local
-    tensors, cloned): ``params`` (local shards), ``optimizer`` (inner optimizer state per
-    parameter index and the param groups' hyperparameters, lr included), ``outer``
-    (anchor and outer momentum), ``schedule`` (the sync counters, fragment phase
-    included), ``schedulers`` (LR schedulers' state dicts) and ``extra``. Error-feedback
-    residuals and the data position are each group's own and are not sent. Called by
-    torchft on the quorum thread while the main thread waits in :meth:`ManagedTransport.begin`."""
-    opt = sync.optimizer
-    state = {}
-    for i, p in enumerate(sync.params):
-        st = opt.state.get(p)
-        if st:
-            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
-                        for k, v in st.items()}
-    shared, _ = sync.outer.tensors()
-    return {"params": [local(p).detach().clone() for p in sync.params],
-            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
-                                                     for g in opt.param_groups]},
-            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
-            "schedule": sync.schedule.state_dict(),
-            "schedulers": [s.state_dict() for s in schedulers],
-            "extra": dict(extra or {})}
-
-
-@torch.no_grad()
-def restore(sync, schedulers: list, state: dict) -> None:
-    """Inverse of :func:`capture` on the healing group (main thread, inside
-    :meth:`ManagedTransport.begin`); the error-feedback residuals are zeroed and nothing
-    is in flight afterwards. The caller reshards the model first and applies ``extra``.
-
-    Raises:
-        ValueError: the state's parameter count or shard shapes differ from this model's.
-    """
-    params = sync.params
-    if len(state["params"]) != len(params) or any(
-            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
-        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
-                         "shard shapes differ); every federation group must run the same model and group size")
-    for p, v in zip(params, state["params"]):
-        local(p).copy_(v)
-    opt = sync.optimizer
-    for i, p in enumerate(params):
-        saved = state["optimizer"]["state"].get(i)
-        if saved is None:
-            opt.state.pop(p, None)
-            continue
-        current = opt.state.setdefault(p, {})
-        for k, v in saved.items():
-            if not isinstance(v, tuple):
-                current[k] = v
-                continue
-            value, distributed = v
-            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
-                local(current[k]).copy_(value)
-            elif distributed:
-                from torch.distributed.tensor import DTensor
-                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
-                                                shape=p.shape, stride=p.stride())
-            else:
-                current[k] = value.clone()
-    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
-        group.update(saved)
-    residuals = {i: {"residual": r} for i, r in enumerate(sync.outer.residuals or ())}
-    sync.outer.load(state["outer"], residuals)
-    sync.outer.zero_residuals()
-    sync.schedule.load_state_dict(state["schedule"])
-    for fragment in sync.fragments:
-        fragment.pending = None
-    for scheduler, saved in zip(schedulers, state["schedulers"]):
-        scheduler.load_state_dict(saved)
+def _attempt_store(group_rank: int, group, timeout: timedelta):
+    """``(host, port, server)``: a TCPStore for this launch attempt's torchft keys, served by
+    the group's rank 0 (``server``; None elsewhere) on a free port of ``MASTER_ADDR``
+    (rank 0's node under torchrun, the address torchft itself would use), the port sent
+    to the group's ranks over ``group``. A new attempt starts with no keys."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if group_rank == 0 \
+        else None
+    box = [server.port if server is not None else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return host, int(box[0]), server

@@ -234,7 +234,9 @@ class Meter:
         self.accelerator, self.clock = accelerator, clock
         self.layout = getattr(accelerator, "launch_layout", accelerator.layout)  # torchft mode: this group's ranks
         self.tokens_per_step, self.completed_steps = tokens_per_step, completed_steps
-        self.tokens = completed_steps * tokens_per_step
+        # optimizer steps on this launch's own data (torchft mode: a heal takes over a step count, not data)
+        self.data_steps = int(restored.get("data_steps", completed_steps))
+        self.tokens = self.data_steps * tokens_per_step
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.restored = restored
         self.buckets = tuple(accelerator.comm_stats.as_dict())
@@ -264,6 +266,7 @@ class Meter:
         sync = getattr(self.accelerator, "synchronizer", None)
         if getattr(self.accelerator, "fault_tolerant", False) and sync is not None:
             self.completed_steps = sync.schedule.global_step
+        self.data_steps += 1
         self.tokens += self.tokens_per_step
         self.window_tokens += self.tokens_per_step
         self.window_train_s += self.clock.tick("train_seconds")
@@ -351,8 +354,9 @@ class Meter:
                 "peak_accelerator_mb": _max_or_none(self.restored.get("peak_accelerator_mb"), run["accelerator_mb"])}
 
     def rank_state(self) -> dict:
-        """Per-rank figures a checkpoint stores (the wait for inter-group communication)."""
-        return {"rank_sync_wait_seconds": self.sync_wait_seconds()}
+        """Per-rank figures a checkpoint stores: the wait for inter-group communication and the
+        data position (``data_steps``, this rank's own optimizer steps of data)."""
+        return {"rank_sync_wait_seconds": self.sync_wait_seconds(), "data_steps": self.data_steps}
 
     def run_figures(self) -> dict:
         """Whole-run time, throughput, MFU, memory and traffic figures of ``all_results.json``

@@ -150,8 +150,8 @@ def main(argv=None) -> dict:
     testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch)
 
     clock.start_training()
-    run.batches = batches(data, train_loader, completed_steps, per_epoch, args.gradient_accumulation_steps,
-                          accelerator)
+    run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,
+                          accelerator)  # this launch's own data position (torchft mode: not a healed count)
     with accelerator.meter_comm():
         if completed_steps < max_steps:
             train(run)
@@ -202,12 +202,14 @@ def train(run: "Run") -> None:
 def fault_tolerance_results(accelerator, meter) -> dict:
     """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
     launch's federation group and world size, how often it healed from a live group, the
-    synchronizer's counters (``SyncSchedule.state_dict``: global_step, num_syncs, ...) and
-    the optimizer steps this launch trained itself (``steps`` minus those taken over in a heal)."""
+    synchronizer's counters (``SyncSchedule.state_dict``: global_step, num_syncs, ...),
+    the optimizer steps this launch trained itself (``steps`` minus those taken over in a
+    heal) and rank 0's host seconds in torchft's quorums and commit votes."""
     sync = accelerator.synchronizer
     return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
             "group_world_size": accelerator.num_processes, "heals": getattr(sync.transport, "heals", 0),
-            "sync": sync.schedule.state_dict(), "steps_trained": meter.tokens // meter.tokens_per_step}
+            "sync": sync.schedule.state_dict(), "steps_trained": meter.tokens // meter.tokens_per_step,
+            "torchft_seconds": dict(getattr(sync.transport, "seconds", {}))}
 
 
 # =========================================================================== the accelerator

@@ -147,19 +147,14 @@ def plan_layout(fl, world: int, ranks_per_node: int | None = None):
 
 
 def check_fault_tolerant(args) -> None:
-    """Flags the torchft mode does not support yet (``FLConfig.fault_tolerance="torchft"``).
+    """Flags the torchft mode does not support (``FLConfig.fault_tolerance="torchft"``).
+    Checkpoints are per group: ``<output_dir>/group<f>/checkpoints``, and
+    ``--resume_from_checkpoint`` restarts one group (it then heals from live groups ahead
+    of it, if any) or, given to every group, the whole federation.
 
     Raises:
-        RecipeError: ``--checkpoint_every``/``--resume_from_checkpoint`` (a restarted group
-            heals from a live group; FLAccelerator.save_state/load_state refuse this mode) or
-            ``--eval_groups`` (a group's launch holds only its own model).
+        RecipeError: ``--eval_groups`` (a group's launch holds only its own model).
     """
-    for flag, on in (("checkpoint_every", args.checkpoint_every), ("resume_from_checkpoint",
-                                                                   args.resume_from_checkpoint)):
-        if on:
-            raise RecipeError(f"--{flag} is not supported with --fault_tolerance torchft yet: a restarted group "
-                              f"heals from a live group instead of a checkpoint. Drop --{flag}, or use "
-                              f"--fault_tolerance none")
     if args.eval_groups:
         raise RecipeError("--eval_groups is not supported with --fault_tolerance torchft: each group's launch "
                           "holds only its own model, and every group evaluates it into its own folder "

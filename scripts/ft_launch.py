@@ -67,12 +67,13 @@ def _flags(options: Mapping) -> list[str]:
 def start_lighthouse(*, port: int | None = None, host: str = "127.0.0.1", log: IO | None = None,
                      **options):
     """Start a Lighthouse; returns ``(Popen, address)`` with address ``http://host:port``
-    once it accepts connections (at most 30 s; RuntimeError if it exits or never listens)."""
+    once it accepts connections (at most 120 s: a loaded machine; RuntimeError if it exits
+    or never listens)."""
     import socket
 
     port = port or free_port(host)
     proc = start(lighthouse_argv(port, host, **options), env=child_env(), stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"torchft_lighthouse exited with status {proc.returncode}")
@@ -82,7 +83,7 @@ def start_lighthouse(*, port: int | None = None, host: str = "127.0.0.1", log: I
         except OSError:
             time.sleep(0.1)
     terminate(proc)
-    raise RuntimeError(f"torchft_lighthouse did not listen on {host}:{port} within 30 s")
+    raise RuntimeError(f"torchft_lighthouse did not listen on {host}:{port} within 120 s")
 
 
 def group_env(group_index: int, lighthouse: str, extra: Mapping[str, str] | None = None,
@@ -96,11 +97,13 @@ def group_env(group_index: int, lighthouse: str, extra: Mapping[str, str] | None
 
 def start_group(group_index: int, nproc: int, script: str | os.PathLike, *args, lighthouse: str,
                 env: Mapping[str, str] | None = None, cwd=None, stdout=None, stderr=None,
-                pythonpath: Sequence[str] = ()):
+                pythonpath: Sequence[str] = (), max_restarts: int = 0):
     """Start group ``group_index`` as ``torchrun --nproc_per_node nproc script args`` on a
     fresh ``--master_port`` (its own store and world) in its own session, so that
-    ``os.killpg(proc.pid, SIGKILL)`` ends every process of the group. Returns the Popen."""
-    argv = torchrun_argv(nproc, script, *args, port=free_port())
+    ``os.killpg(proc.pid, SIGKILL)`` ends every process of the group. ``max_restarts``:
+    torchrun's ``--max-restarts`` (a failed attempt restarts the group's ranks, which
+    resume with ``--resume_from_checkpoint latest`` or heal from live groups). Returns the Popen."""
+    argv = torchrun_argv(nproc, script, *args, port=free_port(), extra_flags=["--max-restarts", str(max_restarts)])
     return start(argv, env=group_env(group_index, lighthouse, env, pythonpath), cwd=cwd, stdout=stdout,
                  stderr=stderr)
 
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min_replicas", type=int, default=1, help="groups a quorum needs (Lighthouse)")
     parser.add_argument("--join_timeout_ms", type=int, default=LIGHTHOUSE_DEFAULTS["join_timeout_ms"])
     parser.add_argument("--heartbeat_timeout_ms", type=int, default=LIGHTHOUSE_DEFAULTS["heartbeat_timeout_ms"])
+    parser.add_argument("--max_restarts", type=int, default=0, help="torchrun --max-restarts of every group")
     parser.add_argument("--log_dir", default=None, help="write group<f>.log and lighthouse.log here")
     parser.add_argument("script", help="the training script, e.g. recipes/pretrain.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in range(a.num_groups):
             out = open(logs / f"group{f}.log", "w") if logs else None
             groups.append(start_group(f, a.nproc_per_group, a.script, *args, lighthouse=addr, stdout=out,
-                                      stderr=out, pythonpath=[root]))
+                                      stderr=out, pythonpath=[root], max_restarts=a.max_restarts))
         print(f"[ft_launch] Lighthouse {addr}; {a.num_groups} group(s) of {a.nproc_per_group} started "
               f"(pids {[g.pid for g in groups]})", flush=True)
         codes = [wait(g, None).returncode for g in groups]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 from fl_accel import FLConfig
+from fl_accel.checkpoint import find_latest
 from tests._launch import REPO_ROOT, WORKERS, launch_env, run_torchrun, write_json
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0): "
@@ -76,67 +78,126 @@ def _assert_state_equal(a, b, what):
 
 
 # ---------------------------------------------------------------------- no faults
-PARITY = [  # (case, FLConfig fields, optimizer, largest allowed |difference| (0: bitwise))
-    ("fp32_avg", {"sync_every": 4}, "sgd", 0.0),
-    ("nesterov", {"sync_every": 4, "outer_optimizer": "nesterov"}, "adamw", 1e-6),
-    ("int8_ef_fragments", {"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "sync_dtype": "int8",
-                           "error_feedback": True}, "adamw", 1e-6),
-]
+PARITY = {  # case -> (FLConfig fields over H=4, optimizer, largest allowed |difference| (0: bitwise))
+    "fp32_avg": ({}, "sgd", 0.0),
+    "nesterov": ({"outer_optimizer": "nesterov"}, "adamw", 1e-6),
+    "int8_ef_fragments": ({"num_fragments": 2, "sync_delay": 1, "sync_dtype": "int8", "error_feedback": True},
+                          "adamw", 1e-6),
+}
 
 
-@pytest.mark.parametrize("case,fl,optimizer,tol", PARITY, ids=[c[0] for c in PARITY])
-def test_torchft_mode_equals_single_world(tmp_path, case, fl, optimizer, tol):
-    """2 groups x 2 ranks, 8 optimizer steps: the local shards of every rank after every
-    optimizer step equal those of the single-world run (4 ranks, same worker, same data
-    slices): bitwise for fp32 "avg", within 1e-6 for "nesterov" and for fragments (P=2,
-    tau=1) with int8 + error feedback. Every quorum had both groups, none healed; for
-    fp32 "avg" the groups differ before each sync and are equal after it."""
-    spec = write_json(tmp_path / "spec.json", {"fl": {"algorithm": "fl_fsdp", "num_groups": 2, **fl},
-                                               "optimizer": optimizer, "lr": 0.05 if optimizer == "sgd" else 1e-3,
-                                               "max_steps": 8, "record_steps": True})
-    single = run_torchrun(2 * G, WORKER, spec, tmp_path / "single", timeout=240)
-    assert single.ok, single.tail()
+def _assert_steps_match(got, want, tol, what, steps=range(1, 9)) -> float:
+    """``got``/``want``: worker records; every recorded step in ``steps`` and the final
+    shards agree within ``tol`` (0: bitwise). Returns the largest difference."""
+    worst = 0.0
+    mine, theirs = dict((s, p) for s, p in got["steps"]), dict(want["steps"])
+    assert sorted(mine) == list(steps) and set(steps) <= set(theirs), (what, sorted(mine))
+    pairs = [(f"step {s}", mine[s], theirs[s]) for s in steps] + [("final", got["final"]["params"],
+                                                                   want["final"]["params"])]
+    for when, xs, ys in pairs:
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            diff = (x - y).abs().max().item()
+            worst = max(worst, diff)
+            assert diff <= tol and (tol or torch.equal(x, y)), f"{what} {when} param {i}: {diff}"
+    return worst
 
-    lh_log = open(tmp_path / "lighthouse.log", "w")
-    lighthouse, addr = ft_launch.start_lighthouse(log=lh_log, min_replicas=2)  # every quorum waits for both
-    logs = [tmp_path / f"group{f}.log" for f in range(2)]
+
+def _ft_launch(tmp_path, name, specs, env=None, max_restarts=(0, 0), timeout=420):
+    """A Lighthouse (every quorum waits for both groups) and group f launched on
+    ``specs[f]`` into tmp_path/name; asserts both exit 0."""
+    logs = [tmp_path / f"{name}_group{f}.log" for f in range(2)]
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / f"{name}_lighthouse.log", "w"), min_replicas=2)
     groups = []
     try:
-        groups += [_group(f, spec, tmp_path / "ft", addr, log=open(logs[f], "w")) for f in range(2)]
-        codes = [wait(g, 240).returncode for g in groups]
+        for f in range(2):
+            groups.append(ft_launch.start_group(
+                f, G, WORKER, specs[f], tmp_path / name, lighthouse=addr, cwd=REPO_ROOT, stdout=open(logs[f], "w"),
+                stderr=subprocess.STDOUT, env={"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60", **(env or {})},
+                pythonpath=[str(REPO_ROOT)], max_restarts=max_restarts[f]))
+        codes = [wait(g, timeout).returncode for g in groups]
     finally:
         for g in groups:
             ft_launch.kill_group(g)
         terminate(lighthouse)
     assert codes == [0, 0], "\n".join(_log_tail(p) for p in logs)
+    return logs
 
-    parts = fl.get("num_fragments", 1)
-    events = 8 // (4 // parts) + (parts > 1)  # fragment syncs leave the groups apart: end_training syncs all
-    worst = 0.0
+
+def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp_path):
+    """2 groups x 2 ranks, H=4, 8 optimizer steps, one launch per mode for the three cases
+    (:data:`PARITY`, run one after the other in each launch's processes):
+
+    * the local shards of every rank after every optimizer step and after the final sync
+      equal those of the single world (4 ranks, same worker, same data slices): bitwise
+      for fp32 "avg" (SGD with momentum and a LambdaLR), within 1e-6 for "nesterov" and
+      for fragments (P=2, tau=1) with int8 + error feedback; every quorum had both groups,
+      none healed; for fp32 "avg" the groups differ before each sync and are equal after it;
+    * per-group checkpoints (fp32 "avg"; each group saves its own state at steps 3 and 6,
+      mid-round): everything is stopped, and both groups restart from their own step-3
+      checkpoints (a new Lighthouse, no live peer). Group 1 runs under ``torchrun
+      --max-restarts 1`` and crashes right after its step-6 checkpoint; torchrun's next
+      attempt (the same launcher store: torchft's keys of the first attempt are in
+      another store) resumes from that checkpoint while group 0 waits for it at the
+      step-8 quorum. Both groups resumed at their checkpoints' step, data position
+      (batches) and torchft step, no quorum healed, and every shard at steps 4-8 (group 1:
+      7-8, after its second resume) and after the final sync is bitwise the uninterrupted
+      run's.
+    """
+    cases = {name: {"fl": fl, "optimizer": opt, "lr": 0.05 if opt == "sgd" else 1e-3}
+             for name, (fl, opt, _) in PARITY.items()}
+    cases["fp32_avg"].update(scheduler=True, checkpoint_every=3)
+    cases["seeded_apart"] = {"optimizer": "sgd", "lr": 0.05, "seed_by_group": True, "expect_error": True}
+    base = {"fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4}, "max_steps": 8, "record_steps": True}
+    spec = write_json(tmp_path / "spec.json", {**base, "cases": cases})
+    single = run_torchrun(2 * G, WORKER, spec, tmp_path / "single", timeout=420)
+    assert single.ok, single.tail()
+    _ft_launch(tmp_path, "ft", [spec, spec])
+
+    for case, (fl, _, tol) in PARITY.items():
+        parts = fl.get("num_fragments", 1)
+        events = 8 // (4 // parts) + (parts > 1)  # fragment syncs leave the groups apart: end_training syncs all
+        worst = 0.0
+        for f in range(2):
+            for k in range(G):
+                ft_rec = _load(tmp_path / "ft" / case / f"g{f}_r{k}_a0.pt")
+                ref = _load(tmp_path / "single" / case / f"g{f}_r{f * G + k}_a0.pt")
+                worst = max(worst, _assert_steps_match(ft_rec, ref, tol, f"[{case}] group {f} rank {k}"))
+                assert [q["num_groups"] for q in ft_rec["quorums"]] == [2] * events
+                assert not any(q["healed"] for q in ft_rec["quorums"])
+        print(f"\n[{case}] largest |torchft - single world| over every step and shard: {worst:.3g}")
+    for f in range(2):  # the start-up identity check: at prepare (single world), at the first quorum (torchft)
+        for k in range(G):
+            err = json.loads((tmp_path / "single" / "seeded_apart" / f"error_g{f}_r{f * G + k}.json").read_text())
+            assert "do not start from identical parameters" in err["message"] and not err["step"], err
+            err = json.loads((tmp_path / "ft" / "seeded_apart" / f"error_g{f}_r{k}.json").read_text())
+            assert "groups started from different parameters" in err["message"] and err["step"] == 4, err
+    for k in range(G):
+        g0, g1 = (_load(tmp_path / "ft" / "fp32_avg" / f"g{f}_r{k}_a0.pt")["steps"] for f in range(2))
+        for step in range(1, 9):
+            same = all(torch.equal(x, y) for x, y in zip(g0[step - 1][1], g1[step - 1][1]))
+            assert same == (step % 4 == 0), f"rank {k} step {step}: groups equal={same}"
+
+    # the whole federation stops after step 8 and restarts from each group's step-3 checkpoint
     for f in range(2):
+        shutil.copytree(tmp_path / "ft" / "fp32_avg" / "ckpt" / f"g{f}" / "step_3",
+                        tmp_path / "ckpt" / f"g{f}" / "step_3")
+        meta = json.loads((tmp_path / "ckpt" / f"g{f}" / "step_3" / "fl_accel_checkpoint.json").read_text())
+        assert meta["group_index"] == f and meta["fault_tolerance"] == "torchft" and meta["scopes"]["model"] == "group"
+    resume = {**base, **cases["fp32_avg"], "fl": base["fl"], "resume": True, "checkpoint_dir": str(tmp_path / "ckpt")}
+    specs = [write_json(tmp_path / "resume0.json", resume),
+             write_json(tmp_path / "resume1.json", {**resume, "crash": {"group": 1, "step": 6}})]
+    logs = _ft_launch(tmp_path, "resumed", specs, env={"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "300"}, max_restarts=(0, 1))
+    for f, (step, manager_step, restarts) in enumerate([(3, 0, 0), (6, 1, 1)]):
         for k in range(G):
-            ft_rec = _load(tmp_path / "ft" / f"g{f}_r{k}_a0.pt")
-            ref = _load(tmp_path / "single" / f"g{f}_r{f * G + k}_a0.pt")
-            assert [s for s, _ in ft_rec["steps"]] == list(range(1, 9)) == [s for s, _ in ref["steps"]]
-            for (step, got), (_, want) in zip(ft_rec["steps"], ref["steps"]):
-                for i, (x, y) in enumerate(zip(got, want)):
-                    diff = (x - y).abs().max().item()
-                    worst = max(worst, diff)
-                    assert diff <= tol and (tol or torch.equal(x, y)), f"group {f} rank {k} step {step} param {i}: {diff}"
-            finals = list(zip(ft_rec["final"]["params"], ref["final"]["params"]))
-            for i, (x, y) in enumerate(finals):
-                diff = (x - y).abs().max().item()
-                worst = max(worst, diff)
-                assert diff <= tol and (tol or torch.equal(x, y)), f"group {f} rank {k} final param {i}: {diff}"
-            assert [q["num_groups"] for q in ft_rec["quorums"]] == [2] * events
-            assert not any(q["healed"] for q in ft_rec["quorums"])
-    print(f"\n[{case}] largest |torchft - single world| over every step and shard: {worst:.3g}")
-    if case == "fp32_avg":
-        for k in range(G):
-            g0, g1 = (_load(tmp_path / "ft" / f"g{f}_r{k}_a0.pt")["steps"] for f in range(2))
-            for step in range(1, 9):
-                same = all(torch.equal(x, y) for x, y in zip(g0[step - 1][1], g1[step - 1][1]))
-                assert same == (step % 4 == 0), f"rank {k} step {step}: groups equal={same}"
+            rec = _load(tmp_path / "resumed" / f"g{f}_r{k}_a0.pt")
+            assert rec["restart_count"] == restarts, _log_tail(logs[f])
+            assert rec["resumed"]["step"] == rec["resumed"]["batches"] == step, rec["resumed"]
+            assert rec["resumed"]["manager_step"] == manager_step, rec["resumed"]
+            assert rec["quorums"] and not any(q["healed"] for q in rec["quorums"]) and rec["heals"] == 0
+            want = _load(tmp_path / "ft" / "fp32_avg" / f"g{f}_r{k}_a0.pt")
+            _assert_steps_match(rec, want, 0.0, f"resumed group {f} rank {k}", steps=range(step + 1, 9))
+            assert rec["final"]["schedule"] == want["final"]["schedule"] and rec["batches"] == 8
+    assert "(exitcode: 3)" in (tmp_path / "resumed_group1.log").read_text()  # attempt 0 did crash
 
 
 # ---------------------------------------------------------------------- a group dies
@@ -160,55 +221,62 @@ def _wait_for(cond, timeout, what, procs=()):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-KILLS = [  # (case, FLConfig fields, kill at the first step of group 1 >= this with this parity)
-    ("blocking", {"sync_every": 4}, 6, 0),
-    # P=2, tau=1: a fragment's exchange launches at odd steps and is applied at the next one
-    ("exchange_in_flight", {"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "sync_dtype": "int8",
-                            "error_feedback": True, "outer_optimizer": "nesterov"}, 5, 1),
-]
+def test_group_killed_mid_round_heals_from_live_group(tmp_path):
+    """2 groups x 2 ranks, H=4, P=2 fragments, tau=1, int8 + error feedback, "nesterov",
+    AdamW with a LambdaLR; group 1 saves its own checkpoint every 3 steps. Every process
+    of group 1 (its torchrun and workers) gets SIGKILL twice, and restarts 3 s later each
+    time from its own newest checkpoint:
 
+    1. right after an even step (mid-round, no exchange in flight);
+    2. after it healed, right after an odd step (a fragment's exchange in flight).
 
-@pytest.mark.parametrize("case,fl,kill_step,parity", KILLS, ids=[c[0] for c in KILLS])
-def test_group_killed_mid_round_heals_from_live_group(tmp_path, case, fl, kill_step, parity):
-    """2 groups x 2 ranks, H=4, AdamW with a LambdaLR. Every process of group 1 (its
-    torchrun and workers) gets SIGKILL mid-round (blocking sync: at step 6; P=2, tau=1 with
-    int8 + error feedback and "nesterov": right after an odd step, while a fragment's
-    exchange is in flight); group 0 keeps taking steps alone; group 1 restarts 3 s later,
-    heals at its first sync from group 0 over torchft's HTTP transport, and then:
+    Group 0 keeps taking steps alone during both outages and never exits. After each
+    restart group 1 resumed at its checkpoint's step and data position, was behind group
+    0's torchft step, and healed at its first sync from group 0 over torchft's HTTP
+    transport; then:
 
-    * on every rank its parameters, AdamW state, anchor/momentum (none for fp32 "avg"),
-      sync counters (fragment phase), LR and LR-scheduler state right after the heal are bitwise group 0's
-      at that quorum;
-    * both groups end bitwise equal (parameters, counters) after the final sync, and
-      group 0 never exited.
+    * on every rank its parameters, AdamW state, anchor/momentum, sync counters (fragment
+      phase), LR and LR-scheduler state right after the heal are bitwise group 0's at that
+      quorum; its data position stays its own (the checkpoint's batches plus the steps
+      it trained);
+    * both groups end bitwise equal (parameters, counters) after the final sync.
     """
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
-        "fl": {"algorithm": "fl_fsdp", "num_groups": 2, **fl}, "optimizer": "adamw", "lr": 1e-3,
-        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15})
-    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
-    logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g1a1")}
-    procs, g1 = [], None
+        "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "num_fragments": 2, "sync_delay": 1,
+               "sync_dtype": "int8", "error_feedback": True, "outer_optimizer": "nesterov"},
+        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.15,
+        "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
+                                                 join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
+    logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g1a1", "g1a2")}
+    procs, started, outages = [], [], []
     try:
         g0 = _group(0, spec, out, addr, log=open(logs["g0"], "w"))
-        g1 = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w"))
-        procs = [g0, g1]
-        _wait_for(lambda: _progress(out, 1)[0] >= kill_step and _progress(out, 1)[0] % 2 == parity, 150,
-                  f"group 1 at step {kill_step}", procs)
-        killed = ft_launch.kill_group(g1)  # kill -9 every process of group 1: torchrun and its workers
-        assert len(killed) == 1 + G, killed
-        step_at_kill, t_kill, _ = _progress(out, 0)
-        time.sleep(3.0)
-        assert g0.poll() is None, _log_tail(logs["g0"])
-        g1b = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "1"}, log=open(logs["g1a1"], "w"))
-        procs = [g0, g1b]
-        t_restart = time.time()
-        _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a1").exists() for k in range(G)), 150,
-                  "group 1 to heal", procs)
+        started.append(_group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w")))
+        procs = [g0, started[-1]]
+        for attempt, parity in ((1, 0), (2, 1)):  # a P=2, tau=1 exchange launches at odd steps, applies at even ones
+            if attempt == 2:  # attempt 1 logged a step after its heal: a checkpoint of its own comes within 4
+                _wait_for(lambda: _progress(out, 1)[2] == "1", 300, "group 1's attempt 1 to step", procs)
+            first = 6 if attempt == 1 else _progress(out, 1)[0] + 4
+            _wait_for(lambda: _progress(out, 1)[0] >= first and _progress(out, 1)[0] % 2 == parity
+                      and find_latest(str(out / "ckpt" / "g1")) is not None, 300,  # it has a checkpoint to resume
+                      f"group 1 at step {first} (parity {parity})", procs)
+            killed = ft_launch.kill_group(started[-1])  # kill -9 every process of group 1: torchrun and its workers
+            assert len(killed) == 1 + G, killed
+            step_at_kill, t_kill, _ = _progress(out, 0)
+            time.sleep(3.0)
+            assert g0.poll() is None, _log_tail(logs["g0"])
+            started.append(_group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": str(attempt)},
+                                  log=open(logs[f"g1a{attempt}"], "w")))
+            procs = [g0, started[-1]]
+            _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a{attempt}").exists() for k in range(G)), 300,
+                      f"group 1 to heal (attempt {attempt})", procs)
+            outages.append((step_at_kill, t_kill, time.time()))  # group 1 was out until it healed
         (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(2)) + 8))
-        codes = [wait(p, 150).returncode for p in procs]
+        codes = [wait(p, 300).returncode for p in procs]
     finally:
-        for p in {p for p in procs + [g1] if p is not None}:
+        for p in set(procs + started):
             ft_launch.kill_group(p)
         terminate(lighthouse)
     assert codes == [0, 0], "\n".join(f"--- {n}\n{_log_tail(p)}" for n, p in logs.items())
@@ -216,21 +284,32 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path, case, fl, kill_s
     final_step = int((out / "stop_at").read_text())
     for k in range(G):
         src = _load(out / f"g0_r{k}_a0.pt")
-        healed = _load(out / f"g1_r{k}_a1.pt")
-        # group 0 stepped alone during the outage, and never restarted
-        alone = [s for s, t in src["times"] if t_kill < t < t_restart]
-        assert len(alone) >= 3 and min(alone) > step_at_kill - 1, (step_at_kill, alone)
-        heal = [q for q in healed["quorums"] if q["healed"]]
-        assert len(heal) == 1 and healed["heals"] == 1, [(q["manager_step"], q["healed"]) for q in healed["quorums"]]
-        peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]]
-        assert len(peer) == 1 and peer[0]["num_groups"] == 2
-        _assert_state_equal(heal[0]["state"], peer[0]["state"], f"rank {k} after the heal")
-        assert heal[0]["state"]["schedule"]["global_step"] > 8  # it took over group 0's count
-        assert heal[0]["state"]["optimizer"][0]["exp_avg"].abs().sum() > 0  # AdamW state came along
-        if fl.get("outer_optimizer") == "nesterov":
+        for attempt, (step_at_kill, t_kill, t_back) in zip((1, 2), outages):
+            # group 0 stepped alone during the outage (kill to heal), and never restarted
+            alone = [s for s, t in src["times"] if t_kill < t < t_back]
+            assert len(alone) >= 3 and min(alone) > step_at_kill - 1, (step_at_kill, alone)
+            healed = _load(out / f"g1_r{k}_a{attempt}.heal.pt")  # its records up to the heal
+            resumed = healed["resumed"]
+            assert resumed is not None and resumed["step"] % 3 == 0 and resumed["step"] > 0, resumed
+            # its own data position, behind the step count once it healed (attempt 0 may have healed already when
+            # group 0 committed before group 1's first quorum; attempt 1 did)
+            assert (resumed["batches"] <= resumed["step"]) if attempt == 1 else (resumed["batches"] < resumed["step"])
+            heal = [q for q in healed["quorums"] if q["healed"]]
+            assert len(heal) == 1 and healed["heals"] == 1, [(q["manager_step"], q["healed"])
+                                                             for q in healed["quorums"]]
+            assert resumed["manager_step"] < heal[0]["manager_step"]  # behind group 0's torchft step: it healed
+            # group 0's record of that quorum (a round that did not commit repeats the step: match the counters)
+            peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]
+                    and q["state"]["schedule"] == heal[0]["state"]["schedule"]]
+            assert len(peer) == 1 and peer[0]["num_groups"] == 2, len(peer)
+            _assert_state_equal(heal[0]["state"], peer[0]["state"], f"rank {k} after heal {attempt}")
+            assert heal[0]["state"]["schedule"]["global_step"] > resumed["step"]  # it took over group 0's count
+            assert heal[0]["state"]["optimizer"][0]["exp_avg"].abs().sum() > 0  # AdamW state came along
             assert heal[0]["state"]["outer"][0]["momentum"].abs().sum() > 0  # so did the outer momentum
+        last = _load(out / f"g1_r{k}_a2.pt")
+        assert last["batches"] == last["resumed"]["batches"] + len(last["times"])  # data: its own, not group 0's
         for name in ("params", "schedule"):
-            _assert_state_equal(healed["final"][name], src["final"][name], f"rank {k} final {name}")
+            _assert_state_equal(last["final"][name], src["final"][name], f"rank {k} final {name}")
         assert src["final"]["schedule"]["global_step"] == final_step
 
 
@@ -247,7 +326,8 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
         "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
-    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1)
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
+                                                 join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
     logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g2", "g1a1")}
     procs, g1 = [], None
     try:
@@ -307,31 +387,47 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
-    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
-    recipes/pretrain.py --fault_tolerance torchft ...`` (every quorum waits for both groups, so
-    a slow start of one group cannot leave the other syncing alone; one launch: a Lighthouse and two torchruns of 2 ranks,
-    the tiny Llama, 4 steps, H=2): both groups exit 0 and each writes its own
-    ``<output_dir>/group<f>`` (all_results.json, metrics.jsonl), with figures gathered over
-    its own 2 ranks only (traffic of one group, tokens of 2 ranks; the exchange over
-    torchft's process group counted in "fl"); the eval losses after
-    the syncs (steps 2 and 4) are equal in both groups, bitwise (fp32 "avg": the groups
-    hold the same parameters); results record the torchft mode, the group and the
-    synchronizer's counters (2 syncs, no heal)."""
-    out = tmp_path / "out"
+def _recipe_launch(tmp_path, out, name, *flags):
     argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
-            "--min_replicas", "2", "--log_dir", str(tmp_path / "logs"), "--", "recipes/pretrain.py", "--fault_tolerance", "torchft",
-            *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache")]
+            "--min_replicas", "2", "--log_dir", str(tmp_path / name), "--", "recipes/pretrain.py", "--fault_tolerance",
+            "torchft", *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), *flags]
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        stdout, _ = proc.communicate(timeout=480)
+        stdout, _ = proc.communicate(timeout=1200)  # 4 steps, but 8 processes start on a shared machine
     finally:
         if proc.poll() is None:
             ft_launch.kill_group(proc)
-    logs = "\n".join(_log_tail(tmp_path / "logs" / f"group{f}.log") for f in range(2))
+    logs = "\n".join(_log_tail(tmp_path / name / f"group{f}.log") for f in range(2))
     assert proc.returncode == 0 and "group exit statuses: [0, 0]" in stdout, stdout + logs
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
+    evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
+              if "eval/loss" in m} for f in range(2)]
+    return results, evals
+
+
+def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
+    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
+    recipes/pretrain.py --fault_tolerance torchft --checkpoint_every 1 ...`` (every quorum
+    waits for both groups, so a slow start of one group cannot leave the other syncing
+    alone; a Lighthouse and two torchruns of 2 ranks, the tiny Llama, 4 steps, H=2): both
+    groups exit 0 and each writes its own ``<output_dir>/group<f>`` (all_results.json,
+    metrics.jsonl, checkpoints/step_N with its group index and torchft step), with
+    figures gathered over its own 2 ranks only (traffic of one group, tokens of 2 ranks;
+    the exchange over torchft's process group counted in "fl"); the eval losses after the
+    syncs (steps 2 and 4) are equal in both groups, bitwise (fp32 "avg": the groups hold
+    the same parameters); results record the torchft mode, the group and the
+    synchronizer's counters (2 syncs, no heal).
+
+    Then the whole federation restarts with ``--resume_from_checkpoint latest`` after the
+    checkpoints past step 1 are deleted (as if it had stopped there): each group resumes
+    from its own step-1 checkpoint (data position included) and its evals at steps 2 and 4
+    are bitwise the uninterrupted run's. Group 1's planning refuses group 0's checkpoint."""
+    from recipes.args import RecipeError
+    from recipes.run_folder import plan_run
+
+    out = tmp_path / "out"
+    results, evals = _recipe_launch(tmp_path, out, "logs", "--checkpoint_every", "1")
     for f, r in enumerate(results):
         assert r["fault_tolerance"]["mode"] == "torchft" == r["fl"]["fault_tolerance"], r["fault_tolerance"]
         assert r["fault_tolerance"]["group_index"] == f and r["fault_tolerance"]["group_world_size"] == G
@@ -343,31 +439,47 @@ def test_recipe_trains_each_group_in_its_own_folder(tmp_path):
         assert r["comm"]["fl"]["bytes"] > 0 and r["comm"]["fl"]["calls"] >= 2, r["comm"]["fl"]  # 2 syncs
         assert math.isfinite(r["eval_loss"]) and r["eval_scored"] == "synchronized"
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
-    evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
-              if "eval/loss" in m} for f in range(2)]
     assert sorted(evals[0]) == [2, 4] and evals[0] == evals[1], evals
     for f in range(2):  # train records carry the wall clock: the groups are separate launches
         train = [m for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open()) if "train/loss" in m]
         assert [m["step"] for m in train] == [1, 2, 3, 4] and all(m["unix_time"] > 0 for m in train)
+        ckpts = out / f"group{f}" / "checkpoints"
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
+        for step, synced in ((1, 0), (4, 2)):
+            meta = json.loads((ckpts / f"step_{step}" / "fl_accel_checkpoint.json").read_text())
+            assert meta["group_index"] == f and meta["transport"]["manager"]["step"] == synced, meta
+        for step in (2, 3, 4):
+            shutil.rmtree(ckpts / f"step_{step}")
+
+    environ = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FL_ACCEL_GROUP_INDEX": "1"}
+    with pytest.raises(RecipeError, match=r"group_index=0 vs 1"):
+        plan_run(["--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(tmp_path / "other"),
+                  "--resume_from_checkpoint", str(out / "group0" / "checkpoints" / "step_1")], environ=environ)
+
+    resumed, resumed_evals = _recipe_launch(tmp_path, out, "logs_resumed", "--checkpoint_every", "1",
+                                            "--resume_from_checkpoint", "latest")
+    for f, r in enumerate(resumed):
+        assert r["session"]["resumed_from_step"] == 1 and r["session"]["steps"] == 3, r["session"]
+        assert r["fault_tolerance"]["sync"] == results[f]["fault_tolerance"]["sync"]
+        assert r["eval_loss"] == results[f]["eval_loss"] and r["train_tokens"] == results[f]["train_tokens"]
+    assert resumed_evals == evals, (resumed_evals, evals)
 
 
-@pytest.mark.parametrize("flags,text", [(["--checkpoint_every", "2"], "--checkpoint_every is not supported"),
-                                        (["--resume_from_checkpoint", "latest"], "--resume_from_checkpoint is not"),
-                                        (["--eval_groups"], "--eval_groups is not supported")])
-def test_recipe_refuses_unsupported_flags_in_torchft_mode(tmp_path, flags, text):
-    """The recipe's planning (pure Python, every rank before any collective) refuses flags
-    the torchft mode does not support, naming the flag; without them it plans the
-    federation's layout (F groups of this launch's world) and the group's own folder."""
+def test_recipe_refuses_unsupported_flags_in_torchft_mode(tmp_path):
+    """The recipe's planning (pure Python, every rank before any collective) refuses
+    ``--eval_groups`` in the torchft mode, naming the flag; without it (checkpoint flags
+    included) it plans the federation's layout (F groups of this launch's world) and the
+    group's own folder."""
     from recipes.args import RecipeError
     from recipes.run_folder import plan_run
 
     environ = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "FL_ACCEL_GROUP_INDEX": "1"}
     base = ["--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(tmp_path)]
-    with pytest.raises(RecipeError, match=text):
-        plan_run(base + flags, environ=environ)
-    plan = plan_run(base, environ=environ)
+    with pytest.raises(RecipeError, match="--eval_groups is not supported"):
+        plan_run(base + ["--eval_groups"], environ=environ)
+    plan = plan_run(base + ["--checkpoint_every", "2", "--resume_from_checkpoint", "latest"], environ=environ)
     assert plan.layout.world_size == 4 and plan.layout.num_groups == 2
-    assert plan.args.output_dir == str(tmp_path / "group1")
+    assert plan.args.output_dir == str(tmp_path / "group1") and plan.resume_path is None
 
 
 # ---------------------------------------------------------------------- refusals

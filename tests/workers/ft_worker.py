@@ -4,11 +4,22 @@
 
 The mode comes from the environment as a user would set it: ``FL_ACCEL_FAULT_TOLERANCE``
 and ``FL_ACCEL_GROUP_INDEX`` (scripts/ft_launch.py sets both), else the single world.
-SPEC.json: ``fl`` (FLConfig fields), ``optimizer`` ("sgd" | "adamw"), ``lr``,
+SPEC.json: ``cases`` (optional: ``{name: fields}``, run one after the other in this
+process and world, each into OUT_DIR/name, with ``fields`` (``fl`` merged) over the rest
+of the spec: one launch for several configurations), ``fl`` (FLConfig fields), ``optimizer`` ("sgd" | "adamw"), ``lr``,
 ``max_steps``, ``step_sleep`` (seconds after each optimizer step), ``record_steps``
 (snapshot the local shards after every step), ``scheduler`` (a LambdaLR) and
 ``stop_file`` (when OUT_DIR/stop_at exists, its number replaces ``max_steps``: the test
-ends a run with a kill and restart once the restarted group healed).
+ends a run with a kill and restart once the restarted group healed). Checkpoints (per
+group, ``FLAccelerator.save_state``): ``checkpoint_every`` (save
+``<checkpoint_dir>/g<f>/step_<n>`` after every n-th step, with this rank's data position,
+the batches it consumed, as ``rank_state``), ``checkpoint_dir`` (default OUT_DIR/ckpt),
+``checkpoint_groups`` (only these groups save), ``resume`` (load the newest complete
+checkpoint of this group first, if any, and skip the batches it had consumed),
+``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
+case's ValueError is recorded in ``<case>/error_g<f>_r<k>.json`` with the step), ``crash`` (``{"group": f, "step": n}``: on the first attempt
+of a torchrun with ``--max-restarts``, every rank of group f exits with status 3 right
+after step n and its checkpoint: torchrun starts the next attempt).
 
 The plain Accelerate loop runs until the synchronizer's ``global_step`` reaches
 ``max_steps`` (a healed group takes over its peer's step count), then ``end_training``
@@ -16,8 +27,11 @@ The plain Accelerate loop runs until the synchronizer's ``global_step`` reaches
 
 * ``progress/g<f>_r<k>``: the last finished optimizer step and the time (rewritten each step);
 * ``healed/g<f>_r<k>_a<attempt>``: written when this rank's group healed from a live group
-  (JSON: the manager's step and ``transport.heal_sources``, the group it healed from);
-* ``g<f>_r<k>_a<attempt>.pt`` (``FT_TEST_ATTEMPT``): the records: ``steps`` (global step,
+  (JSON: the manager's step and ``transport.heal_sources``, the group it healed from),
+  after ``g<f>_r<k>_a<attempt>.heal.pt`` (the records below up to the heal);
+* ``g<f>_r<k>_a<attempt>.pt`` (``FT_TEST_ATTEMPT``): the records: ``resumed`` (the
+  checkpoint's step, data position and torchft step; None), ``restart_count``
+  (``TORCHELASTIC_RESTART_COUNT``), ``batches`` (consumed at the end), ``steps`` (global step,
   local shards), ``quorums`` (at every new torchft round: the manager's committed step,
   whether this group healed, live groups, and the full state compared across groups:
   local shards, inner optimizer state, anchor, momentum, schedule counters, LR),
@@ -58,19 +72,50 @@ def full_state(acc, optimizer, scheduler) -> dict:
 
 
 def main() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    cases = spec.get("cases") or {"": {}}
+    for n, (name, fields) in enumerate(cases.items()):
+        last = n == len(cases) - 1
+        destroy = PartialState.destroy_process_group
+        if not last:  # the next case reuses this world: Accelerate's end_training must not destroy it
+            PartialState.destroy_process_group = lambda self, group=None: None
+        try:
+            run_case({**spec, **fields, "fl": {**spec.get("fl", {}), **fields.get("fl", {})}}, out / name)
+        except ValueError as exc:  # an expected refusal: recorded, and the next case runs
+            if not fields.get("expect_error"):
+                raise
+            acc = CURRENT.pop("acc")
+            sync = acc.synchronizer
+            (out / name / f"error_g{acc.group_index}_r{acc.process_index}.json").write_text(json.dumps({
+                "message": str(exc), "step": sync.schedule.global_step if sync is not None else None}))
+            if sync is not None and hasattr(sync.transport, "shutdown"):
+                sync.transport.shutdown()
+        finally:
+            PartialState.destroy_process_group = destroy
+        AcceleratorState._reset_state()  # the next case's FLAccelerator sets Accelerate up anew
+        GradientState._reset_state()
+
+
+CURRENT: dict = {}  # the case's accelerator (main() shuts an expected refusal's torchft Manager down)
+
+
+def run_case(spec: dict, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
+    from fl_accel.checkpoint import find_latest
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
     (out / "progress").mkdir(parents=True, exist_ok=True)
     acc = FLAccelerator(FLConfig.from_env(**spec["fl"]), cpu=True)
+    CURRENT["acc"] = acc
     f, rank = acc.group_index, acc.process_index
     attempt = os.environ.get("FT_TEST_ATTEMPT", "0")
 
-    torch.manual_seed(0)
+    torch.manual_seed(f if spec.get("seed_by_group") else 0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     if spec["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
@@ -98,26 +143,40 @@ def main() -> None:
         def spy_begin():
             opened = transport.round is None
             rnd = real_begin()
-            if opened and transport.healed:
-                (out / "healed").mkdir(exist_ok=True)
-                (out / "healed" / f"g{f}_r{rank}_a{attempt}").write_text(json.dumps(
-                    {"manager_step": transport.manager.current_step(), "sources": transport.heal_sources}))
             if opened and rnd.num_groups > 1:
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
                                        "state": full_state(acc, torch_opt, scheduler)})
+            if opened and transport.healed:  # the records so far (a later kill loses the final ones), then the mark
+                rec["heals"], rec["heal_sources"] = transport.heals, list(transport.heal_sources)
+                torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.heal.pt")
+                (out / "healed").mkdir(exist_ok=True)
+                (out / "healed" / f"g{f}_r{rank}_a{attempt}").write_text(json.dumps(
+                    {"manager_step": transport.manager.current_step(), "sources": transport.heal_sources}))
             return rnd
 
         transport.begin = spy_begin
 
     progress = out / "progress" / f"g{f}_r{rank}"
+    ckpt_dir = Path(spec.get("checkpoint_dir") or out / "ckpt") / (f"g{f}" if acc.fault_tolerant else "world")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rec.update(restart_count=restart, resumed=None)
+    consumed = 0  # this rank's data position: batches taken from its loader
+    latest = find_latest(str(ckpt_dir)) if spec.get("resume") else None
+    if latest is not None:
+        meta = acc.load_state(latest)
+        consumed = meta["rank_state"]["batches"]
+        rec["resumed"] = {"step": sync.schedule.global_step, "batches": consumed, "path": latest,
+                          "manager_step": transport.manager.current_step() if hasattr(transport, "manager") else None}
 
     def target() -> int:
         stop = out / "stop_at"
         return int(stop.read_text()) if spec.get("stop_file") and stop.exists() else steps
 
     while sync.schedule.global_step < target():
-        for batch in loader:
+        skip = consumed % len(loader)
+        for batch in acc.skip_first_batches(loader, skip) if skip else loader:
+            consumed += 1
             loss = model(input_ids=batch, labels=batch).loss
             acc.backward(loss)
             optimizer.step()
@@ -129,6 +188,12 @@ def main() -> None:
             rec["times"].append((step, now))
             if spec.get("record_steps"):
                 rec["steps"].append((step, [local(p).detach().clone() for p in sync.params]))
+            every = spec.get("checkpoint_every") if f in spec.get("checkpoint_groups", [f]) else None
+            if every and step % every == 0 and step < target():
+                acc.save_state(str(ckpt_dir / f"step_{step}"), rank_state={"batches": consumed})
+            crash = spec.get("crash") or {}
+            if restart == 0 and crash.get("group") == f and crash.get("step") == step:
+                os._exit(3)  # a crash of the whole group: torchrun --max-restarts starts the next attempt
             progress.write_text(f"{step} {now} {attempt}")
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
@@ -136,6 +201,7 @@ def main() -> None:
                 break
     acc.end_training()
     rec["final"] = full_state(acc, torch_opt, scheduler)
+    rec["batches"] = consumed
     rec["heals"] = getattr(transport, "heals", 0)
     rec["heal_sources"] = list(getattr(transport, "heal_sources", []))
     torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.pt")
