@@ -158,10 +158,8 @@ class FLAccelerator(Accelerator):
             for note in start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
 
-    @property
-    def num_groups(self) -> int:
-        """F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines)."""
-        return self.layout.num_groups
+    num_groups = property(lambda self: self.layout.num_groups,
+                          doc='F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines).')
 
     @property
     def launch_layout(self) -> FLLayout:
@@ -180,15 +178,11 @@ class FLAccelerator(Accelerator):
         name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get
         return {"param": name(param, "fp32"), "reduce": name(reduce, "fp32"), "output": name(output, output and "fp32")}
 
-    @property
-    def activation_checkpointing(self) -> bool:
-        """True when Accelerate wraps each auto-wrapped block in a checkpoint wrapper."""
-        return bool(self.state.fsdp_plugin.activation_checkpointing)
+    activation_checkpointing = property(lambda self: bool(self.state.fsdp_plugin.activation_checkpointing),
+                                        doc="True when Accelerate wraps each auto-wrapped block in a checkpoint.")
 
-    @property
-    def compiled(self) -> bool:
-        """True when Accelerate compiles each block in place (regional compilation)."""
-        return self.state.dynamo_plugin.backend != DynamoBackend.NO
+    compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO,
+                        doc="True when Accelerate compiles each block in place (regional compilation).")
 
     @property
     def sync_wait_seconds(self) -> float:
@@ -236,7 +230,7 @@ class FLAccelerator(Accelerator):
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
                                                 self.device)
             if self.fault_tolerant:
-                transport = self._managed_transport(transport, [p for _, p in named])
+                transport = _managed_transport(self, transport, [p for _, p in named])
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]))
@@ -245,29 +239,6 @@ class FLAccelerator(Accelerator):
             if not any(p.is_meta for p in model.parameters()):
                 fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
-
-    def _managed_transport(self, inside: MeshTransport, params: list):
-        """The torchft transport of this rank (:mod:`fl_accel.ft`), its recovery state
-        being the synchronizer's, the prepared LR schedulers' and Accelerate's step; the
-        groups' initial ``params`` are compared at the first quorum (not on meta)."""
-        from . import ft, ft_state
-
-        def save():
-            return ft_state.capture(self.synchronizer, self._schedulers, {"accelerate_step": self.step})
-
-        def load(state):
-            fsdp.reshard(self._models)
-            ft_state.restore(self.synchronizer, self._schedulers, state)
-            self.step = state["extra"].get("accelerate_step", self.step)
-
-        transport = ft.ManagedTransport.create(
-            group_index=self.group_index, group_rank=self.process_index, group_size=self.num_processes,
-            lighthouse_addr=self._lighthouse, timeout=timedelta(seconds=self.fl_config.collective_timeout_s),
-            device=self.device, inside=inside, replica_index=self.replica_index,
-            replicas=self.layout.replicas_of(self.group_index), save=save, load=load, init_sum=None if any(
-                p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
-        transport.meter = self._comm_meter  # the exchange's traffic in the "fl" bucket
-        return transport
 
     def prepare_scheduler(self, scheduler):
         """Accelerate's prepare_scheduler, stepping once per optimizer step."""
@@ -366,6 +337,30 @@ class FLAccelerator(Accelerator):
                 self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()
+
+
+def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
+    """The torchft transport of ``acc``'s rank (:mod:`fl_accel.ft`), its recovery state
+    being the synchronizer's, the prepared LR schedulers' and Accelerate's step; the
+    groups' initial ``params`` are compared at the first quorum (not on meta)."""
+    from . import ft, ft_state
+
+    def save():
+        return ft_state.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
+
+    def load(state):
+        fsdp.reshard(acc._models)
+        ft_state.restore(acc.synchronizer, acc._schedulers, state)
+        acc.step = state["extra"].get("accelerate_step", acc.step)
+
+    transport = ft.ManagedTransport.create(
+        group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
+        lighthouse_addr=acc._lighthouse, timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
+        device=acc.device, inside=inside, replica_index=acc.replica_index,
+        replicas=acc.layout.replicas_of(acc.group_index), save=save, load=load, init_sum=None if any(
+            p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
+    transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
+    return transport
 
 
 def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
