@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: installs what the tests need, then runs them. Before the fork launcher (tests/_forkserver.py)
-# it measured 42 min in CI and 52 min on 2 shared cores; tests/test_sync_gloo.py now takes 78 CPU-s instead
+# it measured 42 min in CI and 52 min on 2 shared cores; with it 44 min from a fresh clone (10 of them one hung
+# forked rank, since moved to torchrun), 1,430 CPU-s; tests/test_sync_gloo.py now takes 78 CPU-s instead
 # of 298 (forked ranks vs torchrun). FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
