@@ -767,17 +767,22 @@ def test_error_feedback_residual_is_what_quantization_dropped(four):
     print(f"[int8 EF: {n} residual updates exact, max |residual| {biggest:.2e}]")
 
 
+def _assert_replicas_identical_every_step(recs) -> None:
+    """FL+HSDP 2x2x2: the two replicas of each group hold identical parameters after every step."""
+    coords = by_coord(recs)
+    for f in range(F):
+        for s in range(2):
+            for st0, st1 in zip(coords[(f, 0, s)]["steps"], coords[(f, 1, s)]["steps"]):
+                assert all(torch.equal(a, b) for a, b in zip(st0["params"], st1["params"]))
+
+
 def test_error_feedback_residual_on_hsdp_chunks(eight):
     """The same on FL+HSDP 2x2x2, where replica c exchanges chunk c of the buffer: the
     residual is kept on that chunk only (0 on the other replica's chunk), and the two
     replicas of a group end every step with identical parameters."""
     recs = eight("hsdp_int8_ef")
     n, biggest = _check_residuals(recs, 2)
-    coords = by_coord(recs)
-    for f in range(F):
-        for s in range(2):
-            for st0, st1 in zip(coords[(f, 0, s)]["steps"], coords[(f, 1, s)]["steps"]):
-                assert all(torch.equal(a, b) for a, b in zip(st0["params"], st1["params"]))
+    _assert_replicas_identical_every_step(recs)
     print(f"[int8 EF FL+HSDP: {n} residual updates exact, max |residual| {biggest:.2e}]")
 
 
@@ -1064,11 +1069,7 @@ def test_sparse_error_feedback_residual_fl_fsdp_and_hsdp_chunks(four, eight):
     n4, share4 = _check_sparse_residuals(four("sparse_nesterov"), 1)
     recs = eight("hsdp_sparse")
     n8, share8 = _check_sparse_residuals(recs, 2)
-    coords = by_coord(recs)
-    for f in range(F):
-        for s in range(2):
-            for st0, st1 in zip(coords[(f, 0, s)]["steps"], coords[(f, 1, s)]["steps"]):
-                assert all(torch.equal(a, b) for a, b in zip(st0["params"], st1["params"]))
+    _assert_replicas_identical_every_step(recs)
     assert share4 > 0.5 and share8 > 0.5  # most of the pseudo-gradient waits for a later sync
     print(f"[sparse EF: {n4} (FL+FSDP) and {n8} (FL+HSDP) residual updates exact; error feedback keeps up to "
           f"{share4:.2f} / {share8:.2f} of a chunk's squared norm]")
