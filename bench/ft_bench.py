@@ -336,7 +336,7 @@ def link_table(summary: dict) -> str:
         f"Recipe as the baseline bench: tiny Llama, seq_len 256, micro-batch 4, {s['settings']['steps']} steps, "
         f"H=8, fp32 avg, no evaluation during training. single = today's single world (torchrun --nnodes 2); "
         f"torchft = a Lighthouse on node 0 and one torchrun per group (every quorum waits for both groups). The "
-        f"two modes alternate, {s['settings']['repeats']} runs each; the whole bench niced on a shared 2-core "
+        f"two modes alternate, {s['settings']['repeats']} runs each; on a 2-core "
         f"machine (other processes' CPU share per run in link_summary.json).",
         "",
         "| mode | tokens/s per run | median | train s per run | sync s per run | mean sync_time_share | "
