@@ -12,4 +12,12 @@ if [ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && [ -x .venv/bin/python ]; then
 fi
 python -m pip install -q -r requirements.txt
 export OMP_NUM_THREADS=1
-python -m pytest -q -p no:cacheprovider tests "$@"
+# parallel workers (pytest-xdist): most tests wait on their launched processes, so more workers than
+# cores keep the cores busy; tests that share one launch stay on one worker (tests/conftest.py).
+# FL_ACCEL_TEST_WORKERS=0 runs the tests serially.
+workers="${FL_ACCEL_TEST_WORKERS:-4}"
+if [ "$workers" = 0 ]; then
+  python -m pytest -q -p no:cacheprovider tests "$@"
+else
+  python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup tests "$@"
+fi
