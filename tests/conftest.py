@@ -47,9 +47,9 @@ def _cpu_now() -> float:
     return total
 
 
-CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group"}
-"""Module/session fixtures that only name a folder or set up in-process state: sharing
-them across workers costs nothing, so they do not tie tests into one group."""
+CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache"}
+"""Module/session fixtures that only name a folder, set up in-process state or are shared
+by the workers anyway (:func:`default_corpus_cache`): they do not tie tests into one group."""
 
 HEAVY_FIRST = ("test_ft", "test_failures", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
                "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
@@ -96,6 +96,42 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.nodeid in groups and not item.get_closest_marker("xdist_group"):
                 item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+
+
+DEFAULT_CORPUS_SEQ_LEN = 64
+"""The block length the recipe tests launch the default corpus with."""
+
+
+@pytest.fixture(scope="session")
+def default_corpus_cache(tmp_path_factory) -> str:
+    """A recipe ``--cache_dir`` holding the default corpus (the embedded Shakespeare), its
+    BPE tokenizer (the recipe's default vocabulary) and its blocks of
+    :data:`DEFAULT_CORPUS_SEQ_LEN` tokens, filled once per test run by the recipe's own
+    functions (recipes/data.py: ``load_raw``, ``get_tokenizer``,
+    ``tokenize_and_pack_cached``, as ``recipes/inputs.py build_data`` calls them), so that
+    each launch reads it instead of preparing the corpus again (about 25 CPU-s). Under
+    pytest-xdist the workers share it (the run's temporary root; a file lock makes one
+    worker fill it while the others wait); a concurrent test run has its own."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-<n>/: this run's, shared by its workers
+    cache = root / "default_corpus_cache"
+    with open(root / "default_corpus_cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "filled").exists():
+            from recipes import data
+            from recipes.args import parse_args
+
+            args = parse_args(["--seq_len", str(DEFAULT_CORPUS_SEQ_LEN), "--output_dir", str(root / "unused")],
+                              environ={"WORLD_SIZE": "1"}).args
+            raw = data.load_raw(args, str(cache))
+            tokenizer = data.get_tokenizer(args, raw, str(cache))
+            data.tokenize_and_pack_cached(raw, tokenizer, args.text_column, args.seq_len, str(cache),
+                                          args.preprocessing_num_workers)
+            (cache / "filled").write_text("")
+    return str(cache)
 
 
 @pytest.hookimpl(hookwrapper=True)

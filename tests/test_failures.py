@@ -29,9 +29,9 @@ TIMEOUT_VAR = "FL_ACCEL_COLLECTIVE_TIMEOUT_S" if "collective_timeout_s" in FLCon
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """This module's own corpus/tokenizer cache: a concurrent test suite never shares it."""
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(default_corpus_cache):
+    """The run's corpus/tokenizer cache, filled before the launches (tests/conftest.py)."""
+    return default_corpus_cache
 
 
 def torchrun(args, env, timeout, *torchrun_flags, cache_dir, launcher="torchrun", nproc=4):

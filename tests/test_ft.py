@@ -435,13 +435,13 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def _recipe_launch(tmp_path, out, name, *flags, cli=True):
+def _recipe_launch(tmp_path, cache, out, name, *flags, cli=True):
     """The recipe in the torchft mode, 2 groups: with ``cli`` through ``python -m
     scripts.ft_launch`` (its Lighthouse, one torchrun per group), else a Lighthouse from
     ``ft_launch.start_lighthouse`` and forked groups with ``ft_launch.group_env``'s
     environment. Returns each group's all_results and its eval losses by step."""
     recipe = ["recipes/pretrain.py", "--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(out),
-              "--cache_dir", str(tmp_path / "cache"), *flags]
+              "--cache_dir", cache, *flags]
     if cli:
         argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
                 "--min_replicas", "2", "--log_dir", str(tmp_path / name), "--", *recipe]
@@ -476,7 +476,7 @@ def _recipe_launch(tmp_path, out, name, *flags, cli=True):
     return results, evals
 
 
-def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
+def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, default_corpus_cache):
     """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
     recipes/pretrain.py --fault_tolerance torchft --checkpoint_every 1 ...`` (every quorum
     waits for both groups, so a slow start of one group cannot leave the other syncing
@@ -498,7 +498,7 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
     from recipes.run_folder import plan_run
 
     out = tmp_path / "out"
-    results, evals = _recipe_launch(tmp_path, out, "logs", "--checkpoint_every", "1")
+    results, evals = _recipe_launch(tmp_path, default_corpus_cache, out, "logs", "--checkpoint_every", "1")
     for f, r in enumerate(results):
         assert r["fault_tolerance"]["mode"] == "torchft" == r["fl"]["fault_tolerance"], r["fault_tolerance"]
         assert r["fault_tolerance"]["group_index"] == f and r["fault_tolerance"]["group_world_size"] == G
@@ -527,8 +527,8 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
         plan_run(["--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(tmp_path / "other"),
                   "--resume_from_checkpoint", str(out / "group0" / "checkpoints" / "step_1")], environ=environ)
 
-    resumed, resumed_evals = _recipe_launch(tmp_path, out, "logs_resumed", "--checkpoint_every", "1",
-                                            "--resume_from_checkpoint", "latest", cli=False)
+    resumed, resumed_evals = _recipe_launch(tmp_path, default_corpus_cache, out, "logs_resumed",
+                                            "--checkpoint_every", "1", "--resume_from_checkpoint", "latest", cli=False)
     for f, r in enumerate(resumed):
         assert r["session"]["resumed_from_step"] == 1 and r["session"]["steps"] == 3, r["session"]
         assert r["fault_tolerance"]["sync"] == results[f]["fault_tolerance"]["sync"]

@@ -37,9 +37,9 @@ def read_metrics(out_dir: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    """One corpus/tokenizer cache for every launch of the session."""
-    return str(tmp_path_factory.mktemp("fl_accel_cache"))
+def data_cache(default_corpus_cache):
+    """One corpus/tokenizer cache for every launch of the run, filled before them (tests/conftest.py)."""
+    return default_corpus_cache
 
 
 @pytest.fixture(scope="module")
