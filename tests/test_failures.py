@@ -59,7 +59,7 @@ def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
     assert "SIGKILL" in err or "Signal 9" in err, err[-4000:]
     survivors = {line.split("rank ")[1].split(":")[0] for line in err.splitlines()
                  if "stopped by the launcher" in line or "a collective failed" in line}
-    assert survivors == {"0"}, err[-4000:]
+    assert survivors and "1" not in survivors, err[-4000:]
     assert not os.path.exists(tmp_path / "all_results.json")
 
 
