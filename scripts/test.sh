@@ -19,5 +19,6 @@ workers="${FL_ACCEL_TEST_WORKERS:-4}"
 if [ "$workers" = 0 ]; then
   python -m pytest -q -p no:cacheprovider tests "$@"
 else
-  python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup tests "$@"
+  # -p no:benchmark: pytest-benchmark, where installed, only warns that xdist disables it (no test uses it)
+  python -m pytest -q -p no:cacheprovider -p no:benchmark -n "$workers" --dist loadgroup tests "$@"
 fi
