@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["run_forked", "PRELOAD", "IMPORT_TIME_VARS"]
+__all__ = ["run_forked", "start_forked", "ForkedLaunch", "PRELOAD", "IMPORT_TIME_VARS"]
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.tensor", "accelerate", "transformers", "transformers.models.llama.modeling_llama",
@@ -111,13 +111,14 @@ def _exit_status(exc: SystemExit) -> int:
 
 
 def _finish() -> None:
-    """What the interpreter does at exit: join non-daemon threads, run atexit, flush."""
+    """What the interpreter does at exit (CPython ``Py_FinalizeEx``): ``threading._shutdown``
+    (threading's own exit hooks first, e.g. ``concurrent.futures``' one that tells idle
+    ThreadPoolExecutor workers to end, then the join of every non-daemon thread; joining the
+    threads without those hooks waits forever on an idle executor's worker), then atexit,
+    then flushing the streams."""
     import atexit
 
-    main = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main and not t.daemon:
-            t.join()
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -227,19 +228,78 @@ def _end(procs: list, grace: float) -> None:
             _kill_group(p.pid, signal.SIGKILL, alive=False)
 
 
-def run_forked(nproc: int, script: str | os.PathLike, *args: Any, timeout: float, env: Mapping[str, str],
-               static_env: Mapping[str, str], cwd: str | os.PathLike, port: int) -> tuple[int | None, str, str,
-                                                                                          float, bool]:
-    """Run ``script args`` as ``nproc`` forked ranks on rendezvous port ``port``.
+class ForkedLaunch:
+    """``nproc`` ranks of a script forked from the server, running (see :func:`start_forked`).
+
+    Like a torchrun launch seen from outside: :meth:`poll` (None while running; when a
+    rank failed, the others get :data:`FAIL_GRACE_S` to end, then are stopped), :meth:`wait`
+    and :meth:`kill` (a signal to every rank's process group, i.e. the rank and whatever it
+    started). ``pids``: the ranks' process ids; ``logs``: ``(stdout, stderr)`` paths per rank.
+    """
+
+    def __init__(self, procs: list, logs: list[tuple[str, str]], t0: float):
+        self.procs, self.logs, self.t0 = procs, logs, t0
+        self.pids = [p.pid for p in procs]
+        self.returncode: int | None = None
+        self._failed_at: float | None = None
+        self._first_failure: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        failed = [p for p in self.procs if p.exitcode not in (None, 0)]
+        if failed and self._failed_at is None:
+            self._failed_at, self._first_failure = time.monotonic(), failed[0].exitcode
+        if all(p.exitcode is not None for p in self.procs):
+            self.returncode = self._first_failure if self._first_failure is not None else 0
+        elif self._failed_at is not None and time.monotonic() - self._failed_at >= FAIL_GRACE_S:
+            _end(self.procs, KILL_GRACE_S)
+            self.returncode = self._first_failure
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait until every rank ended (or was stopped after a failure); None after
+        ``timeout`` seconds (the ranks keep running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            wait_s = 5.0 if deadline is None else deadline - now
+            if self._failed_at is not None:
+                wait_s = min(wait_s, FAIL_GRACE_S - (now - self._failed_at))
+            live = [p.sentinel for p in self.procs if p.exitcode is None]
+            multiprocessing.connection.wait(live, timeout=max(0.01, min(wait_s, 5.0)))
+        return self.returncode
+
+    def kill(self, sig: int = signal.SIGKILL) -> list[int]:
+        """``sig`` to every live rank's process group; with SIGKILL the ranks are reaped.
+        Returns the pids signalled."""
+        live = [p for p in self.procs if p.exitcode is None]
+        for p in live:
+            _kill_group(p.pid, sig)
+        if sig == signal.SIGKILL:
+            for p in live:
+                p.join()
+            self.poll()
+        return [p.pid for p in live]
+
+    def output(self) -> tuple[str, str]:
+        """The ranks' stdout and stderr, each concatenated in rank order."""
+        return tuple("".join(Path(f[i]).read_text(errors="replace") for f in self.logs if os.path.exists(f[i]))
+                     for i in (0, 1))
+
+
+def start_forked(nproc: int, script: str | os.PathLike, *args: Any, env: Mapping[str, str],
+                 static_env: Mapping[str, str], cwd: str | os.PathLike, port: int,
+                 log_dir: str | os.PathLike) -> ForkedLaunch:
+    """Start ``script args`` as ``nproc`` forked ranks on rendezvous port ``port`` and return
+    at once; rank r writes ``log_dir/r.out`` and ``log_dir/r.err``.
 
     Args:
         env: the ranks' environment (torchrun's variables are added).
         static_env: the environment the server is started with (the first call's wins);
             ``env`` must agree with it on :data:`IMPORT_TIME_VARS`.
-
-    Returns:
-        ``(returncode, stdout, stderr, seconds, timed_out)``: returncode 0, the first failed
-        rank's exit status (negative: its signal), or None on timeout.
 
     Raises:
         ValueError: ``env`` differs from the server's environment in an import-time variable.
@@ -257,43 +317,43 @@ def run_forked(nproc: int, script: str | os.PathLike, *args: Any, timeout: float
               "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
               "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
               "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    logs = [(os.path.join(log_dir, f"{r}.out"), os.path.join(log_dir, f"{r}.err")) for r in range(nproc)]
+    procs: list = []
+    try:
+        for r in range(nproc):
+            rank_env = {**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+            p = server["ctx"].Process(target=_rank_main, name=f"rank{r}", daemon=False,
+                                      args=(script, [str(a) for a in args], rank_env, str(cwd),
+                                            server["base_path"], *logs[r]))
+            p.start()
+            procs.append(p)
+    except BaseException:
+        _end(procs, 0.0)
+        raise
+    return ForkedLaunch(procs, logs, t0)
+
+
+def run_forked(nproc: int, script: str | os.PathLike, *args: Any, timeout: float, env: Mapping[str, str],
+               static_env: Mapping[str, str], cwd: str | os.PathLike, port: int) -> tuple[int | None, str, str,
+                                                                                          float, bool]:
+    """Run ``script args`` as ``nproc`` forked ranks on rendezvous port ``port`` to the end
+    (:func:`start_forked`, then :meth:`ForkedLaunch.wait`).
+
+    Returns:
+        ``(returncode, stdout, stderr, seconds, timed_out)``: returncode 0, the first failed
+        rank's exit status (negative: its signal), or None on timeout, when every rank is
+        killed.
+
+    Raises:
+        ValueError: ``env`` differs from the server's environment in an import-time variable.
+    """
     with tempfile.TemporaryDirectory(prefix="fl_accel_fork_") as logs:
-        outs = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")) for r in range(nproc)]
-        procs = []
-        returncode: int | None = 0
-        timed_out = False
+        launch = start_forked(nproc, script, *args, env=env, static_env=static_env, cwd=cwd, port=port,
+                              log_dir=logs)
         try:
-            for r in range(nproc):
-                rank_env = {**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
-                p = server["ctx"].Process(target=_rank_main, name=f"rank{r}", daemon=False,
-                                          args=(script, [str(a) for a in args], rank_env, str(cwd),
-                                                server["base_path"], *outs[r]))
-                p.start()
-                procs.append(p)
-            deadline = t0 + timeout
-            failed_at = None
-            while True:
-                live = [p for p in procs if p.exitcode is None]
-                if not live:
-                    break
-                failed = [p for p in procs if p.exitcode not in (None, 0)]
-                now = time.monotonic()
-                if failed and failed_at is None:
-                    failed_at = now
-                    returncode = failed[0].exitcode
-                if failed_at is not None and now - failed_at >= FAIL_GRACE_S:
-                    _end(procs, KILL_GRACE_S)
-                    break
-                if now >= deadline:
-                    timed_out, returncode = True, None
-                    _end(procs, 0.0)
-                    break
-                wait_s = deadline - now if failed_at is None else FAIL_GRACE_S - (now - failed_at)
-                multiprocessing.connection.wait([p.sentinel for p in live], timeout=max(0.01, min(wait_s, 5.0)))
-            if returncode == 0:
-                returncode = next((p.exitcode for p in procs if p.exitcode != 0), 0)
+            returncode = launch.wait(max(0.0, timeout - (time.monotonic() - launch.t0)))
+            timed_out = returncode is None
         finally:
-            _end(procs, 0.0)
-        stdout = "".join(Path(o).read_text(errors="replace") for o, _ in outs if os.path.exists(o))
-        stderr = "".join(Path(e).read_text(errors="replace") for _, e in outs if os.path.exists(e))
-    return returncode, stdout, stderr, time.monotonic() - t0, timed_out
+            _end(launch.procs, 0.0)
+        stdout, stderr = launch.output()
+    return returncode, stdout, stderr, time.monotonic() - launch.t0, timed_out

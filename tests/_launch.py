@@ -8,9 +8,11 @@ launcher (tests/_forkserver.py).
   (tests/_forkserver.py: why, what a rank sees, what it does not cover);
 * ``launcher="torchrun"``: ``sys.executable -m torch.distributed.run``, for tests whose
   subject is the launch itself (torchrun's failure summary, ``--max-restarts``, Ctrl-C,
-  ``accelerate launch``), per-exec process state (peak memory), the CUDA tests, the
-  torchft tests (tests/test_ft.py, see :data:`TORCHRUN_CALLERS`), and a few recipe runs
-  kept on the user's launch path.
+  ``accelerate launch``), per-exec process state (peak memory), the CUDA tests, and a
+  few recipe runs kept on the user's launch path.
+
+:func:`start_forked` starts forked ranks without waiting (tests/test_ft.py runs one
+launch per federation group side by side).
 
 Both use a fresh free ``--master_port`` (retried once if another suite took it),
 ``OMP_NUM_THREADS=1``, the repository root on ``PYTHONPATH`` and a wall-clock timeout,
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from scripts import launch as _launch
@@ -38,11 +39,6 @@ Launch = _launch.Result
 LAUNCHER_VAR = "FL_ACCEL_TEST_LAUNCHER"
 """``FL_ACCEL_TEST_LAUNCHER=torchrun`` sends every default launch through real torchrun
 (to compare the two, or to rule the fork launcher out when a test fails)."""
-
-TORCHRUN_CALLERS = ("test_ft",)
-"""Test modules whose :func:`run_torchrun` calls default to real torchrun (the torchft
-tests run their baselines the way their fault-tolerant runs start)."""
-
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launch: ours, minus FL_ACCEL_* (a caller's settings must
@@ -63,16 +59,15 @@ def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: float,
     """Run ``nproc`` ranks of ``script args`` to completion or ``timeout`` seconds.
 
     Args:
-        launcher: "fork" or "torchrun" (see the module docstring); None is "torchrun" for
-            callers in :data:`TORCHRUN_CALLERS`, else ``$FL_ACCEL_TEST_LAUNCHER`` or "fork".
+        launcher: "fork" or "torchrun" (see the module docstring); None is
+            ``$FL_ACCEL_TEST_LAUNCHER`` or "fork".
 
     Raises:
         ValueError: an unknown ``launcher``; with "fork", ``env`` changes a variable read
             at import time (tests/_forkserver.py ``IMPORT_TIME_VARS``).
     """
     if launcher is None:
-        caller = sys._getframe(1).f_globals.get("__name__", "").rsplit(".", 1)[-1]
-        launcher = "torchrun" if caller in TORCHRUN_CALLERS else os.environ.get(LAUNCHER_VAR, "fork")
+        launcher = os.environ.get(LAUNCHER_VAR, "fork")
     if launcher == "torchrun":
         return _launch.run_torchrun(nproc, script, *args, timeout=timeout, env=launch_env(env), cwd=REPO_ROOT)
     if launcher != "fork":
@@ -87,6 +82,20 @@ def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: float,
         if not (rc not in (0, None) and any(s in err for s in _launch.ADDRESS_IN_USE)):
             break
     return res
+
+
+def start_forked(nproc: int, script: Path | str, *args: str, env: dict[str, str], log_dir: Path):
+    """Start ``nproc`` forked ranks of ``script args`` and return at once (a
+    :class:`_forkserver.ForkedLaunch`: ``poll``, ``wait``, ``kill``, ``output``), for tests
+    that run several launches side by side (tests/test_ft.py: one per federation group).
+    ``env`` is the ranks' whole environment (e.g. :func:`launch_env` or
+    ``scripts.ft_launch.group_env``); rank r writes ``log_dir/r.out`` and ``log_dir/r.err``.
+    The caller waits for or kills the launch."""
+    import _forkserver
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return _forkserver.start_forked(nproc, script, *args, env=env, static_env=launch_env(), cwd=REPO_ROOT,
+                                    port=free_port(), log_dir=log_dir)
 
 
 def write_json(path: Path, obj) -> Path:

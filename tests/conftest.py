@@ -4,7 +4,16 @@ and, with ``FL_ACCEL_TEST_CPU=N``, report the N tests that used the most CPU sec
 CPU of a test = this process's user+system time, plus that of every child it reaped
 (subprocesses, torchrun and its ranks), plus that of the ranks the fork launcher's server
 reaped (tests/_forkserver.py), over the test's setup, call and teardown. On a loaded
-machine wall seconds (``--durations``) mostly measure the load; CPU seconds do not.
+machine wall seconds (``--durations``) mostly measure the load; CPU seconds do not. Under
+pytest-xdist each worker measures its own tests (its own children, its own fork server)
+and sends the figure with the test's report.
+
+Parallel runs (``pytest -n N --dist loadgroup``, what scripts/test.sh does): tests that
+share an expensive module- or session-scoped fixture (a launch whose records several tests
+read) get one ``xdist_group`` mark per set of connected fixtures, so the launch happens
+once, on one worker; every other test is scheduled on its own. Tests of
+:data:`HEAVY_FIRST` modules are collected first, so the long launches start early and do
+not form the tail of the run.
 """
 
 import os
@@ -38,14 +47,119 @@ def _cpu_now() -> float:
     return total
 
 
+CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache"}
+"""Module/session fixtures that only name a folder, set up in-process state or are shared
+by the workers anyway (:func:`default_corpus_cache`): they do not tie tests into one group."""
+
+HEAVY_FIRST = ("test_ft", "test_failures", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
+               "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
+               "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
+"""Modules with the longest launches, in the order their tests are collected (then the rest)."""
+
+
+def _shared_fixture_groups(items) -> dict[str, str]:
+    """nodeid -> group name for tests that use a non-cheap module/session fixture; tests
+    whose fixtures are connected (one uses another, or a test uses both) share a group."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    uses: dict[str, list[str]] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        keys = []
+        for name in info.names_closure:
+            defs = info.name2fixturedefs.get(name)
+            if (not defs or name in CHEAP_FIXTURES or defs[-1].scope not in ("module", "session")
+                    or not defs[-1].baseid):  # pytest's and plugins' own (tmp_path_factory, ...)
+                continue
+            keys.append(f"{item.module.__name__.rsplit('.', 1)[-1]}:{name}")
+        for k in keys[1:]:
+            parent[find(k)] = find(keys[0])
+        if keys:
+            uses[item.nodeid] = keys
+    return {nodeid: find(keys[0]).replace(":", "-") for nodeid, keys in uses.items()}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {m: i for i, m in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda it: rank.get(it.module.__name__.rsplit(".", 1)[-1] if getattr(it, "module", None)
+                                       else "", len(rank)))
+    if config.pluginmanager.hasplugin("xdist"):
+        groups = _shared_fixture_groups(items)
+        for item in items:
+            if item.nodeid in groups and not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+
+
+DEFAULT_CORPUS_SEQ_LEN = 64
+"""The block length the recipe tests launch the default corpus with."""
+
+
+@pytest.fixture(scope="session")
+def default_corpus_cache(tmp_path_factory) -> str:
+    """A recipe ``--cache_dir`` holding the default corpus (the embedded Shakespeare), its
+    BPE tokenizer (the recipe's default vocabulary) and its blocks of
+    :data:`DEFAULT_CORPUS_SEQ_LEN` tokens, filled once per test run by the recipe's own
+    functions (recipes/data.py: ``load_raw``, ``get_tokenizer``,
+    ``tokenize_and_pack_cached``, as ``recipes/inputs.py build_data`` calls them), so that
+    each launch reads it instead of preparing the corpus again (about 25 CPU-s). Under
+    pytest-xdist the workers share it (the run's temporary root; a file lock makes one
+    worker fill it while the others wait); a concurrent test run has its own."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-<n>/: this run's, shared by its workers
+    cache = root / "default_corpus_cache"
+    with open(root / "default_corpus_cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cache / "filled").exists():
+            from recipes import data
+            from recipes.args import parse_args
+
+            args = parse_args(["--seq_len", str(DEFAULT_CORPUS_SEQ_LEN), "--output_dir", str(root / "unused")],
+                              environ={"WORLD_SIZE": "1"}).args
+            raw = data.load_raw(args, str(cache))
+            tokenizer = data.get_tokenizer(args, raw, str(cache))
+            data.tokenize_and_pack_cached(raw, tokenizer, args.text_column, args.seq_len, str(cache),
+                                          args.preprocessing_num_workers)
+            (cache / "filled").write_text("")
+    return str(cache)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("FL_ACCEL_TEST_CPU"):
         yield
         return
-    c0, t0 = _cpu_now(), time.monotonic()
+    item._fl_accel_cpu0 = (_cpu_now(), time.monotonic())
     yield
-    _CPU[item.nodeid] = (_cpu_now() - c0, time.monotonic() - t0)
+    if item.nodeid not in _CPU:  # not filled by the teardown report (a test that was not run)
+        c0, t0 = item._fl_accel_cpu0
+        _CPU[item.nodeid] = (_cpu_now() - c0, time.monotonic() - t0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    start = getattr(item, "_fl_accel_cpu0", None)
+    if call.when == "teardown" and start is not None:
+        outcome.get_result().user_properties.append(("fl_accel_cpu", (_cpu_now() - start[0],
+                                                                      time.monotonic() - start[1])))
+
+
+def pytest_runtest_logreport(report):
+    """Collect the figure from the teardown report (in this process, or from an xdist worker)."""
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "fl_accel_cpu":
+            _CPU[report.nodeid] = tuple(value)
 
 
 def pytest_terminal_summary(terminalreporter):

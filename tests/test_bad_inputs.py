@@ -135,8 +135,7 @@ def test_validation_split_too_small_fails_on_every_rank(tmp_path):
     val = _file(tmp_path, "val.txt", b"Brief.\n")
     result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(tmp_path / "out"),
                           "--train_file", train, "--validation_file", val, "--seq_len", "32",
-                          "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), timeout=240,
-                          launcher="torchrun")
+                          "--vocab_size", "300", "--cache_dir", str(tmp_path / "cache"), timeout=240)
     assert not result.timed_out, result.tail()
     assert result.returncode != 0
     assert_every_rank_failed(result, "validation split has 0 blocks")

@@ -1,4 +1,4 @@
-"""Failure behaviour of real 4-process recipe runs: dead and hung ranks, restarts.
+"""Failure behaviour of real multi-process recipe runs: dead and hung ranks, restarts.
 
 Faults are injected with the recipe's ``FL_ACCEL_TEST_FAULT_INJECT=<kill|stop>:<rank>:<step>`` hook
 (recipes/testing_hooks.py):
@@ -29,18 +29,18 @@ TIMEOUT_VAR = "FL_ACCEL_COLLECTIVE_TIMEOUT_S" if "collective_timeout_s" in FLCon
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """This module's own corpus/tokenizer cache: a concurrent test suite never shares it."""
-    return str(tmp_path_factory.mktemp("cache"))
+def cache(default_corpus_cache):
+    """The run's corpus/tokenizer cache, filled before the launches (tests/conftest.py)."""
+    return default_corpus_cache
 
 
-def torchrun(args, env, timeout, *torchrun_flags, cache_dir, launcher="torchrun"):
-    """4 ranks of the recipe under real torchrun (its messages and restarts are asserted on),
-    or with ``launcher="fork"`` the tests' fork launcher (tests/_forkserver.py)."""
+def torchrun(args, env, timeout, *torchrun_flags, cache_dir, launcher="torchrun", nproc=4):
+    """``nproc`` ranks of the recipe under real torchrun (its messages and restarts are asserted
+    on), or with ``launcher="fork"`` the tests' fork launcher (tests/_forkserver.py)."""
     if launcher == "fork":
-        res = run_torchrun(4, RECIPE, *args, "--cache_dir", cache_dir, timeout=timeout, env=env, launcher="fork")
+        res = run_torchrun(nproc, RECIPE, *args, "--cache_dir", cache_dir, timeout=timeout, env=env, launcher="fork")
     else:
-        cmd = launch.torchrun_argv(4, RECIPE, *args, "--cache_dir", cache_dir, extra_flags=torchrun_flags)
+        cmd = launch.torchrun_argv(nproc, RECIPE, *args, "--cache_dir", cache_dir, extra_flags=torchrun_flags)
         res = launch.wait(launch.start(cmd, launch_env(env), REPO_ROOT, subprocess.PIPE, subprocess.PIPE), timeout)
     if res.timed_out:
         raise AssertionError(f"job hung: killed after {timeout}s\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
@@ -48,11 +48,12 @@ def torchrun(args, env, timeout, *torchrun_flags, cache_dir, launcher="torchrun"
 
 
 def test_killed_rank_ends_the_job_with_a_message(tmp_path, cache):
-    """kill -9 of rank 1 mid-training: torchrun stops the other ranks, which say why, and the job fails."""
+    """kill -9 of rank 1 mid-training (2 ranks, 2 federation groups of one): torchrun stops the
+    other rank, which says why, and the job fails."""
     rc, out, err, seconds = torchrun([*FAST, "--algorithm", "fl_fsdp", "--max_steps", "8", "--sync_every", "4",
                                       "--output_dir", str(tmp_path)],
                                      {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", TIMEOUT_VAR: "60"}, timeout=240,
-                                     cache_dir=cache)
+                                     cache_dir=cache, nproc=2)
     assert rc != 0, out[-2000:]
     assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 1 at step 2" in err
     assert "SIGKILL" in err or "Signal 9" in err, err[-4000:]
@@ -82,15 +83,16 @@ def test_hung_rank_makes_peers_time_out(tmp_path, cache):
 
 
 def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
-    """kill -9 at step 3 with --max-restarts 1: the restarted job resumes from step_2 and finishes."""
+    """kill -9 of rank 1 at step 3 with --max-restarts 1 (2 ranks, 2 federation groups of one):
+    the restarted job resumes from step_2 and finishes."""
     out_dir = tmp_path / "run"
     args = [*FAST, "--algorithm", "fl_fsdp", "--max_steps", "4", "--sync_every", "6", "--checkpoint_every", "2",
             "--output_dir", str(out_dir),
             "--resume_from_checkpoint", "latest"]
-    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "kill:2:3"}, 420, "--max-restarts", "1",
-                                     cache_dir=cache)
+    rc, out, err, seconds = torchrun(args, {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:3"}, 420, "--max-restarts", "1",
+                                     cache_dir=cache, nproc=2)
     assert rc == 0, out[-3000:] + err[-6000:]
-    assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 2 at step 3" in err
+    assert "FL_ACCEL_TEST_FAULT_INJECT: kill rank 1 at step 3" in err
     assert f"resumed from {out_dir / 'checkpoints' / 'step_2'} at step 2" in out, out[-3000:]
     # H larger than the run is allowed, with a warning; the groups then sync once, at the end.
     assert "sync_every=6 exceeds the 4 training steps" in out

@@ -1,8 +1,12 @@
 """Federation groups that fail alone (``FLConfig(fault_tolerance="torchft")``, fl_accel/ft.py).
 
-Real processes over gloo: a torchft Lighthouse, one torchrun per federation group (FSDP2
-over the group's ranks, the tiny Llama of tests/workers/ft_worker.py), started with
-scripts/ft_launch.py's functions, as a user would.
+Real processes over gloo: a torchft Lighthouse, one launch per federation group (FSDP2
+over the group's ranks, the tiny Llama of tests/workers/ft_worker.py) with the
+environment scripts/ft_launch.py gives a group. Where the launch itself is the subject
+(``torchrun --max-restarts``, ``ft_launch.kill_group`` of a torchrun and its workers, the
+``python -m scripts.ft_launch`` command line) a group is a real torchrun; elsewhere its
+ranks are forked from the tests' fork server (tests/_forkserver.py: no imports per rank),
+each group its own world on its own rendezvous port, as under torchrun.
 
 * Without faults the mode changes nothing: 2 groups x 2 ranks equal the single world
   (4 ranks, the same worker) at every optimizer step, bitwise (fp32 "avg").
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -32,7 +37,7 @@ import torch
 
 from fl_accel import FLConfig
 from fl_accel.checkpoint import find_latest
-from tests._launch import REPO_ROOT, WORKERS, launch_env, run_torchrun, write_json
+from tests._launch import LAUNCHER_VAR, REPO_ROOT, WORKERS, launch_env, run_torchrun, start_forked, write_json
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0): "
                                                 "the fault-tolerant mode and its tests need it")
@@ -46,10 +51,42 @@ G = 2  # ranks per federation group
 
 
 def _group(f, spec, out, lighthouse, env=None, log=None):
+    """Group f as a real ``torchrun`` (scripts/ft_launch.py ``start_group``), output to ``log``."""
     return ft_launch.start_group(f, G, WORKER, spec, out, lighthouse=lighthouse, cwd=REPO_ROOT,
                                  stdout=log, stderr=subprocess.STDOUT if log else None,
                                  env={"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60", **(env or {})},
                                  pythonpath=[str(REPO_ROOT)])
+
+
+def _forked_group(f, script, *args, lighthouse, log_dir, env=None, collective_timeout_s="60"):
+    """Group f as G ranks forked from the tests' server, with ``ft_launch.group_env``'s
+    environment (the mode, the group index, the Lighthouse; the collective timeout unless
+    None), then ``env``; rank r writes ``log_dir/r.out``/``r.err``. A
+    :class:`_forkserver.ForkedLaunch`."""
+    timeout = {"FL_ACCEL_COLLECTIVE_TIMEOUT_S": collective_timeout_s} if collective_timeout_s else {}
+    hf = {k: v for k, v in launch_env().items() if k.startswith("HF_")}  # as the fork server imported with
+    if os.environ.get(LAUNCHER_VAR) == "torchrun":  # every launch through torchrun (tests/_launch.py)
+        log_dir.parent.mkdir(parents=True, exist_ok=True)
+        return ft_launch.start_group(f, G, script, *args, lighthouse=lighthouse, env={**timeout, **(env or {})},
+                                     cwd=REPO_ROOT, stdout=open(log_dir, "w"), stderr=subprocess.STDOUT,
+                                     pythonpath=[str(REPO_ROOT)])
+    genv = ft_launch.group_env(f, lighthouse, {**timeout, **hf, **(env or {})}, pythonpath=[str(REPO_ROOT)])
+    return start_forked(G, script, *args, env=genv, log_dir=log_dir)
+
+
+def _is_forked(p):
+    return not isinstance(p, subprocess.Popen)
+
+
+def _wait_code(p, timeout):
+    """Exit status of a group launch (torchrun Popen or forked), None after ``timeout`` s."""
+    return p.wait(timeout) if _is_forked(p) else wait(p, timeout).returncode
+
+
+def _kill(p):
+    """kill -9 every process of a group launch; returns the pids signalled (G ranks, plus
+    torchrun's agent for a torchrun)."""
+    return p.kill() if _is_forked(p) else ft_launch.kill_group(p)
 
 
 def _load(path):
@@ -57,6 +94,9 @@ def _load(path):
 
 
 def _log_tail(path, n=4000):
+    """The end of a group's log: a file (torchrun's output) or a folder of forked ranks' logs."""
+    if path.is_dir():
+        return "".join(f"--- {q.name}\n" + q.read_text(errors="replace")[-n:] for q in sorted(path.iterdir()))
     return path.read_text()[-n:] if path.exists() else "(no log)"
 
 
@@ -104,20 +144,26 @@ def _assert_steps_match(got, want, tol, what, steps=range(1, 9)) -> float:
 
 def _ft_launch(tmp_path, name, specs, env=None, max_restarts=(0, 0), timeout=420):
     """A Lighthouse (every quorum waits for both groups) and group f launched on
-    ``specs[f]`` into tmp_path/name; asserts both exit 0."""
-    logs = [tmp_path / f"{name}_group{f}.log" for f in range(2)]
+    ``specs[f]`` into tmp_path/name: under ``torchrun --max-restarts N`` where
+    ``max_restarts[f]`` is N > 0, else forked; asserts both exit 0."""
+    logs = [tmp_path / f"{name}_group{f}{'.log' if max_restarts[f] else ''}" for f in range(2)]
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / f"{name}_lighthouse.log", "w"), min_replicas=2)
+    genv = {"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60", **(env or {})}
     groups = []
     try:
         for f in range(2):
-            groups.append(ft_launch.start_group(
-                f, G, WORKER, specs[f], tmp_path / name, lighthouse=addr, cwd=REPO_ROOT, stdout=open(logs[f], "w"),
-                stderr=subprocess.STDOUT, env={"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60", **(env or {})},
-                pythonpath=[str(REPO_ROOT)], max_restarts=max_restarts[f]))
-        codes = [wait(g, timeout).returncode for g in groups]
+            if max_restarts[f]:
+                groups.append(ft_launch.start_group(
+                    f, G, WORKER, specs[f], tmp_path / name, lighthouse=addr, cwd=REPO_ROOT,
+                    stdout=open(logs[f], "w"), stderr=subprocess.STDOUT, env=genv, pythonpath=[str(REPO_ROOT)],
+                    max_restarts=max_restarts[f]))
+            else:
+                groups.append(_forked_group(f, WORKER, specs[f], tmp_path / name, lighthouse=addr, log_dir=logs[f],
+                                            env=genv))
+        codes = [_wait_code(g, timeout) for g in groups]
     finally:
         for g in groups:
-            ft_launch.kill_group(g)
+            _kill(g)
         terminate(lighthouse)
     assert codes == [0, 0], "\n".join(_log_tail(p) for p in logs)
     return logs
@@ -131,7 +177,8 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
       equal those of the single world (4 ranks, same worker, same data slices): bitwise
       for fp32 "avg" (SGD with momentum and a LambdaLR), within 1e-6 for "nesterov" and
       for fragments (P=2, tau=1) with int8 + error feedback; every quorum had both groups,
-      none healed; for fp32 "avg" the groups differ before each sync and are equal after it;
+      none healed; for fp32 "avg" the groups differ before each sync and are equal after it
+      (both runs forked: tests/_forkserver.py);
     * per-group checkpoints (fp32 "avg"; each group saves its own state at steps 3 and 6,
       mid-round): everything is stopped, and both groups restart from their own step-3
       checkpoints (a new Lighthouse, no live peer). Group 1 runs under ``torchrun
@@ -224,7 +271,8 @@ def _wait_for(cond, timeout, what, procs=()):
 def test_group_killed_mid_round_heals_from_live_group(tmp_path):
     """2 groups x 2 ranks, H=4, P=2 fragments, tau=1, int8 + error feedback, "nesterov",
     AdamW with a LambdaLR; group 1 saves its own checkpoint every 3 steps. Every process
-    of group 1 (its torchrun and workers) gets SIGKILL twice, and restarts 3 s later each
+    of group 1 gets SIGKILL twice (first its torchrun and workers, through
+    ``ft_launch.kill_group``; then its forked ranks), and restarts 3 s later each
     time from its own newest checkpoint:
 
     1. right after an even step (mid-round, no exchange in flight);
@@ -249,10 +297,10 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
         "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
-    logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g1a1", "g1a2")}
+    logs = {name: tmp_path / (f"{name}.log" if name == "g1a0" else name) for name in ("g0", "g1a0", "g1a1", "g1a2")}
     procs, started, outages = [], [], []
     try:
-        g0 = _group(0, spec, out, addr, log=open(logs["g0"], "w"))
+        g0 = _forked_group(0, WORKER, spec, out, lighthouse=addr, log_dir=logs["g0"])
         started.append(_group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w")))
         procs = [g0, started[-1]]
         for attempt, parity in ((1, 0), (2, 1)):  # a P=2, tau=1 exchange launches at odd steps, applies at even ones
@@ -262,22 +310,22 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
             _wait_for(lambda: _progress(out, 1)[0] >= first and _progress(out, 1)[0] % 2 == parity
                       and find_latest(str(out / "ckpt" / "g1")) is not None, 300,  # it has a checkpoint to resume
                       f"group 1 at step {first} (parity {parity})", procs)
-            killed = ft_launch.kill_group(started[-1])  # kill -9 every process of group 1: torchrun and its workers
-            assert len(killed) == 1 + G, killed
+            killed = _kill(started[-1])  # kill -9 every process of group 1 (attempt 0: torchrun and its workers)
+            assert len(killed) == G + (not _is_forked(started[-1])), killed
             step_at_kill, t_kill, _ = _progress(out, 0)
             time.sleep(3.0)
             assert g0.poll() is None, _log_tail(logs["g0"])
-            started.append(_group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": str(attempt)},
-                                  log=open(logs[f"g1a{attempt}"], "w")))
+            started.append(_forked_group(1, WORKER, spec, out, lighthouse=addr, log_dir=logs[f"g1a{attempt}"],
+                                         env={"FT_TEST_ATTEMPT": str(attempt)}))
             procs = [g0, started[-1]]
             _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a{attempt}").exists() for k in range(G)), 300,
                       f"group 1 to heal (attempt {attempt})", procs)
             outages.append((step_at_kill, t_kill, time.time()))  # group 1 was out until it healed
         (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(2)) + 8))
-        codes = [wait(p, 300).returncode for p in procs]
+        codes = [_wait_code(p, 300) for p in procs]
     finally:
         for p in set(procs + started):
-            ft_launch.kill_group(p)
+            _kill(p)
         terminate(lighthouse)
     assert codes == [0, 0], "\n".join(f"--- {n}\n{_log_tail(p)}" for n, p in logs.items())
 
@@ -328,26 +376,26 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
         "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
-    logs = {name: tmp_path / f"{name}.log" for name in ("g0", "g1a0", "g2", "g1a1")}
+    logs = {name: tmp_path / name for name in ("g0", "g1a0", "g2", "g1a1")}  # forked groups: a folder of logs each
     procs, g1 = [], None
     try:
-        g0 = _group(0, spec, out, addr, log=open(logs["g0"], "w"))
-        g1 = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "0"}, log=open(logs["g1a0"], "w"))
-        g2 = _group(2, spec, out, addr, log=open(logs["g2"], "w"))
+        g0 = _forked_group(0, WORKER, spec, out, lighthouse=addr, log_dir=logs["g0"])
+        g1 = _forked_group(1, WORKER, spec, out, lighthouse=addr, log_dir=logs["g1a0"], env={"FT_TEST_ATTEMPT": "0"})
+        g2 = _forked_group(2, WORKER, spec, out, lighthouse=addr, log_dir=logs["g2"])
         procs = [g0, g1, g2]
         _wait_for(lambda: _progress(out, 1)[0] >= 6, 240, "group 1 at step 6", procs)
-        ft_launch.kill_group(g1)
+        assert len(_kill(g1)) == G + (not _is_forked(g1))
         time.sleep(3.0)
         assert g0.poll() is None and g2.poll() is None
-        g1b = _group(1, spec, out, addr, env={"FT_TEST_ATTEMPT": "1"}, log=open(logs["g1a1"], "w"))
+        g1b = _forked_group(1, WORKER, spec, out, lighthouse=addr, log_dir=logs["g1a1"], env={"FT_TEST_ATTEMPT": "1"})
         procs = [g0, g1b, g2]
         _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a1").exists() for k in range(G)), 240,
                   "group 1 to heal", procs)
         (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(3)) + 8))
-        codes = [wait(p, 240).returncode for p in procs]
+        codes = [_wait_code(p, 240) for p in procs]
     finally:
-        for p in {p for p in procs + [g1] if p is not None}:
-            ft_launch.kill_group(p)
+        for p in {id(p): p for p in procs + [g1] if p is not None}.values():
+            _kill(p)
         terminate(lighthouse)
     assert codes == [0, 0, 0], "\n".join(f"--- {n}\n{_log_tail(p)}" for n, p in logs.items())
 
@@ -387,26 +435,48 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def _recipe_launch(tmp_path, out, name, *flags):
-    argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
-            "--min_replicas", "2", "--log_dir", str(tmp_path / name), "--", "recipes/pretrain.py", "--fault_tolerance",
-            "torchft", *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), *flags]
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=1200)  # 4 steps, but 8 processes start on a shared machine
-    finally:
-        if proc.poll() is None:
-            ft_launch.kill_group(proc)
-    logs = "\n".join(_log_tail(tmp_path / name / f"group{f}.log") for f in range(2))
-    assert proc.returncode == 0 and "group exit statuses: [0, 0]" in stdout, stdout + logs
+def _recipe_launch(tmp_path, cache, out, name, *flags, cli=True):
+    """The recipe in the torchft mode, 2 groups: with ``cli`` through ``python -m
+    scripts.ft_launch`` (its Lighthouse, one torchrun per group), else a Lighthouse from
+    ``ft_launch.start_lighthouse`` and forked groups with ``ft_launch.group_env``'s
+    environment. Returns each group's all_results and its eval losses by step."""
+    recipe = ["recipes/pretrain.py", "--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(out),
+              "--cache_dir", cache, *flags]
+    if cli:
+        argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
+                "--min_replicas", "2", "--log_dir", str(tmp_path / name), "--", *recipe]
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=1200)  # 4 steps, but 8 processes start on a shared machine
+        finally:
+            if proc.poll() is None:
+                ft_launch.kill_group(proc)
+        logs = "\n".join(_log_tail(tmp_path / name / f"group{f}.log") for f in range(2))
+        assert proc.returncode == 0 and "group exit statuses: [0, 0]" in stdout, stdout + logs
+    else:
+        (tmp_path / name).mkdir()
+        lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"),
+                                                     min_replicas=2)
+        groups = []
+        try:
+            for f in range(2):
+                groups.append(_forked_group(f, REPO_ROOT / recipe[0], *recipe[1:], lighthouse=addr,
+                                            log_dir=tmp_path / name / f"group{f}",
+                                            collective_timeout_s=None))  # as scripts.ft_launch's groups
+            codes = [_wait_code(g, 1200) for g in groups]
+        finally:
+            for g in groups:
+                _kill(g)
+            terminate(lighthouse)
+        assert codes == [0, 0], "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(2))
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
               if "eval/loss" in m} for f in range(2)]
     return results, evals
 
 
-def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
+def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, default_corpus_cache):
     """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
     recipes/pretrain.py --fault_tolerance torchft --checkpoint_every 1 ...`` (every quorum
     waits for both groups, so a slow start of one group cannot leave the other syncing
@@ -420,14 +490,15 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
     synchronizer's counters (2 syncs, no heal).
 
     Then the whole federation restarts with ``--resume_from_checkpoint latest`` after the
-    checkpoints past step 1 are deleted (as if it had stopped there): each group resumes
+    checkpoints past step 1 are deleted (as if it had stopped there; the groups' ranks
+    forked this time, the command line was the subject above): each group resumes
     from its own step-1 checkpoint (data position included) and its evals at steps 2 and 4
     are bitwise the uninterrupted run's. Group 1's planning refuses group 0's checkpoint."""
     from recipes.args import RecipeError
     from recipes.run_folder import plan_run
 
     out = tmp_path / "out"
-    results, evals = _recipe_launch(tmp_path, out, "logs", "--checkpoint_every", "1")
+    results, evals = _recipe_launch(tmp_path, default_corpus_cache, out, "logs", "--checkpoint_every", "1")
     for f, r in enumerate(results):
         assert r["fault_tolerance"]["mode"] == "torchft" == r["fl"]["fault_tolerance"], r["fault_tolerance"]
         assert r["fault_tolerance"]["group_index"] == f and r["fault_tolerance"]["group_world_size"] == G
@@ -456,8 +527,8 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path):
         plan_run(["--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(tmp_path / "other"),
                   "--resume_from_checkpoint", str(out / "group0" / "checkpoints" / "step_1")], environ=environ)
 
-    resumed, resumed_evals = _recipe_launch(tmp_path, out, "logs_resumed", "--checkpoint_every", "1",
-                                            "--resume_from_checkpoint", "latest")
+    resumed, resumed_evals = _recipe_launch(tmp_path, default_corpus_cache, out, "logs_resumed",
+                                            "--checkpoint_every", "1", "--resume_from_checkpoint", "latest", cli=False)
     for f, r in enumerate(resumed):
         assert r["session"]["resumed_from_step"] == 1 and r["session"]["steps"] == 3, r["session"]
         assert r["fault_tolerance"]["sync"] == results[f]["fault_tolerance"]["sync"]

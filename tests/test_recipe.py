@@ -37,9 +37,9 @@ def read_metrics(out_dir: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    """One corpus/tokenizer cache for every launch of the session."""
-    return str(tmp_path_factory.mktemp("fl_accel_cache"))
+def data_cache(default_corpus_cache):
+    """One corpus/tokenizer cache for every launch of the run, filled before them (tests/conftest.py)."""
+    return default_corpus_cache
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_
     assert os.path.isfile(os.path.join(ckpt, "fl_accel_checkpoint.json"))
     resumed_out = str(tmp_path / "resumed")
     proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed_out, "--cache_dir", data_cache,
-                    "--resume_from_checkpoint", ckpt], launcher="torchrun")  # the user's launch path
+                    "--resume_from_checkpoint", ckpt])  # torchrun + resume: tests/test_failures.py
     assert proc2.returncode == 0, proc2.tail()
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
     full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}

@@ -439,8 +439,8 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def data_cache(default_corpus_cache):
+    return default_corpus_cache  # filled before the launches (tests/conftest.py)
 
 
 def test_recipe_trains_unequal_groups_on_six_processes(tmp_path, data_cache):
