@@ -160,7 +160,7 @@ class FLAccelerator(Accelerator):
         return {"param": name(param, "fp32"), "reduce": name(reduce, "fp32"), "output": name(output, output and "fp32")}
 
     activation_checkpointing = property(lambda self: bool(self.state.fsdp_plugin.activation_checkpointing))
-    compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO, doc="Blocks compiled regionally.")
+    compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO)  # regional compilation
 
     @property
     def sync_wait_seconds(self) -> float:
