@@ -79,22 +79,18 @@ class NonFiniteGuard:
     def __init__(self, policy: str, transport: Transport):
         self.policy, self.transport = policy, transport
 
-    def bad_groups(self, params: list, last_loss: float | None, rnd: Round, when: str) -> list[int]:
-        """Groups with NaN/Inf in a shard or the last loss (a collective). NonFiniteError on
-        every rank under "abort" or when every group is bad."""
-        local_bad = any(not torch.isfinite(local(p)).all() for p in params) or \
-            (last_loss is not None and not math.isfinite(last_loss))
+    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
+        """True when no group has NaN/Inf in a shard or the last loss (a collective); else the
+        reset (module docstring) and False. NonFiniteError on every rank under "abort" or
+        when every group is bad."""
+        s, loss = sync.schedule, sync.last_loss
+        local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
+            (loss is not None and not math.isfinite(loss))
         bad = self.transport.bad_groups(local_bad, rnd)
         if bad and (self.policy == "abort" or len(bad) == rnd.num_groups):
-            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at {when}; aborting. "
-                                 f"Set on_nonfinite='reset' to drop such groups for the round instead.")
-        return bad
-
-    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
-        """True when every group is healthy; else the reset (module docstring) and False."""
-        s = sync.schedule
-        bad = self.bad_groups(sync.params, sync.last_loss, rnd,
-                              f"optimizer step {s.global_step} (sync {s.num_syncs + 1})")
+            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
+                                 f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
+                                 f"drop such groups for the round instead.")
         if not bad:
             return True
         for fragment in sync.fragments:  # complete the collectives, discard what they carried
