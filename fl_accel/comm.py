@@ -70,10 +70,6 @@ class CommStats:
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
                 for a, s in self._stats.items()}
 
-    def flat(self, prefix: str = "comm") -> dict:
-        """For trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ``comm/fl/calls``, ..."""
-        return {f"{prefix}/{a}/{k}": getattr(s, k) for a, s in self._stats.items() for k in ("bytes", "seconds", "calls")}
-
     def load_dict(self, values: dict) -> None:
         for a, v in values.items():
             if a in self._stats:
