@@ -137,14 +137,6 @@ def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
             + ". Resume with the settings it was written with.")
 
 
-def _scopes(io: CheckpointIO) -> dict[str, str]:
-    """"shared" when all groups hold the same values (right after a full sync), else "group"."""
-    sync = io.synchronizer
-    identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
-    shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
-    return {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
-
-
 def _not_a_training_step(io: CheckpointIO):
     """DCP's get/set_optimizer_state_dict step an optimizer without state at lr 0: not a training step."""
     return io.synchronizer.suspended() if io.synchronizer is not None else contextlib.nullcontext()
@@ -196,7 +188,10 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
             shutil.rmtree(tmp)
         os.makedirs(tmp, exist_ok=True)
     io.barrier()
-    scopes = _scopes(io)
+    sync = io.synchronizer  # "shared" when all groups hold the same values (right after a full sync)
+    identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
+    shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
+    scopes = {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
     io.save_extras(tmp)
     if callable(rank_state):  # evaluated after the save's own collectives (e.g. comm counters)
@@ -207,7 +202,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
             json.dump(rank_state, fh)
     io.barrier()
     if io.is_main_process:
-        sync = io.synchronizer
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
                 "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
         if hasattr(getattr(sync, "transport", None), "state_dict"):  # torchft mode: the Manager's step

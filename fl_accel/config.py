@@ -275,25 +275,21 @@ def check_fields(cfg: FLConfig) -> None:
         raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
                          f"{period}, got {cfg.sync_delay}")
     if cfg.fault_tolerance == "torchft":
-        _check_torchft(cfg)
+        if not cfg.is_federated:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
+                             f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
+        if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
+                             f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
+                             f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
+                             f"groups (num_groups) or fault_tolerance='none'.")
+        if cfg.group_index is None:
+            raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
+                             "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
+        if not 0 <= cfg.group_index < cfg.federation_size:
+            raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
+                             f"{cfg.group_index}")
     mesh.check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)
-
-
-def _check_torchft(cfg: FLConfig) -> None:
-    if not cfg.is_federated:
-        raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
-                         f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
-    if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
-        raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
-                         f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
-                         f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
-                         f"groups (num_groups) or fault_tolerance='none'.")
-    if cfg.group_index is None:
-        raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
-                         "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
-    if not 0 <= cfg.group_index < cfg.federation_size:
-        raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
-                         f"{cfg.group_index}")
 
 
 def lighthouse_addr(config: FLConfig) -> str:
