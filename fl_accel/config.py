@@ -38,90 +38,63 @@ class FLConfig:
 
     algorithm: Algorithm = "fl_fsdp"
     """Baselines "fsdp", "hsdp" (one group spans the world); "fl_fsdp", "fl_hsdp" (groups run FSDP/HSDP inside)."""
-
     num_groups: int = 2
     """F, equal federation groups; divides the world size. Taken as 1 by the baselines."""
-
     group_sizes: list[int] | None = None
     """Ranks per group for unequal groups, e.g. [2, 4] on 6 processes (contiguous blocks summing to the
     world size). Needs "fl_hsdp" and an ``hsdp_shard_size`` dividing each."""
-
     group_weighting: Literal["size", "uniform"] = "size"
     """Group weights: "size" (w_f = size_f / world) or "uniform" (w_f = 1/F, the paper's); equal groups: same."""
-
     hsdp_shard_size: int | None = None
     """S, the ranks one HSDP replica shards over; divides every group size (R = G / S). None: the ranks per
     node (LOCAL_WORLD_SIZE) that divide the group."""
-
     sync_every: int = 8
     """H, optimizer steps (after gradient accumulation) between two syncs of the same parameters (paper: 8)."""
-
     num_fragments: int = 1
     """P: FSDP units, in forward order, are dealt round-robin into P fragments, one syncing every H/P steps."""
-
     sync_delay: int = 0
     """tau, optimizer steps between launching a fragment's exchange and applying it; 0 <= tau < H/P."""
-
     fragment_update_alpha: float = 0.0
     """alpha in [0, 1]: a delayed result sets the parameters to global + alpha (local - global)."""
-
     sync_dtype: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
     """What crosses "fl": "fp32" (exact mean of the parameters); "bf16", "int8" (quantized mean of the
     pseudo-gradients: ~1/2, ~1/4 of the bytes); "sparse" (SparseLoCo, arXiv 2508.15706: top-k)."""
-
     sync_density: float = 1 / 64
     """"sparse": the share of every 4096 values sent (largest magnitudes), in (0, 1]."""
-
     sync_value_bits: int = 2
     """"sparse": bits per sent value, 2, 4 or 8 (a sign and a magnitude level)."""
-
     error_feedback: bool = False
     """Compressed: each rank adds what compression dropped to its next pseudo-gradient ("sparse" needs it)."""
-
     outer_optimizer: Literal["avg", "nesterov"] = "avg"
     """"avg": FedAvg, the weighted mean. "nesterov": DiLoCo (arXiv 2311.08105), SGD-Nesterov on anchor - mean."""
-
     outer_lr: float = 0.7
     """"nesterov" learning rate (DiLoCo: 0.7); with 1 and ``outer_momentum=0`` it is "avg"."""
-
     outer_momentum: float = 0.9
     """"nesterov" momentum (DiLoCo: 0.9), in [0, 1)."""
-
     outer_lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """"nesterov" outer LR over the run (transformers' schedules; :meth:`fl_accel.outer.OuterState.lr_at`)."""
-
     outer_lr_warmup_steps: int = 0
     """Optimizer steps of linear outer-LR warmup from 0 (any schedule)."""
-
     outer_lr_decay_steps: int | None = None
     """Optimizer steps of the "cosine"/"linear" decay to 0; None: the recipe's ``max_steps``."""
-
     average_optimizer_state: bool = False
     """Also average the inner optimizer's floating-point state (e.g. AdamW moments); off in the paper."""
-
     data_sharding: Literal["global", "group"] = "global"
     """"global": a disjoint slice per rank of the world (the paper). "group": each group reads all, shuffled."""
-
     on_nonfinite: Literal["abort", "reset"] = "abort"
     """NaN/Inf in a group at a sync: "abort" raises; "reset" resets it to the healthy groups' mean."""
-
     sync_bucket_mb: int = 256
     """MiB of fp32 per flat sync buffer; a blocking sync keeps at most two in flight."""
-
     outer_state_device: Literal["same", "cpu"] = "same"
     """Where the fp32 anchor, momentum and residuals live: "same" as the parameters, or "cpu" (pinned with
     CUDA), sparing 4 bytes x local numel each; same values, each resumes the other's checkpoints."""
-
     collective_timeout_s: float = 300.0
     """Seconds a collective (default and mesh groups) waits for a peer before failing instead of hanging."""
-
     fault_tolerance: Literal["none", "torchft"] = "none"
     """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft 0.2.0
     lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
-
     group_index: int | None = None
     """"torchft": this launch's group, 0 <= f < ``num_groups``; names it and picks its data slice."""
-
     lighthouse_addr: str | None = None
     """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
 
