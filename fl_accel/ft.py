@@ -42,18 +42,16 @@ from .exchange import MeshTransport, Round
 logger = logging.getLogger(__name__)
 
 
-class _Done:
-    def wait(self, timeout=None) -> bool:  # a finished (or abandoned) collective
-        return True
-
-
 class _Reported:
-    """A collective whose failure is reported to the Manager, not raised; ``on_wait(seconds)``."""
+    """A collective (None: abandoned) whose failure is reported to the Manager, not raised;
+    ``on_wait(seconds)``."""
 
     def __init__(self, work, manager, on_wait=None):
         self.work, self.manager, self.on_wait = work, manager, on_wait
 
     def wait(self, timeout=None) -> bool:
+        if self.work is None:
+            return True
         t0 = time.perf_counter()
         try:
             self.work.wait()
@@ -228,46 +226,40 @@ class ManagedTransport:
             self.round = None
             self.seconds["commit"] += time.perf_counter() - t0
 
-    def _call(self, launch, op: str | None = None, tensor=None):
-        """Launch a collective on the managed group; counted in ``meter``'s "fl" bucket as
-        :mod:`fl_accel.comm` counts the single world's, while it is entered."""
-        if self.manager.errored() is not None:  # the round is lost: skip what is left of it
-            return _Done()
+    def _call(self, launch, op: str, tensor, async_op: bool):
+        """Launch a collective on the managed group (none once the round is lost) and wait for it
+        unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
+        the single world's, while it is entered."""
         from . import comm
 
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
-        try:
-            t0 = time.perf_counter()
-            work = launch()
-        except Exception as exc:
-            _report(self.manager, exc)
-            return _Done()
-        if meter is None or op is None:
-            return _Reported(work, self.manager)
-        num = self.round.num_groups if self.round is not None else 1
-        meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
-                           time.perf_counter() - t0)
-        return _Reported(work, self.manager, lambda s: meter._add_seconds("fl", s))
-
-    @staticmethod
-    def _finish(work, async_op: bool):
+        work, t0 = None, time.perf_counter()
+        if self.manager.errored() is None:
+            try:
+                work = launch()
+            except Exception as exc:
+                _report(self.manager, exc)
+        if work is not None and meter is not None:
+            num = self.round.num_groups if self.round is not None else 1
+            meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
+                               time.perf_counter() - t0)
+        work = _Reported(work, self.manager, meter and (lambda s: meter._add_seconds("fl", s)))
         if async_op:
             return work
         work.wait()
-        return None
 
     def all_reduce(self, tensor, async_op=False):
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor), async_op)
+        return self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, async_op)
 
     def all_to_all(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()),
-                                       "all_to_all", input), async_op)
+        return self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()), "all_to_all",
+                          input, async_op)
 
     def all_gather(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
-            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output), async_op)
+        return self._call(lambda: self.pg.allgather_into_tensor_coalesced(
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output, async_op)
 
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)
