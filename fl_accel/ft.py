@@ -158,17 +158,14 @@ class ManagedTransport:
             transport.healed, transport.heals = True, transport.heals + 1
             load(state)
 
-        def make():
-            return Manager(pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1,
-                           use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                           rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr,
-                           store_addr=store_addr, store_port=store_port,
-                           replica_id=f"fl_accel_group_{group_index}", init_sync=False,
-                           checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
-
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
         store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
-        transport.manager = make()
+        transport.manager = Manager(
+            pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_size,
+            lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
+            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
+            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
         transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
         return transport
 
