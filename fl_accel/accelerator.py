@@ -314,8 +314,7 @@ def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list
     transport = ft.ManagedTransport.create(
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
         lighthouse_addr=acc._lighthouse, timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
-        device=acc.device, inside=inside, replica_index=acc.replica_index,
-        replicas=acc.layout.replicas_of(acc.group_index), save=save, load=load, init_sum=None if any(
+        inside=inside, save=save, load=load, init_sum=None if any(
             p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
     transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
     return transport

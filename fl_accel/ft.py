@@ -112,8 +112,8 @@ class ManagedTransport:
 
     :meth:`begin` opens a round (a quorum; it stays open so a delayed exchange keeps its
     group) and :meth:`should_commit` closes it. F is the number of live groups, weights
-    1/F (0 for groups healing in the quorum, 1/(F - H) for the others). Replica r
-    exchanges chunk r (``num_chunks`` R, ``chunk_index`` r). ``healed``: the last quorum
+    1/F (0 for groups healing in the quorum, 1/(F - H) for the others). Chunks and device
+    are ``inside``'s (replica r exchanges chunk r). ``healed``: the last quorum
     healed this group; ``heals``: how often; ``seconds``: host seconds in quorums (heals
     included) and commit votes, and the number of quorums.
     """
@@ -121,12 +121,12 @@ class ManagedTransport:
     manager: object
     pg: object
     inside: MeshTransport
-    num_chunks: int = 1
-    chunk_index: int | None = 0
-    device: torch.device = torch.device("cpu")
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
     init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
     elastic = True  # membership is decided at every sync
+    num_chunks = property(lambda self: self.inside.num_chunks)
+    chunk_index = property(lambda self: self.inside.chunk_index)
+    device = property(lambda self: self.inside.device)
 
     def __post_init__(self):
         self.round: Round | None = None
@@ -138,8 +138,7 @@ class ManagedTransport:
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
-               timeout: timedelta, device: torch.device, inside: MeshTransport, replica_index: int,
-               replicas: int, save: Callable[[], dict], load: Callable[[dict], None],
+               timeout: timedelta, inside: MeshTransport, save: Callable[[], dict], load: Callable[[dict], None],
                init_sum: float | None = None) -> "ManagedTransport":
         """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
         ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
@@ -150,9 +149,8 @@ class ManagedTransport:
         from torchft.checkpointing import HTTPTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, num_chunks=replicas, chunk_index=replica_index,
-                        device=device, init_sum=init_sum)
+        pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum)
 
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
