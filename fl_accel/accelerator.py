@@ -1,24 +1,22 @@
 """FLAccelerator: an ``accelerate.Accelerator`` whose FSDP2 mesh is one federation group.
 
-The only module that imports ``accelerate``. The Accelerate internals it relies on, read
-in accelerate 1.15.0 (with torch 2.13):
+The only module that imports ``accelerate``. Internals relied on (accelerate 1.15.0,
+torch 2.13):
 
-* ``Accelerator._prepare_fsdp2`` applies activation checkpointing (``fsdp2_apply_ac``),
-  then compile (``compile_regions_fsdp2`` when ``use_regional_compilation``), then
-  ``fsdp2_prepare_model``, which shards over ``state.device_mesh[fsdp_dim_names]``
-  ("dp_shard_cp", or "dp_replicate" and "dp_shard_cp") with the plugin's
-  ``mixed_precision_policy``; it maps old to new parameters by ``data_ptr()``.
-* FSDP is not selected on CPU (the plugin is ignored, MULTI_CPU), so the state is set to
-  FSDP after construction, with ``state.fsdp_plugin``, ``state.parallelism_config`` and
-  ``PartialState._shared_state["distributed_type"]`` (copied back by every later
-  ``AcceleratorState()``): the same ``fully_shard`` path runs on gloo and NCCL.
+* ``Accelerator._prepare_fsdp2`` applies activation checkpointing, then compile
+  (``compile_regions_fsdp2`` if ``use_regional_compilation``), then
+  ``fsdp2_prepare_model``, sharding over ``state.device_mesh[fsdp_dim_names]`` with the
+  plugin's ``mixed_precision_policy`` and mapping old to new parameters by ``data_ptr()``.
+* FSDP is not selected on CPU, so the state is set to FSDP after construction
+  (``state.fsdp_plugin``, ``state.parallelism_config``, and
+  ``PartialState._shared_state["distributed_type"]``, which every later
+  ``AcceleratorState()`` copies): the same ``fully_shard`` path on gloo and NCCL.
 * ``AcceleratorState`` calls ``fsdp_plugin.set_mixed_precision`` only when the plugin has
-  no policy: a user's policy is the plugin's before ``Accelerator.__init__``.
-* ``AcceleratedScheduler.step`` steps ``num_processes`` times per optimizer step unless
+  no policy; ``AcceleratedScheduler.step`` steps ``num_processes`` times unless
   ``split_batches``; ``AcceleratedOptimizer.optimizer`` is the torch optimizer.
-* ``save_state``/``load_state`` with ``_models``/``_optimizers`` emptied save and restore
-  RNG, schedulers, samplers and registered objects only; ``_dataloaders`` lists the
-  prepared data loaders (their sampler state).
+* ``save_state``/``load_state`` with ``_models``/``_optimizers`` emptied handle RNG,
+  schedulers, samplers and registered objects only; ``_dataloaders`` lists the prepared
+  data loaders.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from .sync import FederatedSynchronizer
 
 
 def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
-    """Settings FLAccelerator refuses (fp16, whole-model compile, CPU offload with a federated
-    algorithm), raised as ValueError on every rank before any process group exists."""
+    """ValueError, on every rank before any process group: fp16, a whole-model compile, CPU
+    offload with a federated algorithm."""
     precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
     if str(precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower() == "fp16":
         raise ValueError(
@@ -70,7 +68,7 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
 
 
 def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
-    """Point Accelerate's FSDP2 path (``acc.state``) at this rank's group with the precision policy."""
+    """Point Accelerate's FSDP2 path at this rank's group, with the precision policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     state = acc.state
@@ -93,25 +91,15 @@ def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
-    Args:
-        fl_config: the federation settings; default ``FLConfig.from_env()``.
-        **accelerate_kwargs: passed to ``accelerate.Accelerator``; ``cpu`` defaults to True
-            without CUDA. Under ``mixed_precision="bf16"`` every unit gets FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (no output cast:
-            the loss stays fp32) unless the ``fsdp_plugin`` carries a policy, which is kept.
-
-    Raises:
-        ValueError: on every rank, before any collective: an invalid ``fl_config`` or one
-            not fitting the world (naming the field), or a refused setting
-            (:func:`_refuse_before_start`).
-
-    Beyond ``Accelerator``: ``prepare`` shards over this rank's group only, checks that
-    the groups start identical and attaches the :class:`~fl_accel.sync.FederatedSynchronizer`
-    (one model/optimizer pair per accelerator); a prepared scheduler steps once per
-    optimizer step; data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep
-    every group's state; ``end_training`` syncs first. Attributes: ``fl_config``, ``layout``,
-    ``mesh``, ``device_mesh``, ``num_groups``, ``group_index``, ``replica_index``,
-    ``shard_index``, ``comm_stats``, ``synchronizer``.
+    ``fl_config`` defaults to ``FLConfig.from_env()``; ``accelerate_kwargs`` go to
+    ``Accelerator`` (``cpu`` defaults to True without CUDA). ``mixed_precision="bf16"`` gives
+    every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
+    fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
+    before any collective: an invalid ``fl_config`` (naming the field) or a refused setting.
+    ``prepare`` shards over this rank's group and attaches the
+    :class:`~fl_accel.sync.FederatedSynchronizer`; schedulers step once per optimizer step;
+    data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep every group's
+    state; ``end_training`` syncs first.
     """
 
     def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
@@ -158,52 +146,35 @@ class FLAccelerator(Accelerator):
             for note in start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
 
-    num_groups = property(lambda self: self.layout.num_groups,
-                          doc='F, the number of federation groups (1 for the "fsdp"/"hsdp" baselines).')
-
-    @property
-    def launch_layout(self) -> FLLayout:
-        """The layout of this launch's world (``num_processes`` ranks): ``layout`` in the
-        single world; with ``fault_tolerance="torchft"`` this group's ranks alone (one
-        group), the world that per-rank figures and evaluations are gathered over."""
-        return self._mesh_layout
+    num_groups = property(lambda self: self.layout.num_groups, doc="F (1 for the baselines).")
+    launch_layout = property(lambda self: self._mesh_layout,
+                             doc='The layout of this launch\'s world: ``layout``, or the group\'s alone ("torchft").')
 
     @property
     def precision_policy(self) -> dict:
-        """The FSDP2 policy every unit gets: ``{"param", "reduce", "output"}`` dtype names
-        ("bf16", "fp32"; "output" None: no cast). Unset fields follow FSDP2's meaning."""
+        """Every unit's FSDP2 policy as ``{"param", "reduce", "output"}`` names ("bf16", "fp32", None)."""
         policy = self.state.fsdp_plugin.mixed_precision_policy
         param = getattr(policy, "param_dtype", None)
         reduce, output = getattr(policy, "reduce_dtype", None) or param, getattr(policy, "output_dtype", None)
         name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get
         return {"param": name(param, "fp32"), "reduce": name(reduce, "fp32"), "output": name(output, output and "fp32")}
 
-    activation_checkpointing = property(lambda self: bool(self.state.fsdp_plugin.activation_checkpointing),
-                                        doc="True when Accelerate wraps each auto-wrapped block in a checkpoint.")
-
-    compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO,
-                        doc="True when Accelerate compiles each block in place (regional compilation).")
+    activation_checkpointing = property(lambda self: bool(self.state.fsdp_plugin.activation_checkpointing))
+    compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO)  # regional compilation
 
     @property
     def sync_wait_seconds(self) -> float:
-        """Seconds the training stream spent in sync events so far (waits for the other
-        groups included): host time on CPU, CUDA events on the compute stream on GPUs."""
+        """Seconds the training stream spent in sync events (:class:`fl_accel.comm.WaitClock`)."""
         return self.synchronizer.clock.seconds if self.synchronizer is not None else 0.0
 
     def meter_comm(self) -> CommMeter:
-        """Count collectives into ``comm_stats`` while entered (``with accelerator.meter_comm():``),
-        by mesh axis and "world" (the default group); per rank, see :mod:`fl_accel.comm`."""
+        """``with accelerator.meter_comm():`` counts collectives into ``comm_stats`` (:mod:`fl_accel.comm`)."""
         return self._comm_meter
 
     def prepare(self, *args, device_placement=None):
-        """Accelerate's prepare, with the model sharded over this rank's group only; then
-        the synchronizer is attached and the groups' initial parameters compared.
-
-        Raises:
-            ValueError: on every rank: the groups' initial parameters differ (a per-rank
-                seed), or a second model/optimizer pair on a federated run (it would not
-                be federated, and its checkpoint could lose a group's state).
-        """
+        """Accelerate's prepare over this rank's group; attaches the synchronizer. ValueError
+        on every rank: the groups' initial parameters differ, or a second model/optimizer
+        pair on a federated run (it would train unfederated)."""
         pairs = [a for a in args if isinstance(a, (torch.nn.Module, torch.optim.Optimizer))]
         if self.synchronizer is not None and pairs and self.num_groups > 1:
             raise ValueError("FLAccelerator.prepare: this accelerator already federates one model and optimizer; a "
@@ -241,31 +212,26 @@ class FLAccelerator(Accelerator):
         return result
 
     def prepare_scheduler(self, scheduler):
-        """Accelerate's prepare_scheduler, stepping once per optimizer step."""
         prepared = super().prepare_scheduler(scheduler)
         prepared.split_batches = True
         return prepared
 
     def backward(self, loss, **kwargs):
-        """Accelerate's backward; also remembers the loss for the sync's non-finite check."""
         self._last_loss = loss.detach()
         self._grads_accumulating = not self.sync_gradients
         return super().backward(loss, **kwargs)
 
     def materialize(self, model, init_fn, *, seed: int = 0) -> None:
-        """Initialize a model prepared on the meta device (:func:`fl_accel.fsdp.materialize`),
-        check that all groups hold the same values (ValueError: a non-deterministic
-        ``init_fn``), and take the sync's anchor."""
+        """:func:`fl_accel.fsdp.materialize` a meta-prepared model, check that the groups agree
+        (ValueError: a non-deterministic ``init_fn``), take the sync's anchor."""
         fsdp.materialize(model, init_fn, self.device, seed)
         fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
             self.synchronizer.outer.reset()
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """Shard the data by ``data_sharding``: "global", a disjoint slice per rank of the
-        world (the paper's setting); "group", the group's ranks split the whole dataset and
-        each group shuffles with ``data_seed + group_index`` (always Accelerate's seedable
-        sampler: without it the sampler's generator is re-synchronized from rank 0)."""
+        """Shard the data by ``data_sharding`` (:meth:`data_shard`); "group" always uses the
+        seedable sampler (else the generator is re-synchronized from rank 0)."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
             if data_loader not in self._dataloaders:
                 self._dataloaders.append(data_loader)
@@ -283,7 +249,7 @@ class FLAccelerator(Accelerator):
         return prepared
 
     def data_shard(self) -> tuple[int, int, int | None]:
-        """``(num_shards, shard_index, seed)`` of this rank's data under ``data_sharding``."""
+        """``(num_shards, shard_index, seed)``: "group" shuffles with ``data_seed + group_index``."""
         seed = self.dataloader_config.data_seed
         if self.fl_config.data_sharding == "group" and self.fl_config.is_federated:
             return (self.layout.group_size_of(self.group_index), self.layout.group_local_rank(self._fl_rank),
@@ -291,7 +257,7 @@ class FLAccelerator(Accelerator):
         return self.layout.world_size, self._fl_rank, seed
 
     def sync_if_pending(self) -> bool:
-        """Sync if the groups may differ (the end-of-training sync). Returns True if it synced."""
+        """Sync if the groups may differ; True if it synced."""
         sync = self.synchronizer
         if sync is not None and sync.schedule.active and not sync.schedule.in_sync:
             sync.sync()
@@ -299,10 +265,8 @@ class FLAccelerator(Accelerator):
         return False
 
     def register_pre_sync_hook(self, hook):
-        """Call ``hook(synchronizer, full)`` right before every sync event (``full``: all
-        fragments), e.g. to evaluate each group's own model; it may run forwards (the model
-        is resharded after the hooks). Returns a handle whose ``remove()`` unregisters it.
-        Needs ``prepare(model, optimizer)`` first (RuntimeError)."""
+        """Call ``hook(synchronizer, full)`` before every sync event (it may run forwards, e.g.
+        an evaluation); returns a handle with ``remove()``. RuntimeError before ``prepare``."""
         if self.synchronizer is None:
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
@@ -310,26 +274,21 @@ class FLAccelerator(Accelerator):
         return _Handle(hooks, hook)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
-        """Save every group's state atomically (:func:`fl_accel.checkpoint.save_federated_state`,
-        ``extra_meta`` and ``rank_state`` included; torchft mode: this group's state, over its
-        ranks, into a folder of its own). Collective. ValueError without ``output_dir``."""
+        """:func:`fl_accel.checkpoint.save_federated_state` (``extra_meta``, ``rank_state``). Collective."""
         if output_dir is None:
             raise ValueError("FLAccelerator.save_state needs an output_dir")
         return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                     rank_state=kwargs.get("rank_state"))
 
     def load_state(self, input_dir: str | None = None, **kwargs):
-        """Restore a checkpoint of :meth:`save_state`; returns its metadata. Raises
-        ``CheckpointError`` (a ValueError) on every rank: incomplete, corrupt, another layout."""
+        """:func:`fl_accel.checkpoint.load_federated_state`; returns the metadata."""
         if input_dir is None:
             raise ValueError("FLAccelerator.load_state needs an input_dir")
         return load_federated_state(_checkpoint_io(self), input_dir)
 
     def end_training(self):
-        """The final sync (groups end identical), then Accelerate's end_training (which
-        destroys the process groups: save or gather the model before). With
-        ``fault_tolerance="torchft"`` the final sync averages over the live groups, and
-        this rank's torchft Manager is shut down."""
+        """The final sync, then Accelerate's end_training (it destroys the process groups:
+        save before); "torchft" also shuts the Manager down."""
         self.sync_if_pending()
         if self.synchronizer is not None:
             self.synchronizer.detach()
@@ -340,9 +299,8 @@ class FLAccelerator(Accelerator):
 
 
 def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
-    """The torchft transport of ``acc``'s rank (:mod:`fl_accel.ft`), its recovery state
-    being the synchronizer's, the prepared LR schedulers' and Accelerate's step; the
-    groups' initial ``params`` are compared at the first quorum (not on meta)."""
+    """The torchft transport (:mod:`fl_accel.ft`); a heal carries the synchronizer's, the
+    schedulers' and Accelerate's step state."""
     from . import ft, ft_state
 
     def save():
@@ -356,16 +314,14 @@ def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list
     transport = ft.ManagedTransport.create(
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
         lighthouse_addr=acc._lighthouse, timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
-        device=acc.device, inside=inside, replica_index=acc.replica_index,
-        replicas=acc.layout.replicas_of(acc.group_index), save=save, load=load, init_sum=None if any(
+        inside=inside, save=save, load=load, init_sum=None if any(
             p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
     transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
     return transport
 
 
 def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
-    """What :mod:`fl_accel.checkpoint` needs; Accelerate saves the rest (RNG, schedulers,
-    samplers, registered objects) with ``_models``/``_optimizers`` emptied."""
+    """Accelerate saves what is not models and optimizers (``_models``/``_optimizers`` emptied)."""
     def accelerate_call(method, path):
         models, optimizers = acc._models, acc._optimizers
         try:
@@ -382,7 +338,6 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
 
 
 class _Handle:
-    """Removes ``hook`` from ``hooks`` (``remove()``), as torch's RemovableHandle."""
 
     def __init__(self, hooks: list, hook):
         self.hooks, self.hook = hooks, hook

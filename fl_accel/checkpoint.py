@@ -1,17 +1,12 @@
 """Checkpoints of the full federated state, safe at any step (also mid-round).
 
-Why not a plain ``dcp.save({"model": model.state_dict()})``: between syncs the groups
-hold different parameters under the same names and offsets, and
-``torch.distributed.checkpoint`` de-duplicates such items across ranks, silently
-keeping one group's values (4 gloo ranks, 2 groups that differ: every rank reloaded
-values that were neither group's). Here every group's model and optimizer state lives
-under its own key, ``group{f}.``, whenever the groups may differ; right after a full
-sync the groups are identical and the model is stored once, under the shared key
-``model_0`` (a checkpoint at a sync boundary is about one FSDP checkpoint plus the
-optimizer states, not F models). Within a group the HSDP replicas are identical, and
-de-duplication is right too. The sync's tensors are plain tensors keyed by shard
-coordinate (``fl.anchor/<param>/shard{s}``), saved and loaded where they live (host
-memory with ``outer_state_device="cpu"``).
+Not a plain ``dcp.save({"model": model.state_dict()})``: between syncs the groups hold
+different values under the same names and offsets, and ``torch.distributed.checkpoint``
+de-duplicates such items across ranks, keeping one group's (seen on 4 gloo ranks). So
+each group's model and optimizer state lives under ``group{f}.`` whenever the groups may
+differ; right after a full sync they are identical and stored once (``model_0``). HSDP
+replicas are identical, and de-duplication is right. The sync's tensors are keyed by
+shard coordinate (``fl.anchor/<param>/shard{s}``), saved and loaded where they live.
 
 Layout of ``step_N/``::
 
@@ -20,18 +15,10 @@ Layout of ``step_N/``::
     rank_state/rank{k}.json           optional per-rank JSON (e.g. a data stream's position)
     fl_accel_checkpoint.json          written last: layout, step, counters; marks it complete
 
-A save writes into ``step_N.partial`` and renames it when every rank has finished,
-so a crash mid-save never leaves a directory that :func:`find_latest` would pick.
-
-With ``fault_tolerance="torchft"`` each group is its own world and saves its own
-checkpoint (the same layout, over its own ranks, into its own folder): its state under
-``group{f}.``/``fl.``, the torchft Manager's committed step in the metadata (a group
-restarted from an older checkpoint than its live peers' heals from them), and
-``group_index`` (another group's checkpoint is refused).
-
-This module does not import Accelerate: :class:`CheckpointIO` carries what it needs
-(the models, optimizers, synchronizer, a barrier, and Accelerate's save/load of the
-rest), built by ``FLAccelerator``.
+A save writes ``step_N.partial`` and renames it when every rank has finished, so a crash
+never leaves a folder :func:`find_latest` would pick. With ``fault_tolerance="torchft"``
+each group saves its own checkpoint over its ranks, with the Manager's committed step and
+its ``group_index`` (another group's checkpoint is refused).
 """
 
 from __future__ import annotations
@@ -54,16 +41,14 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt, or from another layout."""
+    """A checkpoint is missing, incomplete, corrupt, or from another layout (every rank)."""
 
 
 @dataclass
 class CheckpointIO:
-    """What a save or load needs from the accelerator: the prepared (FSDP2) ``models``, their
-    inner torch ``optimizers``, the ``synchronizer`` (or None), the ``layout`` and ``config``,
-    this ``rank`` in the layout, a ``barrier``, and ``save_extras``/``load_extras`` writing/reading
-    what is not models and optimizers (RNG per rank, schedulers, samplers) into/from a folder;
-    ``launch_rank``: this rank in the launch's world when it is one group (torchft mode)."""
+    """What a save or load needs from the accelerator (which builds it; no Accelerate here):
+    ``save_extras``/``load_extras`` write/read what is not models and optimizers into/from a
+    folder; ``rank``: in the layout; ``launch_rank``: in the launch's world ("torchft")."""
 
     models: list
     optimizers: list
@@ -82,17 +67,13 @@ class CheckpointIO:
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
-    """Newest complete ``step_N`` directory under ``checkpoints_dir`` (None if none).
-
-    Complete means it holds ``fl_accel_checkpoint.json``; ``*.partial`` directories
-    left by a crash are ignored.
-    """
+    """Newest complete ``step_N`` directory under ``checkpoints_dir``, or None."""
     steps = list_checkpoints(checkpoints_dir)
     return steps[-1][1] if steps else None
 
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
-    """Complete ``(step, path)`` checkpoints under ``checkpoints_dir``, oldest first."""
+    """Complete ``(step, path)`` checkpoints (with ``fl_accel_checkpoint.json``), oldest first."""
     if not os.path.isdir(checkpoints_dir):
         return []
     out = []
@@ -105,8 +86,7 @@ def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
 
 
 def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints (and stale ``.partial``
-    folders); returns the deleted paths. Call on one process."""
+    """Delete all but the newest ``keep`` complete checkpoints; returns them. One process."""
     deleted = []
     for _, path in list_checkpoints(checkpoints_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
@@ -115,12 +95,8 @@ def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
 
 
 def read_meta(checkpoint_dir: str) -> dict[str, Any]:
-    """Read and sanity-check ``fl_accel_checkpoint.json`` (no collectives).
-
-    Raises:
-        CheckpointError: missing directory or metadata, unreadable JSON, missing DCP
-            ``.metadata``, or another format version.
-    """
+    """Read and check ``fl_accel_checkpoint.json`` (no collectives). CheckpointError: missing
+    folder or metadata, bad JSON, no DCP ``.metadata``, another format version."""
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
     path = os.path.join(checkpoint_dir, META_FILE)
@@ -142,17 +118,15 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
 
 
 def layout_meta(config, layout) -> dict[str, Any]:
-    """What a checkpoint must share with the run loading it: the layout, and the settings
-    that decide which sync state exists (``FLConfig.sync_state``; not where it lives); in
-    the torchft mode also the group whose checkpoint it is."""
+    """What a checkpoint shares with the run loading it: layout, ``FLConfig.sync_state`` and
+    ("torchft") the group."""
     per_group = {"fault_tolerance": "torchft", "group_index": config.group_index} \
         if config.fault_tolerance == "torchft" else {}
     return {**layout.as_dict(), **config.sync_state(layout.num_groups), **per_group}
 
 
 def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
-    """Raise CheckpointError if the checkpoint's layout or sync state differs from ``here``
-    (:func:`layout_meta` of the current run; pure, no collectives)."""
+    """CheckpointError if ``meta`` differs from ``here`` (:func:`layout_meta` of this run)."""
     here = {**dict.fromkeys(k for k in ("fault_tolerance", "group_index") if k in meta), **here}
     theirs = {k: meta.get(k) for k in here}
     if theirs != here:
@@ -163,29 +137,15 @@ def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
             + ". Resume with the settings it was written with.")
 
 
-def _scopes(io: CheckpointIO) -> dict[str, str]:
-    """Where the model and optimizer state go: "shared" when all groups hold the same
-    values (right after a full sync), else "group"."""
-    sync = io.synchronizer
-    identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
-    shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
-    return {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
-
-
 def _not_a_training_step(io: CheckpointIO):
-    """DCP's get/set_optimizer_state_dict take a zero-lr optimizer step when the optimizer has
-    no state yet (plain SGD always has none): the sync must not count it as a training step."""
+    """DCP's get/set_optimizer_state_dict step an optimizer without state at lr 0: not a training step."""
     return io.synchronizer.suspended() if io.synchronizer is not None else contextlib.nullcontext()
 
 
 def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: int | None = None) -> dict[str, Any]:
-    """The DCP state dict of this rank. For a load, ``inflight_fragment`` adds templates
-    for the in-flight exchange result the checkpoint holds.
-
-    Keys: ``model_0``/``optimizer_0`` (shared) or ``group{f}.model_0``/``group{f}.optimizer_0``;
-    ``fl.{anchor,momentum,inflight}/<param>/shard{s}`` (identical in every group and replica);
-    ``group{f}.replica{r}.residual/<param>/shard{s}`` (error feedback: each replica keeps the
-    residual of the chunk it sends, so replicas differ and must not be de-duplicated)."""
+    """This rank's DCP state: ``model_0``/``optimizer_0``, shared or under ``group{f}.``;
+    ``fl.{anchor,momentum,inflight}/<param>/shard{s}``; ``group{f}.replica{r}.residual/...``
+    (replicas' residuals differ). ``inflight_fragment``: templates for a load."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     group_key = f"group{io.group_index}"
@@ -216,14 +176,9 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
 
 def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | None = None,
                          rank_state: dict | None = None) -> str:
-    """Save models, optimizers and synchronizer state (DCP) plus Accelerate's RNG,
-    scheduler and sampler state. Collective: every rank calls it. Returns ``output_dir``.
-    Atomic: writes ``output_dir + ".partial"`` and renames it after all ranks finished.
-
-    ``extra_meta``: JSON-able, stored once in the metadata; ``rank_state``: JSON-able (or a
-    callable returning it, called after the model and optimizer state are written),
-    stored per rank (``rank_state/rank{k}.json``) and returned by the load as
-    ``meta["rank_state"]`` on the same rank."""
+    """Save models, optimizers, sync state (DCP) and Accelerate's, atomically. Collective.
+    ``extra_meta``: JSON, once in the metadata; ``rank_state``: JSON (or a callable, called
+    after the DCP save) per rank, back as the load's ``meta["rank_state"]``."""
     import torch.distributed.checkpoint as dcp
 
     output_dir = os.path.normpath(output_dir)
@@ -233,7 +188,10 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
             shutil.rmtree(tmp)
         os.makedirs(tmp, exist_ok=True)
     io.barrier()
-    scopes = _scopes(io)
+    sync = io.synchronizer  # "shared" when all groups hold the same values (right after a full sync)
+    identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
+    shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
+    scopes = {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
     io.save_extras(tmp)
     if callable(rank_state):  # evaluated after the save's own collectives (e.g. comm counters)
@@ -244,7 +202,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
             json.dump(rank_state, fh)
     io.barrier()
     if io.is_main_process:
-        sync = io.synchronizer
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
                 "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
         if hasattr(getattr(sync, "transport", None), "state_dict"):  # torchft mode: the Manager's step
@@ -261,13 +218,8 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
 
 
 def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
-    """Inverse of :func:`save_federated_state`; returns the checkpoint metadata.
-
-    Raises:
-        CheckpointError: on every rank, before any collective, if the checkpoint is
-            incomplete or from another layout; or, after DCP's collective read, if a
-            file is corrupt (DCP reports a read failure on every rank).
-    """
+    """Inverse of :func:`save_federated_state`; returns the metadata. CheckpointError on every
+    rank: incomplete or another layout (before any collective), or a corrupt file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -280,9 +232,7 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     try:
         dcp.load(state, checkpoint_id=input_dir)
     except (Exception, CheckpointException) as exc:
-        # DCP gathers the per-rank read failures and raises CheckpointException (a
-        # BaseException) on every rank, so every rank reports the same error. Its text holds
-        # every rank's traceback: keep the gist in the message, the rest in the chain.
+        # DCP raises CheckpointException (a BaseException) with every rank's traceback on every rank
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         gist = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
         earlier = [os.path.basename(p) for _, p in list_checkpoints(os.path.dirname(os.path.normpath(input_dir)))

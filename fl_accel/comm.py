@@ -1,22 +1,15 @@
 """Communication accounting: bytes and seconds of every collective, by mesh axis.
 
-FSDP2 issues its collectives through ``torch.distributed.all_gather_single``,
-``reduce_scatter_single`` (parameters, gradients) and ``all_reduce`` (the HSDP
-gradient all-reduce over the replicate group); see
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`` (torch 2.13). The sync
-adds ``all_reduce``, ``all_to_all_single``, ``all_gather_single`` and ``broadcast``.
-While a :class:`CommMeter` is entered, these entry points are wrapped: each call is
-attributed to a bucket (a mesh axis "fl", "dp_replicate", "dp_shard", or "world" for
-the default process group) and charged with the whole bytes a ring algorithm sends per
-rank, :func:`fl_accel.cost_model.ring_bytes` (all-to-all: M is this rank's input;
-broadcast: a pipelined chain), so measurement and model compare axis by axis. Seconds
-are host wall time inside the call (and in ``wait()`` of asynchronous work); with CUDA
-streams that is a lower bound of the link time.
-
-Metering is explicit (``with accelerator.meter_comm(): ...``). Several meters may be
-entered at once (two accelerators in one process); each counts only the process
-groups it was given. :class:`WaitClock` measures what the training stream waits for the
-sync (``FLAccelerator.sync_wait_seconds``): CUDA events on GPUs, where host time reads ~0.
+FSDP2 communicates through ``torch.distributed.all_gather_single``,
+``reduce_scatter_single`` and ``all_reduce`` (HSDP's replicate group;
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, torch 2.13); the sync adds
+``all_to_all_single`` and ``broadcast``. While a :class:`CommMeter` is entered these entry
+points are wrapped: each call goes to a bucket (the mesh axes, or "world" for the default
+group) and is charged :func:`fl_accel.cost_model.ring_bytes` (all-to-all: M is this rank's
+input), so measurement and model compare axis by axis. Seconds are host time in the call
+and in ``wait()`` (with CUDA streams a lower bound). Several meters may be entered at once,
+each counting its own process groups. :class:`WaitClock` measures what the training stream
+waits for the sync: CUDA events on GPUs, where host time reads ~0.
 """
 
 from __future__ import annotations
@@ -48,8 +41,7 @@ _GROUP_POS = {"all_reduce": 2, "broadcast": 2}
 
 @dataclass
 class AxisStats:
-    """Totals for one bucket on this rank: ring ``bytes`` sent, host ``seconds`` in the
-    collectives (``wait()`` included), ``calls``, and bytes ``by_op`` (collective kind)."""
+    """One bucket's totals on this rank: ring ``bytes``, host ``seconds``, ``calls``, ``by_op`` bytes."""
 
     bytes: int = 0
     seconds: float = 0.0
@@ -58,7 +50,7 @@ class AxisStats:
 
 
 class CommStats:
-    """Per-bucket counters: ``stats["fl"].bytes`` etc. Buckets with no traffic read as 0."""
+    """Per-bucket counters: ``stats["fl"].bytes`` etc."""
 
     def __init__(self, buckets=BUCKETS):
         self.buckets = tuple(buckets)
@@ -75,16 +67,10 @@ class CommStats:
         s.by_op[op] += int(nbytes)
 
     def as_dict(self) -> dict:
-        """``{"fl": {"bytes": int, "seconds": float, "calls": int, "by_op": {...}}, ...}``."""
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
                 for a, s in self._stats.items()}
 
-    def flat(self, prefix: str = "comm") -> dict:
-        """Flat dict for trackers: ``comm/fl/bytes``, ``comm/fl/seconds``, ``comm/fl/calls``, ..."""
-        return {f"{prefix}/{a}/{k}": getattr(s, k) for a, s in self._stats.items() for k in ("bytes", "seconds", "calls")}
-
     def load_dict(self, values: dict) -> None:
-        """Restore totals written by :meth:`as_dict` (e.g. from a checkpoint)."""
         for a, v in values.items():
             if a in self._stats:
                 s = self._stats[a]
@@ -93,7 +79,7 @@ class CommStats:
 
 
 class _TimedWork:
-    """Wraps an async ``dist.Work`` so the time spent in ``wait()`` is charged too."""
+    """An async ``dist.Work`` whose ``wait()`` seconds go to ``on_wait``."""
 
     def __init__(self, work, on_wait):
         self._work = work
@@ -109,23 +95,9 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-# ---------------------------------------------------------------------- process-wide patch
 _lock = threading.RLock()
 _active: list["CommMeter"] = []
 _originals: dict[str, object] = {}
-
-
-def _patch() -> None:
-    for name in _OPS:
-        original = getattr(dist, name)
-        _originals[name] = original
-        setattr(dist, name, _wrap(name, original))
-
-
-def _unpatch() -> None:
-    for name, original in _originals.items():
-        setattr(dist, name, original)
-    _originals.clear()
 
 
 def _wrap(name: str, original):
@@ -156,17 +128,9 @@ def _wrap(name: str, original):
 
 
 class CommMeter:
-    """Counts collectives into ``stats`` while entered (a context manager, re-entrant).
-
-    Args:
-        stats: where to add the counts.
-        group_buckets: ProcessGroup object -> bucket name; checked first.
-        rank_buckets: sorted tuple of global ranks -> bucket name, for process groups
-            not in ``group_buckets`` (e.g. ones a library created with the same ranks).
-
-    The default process group (``group=None`` or ``WORLD``) is the "world" bucket.
-    A collective on a process group neither map knows is not counted.
-    """
+    """Counts collectives into ``stats`` while entered (re-entrant): the default group as
+    "world", others by ``group_buckets`` (ProcessGroup -> bucket), else ``rank_buckets``
+    (sorted global ranks -> bucket, e.g. a library's group of the same ranks), else not."""
 
     def __init__(self, stats: CommStats, group_buckets: dict | None = None,
                  rank_buckets: dict[tuple[int, ...], str] | None = None):
@@ -193,8 +157,10 @@ class CommMeter:
     def __enter__(self) -> "CommMeter":
         with _lock:
             if self._depth == 0:
-                if not _active:
-                    _patch()
+                if not _active:  # the first meter wraps the entry points
+                    _originals.update({name: getattr(dist, name) for name in _OPS})
+                    for name, original in _originals.items():
+                        setattr(dist, name, _wrap(name, original))
                 _active.append(self)
             self._depth += 1
         return self
@@ -207,7 +173,9 @@ class CommMeter:
             if self._depth == 0:
                 _active.remove(self)
                 if not _active:
-                    _unpatch()
+                    for name, original in _originals.items():
+                        setattr(dist, name, original)
+                    _originals.clear()
         return False
 
     def stop(self) -> None:
@@ -217,9 +185,8 @@ class CommMeter:
 
 
 class WaitClock:
-    """Seconds the training stream spends in sync events: host wall time on CPU; on CUDA
-    the time between events recorded on the compute stream around each event (the waits
-    for NCCL included), resolved when read."""
+    """Seconds the training stream spends in sync events: host time on CPU; on CUDA events
+    on the compute stream around each (NCCL waits included), resolved when read."""
 
     def __init__(self):
         self.host_seconds, self.pairs, self.depth = 0.0, [], 0

@@ -1,17 +1,12 @@
-"""What the compressed exchange puts on the wire (:mod:`fl_accel.exchange`), tensor to bytes.
+"""What the compressed exchange puts on the wire (:mod:`fl_accel.exchange`), on the input's device.
 
-* "bf16" / "int8": :func:`quantize` and :func:`dequantize` (int8: one fp32 absmax scale
-  per ``BLOCK`` = 256 values, INTELLECT-1, arXiv 2412.01152).
-* "sparse" (SparseLoCo, arXiv 2508.15706: top-k per chunk at 1-3% density, 2-bit values,
-  error feedback): :func:`sparse_encode` keeps, in every block of ``SPARSE_BLOCK`` = 4096
-  values, the k of largest magnitude (:func:`~fl_accel.cost_model.sparse_k`) and codes
-  each kept value in ``bits`` bits: a sign bit and one of L = 2^(bits-1) magnitude levels
-  lo + j (hi - lo)/(L-1), lo/hi the block's smallest/largest kept magnitude (rounded to
-  the nearest; a kept 0 stays 0). :func:`sparse_sum` adds the groups' decoded values.
-
-Everything runs on the input's device (``torch.topk``, no host sync); the byte layout of
-one rank's "sparse" payload, for nb blocks: [lo, step fp32 (8 nb)] [indices int16 (2 nb
-k)] [codes, 8/bits per byte (nb k bits/8)], ``cost_model.sparse_bytes`` in all.
+* "bf16" / "int8": :func:`quantize`, :func:`dequantize` (int8: one fp32 absmax scale per
+  ``BLOCK`` = 256 values, INTELLECT-1, arXiv 2412.01152).
+* "sparse" (SparseLoCo, arXiv 2508.15706): :func:`sparse_encode` keeps the k largest
+  magnitudes of every 4096 values (:func:`~fl_accel.cost_model.sparse_k`) and codes each in
+  ``bits`` bits: a sign and one of L = 2^(bits-1) levels lo + j (hi - lo)/(L-1) between the
+  block's smallest and largest kept magnitude (nearest). Payload for nb blocks: [lo, step
+  fp32 (8 nb)] [indices int16 (2 nb k)] [codes, 8/bits per byte (nb k bits/8)].
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ QMAX = 127.0
 
 
 def quantize(x: torch.Tensor, sync_dtype: str, rows: int) -> torch.Tensor:
-    """Quantize fp32 ``x`` (numel divisible by ``rows`` * BLOCK for int8) into a uint8
-    tensor ``[rows, row_bytes]``: row i holds sub-chunk i (payload, then int8 scales)."""
+    """fp32 ``x`` (numel divisible by ``rows`` * BLOCK for int8) -> uint8 ``[rows, row_bytes]``,
+    row i sub-chunk i (payload, then the int8 scales)."""
     x = x.view(rows, -1)
     if sync_dtype == "bf16":
         return x.to(torch.bfloat16).view(torch.uint8).view(rows, -1)
@@ -55,9 +50,8 @@ def _shifts(bits: int, device) -> torch.Tensor:
 
 
 def sparse_encode(x: torch.Tensor, density: float, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k and code fp32 ``x`` (numel a multiple of 4096). Returns ``(payload, sent)``:
-    the uint8 payload (module docstring) and what it decodes to, dense fp32 like ``x``
-    (so ``x - sent`` is what error feedback keeps)."""
+    """``(payload, sent)`` of fp32 ``x`` (numel a multiple of 4096): uint8 payload and its
+    dense fp32 decoding (``x - sent`` is what error feedback keeps)."""
     nb, k, levels = x.numel() // SPARSE_BLOCK, sparse_k(density, bits), 2 ** (bits - 1)
     blocks = x.view(nb, SPARSE_BLOCK)
     idx = blocks.abs().topk(k, dim=1, sorted=False).indices
@@ -83,9 +77,8 @@ def _values(lo, step, codes, levels) -> torch.Tensor:
 
 
 def sparse_sum(gathered: torch.Tensor, weights: list[float], density: float, bits: int) -> torch.Tensor:
-    """sum_g w_g decode(row g) of ``gathered`` ``[F, payload bytes]`` (every group's
-    :func:`sparse_encode` payload): fp32 ``[numel]``, added group by group in order (each
-    ``scatter_add_`` has distinct indices per block: deterministic, the same on every rank)."""
+    """fp32 sum_g w_g decode(``gathered[g]``), group by group (distinct indices per block:
+    deterministic, the same on every rank)."""
     k, levels = sparse_k(density, bits), 2 ** (bits - 1)
     nb = gathered.shape[1] // (8 + 2 * k + k * bits // 8)
     out = torch.zeros(nb, SPARSE_BLOCK, dtype=torch.float32, device=gathered.device)

@@ -1,11 +1,10 @@
-"""FLConfig: the federation settings (paper Sec. 3), loadable from YAML and the environment.
+"""FLConfig: the federation settings (paper Sec. 3), from YAML and the environment.
 
-Precedence, lowest to highest: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables <
-keyword overrides (the recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
-Layout checks live in :mod:`fl_accel.mesh`. The typed YAML/environment merge is shared
-with the recipe's argument parser (:func:`env_overrides`, :func:`resolve_sources`, and the
-type check and parsing of :mod:`fl_accel.fields`). Every check raises ``ValueError`` naming
-the field, in pure Python, so every rank raises it before any collective.
+Precedence: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides (the
+recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped. The merge and type rules
+(:mod:`fl_accel.fields`) are shared with the recipe's parser; layout checks live in
+:mod:`fl_accel.mesh`. Every check raises ``ValueError`` naming the field, in pure Python,
+so every rank raises it before any collective.
 """
 
 from __future__ import annotations
@@ -28,149 +27,76 @@ assert get_args(Algorithm) == mesh.ALGORITHMS
 
 
 NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
-"""Fields that place state or bound waits without changing any value: a run may resume a
-checkpoint written with other values of them (run and checkpoint identity leave them out)."""
+"""Fields that place state or bound waits without changing any value: left out of run and
+checkpoint identity (a run may resume a checkpoint written with other values)."""
 
 
 @dataclass
 class FLConfig:
-    """Settings of the federated synchronization (paper Sec. 3, Alg. 1), plus fragments,
-    sync delay and compressed exchange (Streaming DiLoCo, arXiv 2501.18512) and unequal
-    federation groups.
-
-    Raises:
-        ValueError: at construction and from :meth:`validate`, naming the offending
-            field, e.g. ``FLConfig.num_groups must be >= 1, got 0``.
-    """
+    """Settings of the federated sync (paper Sec. 3, Alg. 1), fragments, sync delay, compressed exchange
+    (Streaming DiLoCo, arXiv 2501.18512) and unequal groups. ValueError naming the field, at construction."""
 
     algorithm: Algorithm = "fl_fsdp"
-    """One of "fsdp", "hsdp" (baselines, one group spanning the world), "fl_fsdp",
-    "fl_hsdp" (federation groups running FSDP or HSDP inside)."""
-
+    """Baselines "fsdp", "hsdp" (one group spans the world); "fl_fsdp", "fl_hsdp" (groups run FSDP/HSDP inside)."""
     num_groups: int = 2
-    """F, the number of federation groups of equal size; must divide the world size.
-    Ignored (taken as 1) by the baselines "fsdp" and "hsdp"."""
-
+    """F, equal federation groups; divides the world size. Taken as 1 by the baselines."""
     group_sizes: list[int] | None = None
-    """Ranks per federation group, for groups of unequal size, e.g. [2, 4] on 6
-    processes: contiguous rank blocks summing to the world size. Needs "fl_hsdp" and an
-    ``hsdp_shard_size`` S dividing every size. None: ``num_groups`` equal groups."""
-
+    """Ranks per group for unequal groups, e.g. [2, 4] on 6 processes (contiguous blocks summing to the
+    world size). Needs "fl_hsdp" and an ``hsdp_shard_size`` dividing each."""
     group_weighting: Literal["size", "uniform"] = "size"
-    """Weight of each group in the average: "size" (w_f = size_f / world) or "uniform"
-    (w_f = 1/F, as the paper and xffl). Identical for equal groups."""
-
+    """Group weights: "size" (w_f = size_f / world) or "uniform" (w_f = 1/F, the paper's); equal groups: same."""
     hsdp_shard_size: int | None = None
-    """S, the ranks one HSDP replica shards over ("hsdp", "fl_hsdp"); divides every
-    group size, R = G / S replicas per group. None: the ranks per node
-    (LOCAL_WORLD_SIZE) that divide the group. Ignored by "fsdp" and "fl_fsdp"."""
-
+    """S, the ranks one HSDP replica shards over; divides every group size (R = G / S). None: the ranks per
+    node (LOCAL_WORLD_SIZE) that divide the group."""
     sync_every: int = 8
-    """H, the number of optimizer steps (after gradient accumulation) between two
-    synchronizations of the same parameters. The paper uses H = 8."""
-
+    """H, optimizer steps (after gradient accumulation) between two syncs of the same parameters (paper: 8)."""
     num_fragments: int = 1
-    """P, fragments (Streaming DiLoCo): the FSDP units, in forward order, are dealt
-    round-robin into P fragments, and one fragment is synchronized every H/P steps.
-    1: the whole model every H steps. ``sync_every`` must be a multiple of P."""
-
+    """P: FSDP units, in forward order, are dealt round-robin into P fragments, one syncing every H/P steps."""
     sync_delay: int = 0
-    """tau, optimizer steps between launching a fragment's exchange and applying its
-    result; the exchange runs in the background meanwhile. 0 <= tau < H/P."""
-
+    """tau, optimizer steps between launching a fragment's exchange and applying it; 0 <= tau < H/P."""
     fragment_update_alpha: float = 0.0
-    """alpha in [0, 1]: when a delayed result is applied, the parameters become
-    global + alpha * (local - global). 0 takes the global result."""
-
+    """alpha in [0, 1]: a delayed result sets the parameters to global + alpha (local - global)."""
     sync_dtype: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
-    """What crosses the "fl" axis: "fp32" (the exact mean of the parameters), "bf16" or
-    "int8" (compressed exchange: the mean of pseudo-gradients, quantized, int8 with one
-    fp32 scale per block of 256 values; about 1/2 and 1/4 of the fp32 bytes), or "sparse"
-    (SparseLoCo, arXiv 2508.15706: top-k of each 4096 values, with ``error_feedback``)."""
-
+    """What crosses "fl": "fp32" (exact mean of the parameters); "bf16", "int8" (quantized mean of the
+    pseudo-gradients: ~1/2, ~1/4 of the bytes); "sparse" (SparseLoCo, arXiv 2508.15706: top-k)."""
     sync_density: float = 1 / 64
-    """With "sparse": the share of every 4096 values sent (largest magnitudes), in (0, 1]."""
-
+    """"sparse": the share of every 4096 values sent (largest magnitudes), in (0, 1]."""
     sync_value_bits: int = 2
-    """With "sparse": bits per sent value, 2, 4 or 8 (a sign and a magnitude level)."""
-
+    """"sparse": bits per sent value, 2, 4 or 8 (a sign and a magnitude level)."""
     error_feedback: bool = False
-    """For a compressed ``sync_dtype``: each rank keeps what quantization (or top-k) dropped
-    from its pseudo-gradient and adds it to the next one (error feedback)."""
-
+    """Compressed: each rank adds what compression dropped to its next pseudo-gradient ("sparse" needs it)."""
     outer_optimizer: Literal["avg", "nesterov"] = "avg"
-    """"avg": plain FedAvg, the new parameters are the (weighted) mean over groups.
-    "nesterov": DiLoCo (Douillard et al. 2023, arXiv 2311.08105): the
-    pseudo-gradient ``anchor - mean`` is applied to the anchor (last synchronized
-    parameters) with SGD and Nesterov momentum."""
-
+    """"avg": FedAvg, the weighted mean. "nesterov": DiLoCo (arXiv 2311.08105), SGD-Nesterov on anchor - mean."""
     outer_lr: float = 0.7
-    """Learning rate of the "nesterov" outer optimizer (DiLoCo default 0.7). With
-    ``outer_lr=1`` and ``outer_momentum=0`` it reproduces "avg"."""
-
+    """"nesterov" learning rate (DiLoCo: 0.7); with 1 and ``outer_momentum=0`` it is "avg"."""
     outer_momentum: float = 0.9
-    """Momentum of the "nesterov" outer optimizer (DiLoCo default 0.9), in [0, 1)."""
-
+    """"nesterov" momentum (DiLoCo: 0.9), in [0, 1)."""
     outer_lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """How the "nesterov" outer LR changes over the run (transformers' schedules, decaying
-    to 0 at ``outer_lr_decay_steps``); each fragment's outer step uses the value at the
-    optimizer step just taken (:meth:`fl_accel.outer.OuterState.lr_at`)."""
-
+    """"nesterov" outer LR over the run (transformers' schedules; :meth:`fl_accel.outer.OuterState.lr_at`)."""
     outer_lr_warmup_steps: int = 0
-    """Optimizer steps of linear warmup of the outer LR from 0 (any schedule)."""
-
+    """Optimizer steps of linear outer-LR warmup from 0 (any schedule)."""
     outer_lr_decay_steps: int | None = None
-    """Optimizer steps over which "cosine"/"linear" decay (the run's length); None: the
-    recipe sets its ``max_steps``, a library user must set it."""
-
+    """Optimizer steps of the "cosine"/"linear" decay to 0; None: the recipe's ``max_steps``."""
     average_optimizer_state: bool = False
-    """Also average the inner optimizer's floating-point state tensors (e.g. AdamW
-    moments) across groups at each sync. Off, as in the paper."""
-
+    """Also average the inner optimizer's floating-point state (e.g. AdamW moments); off in the paper."""
     data_sharding: Literal["global", "group"] = "global"
-    """"global": every rank of the world reads a disjoint slice of the data (the
-    paper's setting). "group": each group reads the whole dataset, split over its own
-    ranks, in a group-specific shuffle order."""
-
+    """"global": a disjoint slice per rank of the world (the paper). "group": each group reads all, shuffled."""
     on_nonfinite: Literal["abort", "reset"] = "abort"
-    """What a sync does when a group's parameters or last loss hold NaN/Inf: "abort"
-    raises naming the group and step; "reset" drops that group for the round and sets
-    its parameters and optimizer state to the healthy groups' mean."""
-
+    """NaN/Inf in a group at a sync: "abort" raises; "reset" resets it to the healthy groups' mean."""
     sync_bucket_mb: int = 256
-    """Size, in MiB of fp32, of the flat buffers the sync packs local shards into. A
-    blocking sync keeps at most two buckets in flight; larger buckets mean fewer
-    collectives, smaller ones less transient memory."""
-
+    """MiB of fp32 per flat sync buffer; a blocking sync keeps at most two in flight."""
     outer_state_device: Literal["same", "cpu"] = "same"
-    """Where the sync's fp32 outer state lives: the anchor (kept for "nesterov" or a
-    compressed ``sync_dtype``), the "nesterov" momentum and the ``error_feedback``
-    residuals. "same": on the parameters' device. "cpu": in host memory (pinned when
-    the parameters are on CUDA), sparing per rank 4 bytes x the local shard's numel
-    of accelerator memory for each of them; the exchange stays on the accelerator and
-    the values are the same (a checkpoint resumes with either setting)."""
-
+    """Where the fp32 anchor, momentum and residuals live: "same" as the parameters, or "cpu" (pinned with
+    CUDA), sparing 4 bytes x local numel each; same values, each resumes the other's checkpoints."""
     collective_timeout_s: float = 300.0
-    """Seconds a collective may wait for a peer before it fails, on the default process
-    group and every mesh sub-group: a dead or hung rank makes the others exit with an
-    error instead of hanging."""
-
+    """Seconds a collective (default and mesh groups) waits for a peer before failing instead of hanging."""
     fault_tolerance: Literal["none", "torchft"] = "none"
-    """"none": every federation group lives in one torch.distributed world (one launch);
-    a dead rank ends the job. "torchft": each federation group is its own launch (its
-    world is its G ranks, ``group_index`` says which group it is); torchft 0.2.0's
-    Lighthouse decides at every sync which groups are alive, the sync averages over
-    those, and a restarted group heals from a live one (:mod:`fl_accel.ft`). Needs a
-    federated ``algorithm`` and equal groups."""
-
+    """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft 0.2.0
+    lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
     group_index: int | None = None
-    """With ``fault_tolerance="torchft"``: this launch's federation group, 0 <= f <
-    ``num_groups`` (``FL_ACCEL_GROUP_INDEX`` or ``--group_index``). It names the group
-    to the Lighthouse and picks the group's slice of the data."""
-
+    """"torchft": this launch's group, 0 <= f < ``num_groups``; names it and picks its data slice."""
     lighthouse_addr: str | None = None
-    """With ``fault_tolerance="torchft"``: the Lighthouse's address, e.g.
-    ``http://127.0.0.1:29510``. None: torchft's ``TORCHFT_LIGHTHOUSE`` variable."""
+    """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -183,9 +109,8 @@ class FLConfig:
     _explicit = property(lambda self: {f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
     def validate(self, world_size: int | None = None, ranks_per_node: int | None = None) -> "FLConfig":
-        """Check every field and, given ``world_size``, that the layout fits it
-        (:meth:`fl_accel.mesh.FLLayout.from_config`). Returns ``self``. Raises ValueError
-        naming the field (type, range, H not a multiple of P, tau, F or S not dividing)."""
+        """Check every field and, given ``world_size``, the layout
+        (:meth:`fl_accel.mesh.FLLayout.from_config`). Returns ``self``; ValueError naming the field."""
         check_fields(self)
         if world_size is not None:
             mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
@@ -195,13 +120,11 @@ class FLConfig:
     is_federated = property(lambda self: mesh.is_federated(self.algorithm), doc='True for "fl_fsdp", "fl_hsdp".')
 
     fragmented = property(lambda self: self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0,
-                          doc="True when the sync is split into fragments, delayed or mixed (P > 1, tau > 0, alpha > 0).")
-    compressed = property(lambda self: self.sync_dtype != "fp32",
-                          doc='True when the exchange is compressed (``sync_dtype`` "bf16", "int8" or "sparse").')
+                          doc="P > 1, tau > 0 or alpha > 0.")
+    compressed = property(lambda self: self.sync_dtype != "fp32", doc='``sync_dtype`` is not "fp32".')
 
     keeps_outer_state = property(lambda self: self.outer_optimizer == "nesterov" or self.compressed,
-                                 doc="True when a sync keeps an fp32 anchor (and so honours ``outer_state_device``): "
-                                     'outer optimizer "nesterov" or a compressed exchange.')
+                                 doc='The sync keeps an fp32 anchor ("nesterov" or a compressed exchange).')
 
     def sync_state(self, num_groups: int) -> dict[str, Any]:
         """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
@@ -212,8 +135,28 @@ class FLConfig:
                 "num_fragments": self.num_fragments if federated else 1}
 
     def ignored_settings(self) -> list[str]:
-        """Non-default settings the chosen ``algorithm`` ignores, one sentence each."""
-        return ignored_settings(self)
+        """Non-default settings the ``algorithm`` and modes ignore, one sentence each."""
+        out, explicit = [], self._explicit
+        if not self.is_federated:
+            out += [f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} (one group spans "
+                    f"the world)" for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"})]
+        if not self.uses_hsdp and self.hsdp_shard_size is not None:
+            out.append(f"hsdp_shard_size={self.hsdp_shard_size} is ignored by algorithm {self.algorithm!r} "
+                       f"(it shards over the whole group)")
+        if self.is_federated and self.outer_optimizer == "avg":
+            out += [f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'"
+                    for name in ("outer_lr", "outer_momentum") if name in explicit]
+        if self.fault_tolerance == "none":
+            out += [f"{name}={getattr(self, name)!r} is ignored with fault_tolerance 'none' (one world)"
+                    for name in ("group_index", "lighthouse_addr") if name in explicit]
+        out += [f"{n}={getattr(self, n)!r} is ignored with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"
+                for n in ("sync_density", "sync_value_bits") if n in explicit and self.sync_dtype != "sparse"]
+        if self.error_feedback and not self.compressed:
+            out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
+        if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:
+            out.append(f"outer_state_device={self.outer_state_device!r} is ignored with outer_optimizer 'avg' "
+                       f"and sync_dtype 'fp32' (the sync keeps no anchor)")
+        return out
 
     # ------------------------------------------------------------------ loading
     def to_dict(self) -> dict[str, Any]:
@@ -241,22 +184,19 @@ class FLConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "FLConfig":
-        """Load a YAML mapping (top level, or under an ``fl:`` key), then env, then overrides."""
+        """:meth:`resolve` of a YAML mapping (top level, or under an ``fl:`` key) and ``overrides``."""
         return cls.resolve(yaml_path=path, overrides=overrides)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "FLConfig":
-        """Defaults overridden by ``FL_ACCEL_<FIELD>`` variables, then by ``overrides``."""
+        """:meth:`resolve` of the ``FL_ACCEL_<FIELD>`` variables and ``overrides``."""
         return cls.resolve(environ=environ, overrides=overrides)
 
     @classmethod
     def resolve(cls, yaml_path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> "FLConfig":
-        """Merge defaults < YAML < environment < overrides (None means "not given") and validate.
-
-        Raises:
-            ValueError: unreadable YAML, unknown keys, values of the wrong type.
-        """
+        """Merge defaults < YAML < environment < overrides (None: not given) and validate.
+        Raises ValueError: unreadable YAML, unknown keys, values of the wrong type."""
         yaml_values = None
         if yaml_path is not None:
             yaml_values = read_yaml_mapping(yaml_path, what="FL config")
@@ -269,8 +209,8 @@ class FLConfig:
 
 
 def check_fields(cfg: FLConfig) -> None:
-    """Types, ranges and constraints between the fields of ``cfg`` (an FLConfig); no world
-    size needed. Raises ValueError naming the field."""
+    """Types, ranges and constraints between the fields of ``cfg``, without a world size.
+    Raises ValueError naming the field."""
     hints = _type_hints(type(cfg))
     for f in fields(cfg):
         check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
@@ -279,22 +219,27 @@ def check_fields(cfg: FLConfig) -> None:
     for name in ("num_groups", "sync_every", "num_fragments", "sync_bucket_mb"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"FLConfig.{name} must be >= 1, got {getattr(cfg, name)}")
-    if not cfg.outer_lr > 0:
-        raise ValueError(f"FLConfig.outer_lr must be > 0, got {cfg.outer_lr}")
-    if not 0 <= cfg.outer_momentum < 1:
-        raise ValueError(f"FLConfig.outer_momentum must be in [0, 1), got {cfg.outer_momentum}")
-    _check_outer_lr_schedule(cfg)
-    if not 0 <= cfg.fragment_update_alpha <= 1:
-        raise ValueError(f"FLConfig.fragment_update_alpha must be in [0, 1], got {cfg.fragment_update_alpha}")
-    if not 0 < cfg.sync_density <= 1:
-        raise ValueError(f"FLConfig.sync_density must be in (0, 1], got {cfg.sync_density}")
-    if cfg.sync_value_bits not in (2, 4, 8):
-        raise ValueError(f"FLConfig.sync_value_bits must be 2, 4 or 8, got {cfg.sync_value_bits}")
+    for name, ok, what in (("outer_lr", cfg.outer_lr > 0, "> 0"),
+                           ("outer_momentum", 0 <= cfg.outer_momentum < 1, "in [0, 1)"),
+                           ("fragment_update_alpha", 0 <= cfg.fragment_update_alpha <= 1, "in [0, 1]"),
+                           ("sync_density", 0 < cfg.sync_density <= 1, "in (0, 1]"),
+                           ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
+                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds")):
+        if not ok:
+            raise ValueError(f"FLConfig.{name} must be {what}, got {getattr(cfg, name)}")
+    warmup, decay = cfg.outer_lr_warmup_steps, cfg.outer_lr_decay_steps
+    if cfg.outer_lr_schedule != "constant" or warmup:
+        if cfg.outer_optimizer != "nesterov":
+            raise ValueError(f"FLConfig.outer_lr_schedule={cfg.outer_lr_schedule!r} with outer_lr_warmup_steps="
+                             f"{warmup} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
+        if warmup < 0:
+            raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {warmup}")
+        if decay is not None and not warmup < decay:
+            raise ValueError(f"FLConfig.outer_lr_warmup_steps={warmup} must be shorter than the run "
+                             f"(FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
     if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
         raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
                          "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
-    if not cfg.collective_timeout_s > 0:
-        raise ValueError(f"FLConfig.collective_timeout_s must be > 0 seconds, got {cfg.collective_timeout_s}")
     if cfg.sync_every % cfg.num_fragments:
         raise ValueError(f"FLConfig.sync_every={cfg.sync_every} must be a multiple of "
                          f"FLConfig.num_fragments={cfg.num_fragments} (one fragment syncs every H/P steps)")
@@ -303,69 +248,26 @@ def check_fields(cfg: FLConfig) -> None:
         raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
                          f"{period}, got {cfg.sync_delay}")
     if cfg.fault_tolerance == "torchft":
-        _check_torchft(cfg)
+        if not cfg.is_federated:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
+                             f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
+        if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
+            raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
+                             f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
+                             f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
+                             f"groups (num_groups) or fault_tolerance='none'.")
+        if cfg.group_index is None:
+            raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
+                             "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
+        if not 0 <= cfg.group_index < cfg.federation_size:
+            raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
+                             f"{cfg.group_index}")
     mesh.check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)
-
-def _check_outer_lr_schedule(cfg: FLConfig) -> None:
-    if cfg.outer_lr_schedule == "constant" and not cfg.outer_lr_warmup_steps:
-        return
-    if cfg.outer_optimizer != "nesterov":
-        raise ValueError(f"FLConfig.outer_lr_schedule={cfg.outer_lr_schedule!r} with outer_lr_warmup_steps="
-                         f"{cfg.outer_lr_warmup_steps} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
-    if cfg.outer_lr_warmup_steps < 0:
-        raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {cfg.outer_lr_warmup_steps}")
-    decay = cfg.outer_lr_decay_steps
-    if decay is not None and not cfg.outer_lr_warmup_steps < decay:
-        raise ValueError(f"FLConfig.outer_lr_warmup_steps={cfg.outer_lr_warmup_steps} must be shorter than the "
-                         f"run (FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
-
-def _check_torchft(cfg: FLConfig) -> None:
-    """The fault-tolerant mode's own checks (pure Python: every rank raises them)."""
-    if not cfg.is_federated:
-        raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
-                         f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
-    if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
-        raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
-                         f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
-                         f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
-                         f"groups (num_groups) or fault_tolerance='none'.")
-    if cfg.group_index is None:
-        raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
-                         "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
-    if not 0 <= cfg.group_index < cfg.federation_size:
-        raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
-                         f"{cfg.group_index}")
-
-
-def ignored_settings(cfg: FLConfig) -> list[str]:
-    """Non-default settings of ``cfg`` its ``algorithm`` and modes ignore, one sentence each."""
-    out, explicit = [], cfg._explicit
-    if not cfg.is_federated:
-        for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}):
-            out.append(f"{name}={getattr(cfg, name)!r} is ignored by algorithm {cfg.algorithm!r} "
-                       f"(one group spans the world)")
-    if not cfg.uses_hsdp and cfg.hsdp_shard_size is not None:
-        out.append(f"hsdp_shard_size={cfg.hsdp_shard_size} is ignored by algorithm {cfg.algorithm!r} "
-                   f"(it shards over the whole group)")
-    if cfg.is_federated and cfg.outer_optimizer == "avg":
-        out += [f"{name}={getattr(cfg, name)!r} is ignored by outer_optimizer 'avg'"
-                for name in ("outer_lr", "outer_momentum") if name in explicit]
-    if cfg.fault_tolerance == "none":
-        out += [f"{name}={getattr(cfg, name)!r} is ignored with fault_tolerance 'none' (one world)"
-                for name in ("group_index", "lighthouse_addr") if name in explicit]
-    out += [f"{n}={getattr(cfg, n)!r} is ignored with sync_dtype {cfg.sync_dtype!r} (only 'sparse' uses it)"
-            for n in ("sync_density", "sync_value_bits") if n in explicit and cfg.sync_dtype != "sparse"]
-    if cfg.error_feedback and not cfg.compressed:
-        out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
-    if cfg.is_federated and cfg.outer_state_device != "same" and not cfg.keeps_outer_state:
-        out.append(f"outer_state_device={cfg.outer_state_device!r} is ignored with outer_optimizer 'avg' "
-                   f"and sync_dtype 'fp32' (the sync keeps no anchor)")
-    return out
 
 
 def lighthouse_addr(config: FLConfig) -> str:
-    """``FLConfig.lighthouse_addr`` or torchft's ``TORCHFT_LIGHTHOUSE``; ValueError (every
-    rank, before any collective) when neither is set or torchft is missing."""
+    """``FLConfig.lighthouse_addr`` or ``TORCHFT_LIGHTHOUSE``; ValueError (every rank, before any
+    collective) when neither is set or torchft is missing."""
     addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not addr:
         raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
@@ -380,7 +282,7 @@ def lighthouse_addr(config: FLConfig) -> str:
 
 def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_precision: str) -> list[str]:
     """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
-    notes = list(cfg.ignored_settings())
+    notes = cfg.ignored_settings()
     if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
         notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
                      f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="

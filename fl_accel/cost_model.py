@@ -1,39 +1,32 @@
 r"""Per-rank communication and step-time model of FSDP, HSDP, FL+FSDP and FL+HSDP.
 
-Method: arXiv 2609.20359, Sec. 3, with the fragmented and compressed sync of
-:mod:`fl_accel.exchange`; group f = R_f replicas x S shards. Units: bytes sent by one rank
-per optimizer step, seconds, GB = 1e9 bytes; per group, for its busiest rank (replica 0,
-shard 0); ``by_axis`` and the splits take the max over groups.
+Method: arXiv 2609.20359 Sec. 3, with the fragmented and compressed sync of
+:mod:`fl_accel.exchange`. Units: bytes one rank sends per optimizer step, seconds, GB =
+1e9 bytes; per group for its busiest rank; ``by_axis`` and the splits take the max over
+groups. A ring collective over p ranks of M bytes sends (p-1)/p M (all-reduce twice that;
+:func:`ring_bytes`, as :mod:`fl_accel.comm` charges).
 
-Ring collective over p ranks of a full tensor of M bytes (:func:`ring_bytes`, what
-:mod:`fl_accel.comm` charges too): (p-1)/p M, all-reduce 2 (p-1)/p M.
-
-FSDP2 (torch 2.13 ``fully_shard`` as accelerate 1.15 ``fsdp2_prepare_model`` applies it):
-unit u holds padded_u elements (each dim 0 padded to a multiple of S), is gathered k_u
-= 2 (``reshard_after_forward``) or 1 times per micro-batch in b_p = ``param_bytes``, and
-reduced once per step (not on the first A-1 micro-batches) in b_g = ``grad_bytes``::
+FSDP2 (torch 2.13 ``fully_shard`` as accelerate 1.15 applies it): unit u of padded_u
+elements is gathered k_u = 2 (``reshard_after_forward``) or 1 times per micro-batch in
+b_p = ``param_bytes`` and reduced once per step in b_g = ``grad_bytes``::
 
     dp_shard = (S-1)/S (A sum k_u padded_u b_p + sum padded_u b_g);  dp_replicate = 2 (R_f-1)/R_f sum padded_u b_g/S
 
-Sync (F > 1), byte for byte :mod:`fl_accel.exchange`: unit u is in fragment u mod P, one
-fragment syncs every H/P steps; its local fp32 shards, n values per bucket
-(:func:`plan_buckets`), padded to a multiple of C = R_min (fp32), C F 256 (bf16, int8) or C 4096 (sparse),
-chunk c over "fl" by replica c, shared over "dp_replicate" (all-gather if R_f == C, else
-C broadcasts); a world all-reduce of F fp32 flags checks for NaN/Inf::
+Sync (F > 1), byte for byte the exchange: fragment k holds units u = k mod P and syncs
+every H/P steps, n fp32 values per bucket (:func:`plan_buckets`), padded as the exchange
+pads; a world all-reduce of F fp32 flags checks for NaN/Inf::
 
     fl = 2 (F-1)/F n/C b  (b = 4 fp32, 2 bf16, 1 + 4/256 int8);  dp_replicate = (R_f-1)/R_f 4n;  world = 2 (N-1)/N 4F
     sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`sparse_k`)
 
-With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched early when T falls
-in its tau-step window, and ``end_training``'s full sync unless step T ended one (P = 1).
+With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched in its tau-step
+window, and ``end_training``'s full sync unless step T ended one (P = 1).
 
-Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s x collectives; bw =
+Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s per collective; bw =
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
-FSDP's collectives are not overlapped (an upper bound); the "fl" exchange overlaps tau
-steps of compute: exposed = max(0, t_fl - tau compute_s) per fragment sync, plus the
-chunk sharing and flag all-reduce.
-CLI: ``python -m scripts.cost_model -h`` (the paper's setting: FSDP 47.0 GB per GPU per
-step, FL+FSDP G=4, H=8 1.99 GB inter-node).
+FSDP's collectives are not overlapped (an upper bound); the exchange overlaps tau steps:
+exposed = max(0, t_fl - tau compute_s) per fragment sync, plus chunk sharing and flags.
+CLI: ``python -m scripts.cost_model -h``.
 """
 
 from __future__ import annotations
@@ -47,41 +40,35 @@ from .mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 from .units import LLAMA_3_1_8B, ShardUnit, _int, _num, llama_units, units_from_module, units_from_param_count  # noqa: F401
 
 GB = 1e9
-BLOCK = 256
-"""Values per int8 scale of the compressed exchange (one fp32 absmax scale per block)."""
-SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
-"""Bytes per value on the "fl" axis by ``sync_dtype`` (payload and int8 scales)."""
-SPARSE_BLOCK = 4096
-"""Values per top-k block of the "sparse" exchange (int16 indices inside a block)."""
+BLOCK = 256  # values per fp32 absmax scale of "int8"
+SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # bytes per value on "fl"
+SPARSE_BLOCK = 4096  # values per top-k block of "sparse" (int16 indices inside a block)
 
 
 def sparse_k(density: float, bits: int) -> int:
-    """Values kept per ``SPARSE_BLOCK`` by "sparse": ``density`` x 4096 rounded up to a
-    multiple of 32 / ``bits`` (whole bytes of codes, payload fields 4-byte aligned), <= 4096."""
+    """Values kept per 4096 by "sparse": ``density`` x 4096 rounded up to a multiple of 32 /
+    ``bits`` (whole bytes of codes, fields 4-byte aligned), at most 4096."""
     q = 32 // bits
     return min(SPARSE_BLOCK, max(q, math.ceil(density * SPARSE_BLOCK / q) * q))
 
 
 def sparse_bytes(numel: int, density: float, bits: int) -> int:
-    """Bytes one rank sends for ``numel`` values (a multiple of 4096) in "sparse": per
-    block two fp32 (smallest kept magnitude, level step), k int16 indices, k codes of
-    ``bits`` bits."""
+    """"sparse" bytes of ``numel`` values (a multiple of 4096): per block two fp32 (lowest kept
+    magnitude, level step), k int16 indices, k ``bits``-bit codes."""
     k = sparse_k(density, bits)
     return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
-RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
-"""Ring factor of each collective: bytes sent per rank = factor (p-1)/p M."""
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
 
 
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring ``op`` (a key of ``RING``) of a full tensor of
-    ``tensor_bytes`` over ``group_size`` ranks (exact for integers: ``int()`` of it is the
-    floor). Raises ValueError: unknown op, negative bytes, group_size < 1."""
+    """Bytes one rank sends in a ring ``op`` of ``tensor_bytes`` over ``group_size`` ranks
+    (``int()`` of it is the exact floor). ValueError: unknown op, bytes < 0, group_size < 1."""
     if op not in RING:
         raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
     p = _int("group_size", group_size)
     return RING[op] * _num("tensor_bytes", tensor_bytes, zero_ok=True) * (p - 1) / p
 
-# ---------------------------------------------------------------------- the estimate
+
 @dataclass
 class Traffic:
     """What one rank sends: ``bytes[axis][op]`` and ``calls[axis]`` (collectives)."""
@@ -100,8 +87,8 @@ class Traffic:
 
 
 def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[list[int]]:
-    """Indices of tensors of ``sizes`` values grouped greedily, in order, into buckets of at
-    most ``bucket_values`` values (a larger tensor is a bucket of its own): the exchange's."""
+    """The exchange's buckets: indices grouped in order, at most ``bucket_values`` values each
+    (a larger tensor alone)."""
     out, total = [], 0
     for i, n in enumerate(sizes):
         if not out or total + n > bucket_values:
@@ -114,8 +101,7 @@ def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[list[int]]:
 
 def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int,
                 sparse: tuple = (1 / 64, 2)) -> list[Traffic]:
-    """Per group, the Traffic of one exchange of local tensors of ``sizes`` fp32 values
-    (``sparse``: density and value bits of "sparse")."""
+    """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
     pad = C * (1 if dtype == "fp32" else SPARSE_BLOCK if dtype == "sparse" else F * BLOCK)
@@ -140,12 +126,10 @@ def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: i
 
 @dataclass
 class CommEstimate:
-    """Result of :func:`estimate`, bytes per rank. ``step[f]``: Traffic of a training step
-    in group f; ``fragments[k][f]``: one sync of fragment k; ``full[f]``: a whole-model
-    sync (``end_training``); ``weights[k]``, ``full_weight``: such events per step.
-    Splits, per step (syncs amortized), the max over groups of the group's sum: ``total``,
-    ``intra_group`` (dp_shard + dp_replicate), ``inter_group`` (fl + world),
-    ``intra_node`` / ``inter_node`` (None without ``ranks_per_node``)."""
+    """:func:`estimate`'s bytes per rank: Traffic of a step (``step[f]``), a sync of fragment
+    k (``fragments[k][f]``), a full sync (``full[f]``), such events per step (``weights``,
+    ``full_weight``). Splits per step, max over groups: ``total``, ``intra_group``,
+    ``inter_group`` (fl + world), ``intra_node``/``inter_node`` (need ``ranks_per_node``)."""
 
     layout: FLLayout
     sync_every: int
@@ -161,7 +145,7 @@ class CommEstimate:
     params: int
 
     def by_group(self, amortized: bool = True) -> list[dict[str, float]]:
-        """Per group: ``{bucket: bytes per step}``; buckets: the axes and "world" (the flags)."""
+        """Per group: ``{bucket: bytes per step}``."""
         out = []
         for f in range(self.layout.num_groups):
             ev = [(self.step[f], 1.0)]
@@ -176,8 +160,7 @@ class CommEstimate:
         return {a: max(g[a] for g in groups) for a in BUCKETS}
 
     def sync_by_axis(self, fragment: int | None = None) -> dict[str, float]:
-        """``{bucket: bytes}`` of one sync of ``fragment`` (default: the most "fl" bytes),
-        max over groups; zeros without a sync."""
+        """``{bucket: bytes}`` of one sync of ``fragment`` (default: the most "fl" bytes)."""
         if not self.fragments:
             return dict.fromkeys(BUCKETS, 0.0)
         if fragment is None:
@@ -189,7 +172,6 @@ class CommEstimate:
 
     @functools.cached_property
     def spans_nodes(self) -> dict[str, bool] | None:
-        """``{bucket: a process group of it spans nodes}``; None without ``ranks_per_node``."""
         if self.ranks_per_node is None:
             return None
         spans = {a: self.layout.spans_nodes(a, self.ranks_per_node) for a in AXES}
@@ -210,7 +192,6 @@ class CommEstimate:
     inter_node = property(lambda self: self._sum(self._node(True)))
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly summary (bytes per rank per step; per sync where named so)."""
         keys = ("sync_every", "num_fragments", "sync_delay", "sync_dtype", "params", "ranks_per_node", "spans_nodes",
                 "peak_sync_bytes", "total", "intra_group", "inter_group", "intra_node", "inter_node")
         return {"layout": self.layout.as_dict(), "by_axis": self.by_axis(), "by_group": self.by_group(),
@@ -222,11 +203,10 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
              sync_delay: int = 0, sync_bucket_mb: int = 256, sync_density: float = 1 / 64,
              sync_value_bits: int = 2) -> CommEstimate:
-    """Bytes per rank per optimizer step of ``layout`` training ``units`` (:func:`llama_units`,
-    :func:`units_from_module` or a parameter count); H, P, ``sync_dtype``, tau and
-    ``sync_bucket_mb`` (``sync_density``, ``sync_value_bits``) as FLConfig; bytes per gathered parameter / reduced gradient element;
-    A micro-batches; ``ranks_per_node`` enables the node split; ``total_steps`` T counts a
-    T-step run's syncs instead of 1/H per step. Raises ValueError naming the argument."""
+    """Bytes per rank per step of ``layout`` training ``units`` (ShardUnits or a parameter
+    count); sync arguments as FLConfig's; bytes per gathered parameter / reduced gradient;
+    A micro-batches; ``ranks_per_node``: the node split; ``total_steps`` T: a T-step run's
+    syncs instead of 1/H per step. ValueError naming the argument."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
@@ -272,22 +252,17 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
 
 def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit] | float, *,
                          ranks_per_node: int | None = None, **kw: Any) -> CommEstimate:
-    """:func:`estimate` with ``FLLayout.from_config`` and the config's sync_every,
-    num_fragments, sync_dtype, sync_delay, sync_bucket_mb, sync_density and sync_value_bits
-    (``kw`` overrides them).
-    Raises ValueError naming the FLConfig field or the argument."""
+    """:func:`estimate` of an FLConfig's layout and sync fields (``kw`` overrides them)."""
     layout = FLLayout.from_config(config, world_size, ranks_per_node)
     names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
              "sync_value_bits")
     return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 
-# ---------------------------------------------------------------------- time model
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per optimizer step: ``step_s`` = compute + FSDP comm + ``exposed_sync_s``;
-    ``comm_s_by_axis`` / ``comm_s``: link-busy seconds per step, syncs amortized (hidden
-    or not); ``tokens_per_s``: global, None without ``tokens_per_rank``."""
+    """``step_s`` = compute + FSDP comm + ``exposed_sync_s``; ``comm_s(_by_axis)``: link-busy
+    seconds per step (syncs amortized); ``tokens_per_s``: global, or None."""
 
     step_s: float
     comm_s: float
@@ -299,11 +274,9 @@ class StepTime:
 def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: float, inter_node_bw: float,
                       ranks_per_nic: int | Mapping[str, int] | None = None, latency_s: float = 0.0,
                       sync_delay: int | None = None, tokens_per_rank: float | None = None) -> StepTime:
-    """Step time of the slowest group (module docstring): ``compute_s`` seconds of compute per
-    step; bytes/s of a rank in a node and of a NIC per direction; ``ranks_per_nic`` sharing a
-    NIC, an int or ``{axis: int}`` (default ``layout.link_share``); ``latency_s`` per
-    collective; tau (default: the estimate's); ``tokens_per_rank`` per step. Raises
-    ValueError: no ``ranks_per_node`` in ``est``, a bandwidth <= 0, tau not in [0, H/P)."""
+    """Step time of the slowest group: bandwidths in bytes/s per direction; ``ranks_per_nic``
+    an int or ``{axis: int}`` (default ``layout.link_share``). ValueError: no
+    ``ranks_per_node`` in ``est``, a bandwidth <= 0, tau not in [0, H/P)."""
     compute_s, latency_s = _num("compute_s", compute_s, True), _num("latency_s", latency_s, True)
     intra, inter = _num("intra_node_bw", intra_node_bw), _num("inter_node_bw", inter_node_bw)
     tau = est.sync_delay if sync_delay is None else _int("sync_delay", sync_delay, minimum=0)

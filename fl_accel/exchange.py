@@ -1,43 +1,29 @@
 """The wire protocol of the sync: a weighted mean across federation groups, shard by shard.
 
-A :class:`Transport` is what the exchange needs from the network; :class:`MeshTransport`
-implements it on the mesh's "fl" and "dp_replicate" process groups. Each sync asks the
-transport for a :class:`Round` (F, this group's position, the weights), so membership may
-change from one sync to the next. The transport's collectives are an all-reduce (SUM), an
-``all_to_all_single`` and an all-gather into a ``[F, m]`` tensor (which a backend can build
-from ``allgather_into_tensor_coalesced``).
+A :class:`Transport` gives each sync a :class:`Round` (F, this group's position, the
+weights: membership may change between syncs) and three collectives over "fl": an
+all-reduce (SUM), ``all_to_all_single`` and an all-gather into ``[F, m]``.
+:class:`MeshTransport` runs them on the mesh's process groups. An :class:`Exchange` packs
+local tensors into flat fp32 buckets; collectives are issued from the caller's thread in
+program order, so every rank issues them in one order (as NCCL requires).
 
-An :class:`Exchange` packs a list of local tensors into flat fp32 buckets of at most
-``bucket_values`` values. A delayed exchange launches every bucket at once
-(:meth:`~Exchange.start`), moves on with :meth:`~Exchange.advance` and completes with
-:meth:`~Exchange.finish`; a blocking one (:meth:`~Exchange.run`) packs, launches and
-completes bucket by bucket with at most two buckets in flight, handing each bucket's
-means to a callback. Collectives are issued from the caller's thread in program order,
-so every rank issues them in the same order (what NCCL requires).
+Chunking (FL+HSDP's 1/R rule, unequal groups): a buffer is cut into ``C = R_min`` chunks;
+replica ``c < C`` of every group exchanges chunk c over "fl", then the group's replicas
+share the chunks over "dp_replicate" (all-gather if ``R_f == C``, else C broadcasts).
 
-Chunking (the 1/R rule of FL+HSDP, and unequal groups). A rank's flat buffer is cut into
-``C = R_min`` equal chunks; replica ``c < C`` of every group exchanges chunk ``c`` over
-"fl", so each shard crosses groups once; then the replicas of a group share the chunks
-over "dp_replicate" (an all-gather when ``R_f == C``, else one broadcast per chunk).
+Modes (``sync_dtype``), n fp32 values per rank, bytes on "fl":
 
-Modes (``sync_dtype``), for a buffer of n fp32 values per rank:
+* "fp32": all-reduce(SUM) (pre-scaled by w_f if weights differ, else divided by F):
+  2 (F-1)/F 4n.
+* "bf16" / "int8" (INTELLECT-1, arXiv 2412.01152; int8 with one fp32 absmax scale per
+  ``BLOCK`` = 256 values): quantize into F sub-chunks, ``all_to_all_single``, weighted fp32
+  sum of this rank's sub-chunk, re-quantize, all-gather: 2 (F-1)/F n b (b =
+  ``cost_model.SYNC_VALUE_BYTES``).
+* "sparse" (SparseLoCo, arXiv 2508.15706; :mod:`fl_accel.compress`): top-k per 4096
+  values, one all-gather of every group's payload, weighted fp32 sum of the decoded
+  values: (F-1) ``cost_model.sparse_bytes(n)``.
 
-* "fp32": all-reduce(SUM) of the values (pre-scaled by w_f when the weights are unequal,
-  divided by F afterwards when they are equal). Bytes on "fl": 2 (F-1)/F * 4n.
-* "bf16" / "int8" (INTELLECT-1, arXiv 2412.01152): each rank quantizes its buffer once
-  (bf16, or int8 with one fp32 absmax scale per ``BLOCK`` = 256 values) into F
-  sub-chunks, exchanges them with ``all_to_all_single`` (a reduce-scatter), sums its
-  sub-chunk in fp32 with the weights, re-quantizes the sum and all-gathers it. Payload and
-  scales travel in one uint8 buffer. Bytes on "fl": 2 (F-1)/F * n * b, with b =
-  ``fl_accel.cost_model.SYNC_VALUE_BYTES`` (2, or 1 + 4/256).
-* "sparse" (SparseLoCo, arXiv 2508.15706; :mod:`fl_accel.compress`): each rank keeps the
-  top-k of every 4096 values and codes them in ``value_bits``; one ``all_gather`` of every
-  group's payload (same size everywhere), each rank adds the groups' decoded values in
-  fp32 with the weights. Bytes on "fl": (F-1) ``cost_model.sparse_bytes(n)``, i.e. about
-  F (2 + bits/8) density / 8 of fp32's (the all-gather grows with F).
-
-Padding: n is rounded up to a multiple of C (fp32), C * F * BLOCK (bf16, int8) or C *
-4096 (sparse).
+n is padded to a multiple of C (fp32), C F BLOCK (bf16, int8) or C 4096 (sparse).
 """
 
 from __future__ import annotations
@@ -57,8 +43,7 @@ from .mesh import DP_REPLICATE, FL
 
 @dataclass(frozen=True)
 class Round:
-    """Who takes part in one sync: ``num_groups`` F, this group's ``position`` among them,
-    and the ``weights`` w_g of the average (g = 0..F-1, summing to 1)."""
+    """One sync's ``num_groups`` F, this group's ``position``, the ``weights`` w_g (sum 1)."""
 
     num_groups: int
     position: int
@@ -66,19 +51,18 @@ class Round:
 
 
 class Transport(Protocol):
-    """This rank's side of the exchange. Attributes: ``num_chunks`` C, ``chunk_index`` (this
-    rank's chunk, None when it sends nothing across groups) and ``device`` (where every
-    tensor given to a collective lives)."""
+    """This rank's side: ``num_chunks`` C, ``chunk_index`` (None: sends nothing across
+    groups), ``device`` (of every tensor given to a collective)."""
 
     num_chunks: int
     chunk_index: int | None
     device: torch.device
 
     def begin(self) -> Round:
-        """The membership of the sync starting now (called at every launch and check)."""
+        """The membership of the sync starting now."""
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        """SUM of ``tensor`` over the ranks holding this chunk in every group, in place."""
+        """In-place SUM over the ranks holding this chunk in every group."""
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Row g of ``input`` ``[F, m]`` goes to group g; row g of ``output`` comes from it."""
@@ -87,21 +71,16 @@ class Transport(Protocol):
         """Row g of ``output`` ``[F, m]`` is group g's ``input`` ``[m]``."""
 
     def share_chunks(self, flat: torch.Tensor) -> None:
-        """Give every replica of this group every chunk of ``flat`` (blocking)."""
+        """Give every replica of this group every chunk of ``flat``."""
 
     def bad_groups(self, local_bad: bool, rnd: Round) -> list[int]:
-        """Positions of the groups in which some rank reported ``local_bad`` (a collective)."""
+        """Positions of the groups where a rank reported ``local_bad`` (a collective)."""
 
 
 @dataclass
 class MeshTransport:
-    """:class:`Transport` on the mesh's process groups (the single-world mode).
-
-    Attributes: ``fl_group`` ("fl" process group, or None: F == 1 or no chunk here),
-    ``replicate_group`` ("dp_replicate", or None), ``round`` (fixed), ``num_chunks`` C,
-    ``chunk_index``, ``replicas`` R_f, ``chunk_owners`` (global rank of the owner of chunk
-    c in this group: broadcast sources when R_f > C), ``device``.
-    """
+    """:class:`Transport` on the mesh's process groups (one world): a fixed ``round``;
+    ``chunk_owners[c]``: the rank holding chunk c in this group (broadcast sources)."""
 
     fl_group: object
     replicate_group: object
@@ -114,7 +93,6 @@ class MeshTransport:
 
     @classmethod
     def from_mesh(cls, mesh, rank: int, weighting: str, device: torch.device) -> "MeshTransport":
-        """The transport of global ``rank`` on an :class:`~fl_accel.mesh.FLMesh`."""
         layout = mesh.layout
         f, r, s = layout.coords(rank)
         owner = r if r < layout.min_replicas else None
@@ -153,7 +131,6 @@ class MeshTransport:
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
 
-# ---------------------------------------------------------------------- the exchange
 class _Bucket:
     __slots__ = ("idx", "flat", "piece", "work", "recv", "sent", "gathered", "stage")
 
@@ -168,23 +145,14 @@ class _Bucket:
 
 
 class Exchange:
-    """One weighted mean of a list of tensors over ``transport`` for round ``rnd``.
-
-    Args:
-        sources: this rank's tensors, or callables returning them (called one at a time
-            while packing, so computed values never exist for all tensors at once).
-        shapes, device: of the sources (required with callables).
-        sync_dtype: "fp32" exact, "bf16"/"int8" quantized, or "sparse" (module docstring;
-            ``density``, ``value_bits`` as FLConfig's ``sync_density``, ``sync_value_bits``).
-        mask: per-group 0/1; groups flagged 0 contribute nothing and the weights are
-            renormalized over the others (the non-finite reset).
-        residuals: error feedback, one fp32 tensor per source (may live in host memory):
-            added to the values before quantization, then overwritten with what
-            quantization dropped from this rank's chunk.
-        bucket_values: fp32 values per bucket (``sync_bucket_mb``).
-
-    ``peak_bytes``: the most bytes the exchange's buffers held at once.
-    """
+    """One weighted mean of ``sources`` (tensors, or callables called one at a time while
+    packing; then ``shapes`` and ``device`` are required) over ``transport`` in round ``rnd``.
+    ``mask``: per-group 0/1, weights renormalized over the 1s (the non-finite reset);
+    ``residuals``: error feedback, fp32 per source (maybe on the host), added before
+    quantization and replaced by what it dropped of this rank's chunk; ``bucket_values``:
+    fp32 values per bucket; ``density``, ``value_bits``: "sparse". ``peak_bytes``: the most
+    the buffers held at once. ``start``/``advance``/``finish`` run a delayed exchange (all
+    buckets at once); ``run`` a blocking one."""
 
     def __init__(self, transport: Transport, rnd: Round, sources: list, *, shapes=None, device=None,
                  sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20,
@@ -204,7 +172,6 @@ class Exchange:
         self.stream = _side_stream(self.device)
         self.peak_bytes = 0
 
-    # ------------------------------------------------------------------ delayed use
     def start(self) -> "Exchange":
         """Pack every bucket and launch its "fl" collective without waiting."""
         for idx in self.plan:
@@ -217,19 +184,16 @@ class Exchange:
             self._advance(b)
 
     def finish(self) -> list[torch.Tensor]:
-        """Complete the exchange; returns one fp32 tensor per source (the weighted mean,
-        identical on every rank of every group)."""
+        """One fp32 mean per source, identical on every rank of every group."""
         out: list = [None] * len(self.shapes)
         for b in self.buckets:
             for i, m in zip(b.idx, self._complete(b)):
                 out[i] = m
         return out
 
-    # ------------------------------------------------------------------ blocking use
     def run(self, on_bucket: Callable[[list[int], list[torch.Tensor]], None]) -> None:
-        """Blocking exchange with at most two buckets in flight: pack and launch bucket
-        k+1, then complete bucket k and call ``on_bucket(indices, means)`` (the means are
-        views into the bucket, released after the call)."""
+        """Launch bucket k+1, then complete bucket k and call ``on_bucket(indices, means)``
+        (views into the bucket, released after the call)."""
         prev = None
         for idx in self.plan + [None]:
             cur = self._launch(self._pack(idx)) if idx is not None else None
@@ -238,7 +202,6 @@ class Exchange:
                 self.buckets.remove(prev)
             prev = cur
 
-    # ------------------------------------------------------------------ stages of a bucket
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
@@ -299,8 +262,7 @@ class Exchange:
         return b
 
     def _store_residual(self, b: _Bucket, dropped: torch.Tensor) -> None:
-        """residual <- (value + old residual) - dequantized(sent), on this rank's chunk only
-        (one blocking device-to-host copy of the chunk for residuals in host memory)."""
+        """residual <- (value + old residual) - decoded(sent), on this rank's chunk only."""
         dropped = dropped.to(self.residuals[b.idx[0]].device)
         size = b.flat.numel() // self.t.num_chunks
         lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
@@ -357,8 +319,7 @@ class Exchange:
 
 
 def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
-    """The weighted mean of ``tensors`` over the transport's current round (one delayed
-    exchange completed at once; for tests and tools)."""
+    """The weighted mean of ``tensors`` over the transport's round (for tests and tools)."""
     return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()
 
 
@@ -366,8 +327,7 @@ _STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device):
-    """A CUDA stream for packing and quantizing off the compute stream (torchft's habit);
-    None on CPU. It first waits for the compute stream, so it reads finished values."""
+    """A CUDA stream (None on CPU) for packing off the compute stream, after waiting for it."""
     if device.type != "cuda":
         return None
     stream = _STREAMS.get(device)

@@ -1,7 +1,6 @@
-"""Typed field values: the type check and the text parsing shared by FLConfig (YAML and
-``FL_ACCEL_<FIELD>`` variables) and the recipe's argument parser, so both accept and refuse
-the same values with the same words. Pure Python: every rank raises the same ``ValueError``
-before any collective.
+"""Typed field values: the type check and text parsing shared by FLConfig (YAML,
+``FL_ACCEL_<FIELD>``) and the recipe's parser, which accept and refuse the same values with
+the same words (a ``ValueError`` on every rank, before any collective).
 """
 
 from __future__ import annotations
@@ -16,11 +15,7 @@ import yaml
 
 
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
-    """Read a YAML file holding a mapping (an empty file is ``{}``).
-
-    Raises:
-        ValueError: unreadable file, invalid YAML, non-UTF-8 text, or not a mapping.
-    """
+    """A YAML mapping (empty file: ``{}``). ValueError: unreadable, invalid, not a mapping."""
     try:
         with open(path, encoding="utf-8") as fh:
             loaded = yaml.safe_load(fh)
@@ -39,7 +34,6 @@ def _type_hints(cls) -> dict[str, Any]:
 
 
 def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    """``(X, True)`` for ``X | None``, else ``(hint, False)``."""
     args = get_args(hint)
     if type(None) in args and typing.get_origin(hint) is not Literal:
         return next(a for a in args if a is not type(None)), True
@@ -47,10 +41,8 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
 
 
 def check_type(label: str, value: Any, hint: Any) -> None:
-    """Raise ValueError ``"<label> must be ..."`` unless ``value`` fits the annotation
-    ``hint``: a Literal's choices, ``X | None``, ``list[int]``, bool, int (not bool),
-    float (int or float, not bool), str. ``label`` is e.g. ``FLConfig.sync_every`` or
-    ``--seq_len``."""
+    """ValueError ``"<label> must be ..."`` unless ``value`` fits ``hint``: Literal, ``X | None``,
+    ``list[int]``, bool, int, float (int or float), str (bool is no number)."""
     hint, optional = _unwrap_optional(hint)
     if optional and value is None:
         return
@@ -71,11 +63,7 @@ def check_type(label: str, value: Any, hint: Any) -> None:
 
 
 def parse_env_value(var: str, raw: str, hint: Any) -> Any:
-    """Parse the text of environment variable ``var`` into the type annotated by ``hint``.
-
-    Raises:
-        ValueError: naming the variable when the text does not parse.
-    """
+    """Parse variable ``var``'s text as ``hint``; ValueError naming ``var``."""
     text = raw.strip()
     hint, optional = _unwrap_optional(hint)
     if optional and text.lower() in ("", "none", "null"):
@@ -95,21 +83,15 @@ def parse_env_value(var: str, raw: str, hint: Any) -> Any:
 
 
 ENV_PREFIX = "FL_ACCEL_"
-TEST_ENV_PREFIX = "FL_ACCEL_TEST_"
-"""Test hooks (``FL_ACCEL_TEST_FAULT_INJECT``, ...): skipped by :func:`env_overrides`."""
+TEST_ENV_PREFIX = "FL_ACCEL_TEST_"  # test hooks (FL_ACCEL_TEST_FAULT_INJECT, ...), skipped
 
 
-# ---------------------------------------------------------------------- FL_ACCEL_* variables (FLConfig, recipes/args.py)
 def resolve_sources(cls, yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
                     environ: Mapping[str, str] | None = None,
                     overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """For the dataclass ``cls`` (FLConfig): merge YAML values < ``FL_ACCEL_<FIELD>`` variables of ``environ`` (default
-    ``os.environ``) < ``overrides`` (None values skipped). Returns ``(values, sources)``:
-    ``sources[field]`` is ``yaml_source``, the variable's name, or "override".
-
-    Raises:
-        ValueError: an unknown or unparsable ``FL_ACCEL_*`` variable.
-    """
+    """Merge YAML < ``FL_ACCEL_<FIELD>`` of ``environ`` (default ``os.environ``) < ``overrides``
+    (None skipped) for the dataclass ``cls``. Returns ``(values, sources)``, a source being
+    ``yaml_source``, the variable or "override". ValueError: a bad ``FL_ACCEL_*`` variable."""
     values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
     env = env_overrides(os.environ if environ is None else environ, cls)
     values.update(env)
@@ -121,12 +103,8 @@ def resolve_sources(cls, yaml_values: Mapping[str, Any] | None = None, yaml_sour
 
 
 def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
-    """Parse the ``FL_ACCEL_<FIELD>`` variables of ``environ`` into typed values of ``cls``'s
-    fields; ``FL_ACCEL_TEST_*`` (test hooks) are skipped.
-
-    Raises:
-        ValueError: for an unknown ``FL_ACCEL_*`` name or an unparsable value.
-    """
+    """``cls``'s (default FLConfig) typed values from the ``FL_ACCEL_<FIELD>`` variables.
+    ValueError: an unknown ``FL_ACCEL_*`` name or an unparsable value."""
     if cls is None:
         from .config import FLConfig as cls
     by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}

@@ -1,18 +1,14 @@
-"""Torch-only helpers around FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13).
+"""Torch-only helpers around FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13),
+functions of (model, layout, device), testable on a one-process group. Relied on:
 
-Functions of (model, mesh/layout, device): no Accelerate here, so each can be tested
-on a one-process group. What they rely on:
-
-* FSDP2 parameters are DTensors whose ``to_local()`` is this rank's shard; the shard
-  layout is that of ``distribute_tensor`` with the same mesh and placements.
-* ``fully_shard.state(module)`` is shared by the modules of one ``fully_shard`` call
-  (a unit; Accelerate shards [final norm, lm_head] as one), see :func:`fsdp_units`.
-* ``FSDPModule.reshard()`` frees a unit's unsharded parameters (no-op when sharded);
-  ``FSDPModule.reset_iter_state()`` reshards every unit and clears the post-forward
-  order FSDP2 keeps until the end of a backward, see :func:`track_forward_only`.
-* Activation checkpointing (``checkpoint_wrapper``) inserts ``_checkpoint_wrapped_module.``
-  and ``torch.compile(module)`` ``_orig_mod.`` into parameter names; DCP's
-  ``get_model_state_dict`` strips both, :func:`canonical_name` does the same for ours.
+* FSDP2 parameters are DTensors whose ``to_local()`` is this rank's shard, laid out as
+  ``distribute_tensor`` with the same mesh and placements lays it out.
+* ``fully_shard.state(module)`` is shared by the modules of one ``fully_shard`` call (a
+  unit; Accelerate shards [final norm, lm_head] as one).
+* ``FSDPModule.reshard()`` frees a unit's unsharded parameters; ``reset_iter_state()``
+  reshards every unit and clears the post-forward order kept until a backward ends.
+* ``checkpoint_wrapper`` inserts ``_checkpoint_wrapped_module.`` and ``torch.compile``
+  ``_orig_mod.`` into parameter names; DCP's ``get_model_state_dict`` strips both.
 """
 
 from __future__ import annotations
@@ -24,27 +20,21 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a (DTensor) parameter or state tensor, as a plain tensor."""
+    """The rank-local tensor of a DTensor (a plain tensor as it is)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def canonical_name(name: str) -> str:
-    """``name`` without the activation-checkpointing and compile wrappers' prefixes, so a
-    parameter has one name with or without them (checkpoints resume across the switch)."""
+    """``name`` without the AC and compile wrappers' prefixes (checkpoints resume across them)."""
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
 
 
 def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
-    """Indices into ``params`` per FSDP unit (one ``fully_shard`` call), in forward order.
-
-    Units are the public ``FSDPModule``s of ``model``, grouped by their shared
-    ``fully_shard.state``; a unit holds the parameters of its modules that no nested
-    ``FSDPModule`` holds, each parameter in the first unit reaching it (tied weights).
-    Order: module registration (embedding, layer 0, ..., tail), the root unit last;
-    parameters no unit holds form one unit each.
-    """
+    """Indices into ``params`` per FSDP unit (``FSDPModule``s grouped by ``fully_shard.state``),
+    in registration order, root last: the parameters no nested unit holds, each in the first
+    unit reaching it (tied weights); parameters of no unit form one unit each."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     index = {id(p): i for i, p in enumerate(params)}
@@ -73,16 +63,11 @@ def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int = 0) -> None:
-    """Allocate a model sharded on the meta device and initialize it, shard by shard.
-
-    Modules are visited children first (transformers' order); each module's parameters
-    are created at their full shape on ``device``, ``init_fn(module)`` initializes them
-    (e.g. a transformers model's ``_init_weights``, which also recomputes RoPE buffers),
-    and this rank keeps its shard (``distribute_tensor(..., src_data_rank=None)``: no
-    communication). Peak memory: the sharded model plus the largest module. The values
-    are those a full initialization after ``torch.manual_seed(seed)`` gives, on every
-    rank alike; a tied parameter is initialized once.
-    """
+    """Allocate and initialize a model sharded on the meta device, module by module (children
+    first): full-shape parameters on ``device``, ``init_fn(module)`` (e.g. transformers'
+    ``_init_weights``), keep this rank's shard (``distribute_tensor(src_data_rank=None)``, no
+    communication). Values as a full init after ``torch.manual_seed(seed)``; peak memory the
+    sharded model plus the largest module."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     model.to_empty(device=device)
@@ -117,12 +102,8 @@ def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int
 
 
 def reshard(models) -> None:
-    """Free every FSDP2 unit's unsharded parameters (``FSDPModule.reshard``).
-
-    Call before writing local shards: a forward without backward (an evaluation) leaves
-    the tail unit, sharded with ``reshard_after_forward=False``, unsharded, and the next
-    forward's ``unshard()`` is then a no-op that would compute with stale full weights.
-    """
+    """Free every unit's unsharded parameters; call before writing local shards (an evaluation
+    leaves the tail unit unsharded, and the next forward would use stale full weights)."""
     from torch.distributed.fsdp import FSDPModule
 
     for model in models:
@@ -132,16 +113,10 @@ def reshard(models) -> None:
 
 
 def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
-    """Reset FSDP2's per-iteration state before the first forward with grad that follows
-    forwards without grad (an evaluation), so the next backward does no wasted all-gather.
-
-    FSDP2 records each unit in its post-forward order also under ``no_grad`` and clears
-    that order only at the end of a backward; the next backward's prefetch would then
-    all-gather the evaluation's last unit for nothing. ``reset_iter_state()`` is called on
-    the root in a forward pre-hook, ahead of FSDP2's own, unless ``accumulating()`` (it
-    discards no-sync gradient-accumulation state). Values are unchanged. Returns the hook
-    handle, or None for a model that is not an ``FSDPModule``.
-    """
+    """``reset_iter_state()`` before the first forward with grad after ``no_grad`` forwards (an
+    evaluation, which FSDP2 records in its post-forward order until a backward ends: the
+    next backward would all-gather its last unit for nothing), unless ``accumulating()``.
+    Returns the hook handle, or None for a model that is not an ``FSDPModule``."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -161,11 +136,9 @@ def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
 
 @torch.no_grad()
 def check_replicas_identical(model: torch.nn.Module, layout, rank: int, device: torch.device) -> None:
-    """Raise ValueError on every rank unless all groups and replicas hold identical
-    parameters: three fp64 checksums of each rank's shards (sum, sum of squares, a
-    position-weighted sum), all-reduced over the world, compared between ranks with the
-    same shard coordinate. Shards are summed in chunks of 2**20 values (a few MiB of fp64
-    temporaries). Collective over the default process group."""
+    """ValueError on every rank unless all groups and replicas hold identical parameters:
+    fp64 sum, sum of squares and position-weighted sum per rank (in 2**20-value chunks),
+    all-reduced over the world, compared per shard coordinate. Collective."""
     world = layout.world_size
     sums = torch.zeros(world, 3, dtype=torch.float64, device=device)
     chunk = 1 << 20

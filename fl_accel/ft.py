@@ -1,40 +1,27 @@
 """Federation groups that fail alone: the "fl" exchange over torchft's managed process group.
 
-With ``FLConfig(fault_tolerance="torchft")`` each federation group is its own launch (a
-torch.distributed world of its G ranks, FSDP2 inside it). Across groups the sync uses
-torchft 0.2.0 (``torchft/manager.py``, ``torchft/process_group.py``) for membership,
-quorum, the reconfigurable process group and recovery only; the exchange, the outer
-step and the schedule stay ours (:mod:`fl_accel.exchange`, :mod:`fl_accel.sync`).
+With ``fault_tolerance="torchft"`` each group is its own launch (a world of its G ranks,
+FSDP2 inside). torchft 0.2.0 (``torchft/manager.py``, ``process_group.py``) provides
+membership, quorum, the reconfigurable process group and recovery; the exchange, outer
+step and schedule stay ours. Relied on (torchft 0.2.0):
 
-What torchft does, and what we rely on (read in torchft 0.2.0):
-
-* One ``Manager`` per rank; the group's rank 0 hosts its ``ManagerServer``, which asks
-  the Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups (at once
-  when the previous quorum's members all asked again, else after the join timeout).
+* One ``Manager`` per rank; the group's rank 0 hosts the ``ManagerServer`` that asks the
+  Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups.
 * ``start_quorum()`` (``use_async_quorum=False``) blocks until the quorum is known,
-  reconfigures the managed process group when the membership changed (rank k of every
-  live group is "participating rank" ``manager.participating_rank()`` of
-  ``manager.num_participants()``), and heals: a group whose committed step
-  (``manager.current_step()``) is behind the quorum's maximum downloads the state of a
-  group at that step over HTTP and applies it through the ``load_state_dict`` callback.
-* ``should_commit()`` is a vote of the group's ranks: False when any of them reported
-  an error (``report_error``) or its process group errored. The committed step then
-  does not advance, so the next quorum heals the group from one that committed.
-* On the managed process group only ``allreduce``, ``alltoall_base`` and
-  ``allgather_into_tensor_coalesced`` are used (``dist.all_gather_into_tensor`` fails
-  there: the group is not in the world's group map).
+  reconfigures the managed group on a membership change (rank k of every live group is
+  ``participating_rank()`` of ``num_participants()``), and heals a group whose
+  ``current_step()`` is behind the quorum's max: it downloads a live group's state over
+  HTTP and applies it with the ``load_state_dict`` callback.
+* ``should_commit()`` is a vote of the group's ranks, False after any ``report_error``;
+  the committed step then stays, so the next quorum heals the group.
+* Only ``allreduce``, ``alltoall_base`` and ``allgather_into_tensor_coalesced`` are used on
+  the managed group (``dist.all_gather_into_tensor`` fails: not in the world's group map).
 
-Known torchft limits handled here:
-
-* torchft keeps its keys (the ManagerServer's address, the managed group's rendezvous
-  ``torchft/<quorum>/<rank>``) in the store it is given, and ``torchrun`` keeps one store
-  across ``--max-restarts`` attempts (torch 2.13: attempt 1 saw attempt 0's keys), so an
-  attempt could read the previous attempt's ``manager_addr``: each attempt gets a store
-  of its own (:func:`_attempt_store`);
-* torchft #343: recovering group i, rank k heals from up-to-date group ``(i + k) mod U``
-  (``src/manager.rs`` ``compute_quorum_results``), so with F >= 3 the ranks of one group
-  heal from different groups, which differ mid-round. :class:`_AgreedClient` makes every
-  rank of a group use its rank 0's recovery assignment (source and destinations).
+Limits handled: torchft keeps its keys in the store it is given, which ``torchrun`` keeps
+across ``--max-restarts`` attempts, so each attempt gets its own (:func:`_attempt_store`);
+torchft #343: recovering rank k of group i heals from group ``(i + k) mod U``
+(``src/manager.rs``), so with F >= 3 a group's ranks would heal from different groups:
+:class:`_AgreedClient` makes them all use rank 0's assignment.
 """
 
 from __future__ import annotations
@@ -55,18 +42,16 @@ from .exchange import MeshTransport, Round
 logger = logging.getLogger(__name__)
 
 
-class _Done:
-    def wait(self, timeout=None) -> bool:  # a finished (or abandoned) collective
-        return True
-
-
 class _Reported:
-    """A collective whose failure is reported to the Manager, not raised; ``on_wait(s)``: its wait's seconds."""
+    """A collective (None: abandoned) whose failure is reported to the Manager, not raised;
+    ``on_wait(seconds)``."""
 
     def __init__(self, work, manager, on_wait=None):
         self.work, self.manager, self.on_wait = work, manager, on_wait
 
     def wait(self, timeout=None) -> bool:
+        if self.work is None:
+            return True
         t0 = time.perf_counter()
         try:
             self.work.wait()
@@ -95,13 +80,9 @@ RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_addr
 
 
 class _AgreedClient:
-    """Wraps a Manager's ``ManagerClient``: after each quorum (on torchft's quorum thread,
-    while the main thread waits in ``start_quorum``) the group's ranks take rank 0's
-    :data:`RECOVERY_FIELDS` (``broadcast_object_list`` over ``group``, a gloo group of the
-    group's ranks) and record the heal in ``transport.heal_sources``: the quorum id, the
-    source group's replica id (the one every rank healed from) and the one torchft had
-    assigned to this rank; ``transport.behind`` is the number of groups behind the
-    quorum's max step. Everything else is the ManagerClient's."""
+    """A Manager's ``ManagerClient`` whose quorums (on torchft's quorum thread) carry rank 0's
+    :data:`RECOVERY_FIELDS` (broadcast over ``group``, gloo) and record each heal in
+    ``transport.heal_sources`` (quorum id, the source used, the one torchft assigned)."""
 
     def __init__(self, client, group, transport: "ManagedTransport"):
         self._client, self._group, self._transport = client, group, transport
@@ -129,86 +110,65 @@ class _AgreedClient:
 class ManagedTransport:
     """:class:`~fl_accel.exchange.Transport` over torchft's managed process group.
 
-    Each sync event opens a round with :meth:`begin` (a torchft quorum; the round stays
-    open, so a delayed exchange keeps its process group until it is applied) and closes
-    it with :meth:`should_commit`. The round's F is the number of live groups, the
-    position this group's participating rank, and the weights ``1/F`` (in a quorum where
-    groups heal: 0 for them, 1/(F - H) for the others; "size" = "uniform" for equal groups).
-
-    Attributes: ``manager`` (``torchft.Manager``), ``pg`` (its managed process group),
-    ``num_chunks``/``chunk_index`` (the 1/R rule of FL+HSDP: HSDP replica r of a group
-    exchanges chunk r of every shard with replica r of the other groups, then the
-    replicas share the chunks over "dp_replicate" inside the group), ``device``,
-    ``healed`` (True from a :meth:`begin` that healed this group until the next quorum),
-    ``heals`` (how many times it healed), ``heal_sources`` (per heal: quorum id, the
-    source group's replica id, the one torchft had assigned to this rank; see
-    :class:`_AgreedClient`), ``round`` (the open round or None), ``seconds`` (host seconds
-    spent in torchft's quorums, heals included, and commit votes; the number of quorums).
+    :meth:`begin` opens a round (a quorum; it stays open so a delayed exchange keeps its
+    group) and :meth:`should_commit` closes it. F is the number of live groups, weights
+    1/F (0 for groups healing in the quorum, 1/(F - H) for the others). Chunks and device
+    are ``inside``'s (replica r exchanges chunk r). ``healed``: the last quorum
+    healed this group; ``heals``: how often; ``seconds``: host seconds in quorums (heals
+    included) and commit votes, and the number of quorums.
     """
 
     manager: object
     pg: object
     inside: MeshTransport
-    num_chunks: int = 1
-    chunk_index: int | None = 0
-    device: torch.device = torch.device("cpu")
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
     init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
-    elastic = True  # membership is decided at every sync (the synchronizer asks begin() before acting)
+    elastic = True  # membership is decided at every sync
+    num_chunks = property(lambda self: self.inside.num_chunks)
+    chunk_index = property(lambda self: self.inside.chunk_index)
+    device = property(lambda self: self.inside.device)
 
     def __post_init__(self):
         self.round: Round | None = None
         self.healed, self.heals = False, 0
-        self.heal_sources: list[dict] = []  # one entry per heal (_AgreedClient)
-        self.behind = 0  # groups of the last quorum behind its max step (they heal in it; _AgreedClient)
-        self.max_step = 0  # the last quorum's max committed step (_AgreedClient)
-        self.seconds = {"quorum": 0.0, "commit": 0.0, "quorums": 0}  # host time in start_quorum / should_commit
+        self.heal_sources: list[dict] = []
+        self.behind = 0  # groups of the last quorum behind its max step (they heal in it)
+        self.max_step = 0  # the last quorum's max committed step
+        self.seconds = {"quorum": 0.0, "commit": 0.0, "quorums": 0}
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
-               timeout: timedelta, device: torch.device, inside: MeshTransport, replica_index: int,
-               replicas: int, save: Callable[[], dict], load: Callable[[dict], None],
+               timeout: timedelta, inside: MeshTransport, save: Callable[[], dict], load: Callable[[dict], None],
                init_sum: float | None = None) -> "ManagedTransport":
-        """Create this rank's torchft Manager (replica id ``fl_accel_group_<f>``, synchronous
-        quorum, ``min_replica_size=1``, ``init_sync=False``: the groups start from
-        identical seeded parameters; its keys in :func:`_attempt_store`) and its managed
-        ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA), every wait bounded by
-        ``timeout``. ``save()``/``load(state)``: the recovery callbacks
-        (:func:`fl_accel.ft_state.capture`/``restore``). Collective over the group's world.
-
-        Raises:
-            ImportError: torchft is not installed (``pip install torchft==0.2.0``).
-        """
+        """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
+        ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
+        ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
+        callbacks (:mod:`fl_accel.ft_state`). Collective over the group's world. ImportError
+        without torchft."""
         from torchft import Manager
         from torchft.checkpointing import HTTPTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, num_chunks=replicas, chunk_index=replica_index,
-                        device=device, init_sum=init_sum)
+        pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum)
 
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
             load(state)
 
-        def make():
-            return Manager(pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1,
-                           use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                           rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr,
-                           store_addr=store_addr, store_port=store_port,
-                           replica_id=f"fl_accel_group_{group_index}", init_sync=False,
-                           checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
-
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
         store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
-        transport.manager = make()
+        transport.manager = Manager(
+            pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_size,
+            lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
+            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
+            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
         transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
         return transport
 
-    # ------------------------------------------------------------------ rounds
     def begin(self) -> Round:
-        """The round of the sync event starting now: a torchft quorum (blocking; may heal
-        this group through the ``load`` callback) unless a round is open."""
+        """The open round, or a new quorum's (blocking; it may heal this group)."""
         if self.round is None:
             self.healed, t0 = False, time.perf_counter()
             self.manager.start_quorum()
@@ -229,11 +189,7 @@ class ManagedTransport:
         return self.round
 
     def _check_identical(self, num: int, position: int) -> None:
-        """The start-up identity check across groups (in every quorum before the first
-        commit): ``init_sum`` of every live group, compared over the managed group.
-
-        Raises:
-            ValueError: on every rank of every live group, the groups' checksums differ."""
+        """Before the first commit: ValueError on every rank when the groups' ``init_sum`` differ."""
         sums = torch.zeros(num, dtype=torch.float64, device=self.device)
         sums[position] = self.init_sum
         self.all_reduce(sums)
@@ -246,10 +202,8 @@ class ManagedTransport:
                              f"in every group (accelerate.utils.set_seed before creating it)")
 
     def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
-        """Weights 1/(F - H) over the groups that did not heal in this quorum, 0 for the H
-        that did (each holds a copy of its source's values, which would otherwise weigh
-        twice). Which groups healed: a SUM of 0/1 flags over the managed group; every group
-        of the quorum runs it, since all of them see the same ``behind`` count."""
+        """0 for the H groups that healed in this quorum (copies of their source, which would
+        weigh twice), 1/(F - H) for the others; every group runs the flags' SUM."""
         flags = torch.zeros(num, dtype=torch.float32, device=self.device)
         flags[position] = float(self.healed)
         self.all_reduce(flags)
@@ -259,8 +213,7 @@ class ManagedTransport:
         return tuple(1.0 / len(live) if g in live else 0.0 for g in range(num))
 
     def should_commit(self) -> bool:
-        """torchft's vote of this group's ranks (False after any reported error); closes
-        the round. Collective over the group's ranks."""
+        """torchft's vote of the group's ranks; closes the round. Collective."""
         t0 = time.perf_counter()
         try:
             return bool(self.manager.should_commit())
@@ -268,56 +221,46 @@ class ManagedTransport:
             self.round = None
             self.seconds["commit"] += time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ collectives
-    def _call(self, launch, op: str | None = None, tensor=None):
-        """Launch a collective on the managed group. While ``meter`` (the accelerator's
-        :class:`~fl_accel.comm.CommMeter`) is entered, it is counted in the "fl" bucket as
-        :mod:`fl_accel.comm` counts the single world's: ring bytes of ``tensor`` over the
-        round's F, host seconds in the call and its ``wait()``."""
-        if self.manager.errored() is not None:  # the round is lost: skip what is left of it
-            return _Done()
+    def _call(self, launch, op: str, tensor, async_op: bool):
+        """Launch a collective on the managed group (none once the round is lost) and wait for it
+        unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
+        the single world's, while it is entered."""
         from . import comm
 
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
-        try:
-            t0 = time.perf_counter()
-            work = launch()
-        except Exception as exc:
-            _report(self.manager, exc)
-            return _Done()
-        if meter is None or op is None:
-            return _Reported(work, self.manager)
-        num = self.round.num_groups if self.round is not None else 1
-        meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
-                           time.perf_counter() - t0)
-        return _Reported(work, self.manager, lambda s: meter._add_seconds("fl", s))
-
-    @staticmethod
-    def _finish(work, async_op: bool):
+        work, t0 = None, time.perf_counter()
+        if self.manager.errored() is None:
+            try:
+                work = launch()
+            except Exception as exc:
+                _report(self.manager, exc)
+        if work is not None and meter is not None:
+            num = self.round.num_groups if self.round is not None else 1
+            meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
+                               time.perf_counter() - t0)
+        work = _Reported(work, self.manager, meter and (lambda s: meter._add_seconds("fl", s)))
         if async_op:
             return work
         work.wait()
-        return None
 
     def all_reduce(self, tensor, async_op=False):
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._finish(self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor), async_op)
+        return self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, async_op)
 
     def all_to_all(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()),
-                                       "all_to_all", input), async_op)
+        return self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()), "all_to_all",
+                          input, async_op)
 
     def all_gather(self, output, input, async_op=False):
-        return self._finish(self._call(lambda: self.pg.allgather_into_tensor_coalesced(
-            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output), async_op)
+        return self._call(lambda: self.pg.allgather_into_tensor_coalesced(
+            [output.view(-1)], [input.reshape(-1)], AllgatherOptions()), "all_gather", output, async_op)
 
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)
 
     def bad_groups(self, local_bad, rnd):
-        """Any rank of this group bad (a MAX over the group's world), then the flags of
-        every live group (a SUM over the managed group). Empty when the round failed."""
+        """A MAX over the group's world, then a SUM over the live groups; empty if the round failed."""
         flag = torch.tensor([float(local_bad)], dtype=torch.float32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         flags = torch.zeros(rnd.num_groups, dtype=torch.float32, device=self.device)
@@ -328,23 +271,19 @@ class ManagedTransport:
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
     def state_dict(self) -> dict:
-        """For this group's checkpoints: the Manager's committed step and batches (torchft
-        heals a group whose step is behind the quorum's maximum)."""
+        """The Manager's committed step, for this group's checkpoints."""
         return {"manager": self.manager.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.manager.load_state_dict(state["manager"])
 
     def shutdown(self) -> None:
-        """Stop this rank's Manager (its ManagerServer and checkpoint server)."""
         self.manager.shutdown(wait=False)
 
 
 def _attempt_store(group_rank: int, group, timeout: timedelta):
-    """``(host, port, server)``: a TCPStore for this launch attempt's torchft keys, served by
-    the group's rank 0 (``server``; None elsewhere) on a free port of ``MASTER_ADDR``
-    (rank 0's node under torchrun, the address torchft itself would use), the port sent
-    to the group's ranks over ``group``. A new attempt starts with no keys."""
+    """``(host, port, server)``: a fresh TCPStore for this attempt's torchft keys, served by
+    the group's rank 0 on a free port of ``MASTER_ADDR`` (port broadcast over ``group``)."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if group_rank == 0 \
         else None

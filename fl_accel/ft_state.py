@@ -1,9 +1,5 @@
-"""What a group healing from a live one takes over (``fault_tolerance="torchft"``).
-
-torchft 0.2.0's Manager calls the ``state_dict`` callback on a live group and the
-``load_state_dict`` callback on the healing one (:mod:`fl_accel.ft`); these are
-:func:`capture` and :func:`restore`, over the synchronizer's state, the inner
-optimizer's and the LR schedulers'.
+"""What a group healing from a live one takes over (``fault_tolerance="torchft"``): torchft
+0.2.0's Manager calls :func:`capture` on a live group and :func:`restore` on the healing one.
 """
 
 from __future__ import annotations
@@ -14,13 +10,9 @@ from .fsdp import local
 
 
 def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
-    """What a group needs to continue as the group it heals from (per rank, plain local
-    tensors, cloned): ``params`` (local shards), ``optimizer`` (inner optimizer state per
-    parameter index and the param groups' hyperparameters, lr included), ``outer``
-    (anchor and outer momentum), ``schedule`` (the sync counters, fragment phase
-    included), ``schedulers`` (LR schedulers' state dicts) and ``extra``. Error-feedback
-    residuals and the data position are each group's own and are not sent. Called by
-    torchft on the quorum thread while the main thread waits in :meth:`ManagedTransport.begin`."""
+    """Cloned local tensors to continue as this group: ``params``, ``optimizer`` (state and
+    hyperparameters), ``outer`` (anchor, momentum), ``schedule``, ``schedulers``, ``extra``;
+    not the residuals or data position (each group's own). On torchft's quorum thread."""
     opt = sync.optimizer
     state = {}
     for i, p in enumerate(sync.params):
@@ -40,13 +32,8 @@ def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
 
 @torch.no_grad()
 def restore(sync, schedulers: list, state: dict) -> None:
-    """Inverse of :func:`capture` on the healing group (main thread, inside
-    :meth:`ManagedTransport.begin`); the error-feedback residuals are zeroed and nothing
-    is in flight afterwards. The caller reshards the model first and applies ``extra``.
-
-    Raises:
-        ValueError: the state's parameter count or shard shapes differ from this model's.
-    """
+    """Inverse of :func:`capture` (residuals zeroed, nothing in flight); the caller reshards
+    first and applies ``extra``. ValueError: parameter count or shard shapes differ."""
     params = sync.params
     if len(state["params"]) != len(params) or any(
             tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):

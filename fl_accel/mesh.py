@@ -1,25 +1,14 @@
-"""The only module that knows the layout of the world: sizes, coordinates, axes, nodes;
+"""The only module that knows the layout of the world (sizes, coordinates, axes, nodes),
 and the process bootstrap (default process group, every mesh sub-group).
 
-Federation groups are contiguous blocks of ranks (paper Sec. 3, as in the authors'
-reference code). Group ``f`` holds ``G_f`` ranks, split into ``R_f = G_f / S`` HSDP
-replicas of ``S`` shards; global rank ``k`` of group ``f`` (offset ``o_f``) sits at
-coordinate ``(f, r, s)`` with ``k = o_f + r*S + s`` (row-major, as a DeviceMesh of shape
-``(F, R, S)``). With ``--nproc_per_node`` equal to the group size a group is one node,
-so intra-group FSDP traffic stays on fast links and only the sync crosses nodes.
-
-Axes (the process groups a rank belongs to):
-
-* ``dp_shard``: the S ranks of one model copy (same f, r);
-* ``dp_replicate``: the R_f replicas of a shard inside group f (same f, s);
-* ``fl``: the ranks that exchange a shard across groups. With equal groups these are
-  the F ranks with the same (r, s). With unequal groups the shard is exchanged in
-  ``R_min = min_f R_f`` chunks: chunk c by replica c of every group, so the ranks with
-  ``r < R_min`` form the "fl" groups and the others receive the result from their
-  group's replicas (see :mod:`fl_accel.exchange`).
-
-:class:`FLLayout` is pure arithmetic (no processes); :func:`build_mesh` creates the
-process groups, every one of them with the collective timeout.
+Federation groups are contiguous rank blocks (paper Sec. 3). Group ``f`` holds ``G_f =
+R_f * S`` ranks (``R_f`` HSDP replicas of ``S`` shards); its global rank ``k = o_f + r*S
++ s`` sits at ``(f, r, s)`` (row-major, a DeviceMesh ``(F, R, S)`` for equal groups).
+Axes: ``dp_shard`` the S ranks of one model copy; ``dp_replicate`` the R_f replicas of a
+shard in group f; ``fl`` the ranks exchanging a shard across groups: with equal groups the
+F ranks with the same (r, s); with unequal ones the shard goes in ``R_min = min_f R_f``
+chunks, chunk c by replica c of every group (ranks with ``r >= R_min`` receive it from
+their group, :mod:`fl_accel.exchange`).
 """
 
 from __future__ import annotations
@@ -33,34 +22,23 @@ from typing import Any
 ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
 AXES = (FL, DP_REPLICATE, DP_SHARD)
-WORLD = "world"
-"""Name of the comm bucket for collectives over the whole world (not a mesh axis)."""
-BUCKETS = AXES + (WORLD,)
-"""The comm accounting buckets (:mod:`fl_accel.comm`, :mod:`fl_accel.cost_model`)."""
-FSDP_SHARD_DIM = "dp_shard_cp"
-"""The name of the "dp_shard" dim in the DeviceMesh handed to Accelerate, which its
-``fsdp2_prepare_model`` slices (``ParallelismConfig.fsdp_dim_names``, accelerate 1.15)."""
+WORLD = "world"  # the comm bucket of the default process group (not a mesh axis)
+BUCKETS = AXES + (WORLD,)  # the comm accounting buckets (fl_accel.comm, fl_accel.cost_model)
+FSDP_SHARD_DIM = "dp_shard_cp"  # "dp_shard" as accelerate 1.15 fsdp2_prepare_model slices it (fsdp_dim_names)
 
 
 def is_federated(algorithm: str) -> bool:
-    """True for "fl_fsdp" and "fl_hsdp"."""
     return algorithm.startswith("fl_")
 
 
 def uses_hsdp(algorithm: str) -> bool:
-    """True for "hsdp" and "fl_hsdp"."""
     return algorithm in ("hsdp", "fl_hsdp")
 
 
 def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:
-    """The layout checks of an FLConfig that need no world size.
-
-    Raises:
-        ValueError: naming the field: empty or non-positive ``group_sizes``,
-            ``hsdp_shard_size`` < 1 or not dividing a group size, ``num_groups``
-            disagreeing with ``group_sizes`` (when given explicitly), unequal sizes with
-            "fl_fsdp" or without ``hsdp_shard_size``.
-    """
+    """The layout checks of an FLConfig that need no world size. Raises ValueError naming the
+    field: bad ``group_sizes``, S < 1 or not dividing a size, ``num_groups`` (given) not
+    ``len(group_sizes)``, unequal sizes with "fl_fsdp" or without S."""
     sizes, shards = config.group_sizes, config.hsdp_shard_size
     if shards is not None and shards < 1:
         raise ValueError(f"FLConfig.hsdp_shard_size must be >= 1, got {shards}")
@@ -88,16 +66,8 @@ def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:
 
 @dataclass(frozen=True)
 class FLLayout:
-    """Pure layout arithmetic, no processes: safe to build and test anywhere.
-
-    Attributes:
-        group_sizes: G_f, ranks per federation group (one entry for the baselines).
-        shards: S, ranks one model copy is sharded over (divides every G_f).
-        algorithm: "fsdp", "hsdp", "fl_fsdp" or "fl_hsdp".
-
-    Raises:
-        ValueError: a non-positive size, or S not dividing a group size.
-    """
+    """Layout arithmetic, no processes: ``group_sizes`` G_f (one entry for the baselines),
+    ``shards`` S (divides every G_f), ``algorithm``. ValueError: a size < 1, S not dividing."""
 
     group_sizes: tuple[int, ...]
     shards: int
@@ -112,7 +82,6 @@ class FLLayout:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {self.algorithm!r}")
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def equal(cls, num_groups: int, replicas: int, shards: int, algorithm: str | None = None) -> "FLLayout":
         """F equal groups of R x S ranks. ``algorithm`` defaults to the one this shape implies."""
@@ -123,17 +92,10 @@ class FLLayout:
 
     @classmethod
     def from_config(cls, config: Any, world_size: int, ranks_per_node: int | None = None) -> "FLLayout":
-        """The layout of ``config`` (an FLConfig) on ``world_size`` ranks.
-
-        An unset ``hsdp_shard_size`` under HSDP becomes the largest divisor of
-        ``ranks_per_node`` that divides every group (shard inside a node, replicate
-        across nodes).
-
-        Raises:
-            ValueError: naming the FLConfig field: ``num_groups`` not dividing the world,
-                ``group_sizes`` not summing to it, ``hsdp_shard_size`` missing or not
-                dividing a group.
-        """
+        """The layout of an FLConfig on ``world_size`` ranks; an unset ``hsdp_shard_size``
+        under HSDP is the gcd of ``ranks_per_node`` and the group sizes (shard in a node).
+        Raises ValueError naming the field: F not dividing the world, ``group_sizes`` not
+        summing to it, S missing or not dividing a group."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         federated = is_federated(config.algorithm)
@@ -164,13 +126,11 @@ class FLLayout:
             shards = sizes[0]
         return cls(sizes, shards, config.algorithm)
 
-    # ------------------------------------------------------------------ sizes
     num_groups = property(lambda self: len(self.group_sizes), doc="F, federation groups (1 for the baselines).")
     world_size = property(lambda self: sum(self.group_sizes))
     is_uniform = property(lambda self: len(set(self.group_sizes)) == 1, doc="Every group has the same size.")
-    max_replicas = property(lambda self: max(self.group_sizes) // self.shards, doc="The largest R_f.")
-    min_replicas = property(lambda self: min(self.group_sizes) // self.shards,
-                            doc="R_min: the number of chunks a shard is exchanged in across groups.")
+    max_replicas = property(lambda self: max(self.group_sizes) // self.shards)
+    min_replicas = property(lambda self: min(self.group_sizes) // self.shards, doc="R_min: chunks per shard on fl.")
     is_federated = property(lambda self: is_federated(self.algorithm))
     uses_hsdp = property(lambda self: uses_hsdp(self.algorithm))
 
@@ -181,30 +141,24 @@ class FLLayout:
 
     @property
     def group_size(self) -> int:
-        """G = R * S, ranks per federation group (equal groups only)."""
+        """G = R * S (equal groups only, like ``replicas`` R and ``shape`` (F, R, S))."""
         self._need_uniform("group_size")
         return self.group_sizes[0]
 
     @property
     def replicas(self) -> int:
-        """R, HSDP replicas per group (equal groups only)."""
         self._need_uniform("replicas")
         return self.group_sizes[0] // self.shards
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(F, R, S) of the world DeviceMesh (equal groups only)."""
-        return (self.num_groups, self.replicas, self.shards)
+    shape = property(lambda self: (self.num_groups, self.replicas, self.shards))
 
     def group_size_of(self, f: int) -> int:
         return self.group_sizes[f]
 
     def replicas_of(self, f: int) -> int:
-        """R_f = G_f / S."""
         return self.group_sizes[f] // self.shards
 
     def group_offset(self, f: int) -> int:
-        """First global rank of group ``f``."""
         return sum(self.group_sizes[:f])
 
     def weights(self, weighting: str = "size") -> tuple[float, ...]:
@@ -215,9 +169,7 @@ class FLLayout:
             raise ValueError(f"FLConfig.group_weighting must be 'size' or 'uniform', got {weighting!r}")
         return tuple(g / self.world_size for g in self.group_sizes)
 
-    # ------------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """Coordinate ``(f, r, s)`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
         f, offset = 0, 0
@@ -234,17 +186,14 @@ class FLLayout:
         return self.coords(rank)[0]
 
     def group_local_rank(self, rank: int) -> int:
-        """Index of ``rank`` inside its federation group (0 .. G_f - 1)."""
         return rank - self.group_offset(self.group_of(rank))
 
     def group_ranks(self, f: int) -> tuple[int, ...]:
-        """Global ranks of federation group ``f`` (a contiguous block)."""
         start = self.group_offset(f)
         return tuple(range(start, start + self.group_sizes[f]))
 
     def axis_groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every process group of ``axis`` as a tuple of global ranks, in a fixed order
-        (the order in which process groups must be created on every rank)."""
+        """Every process group of ``axis`` as global ranks, in the order every rank creates them."""
         F, S = self.num_groups, self.shards
         if axis == DP_SHARD:
             return [tuple(self.rank(f, r, s) for s in range(S)) for f in range(F) for r in range(self.replicas_of(f))]
@@ -255,27 +204,20 @@ class FLLayout:
         raise ValueError(f"unknown mesh axis {axis!r}; axes are {AXES}")
 
     def axis_ranks(self, axis: str, rank: int) -> tuple[int, ...]:
-        """Global ranks of the process group along ``axis`` that contains ``rank``; ``()``
-        for the "fl" axis of a rank whose replica index is >= R_min (unequal groups only:
-        it takes no part in the inter-group exchange). Raises ValueError: unknown axis or rank."""
+        """Ranks of ``rank``'s process group on ``axis``; ``()`` on "fl" for a replica >= R_min
+        (unequal groups). ValueError: unknown axis or rank."""
         self.coords(rank)
         return next((ranks for ranks in self.axis_groups(axis) if rank in ranks), ())
 
-    # ------------------------------------------------------------------ nodes
     def spans_nodes(self, axis: str, ranks_per_node: int) -> bool:
-        """True when some process group of ``axis`` holds ranks of two or more nodes
-        (ranks are numbered node by node, ``ranks_per_node`` each)."""
+        """Some process group of ``axis`` holds ranks of two nodes (numbered node by node)."""
         return any(len({k // ranks_per_node for k in ranks}) > 1 for ranks in self.axis_groups(axis))
 
     def link_share(self, axis: str, ranks_per_node: int) -> int:
-        """How many ring hops of ``axis`` leave one node in the same direction at once.
-
-        The process groups of an axis run concurrently, each a ring in rank order in
-        which every rank sends to its successor. A node's link per direction is shared
-        by the ranks of that node whose successor is on another node: FSDP over 4 ranks
-        on 2 nodes has one such rank per node; the "fl" axis of FL+FSDP 2x2 has two.
-        Returns the max over nodes (0 when the axis stays inside nodes).
-        """
+        """Ring hops of ``axis`` leaving one node in one direction at once (max over nodes; 0
+        inside nodes): the axis's groups run concurrently as rings in rank order, so a node's
+        link is shared by its ranks whose successor is off-node (FSDP 4 ranks on 2 nodes: 1;
+        "fl" of FL+FSDP 2x2: 2)."""
         out: dict[int, int] = {}
         for ranks in self.axis_groups(axis):
             if len(ranks) < 2:
@@ -286,13 +228,12 @@ class FLLayout:
                     out[a // ranks_per_node] = out.get(a // ranks_per_node, 0) + 1
         return max(out.values(), default=0)
 
-    # ------------------------------------------------------------------ names
     def sizes_label(self) -> str:
-        """``G2`` for equal groups of 2, ``G2_4`` for groups of 2 and 4 ranks."""
+        """``G2`` for equal groups of 2, ``G2_4`` for groups of 2 and 4."""
         return "G" + ("_".join(map(str, self.group_sizes)) if not self.is_uniform else str(self.group_sizes[0]))
 
     def describe(self, sync_every: int | None = None) -> str:
-        """One line, e.g. ``fl_fsdp F=2 G=2 R=1 S=2 H=8`` or ``fl_hsdp F=2 G=[2, 4] R=[1, 2] S=2``."""
+        """E.g. ``fl_fsdp F=2 G=2 R=1 S=2 H=8`` or ``fl_hsdp F=2 G=[2, 4] R=[1, 2] S=2``."""
         if self.is_uniform:
             g, r = self.group_sizes[0], self.replicas
         else:
@@ -301,34 +242,24 @@ class FLLayout:
         return f"{self.algorithm} F={self.num_groups} G={g} R={r} S={self.shards}{h}"
 
     def as_dict(self) -> dict[str, Any]:
-        """What a checkpoint records of the layout."""
         return {"algorithm": self.algorithm, "world_size": self.world_size, "group_sizes": list(self.group_sizes),
                 "shards": self.shards}
 
 
-# ---------------------------------------------------------------------- processes
 def world_size_from_env() -> int:
-    """``WORLD_SIZE`` as the launcher (torchrun, accelerate launch) sets it; 1 without one."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1"))  # as torchrun / accelerate launch set it
 
 
 def ranks_per_node(world_size: int) -> int:
-    """``LOCAL_WORLD_SIZE`` (ranks on this node), or ``world_size`` without a launcher."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def init_process_group(backend: str, timeout: timedelta) -> None:
-    """Create the default process group where Accelerate's own start would fail or hang.
-
-    * Under ``torchrun --max-restarts`` the workers of attempt n>0 connect to the
-      launcher's store with the same keys as attempt 0, and gloo dials the dead
-      processes' addresses (torch 2.13, cf. pytorch/pytorch#167288); prefixing the store
-      with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt fresh keys.
-    * A plain ``python script.py`` (no ``RANK``) gets a one-process group on an
-      in-memory store, so the same FSDP2 code runs without a launcher.
-
-    Accelerate then finds the group initialized and uses it.
-    """
+    """Create the default process group where Accelerate's start would fail or hang (it then
+    uses this one): under ``torchrun --max-restarts`` attempt n>0 reuses attempt 0's store
+    keys and gloo dials dead peers (torch 2.13, cf. pytorch/pytorch#167288), so the store is
+    prefixed with ``TORCHELASTIC_RESTART_COUNT``; a plain ``python script.py`` (no ``RANK``)
+    gets a one-process group on a HashStore, so the same FSDP2 code runs."""
     import torch.distributed as dist
 
     world = world_size_from_env()
@@ -346,16 +277,9 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 @dataclass
 class FLMesh:
-    """This rank's process groups and the DeviceMesh Accelerate shards over.
-
-    Attributes:
-        layout: the FLLayout.
-        device_mesh: this group's mesh ``(R_f, S)`` with dims ("dp_replicate",
-            "dp_shard_cp"): ``device_mesh["dp_shard_cp"]`` / the whole mesh is what
-            Accelerate's FSDP2 path slices, so FSDP2 never communicates across groups.
-        groups: axis name -> ProcessGroup of this rank on that axis (absent when the
-            axis has one rank, or, for "fl", when this rank takes no part).
-    """
+    """``device_mesh``: this group's ``(R_f, S)`` mesh ("dp_replicate", "dp_shard_cp") that
+    Accelerate's FSDP2 path slices (FSDP2 never crosses groups); ``groups``: axis -> this
+    rank's ProcessGroup (absent for one rank, or on "fl" for a rank taking no part)."""
 
     layout: FLLayout
     device_mesh: Any
@@ -367,13 +291,8 @@ class FLMesh:
 
 
 def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int) -> FLMesh:
-    """Create every process group of the layout with ``dist.new_group(timeout=)`` and wrap
-    this group's two in a DeviceMesh (``DeviceMesh.from_group``), for equal and unequal
-    groups alike.
-
-    Collective over the whole world: every rank creates every group, in one order
-    (``new_group`` is a world collective).
-    """
+    """Create every process group of the layout (``dist.new_group``, a world collective: every
+    rank, one order) and wrap this group's two in ``DeviceMesh.from_group``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

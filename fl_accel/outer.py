@@ -1,8 +1,7 @@
 """The outer state of the sync and the outer step: anchor, momentum, residuals, placement.
 
-The anchor is this rank's fp32 copy of its local shards after their last sync (initially
-the initial parameters). It exists for the "nesterov" outer optimizer and for a compressed
-exchange, which sends the pseudo-gradient Delta = anchor - theta. At a sync, with the
+The anchor is this rank's fp32 copy of its local shards after their last sync, kept for
+"nesterov" and for a compressed exchange (which sends Delta = anchor - theta). With the
 weighted mean over groups of what was sent::
 
     global = anchor - mean(Delta)        compressed, "avg"
@@ -11,19 +10,12 @@ weighted mean over groups of what was sent::
                                          g = mean(Delta), or anchor - mean(theta) for "fp32"
     anchor <- global;  theta <- global + alpha (theta - global)
 
-With ``outer_lr`` 1 and ``outer_momentum`` 0 "nesterov" is "avg". The outer LR may follow a
-schedule (``outer_lr_schedule``: :meth:`OuterState.lr_at`).
-
-Placement (``outer_state_device``). "same": anchor, momentum and error-feedback residuals
-live on the parameters' device. "cpu": in host memory, sparing 4 bytes per local value
-each; the anchor and residuals, copied to the accelerator at every exchange, are pinned
-when the parameters are on CUDA; the momentum stays on the host, pageable. Everything a
-collective touches stays on the accelerator (NCCL rejects CPU tensors): Delta is computed
-there one tensor at a time while packing (a ``non_blocking`` copy of that anchor tensor,
-minus theta in place); the means come back to the host for the outer step (one blocking
-copy per tensor) and the global values are copied to the parameters. The values are
-those of "same" (bitwise on CPU; on CUDA up to the fp32 rounding of the host kernels).
-CUDA events recorded after each copy out of the host state fence the host's next write.
+``outer_state_device="cpu"`` keeps the state in host memory (anchor and residuals pinned
+with CUDA parameters). Collectives see accelerator tensors only (NCCL rejects CPU ones):
+Delta is computed there per tensor while packing (a ``non_blocking`` copy of the anchor,
+minus theta); the means come back to the host for the outer step. Values equal "same"
+(bitwise on CPU; on CUDA up to host fp32 rounding). CUDA events recorded after each copy
+out of the host state fence the host's next write.
 """
 
 from __future__ import annotations
@@ -34,14 +26,8 @@ from .fsdp import local
 
 
 class OuterState:
-    """Anchor, outer momentum (an SGD optimizer over the anchors) and residuals of the
-    local shards of ``params`` (fp32, each shaped like its parameter's local shard).
-
-    Args:
-        params: the model's parameters (DTensors or plain tensors), in sync order.
-        config: the FLConfig (``outer_optimizer``, ``outer_lr``, ``outer_momentum``,
-            ``sync_dtype``, ``error_feedback``, ``outer_state_device``).
-    """
+    """Anchor, outer momentum (SGD over the anchors) and residuals of ``params``' local shards
+    (fp32, shaped like each local shard), as the FLConfig asks."""
 
     def __init__(self, params: list, config):
         self.params, self.config = params, config
@@ -53,16 +39,10 @@ class OuterState:
         self._multiplier = None
 
     def lr_at(self, step: int) -> float:
-        """The "nesterov" outer LR of a sync right after optimizer step ``step`` (1-based):
-        ``outer_lr`` times transformers' schedule multiplier ("constant_with_warmup",
-        "cosine" or "linear", ``outer_lr_warmup_steps``, ``outer_lr_decay_steps``) at the
-        0-based index ``step - 1`` of that step, i.e. the multiplier an inner LR scheduler
-        of the same shape used for it; so the sync at the run's last step still moves.
-        A pure function of the step: a resumed run continues the schedule exactly.
-
-        Raises:
-            ValueError: a decaying schedule without ``outer_lr_decay_steps``.
-        """
+        """The outer LR of a sync after optimizer step ``step`` (1-based): ``outer_lr`` x
+        transformers' multiplier ("constant_with_warmup", "cosine", "linear") at index
+        ``step - 1``, as an inner scheduler of that shape (the last step's sync still moves);
+        pure, so a resumed run continues it. ValueError: decay without its steps."""
         cfg = self.config
         if cfg.outer_lr_schedule == "constant" and not cfg.outer_lr_warmup_steps:
             return float(cfg.outer_lr)
@@ -79,7 +59,6 @@ class OuterState:
 
     @property
     def on_host(self) -> bool:
-        """True when the state lives on another device than the parameters."""
         return self.anchor is not None and self.anchor[0].device != local(self.params[0]).device
 
     def _zeros(self, shape) -> torch.Tensor:
@@ -88,8 +67,7 @@ class OuterState:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """(Re)take the anchor from the current parameters (none unless the config keeps
-        outer state); zero the momentum and the residuals."""
+        """(Re)take the anchor from the parameters (if kept); zero momentum and residuals."""
         if not self.config.keeps_outer_state:
             return
         self.fence()
@@ -104,21 +82,20 @@ class OuterState:
             self.residuals = [self._zeros(a.shape) if host else torch.zeros_like(a) for a in self.anchor]
 
     def _record(self, stream=None) -> None:
-        """Note that copies out of the host state were queued on ``stream`` (default: current)."""
+        """Note copies out of the host state queued on ``stream`` (default: current)."""
         if self.on_host and torch.cuda.is_available():
             event = torch.cuda.Event()
             event.record(stream if stream is not None else torch.cuda.current_stream())
             self._events.append(event)
 
     def fence(self) -> None:
-        """Wait for the queued copies out of the host state; call before the host writes it."""
+        """Wait for them; call before the host writes the state."""
         for event in self._events:
             event.synchronize()
         self._events.clear()
 
     def source(self, i: int):
-        """What parameter i sends: theta (exact "fp32" exchange) or a callable computing
-        Delta = anchor - theta in fp32 on the parameter's device (compressed)."""
+        """What parameter i sends: theta ("fp32") or a callable giving fp32 Delta on its device."""
         theta = local(self.params[i])
         if not self.config.compressed:
             return theta
@@ -135,8 +112,7 @@ class OuterState:
 
     @torch.no_grad()
     def apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
-        """The outer step of parameters ``indices`` given the means of what they sent;
-        anchor <- global; theta <- global + alpha (theta - global) (module docstring)."""
+        """The outer step of parameters ``indices`` given the means of what they sent."""
         host = self.on_host
         if host:
             self.fence()
@@ -172,7 +148,7 @@ class OuterState:
 
     @torch.no_grad()
     def set_global(self, indices: list[int], values: list[torch.Tensor]) -> None:
-        """anchor <- values (the non-finite reset), where an anchor is kept."""
+        """anchor <- values (the non-finite reset), if kept."""
         if self.anchor is not None:
             self.fence()
             for i, v in zip(indices, values):
@@ -182,10 +158,9 @@ class OuterState:
         for r in self.residuals or ():
             r.zero_()
 
-    # ------------------------------------------------------------------ checkpointing
     def tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
-        """``(shared, per_rank)`` by parameter index: "anchor" and "momentum" (identical in
-        every group and replica), "residual" (each replica keeps that of its own chunk)."""
+        """``(shared, per_rank)`` by parameter index: "anchor", "momentum" (identical everywhere);
+        "residual" (a replica's own chunk's)."""
         self.fence()  # a checkpoint load writes into these tensors
         shared: dict = {}
         if self.anchor is not None:
@@ -199,7 +174,7 @@ class OuterState:
 
     @torch.no_grad()
     def load(self, shared: dict, per_rank: dict) -> None:
-        """Inverse of :meth:`tensors` (copied into this placement)."""
+        """Inverse of :meth:`tensors`, into this placement."""
         self.fence()
         if self.anchor is not None:
             for i, a in enumerate(self.anchor):

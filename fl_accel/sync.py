@@ -1,30 +1,20 @@
-"""The federated synchronization: the optimizer hook that runs the schedule on fragments.
+"""The federated sync: the optimizer hook that runs the schedule on fragments.
 
-Paper (Mittone & Aldinucci, Euro-Par 2026, arXiv 2609.20359), Sec. 3 / Alg. 1: after
-every H-th optimizer step each rank replaces its local parameter shard with the weighted
-mean of the shards at the same coordinate in all F groups (FedAvg, w_g = 1/F for equal
-groups). There is no full-parameter gather: a rank exchanges only its own shard
-(:mod:`fl_accel.exchange`). Parameters stay DTensors with unchanged placements, shape and
-stride: only their local tensors are written, in place.
+Paper (arXiv 2609.20359) Sec. 3, Alg. 1: after every H-th optimizer step each rank
+replaces its local shard with the weighted mean of the shards at the same coordinate in
+all F groups (FedAvg). No full-parameter gather: a rank exchanges its own shard
+(:mod:`fl_accel.exchange`); parameters stay DTensors, only their local tensors are
+written, in place. :class:`~fl_accel.schedule.SyncSchedule` decides when,
+:class:`~fl_accel.outer.OuterState` runs the outer step, :class:`NonFiniteGuard` checks
+for NaN/Inf, :class:`CommitGate` holds writes until torchft commits.
 
-Who does what: :class:`~fl_accel.schedule.SyncSchedule` decides when (fragments, sync
-delay), :class:`~fl_accel.outer.OuterState` holds the anchor, momentum and residuals and
-runs the outer step, :class:`NonFiniteGuard` checks every sync for NaN/Inf, :class:`CommitGate`
-holds an event's writes until torchft commits, and :class:`FederatedSynchronizer` owns the
-optimizer hook and the :class:`Fragment` objects.
+Non-finite values ("reset"): any exchange in flight is completed and discarded, every
+parameter and anchor is set to the weighted mean of the healthy groups, residuals are
+zeroed, and the bad groups' optimizer state (every group's, with
+``average_optimizer_state``) to the healthy mean; counters and momentum are kept.
 
-Non-finite values. At every sync each group checks its parameters and last loss, and the
-transport tells every rank which groups are bad. "abort" raises :class:`NonFiniteError` on
-every rank; "reset" completes any exchange in flight and discards it, sets every parameter
-of every group (all fragments) and the anchors to the weighted mean of the healthy groups,
-zeroes the residuals, and sets the bad groups' optimizer state (every group's, with
-``average_optimizer_state``) to the healthy groups' mean. Counters and the outer momentum
-are kept.
-
-Memory per rank besides the model (n = numel of this rank's local shards): the outer
-state (:mod:`fl_accel.outer`: 4n bytes each for the anchor, momentum and residuals that
-exist); during a blocking sync at most two ``sync_bucket_mb`` fp32 buckets (plus their
-compressed copies); a delayed exchange holds its whole fragment.
+Memory per rank besides the model (n = local numel): the outer state (4n bytes each),
+two ``sync_bucket_mb`` buckets during a blocking sync, a delayed exchange's fragment.
 """
 
 from __future__ import annotations
@@ -50,8 +40,8 @@ class NonFiniteError(RuntimeError):
 
 
 def deal_fragments(units: list[list[int]], num_fragments: int) -> list[list[int]]:
-    """Strided partition: unit u (in forward order) goes to fragment u mod P. Returns P
-    sorted lists of parameter indices. Raises ValueError when P exceeds the number of units."""
+    """Unit u (forward order) goes to fragment u mod P: P sorted lists of parameter indices.
+    ValueError when P exceeds the number of units."""
     if num_fragments > len(units):
         raise ValueError(f"FLConfig.num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
                          f"each fragment needs at least one unit")
@@ -60,8 +50,7 @@ def deal_fragments(units: list[list[int]], num_fragments: int) -> list[list[int]
 
 @dataclass
 class Fragment:
-    """Fragment ``index``: its parameter indices and names, and ``pending``: the exchange
-    in flight (or its completed means, after a checkpoint), else None."""
+    """``pending``: the exchange in flight (or its means, after a checkpoint), else None."""
 
     index: int
     params: list[int]
@@ -69,15 +58,13 @@ class Fragment:
     pending: Exchange | list | None = field(default=None, repr=False)
 
     def finish(self) -> list[torch.Tensor]:
-        """Complete the pending exchange and hand over its means."""
         means = self.pending if isinstance(self.pending, list) else self.pending.finish()
         self.pending = None
         return means
 
 
 def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list:
-    """The inner optimizer's floating-point state tensors (e.g. AdamW's ``exp_avg``,
-    ``exp_avg_sq``; not the scalar ``step``) of parameters ``indices``, as local shards."""
+    """Local shards of the inner optimizer's floating-point state (AdamW ``exp_avg``, not ``step``)."""
     out = []
     for i in indices:
         state = optimizer.state.get(params[i], {})
@@ -87,32 +74,23 @@ def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list
 
 
 class NonFiniteGuard:
-    """The check every sync runs first, and its policy ``on_nonfinite`` ("abort" | "reset")."""
+    """The NaN/Inf check every sync runs first, under ``on_nonfinite`` ("abort" | "reset")."""
 
     def __init__(self, policy: str, transport: Transport):
         self.policy, self.transport = policy, transport
 
-    def bad_groups(self, params: list, last_loss: float | None, rnd: Round, when: str) -> list[int]:
-        """Groups holding NaN/Inf in a parameter shard or the last loss (a collective).
-
-        Raises:
-            NonFiniteError: on every rank, under "abort", or when every group is bad.
-        """
-        local_bad = any(not torch.isfinite(local(p)).all() for p in params) or \
-            (last_loss is not None and not math.isfinite(last_loss))
+    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
+        """True when no group has NaN/Inf in a shard or the last loss (a collective); else the
+        reset (module docstring) and False. NonFiniteError on every rank under "abort" or
+        when every group is bad."""
+        s, loss = sync.schedule, sync.last_loss
+        local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
+            (loss is not None and not math.isfinite(loss))
         bad = self.transport.bad_groups(local_bad, rnd)
         if bad and (self.policy == "abort" or len(bad) == rnd.num_groups):
-            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at {when}; aborting. "
-                                 f"Set on_nonfinite='reset' to drop such groups for the round instead.")
-        return bad
-
-    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
-        """Run the check at ``sync``'s next event; True when every group is healthy. Under
-        "reset" with bad groups, the reset (module docstring) through ``sync``'s exchange
-        of means, and False: the event carries nothing else."""
-        s = sync.schedule
-        bad = self.bad_groups(sync.params, sync.last_loss, rnd,
-                              f"optimizer step {s.global_step} (sync {s.num_syncs + 1})")
+            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
+                                 f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
+                                 f"drop such groups for the round instead.")
         if not bad:
             return True
         for fragment in sync.fragments:  # complete the collectives, discard what they carried
@@ -131,19 +109,13 @@ class NonFiniteGuard:
 
 
 class CommitGate:
-    """Holds back the writes of a sync event until the transport agrees to commit.
-
-    A transport with ``should_commit()`` (:class:`fl_accel.ft.ManagedTransport`) gates every
-    event: its writes (parameters, outer state, optimizer state) wait until the exchanges
-    completed and the transport agreed; without the commit nothing is written and the
-    groups keep their local values. Other transports write at once.
-    """
+    """With a transport having ``should_commit()`` (torchft), an event's writes wait for the
+    commit, and are dropped without it (groups keep their values); others write at once."""
 
     def __init__(self, transport: Transport):
         self.transport, self.deferred = transport, None  # deferred: the open event's writes
 
     def write(self, fn) -> None:
-        """Run ``fn`` now, or after the commit inside a gated event."""
         if self.deferred is None:
             fn()
         else:
@@ -170,23 +142,12 @@ class CommitGate:
 
 
 class FederatedSynchronizer:
-    """Averages a model's local shards across federation groups every H optimizer steps
-    (or one fragment every H/P steps).
-
-    Args:
-        named_params: ``(name, parameter)`` pairs of the sharded model, one per distinct
-            parameter, in the same order on every rank (names are kept without wrapper
-            prefixes, :func:`fl_accel.fsdp.canonical_name`).
-        optimizer: the inner torch optimizer (its state is averaged with
-            ``average_optimizer_state`` and reset on a non-finite group).
-        transport: the :class:`~fl_accel.exchange.Transport` of this rank.
-        config: the FLConfig.
-        units: parameter indices per FSDP unit, in forward order (default: one unit per
-            parameter); fragments are dealt from them.
-
-    Attributes: ``schedule``, ``outer``, ``guard``, ``fragments``, ``names``, ``params``,
-    ``pre_sync_hooks`` (``hook(synchronizer, full)`` before every sync event), ``clock``.
-    """
+    """Averages local shards across federation groups every H optimizer steps (a fragment
+    every H/P). ``named_params``: (name, parameter) of the sharded model, one per parameter,
+    one order on every rank (names via :func:`fl_accel.fsdp.canonical_name`); ``optimizer``:
+    the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
+    ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
+    dealt into fragments. ``pre_sync_hooks``: ``hook(synchronizer, full)`` before each event."""
 
     def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None):
         named = list(named_params)
@@ -209,16 +170,11 @@ class FederatedSynchronizer:
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
-    @property
-    def device(self) -> torch.device:
-        """Where the local shards live now (meta until a meta-built model is materialized)."""
-        return local(self.params[0]).device
+    device = property(lambda self: local(self.params[0]).device)
 
-    # ------------------------------------------------------------------ the hook
     def attach(self, loss_fn=None) -> None:
-        """Run :meth:`on_optimizer_step` after every step of the inner optimizer
-        (``register_step_post_hook``); ``loss_fn()`` gives the last loss (or None) for the
-        non-finite check. Nothing is registered with one group."""
+        """Run :meth:`on_optimizer_step` after each inner optimizer step (none with one group);
+        ``loss_fn()``: the last loss (or None) for the non-finite check."""
         if not self.schedule.active:
             return
 
@@ -244,8 +200,7 @@ class FederatedSynchronizer:
 
     @contextlib.contextmanager
     def suspended(self):
-        """Ignore optimizer steps taken inside (not training steps: e.g. the zero-lr step
-        with which DCP's get/set_optimizer_state_dict initialize an optimizer's state)."""
+        """Ignore optimizer steps taken inside (e.g. DCP's zero-lr step initializing state)."""
         self._suspended += 1
         try:
             yield
@@ -253,8 +208,7 @@ class FederatedSynchronizer:
             self._suspended -= 1
 
     def on_optimizer_step(self) -> bool:
-        """Count one optimizer step and run the sync actions due; True if a sync event
-        completed. A no-op inside :meth:`suspended`."""
+        """Count one optimizer step and run the actions due; True if a sync event completed."""
         if self._suspended:
             return False
         actions = self.schedule.step()
@@ -275,9 +229,7 @@ class FederatedSynchronizer:
                     self.sync(alpha=self.config.fragment_update_alpha)  # through the instance: tests spy on it
         return any(kind in (APPLY, FULL) for kind, _ in actions)
 
-    # ------------------------------------------------------------------ sync events
     def _exchange(self, indices: list[int], rnd: Round | None = None) -> Exchange:
-        """The (not yet started) exchange of what parameters ``indices`` send."""
         return Exchange(self.transport, rnd or self.transport.begin(), [self.outer.source(i) for i in indices],
                         shapes=[tuple(local(self.params[i]).shape) for i in indices], device=self.device,
                         sync_dtype=self.config.sync_dtype, bucket_values=max(1, self.config.sync_bucket_mb * 2**18),
@@ -289,8 +241,7 @@ class FederatedSynchronizer:
         fragment.pending = self._exchange(fragment.params).start()
 
     def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
-        """A blocking exchange of ``indices``, applied bucket by bucket (inside a gated
-        event: completed whole, applied after the commit)."""
+        """A blocking exchange, applied bucket by bucket (gated: whole, after the commit)."""
         if self.gate.deferred is not None:
             means = self._exchange(indices, rnd).start().finish()
             self.gate.write(lambda: self._apply(indices, means, alpha))
@@ -312,22 +263,19 @@ class FederatedSynchronizer:
                 if fragment.pending is None:
                     self._run(fragment.params, rnd, alpha)
                 else:
-                    means = fragment.finish()
-                    self.gate.write(lambda: self._apply(fragment.params, means, alpha))
-                    self._average_optimizer_state(fragment.params, rnd)
+                    self._apply_pending(fragment, rnd)
         self.schedule.applied()
+
+    def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
+        means = fragment.finish()
+        self.gate.write(lambda: self._apply(fragment.params, means, self.config.fragment_update_alpha))
+        self._average_optimizer_state(fragment.params, rnd)
 
     @torch.no_grad()
     def sync(self, alpha: float = 0.0) -> None:
-        """Synchronize every fragment now, completing an exchange in flight first.
-
-        Collective over the transport (and, for the non-finite check, the world): every
-        rank calls it at the same optimizer step. A no-op with one group. With ``alpha=0``
-        (the default) all groups end identical.
-
-        Raises:
-            NonFiniteError: a group holds NaN/Inf and ``on_nonfinite='abort'``.
-        """
+        """Sync every fragment now (an exchange in flight first); with ``alpha=0`` the groups end
+        identical. Collective (every rank, same step); a no-op with one group. NonFiniteError:
+        NaN/Inf under "abort"."""
         if not self.schedule.active:
             return self.schedule.synced(alpha)
         with self.clock.measure(self.device):
@@ -335,11 +283,8 @@ class FederatedSynchronizer:
             rnd = self.transport.begin()
             with self.gate.event(self.schedule):
                 if self.guard.check(self, rnd):
-                    pending = next((f for f in self.fragments if f.pending is not None), None)
-                    if pending is not None:  # apply as scheduled
-                        means = pending.finish()
-                        self.gate.write(lambda: self._apply(pending.params, means, self.config.fragment_update_alpha))
-                        self._average_optimizer_state(pending.params, rnd)
+                    for fragment in [f for f in self.fragments if f.pending is not None]:  # apply as scheduled
+                        self._apply_pending(fragment, rnd)
                     self._run(list(range(len(self.params))), rnd, alpha)
             self.schedule.synced(alpha)
 
@@ -347,10 +292,9 @@ class FederatedSynchronizer:
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
 
-    # ------------------------------------------------------------------ optimizer state
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
-        """tensors <- their fp32 weighted mean over groups (bucket by bucket, unless not
-        ``write``: the collectives still run), then ``also(positions, means)``."""
+        """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then
+        ``also(positions, means)``."""
         def copy(pos, means):
             for j, m in zip(pos, means):
                 if write:
@@ -373,12 +317,9 @@ class FederatedSynchronizer:
         if self.config.average_optimizer_state and tensors:
             self._mean_into(tensors, rnd)
 
-    # ------------------------------------------------------------------ checkpointing
     def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
-        """This rank's sync tensors by parameter index, for checkpoints: ``(shared,
-        per_rank)`` as :meth:`OuterState.tensors`, with "inflight" (the completed means of
-        an exchange in flight: completing it here changes no value) in ``shared``. Each
-        tensor has the shape of parameter i's local shard."""
+        """``(shared, per_rank)`` as :meth:`OuterState.tensors`, plus "inflight" in ``shared``
+        (the means of an exchange in flight, completed here: no value changes)."""
         shared, per_rank = self.outer.tensors()
         for fragment in self.fragments:
             if fragment.pending is not None:

@@ -24,9 +24,8 @@ def _num(name: str, value: Any, zero_ok: bool = False) -> float:
 
 @dataclass(frozen=True)
 class ShardUnit:
-    """One FSDP unit (one ``fully_shard`` call) of ``numel`` parameters, gathered twice per
-    micro-batch if ``reshard_after_forward`` else once; ``shapes`` (optional) give FSDP2's
-    dim-0 padding and local shards. Raises ValueError when shapes do not hold numel."""
+    """One ``fully_shard`` call of ``numel`` parameters, gathered twice per micro-batch if
+    ``reshard_after_forward``; ``shapes`` give FSDP2's dim-0 padding (ValueError: not numel)."""
 
     name: str
     numel: int
@@ -41,19 +40,19 @@ class ShardUnit:
     gathers = property(lambda self: 2 if self.reshard_after_forward else 1)
 
     def local_sizes(self, shards: int) -> list[int]:
-        """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows (torch.chunk)."""
+        """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows."""
         if self.shapes is None:
             return [math.ceil(self.numel / shards)]
         return [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
 
     def padded_numel(self, shards: int) -> int:
-        """Elements of FSDP2's all-gather output / reduce-scatter input (``numel`` without shapes)."""
+        """Elements of FSDP2's all-gather output (``numel`` without shapes)."""
         return self.numel if self.shapes is None else shards * sum(self.local_sizes(shards))
 
 
 def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]:
-    """``num_units`` equal resharded units, ``params`` elements in all (3 x M per step,
-    no padding). Raises ValueError unless params >= num_units >= 1."""
+    """``num_units`` equal resharded units of ``params`` elements in all (ValueError unless
+    params >= num_units >= 1)."""
     n, k = round(_num("params", params)), _int("num_units", num_units)
     if n < k:
         raise ValueError(f"params must be a number of parameters >= num_units={k}, got {params!r}")
@@ -66,10 +65,8 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
 
 
 def llama_units(config: Any, reshard_after_forward: bool = True) -> list[ShardUnit]:
-    """:func:`units_from_module` of ``LlamaForCausalLM(config)`` without torch, from a
-    LlamaConfig or a mapping of its fields. Shapes as transformers' ``modeling_llama.py``
-    (q/k/v/o, biased with ``attention_bias``; gate/up/down, with ``mlp_bias``; 2 RMSNorms).
-    Raises ValueError naming a missing or non-positive field."""
+    """:func:`units_from_module` of ``LlamaForCausalLM(config)`` (a LlamaConfig or mapping)
+    without torch; ValueError naming a missing or non-positive field."""
     V, H, I, L, nh = (_int(f"config.{k}", _cfg(config, k)) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
     nkv = _int("config.num_key_value_heads", _cfg(config, "num_key_value_heads", nh))
@@ -89,12 +86,11 @@ def llama_units(config: Any, reshard_after_forward: bool = True) -> list[ShardUn
 
 def units_from_module(model: Any, wrap_cls_names: Sequence[str] | None = None,
                       reshard_after_forward: bool = True) -> list[ShardUnit]:
-    """FSDP units of a module as accelerate 1.15 ``fsdp2_prepare_model`` wraps it: bottom-up
-    each module whose class is in ``wrap_cls_names`` (default ``_no_split_modules``); the
-    input embedding unless tied; the tail [final norm, output embedding] (input embedding
-    first when tied), not resharded; the root with the rest. A parameter goes to the first
-    unit taking it; empty units are dropped; order: module registration, root last (as
-    :func:`fl_accel.fsdp.fsdp_units`). Raises ValueError for names matching no module."""
+    """FSDP units as accelerate 1.15 ``fsdp2_prepare_model`` wraps: bottom-up each module of a
+    class in ``wrap_cls_names`` (default ``_no_split_modules``), the input embedding unless
+    tied, the tail [final norm, output embedding] (not resharded), the root; a parameter in
+    the first unit taking it; ordered as :func:`fl_accel.fsdp.fsdp_units`. ValueError: a
+    name matching no module."""
     names = set(wrap_cls_names if wrap_cls_names is not None else getattr(model, "_no_split_modules", None) or ())
     modules = list(model.named_modules())
     missing = names - {type(m).__name__ for _, m in modules}
@@ -132,6 +128,6 @@ def units_from_module(model: Any, wrap_cls_names: Sequence[str] | None = None,
     return [u for _, u in sorted(units, key=lambda ku: ku[0])]
 
 
+# Llama-3.1-8B's config.json: 8,030,261,248 parameters
 LLAMA_3_1_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
-"""Llama-3.1-8B shape (its config.json): 8,030,261,248 parameters."""
