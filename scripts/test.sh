@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: installs what the tests need, then runs them in parallel workers. Measured from a fresh
-# clone (FL_ACCEL_TEST_CPU=30 /usr/bin/time -v bash scripts/test.sh): 45 min wall on 2 cores that other jobs
-# kept loaded (load average 14-28), 1,200 CPU-s user+system (1,430 before xdist, forked torchft groups and
-# the shared corpus cache), 2,033 CPU-s summed per test; the 10-minute target needs a quiet machine to check.
+# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=30 /usr/bin/time -v bash .ci/run): 17 min 21 s wall,
+# 553 passed, 1,067 CPU-s user+system (fork servers not counted), 1,817 CPU-s summed per test.
 # FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
