@@ -171,9 +171,9 @@ def report_only(args, argv: list[str] | None) -> int:
     plan.update(name=name, work=work, results=results)
     plan.setdefault("cache_dir", os.path.join(os.path.abspath(args.work_root), "cache"))
     if plan.get("suites", [None])[0] in LOCAL_SUITES:
-        if "launches" not in meta and os.path.isfile(os.path.join(work, LAUNCHES_FILE)):
+        if os.path.isfile(os.path.join(work, LAUNCHES_FILE)):  # written as each run ends: newer than meta.json
             with open(os.path.join(work, LAUNCHES_FILE), encoding="utf-8") as fh:
-                meta["launches"] = json.load(fh)  # an interrupted suite has no meta.json yet
+                meta["launches"] = json.load(fh)
         meta.setdefault("command", plan.get("command", "-"))
         meta.setdefault("resume_command", plan["command"] if "--name" in plan.get("command", "")
                         else f"{plan.get('command')} --name {name}")

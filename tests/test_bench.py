@@ -580,6 +580,29 @@ def test_paper_regime_ratios(tmp_path):
     assert [c["ratio"] for c in ratio["curve"]] == pytest.approx([math.exp(0.5)] * 2)
 
 
+def test_report_only_of_a_local_suite_lists_the_launches_of_launches_json(tmp_path):
+    """--report-only on a quality suite's work folder reads the launch records from
+    launches.json (written as each run ends), not from the meta.json of an older complete
+    invocation: a row launched by an interrupted invocation still has its Launches row."""
+    from bench import launch as bl
+
+    plan = _plan("--suite", "convergence", "--steps", "128", "--work-root", str(tmp_path / "w"),
+                 "--results-root", str(tmp_path / "r"), "--name", "conv")
+    rows = {r.id: r for r in bp.runs_of(plan)}
+    root = tmp_path / "w" / "conv"
+    for k, c in {"fsdp": [8.0, 6.0, 5.5, 5.0], "fl_fsdp-h8": [8.2, 6.4, 5.6, 5.2]}.items():
+        _write_fake_run(root, rows[k], c)
+    (root / "plan.json").write_text(json.dumps(plan))
+    old = {"sessions": [{"started": "2026-01-01T00:00:00", "rc": 0, "wall_s": 10.0, "resumed_from_step": 0}]}
+    new = {"sessions": [{"started": "2026-01-02T00:00:00", "rc": 0, "wall_s": 4002.0, "resumed_from_step": 0}]}
+    (root / "meta.json").write_text(json.dumps({"launches": {"fsdp": old}}))
+    (root / bl.LAUNCHES_FILE).write_text(json.dumps({"fsdp": old, "fl_fsdp-h8": new}))
+    assert rb.main(["--report-only", "--name", "conv", "--work-root", str(tmp_path / "w"),
+                    "--results-root", str(tmp_path / "r")]) == 0
+    launches = (tmp_path / "r" / "conv" / "table.md").read_text().split("## Launches", 1)[1]
+    assert "| fl_fsdp-h8 " in launches and "4002" in launches and "| fsdp " in launches
+
+
 def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatch):
     """run_local with a stand-in for the launch (plain python, no training): a finished row is
     not launched again; the others get --resume_from_checkpoint latest and a launch record."""
