@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from importlib import metadata
@@ -361,7 +362,7 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
     if pending:
         L += ["**Not finished yet** (the tables below hold the finished rows only): " + "; ".join(
             f"`{k}` {v['state']}" + (f" (logged up to step {v['step']})" if v["step"] else "")
-            for k, v in pending.items()) + f". Continue with `{meta.get('resume_command', plan['command'])}`.", ""]
+            for k, v in pending.items()) + f". Continue with `{_resume_command(meta, plan, pending)}`.", ""]
     return L
 
 
@@ -562,6 +563,18 @@ def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
                                          title=f"time to target loss (bar: measured tokens/s, or the model's where "
                                                f"none){smoke}", reference_label="cost model"))
     return paths
+
+
+def _resume_command(meta: dict, plan: dict, pending: dict) -> str:
+    """The invocation that continues the unfinished rows ``pending``: the recorded command
+    with its ``--only`` replaced by those rows (finished rows are skipped in any case)."""
+    argv = shlex.split(meta.get("resume_command") or plan["command"])
+    if "--only" in argv:
+        i = argv.index("--only")
+        del argv[i:i + 2]
+    if "--name" not in argv:
+        argv += ["--name", plan["name"]]
+    return " ".join(shlex.quote(a) for a in argv + ["--only", ",".join(pending)])
 
 
 def report_local(plan: dict, meta: dict, root: str, results_root: str | None = None) -> dict:

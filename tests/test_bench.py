@@ -601,6 +601,10 @@ def test_report_only_of_a_local_suite_lists_the_launches_of_launches_json(tmp_pa
                     "--results-root", str(tmp_path / "r")]) == 0
     launches = (tmp_path / "r" / "conv" / "table.md").read_text().split("## Launches", 1)[1]
     assert "| fl_fsdp-h8 " in launches and "4002" in launches and "| fsdp " in launches
+    # the continuation names the unfinished rows only
+    table_only = (tmp_path / "r" / "conv" / "table.md").read_text().split("Continue with `", 1)[1]
+    only = table_only.split("`", 1)[0].split("--only ", 1)[1].split(",")
+    assert "fl_fsdp-h8-nesterov" in only and "fsdp" not in only and "fl_fsdp-h8" not in only
 
 
 def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatch):
