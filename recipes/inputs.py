@@ -88,6 +88,19 @@ def main_first(accelerator, fn):
     return result
 
 
+def prepare_corpus(args, cache_dir: str):
+    """Load, tokenize and pack the map-style corpus of ``args`` into ``cache_dir`` (or read
+    it from there: :mod:`recipes.data`'s caches). Returns ``(tokenizer, packed
+    DatasetDict)`` with "train" and "validation" splits of ``args.seq_len``-token blocks."""
+    from . import data as data_lib
+
+    raw = data_lib.load_raw(args, cache_dir)
+    tok = data_lib.get_tokenizer(args, raw, cache_dir)
+    packed = data_lib.tokenize_and_pack_cached(raw, tok, args.text_column, args.seq_len, cache_dir,
+                                               args.preprocessing_num_workers)
+    return tok, packed.dataset
+
+
 def build_data(args, accelerator) -> Data:
     """Tokenizer, training loader and validation blocks for this rank. Collective.
 
@@ -112,14 +125,7 @@ def build_data(args, accelerator) -> Data:
                                              args.seed if data_seed is None else data_seed)
         return Data(tokenizer, DataLoader(stream, batch_size=args.micro_batch_size), val_blocks, stream=stream)
 
-    def prepare():
-        raw = data_lib.load_raw(args, cache_dir)
-        tok = data_lib.get_tokenizer(args, raw, cache_dir)
-        packed = data_lib.tokenize_and_pack_cached(raw, tok, args.text_column, args.seq_len, cache_dir,
-                                                   args.preprocessing_num_workers)
-        return tok, packed.dataset
-
-    tokenizer, packed = main_first(accelerator, prepare)
+    tokenizer, packed = main_first(accelerator, lambda: prepare_corpus(args, cache_dir))
     train_set, val_set = packed["train"], packed["validation"]
     val_blocks = val_set["input_ids"][: args.max_eval_blocks] if args.max_eval_blocks else val_set["input_ids"]
     if len(val_blocks) < world * args.micro_batch_size:

@@ -107,8 +107,7 @@ def default_corpus_cache(tmp_path_factory) -> str:
     """A recipe ``--cache_dir`` holding the default corpus (the embedded Shakespeare), its
     BPE tokenizer (the recipe's default vocabulary) and its blocks of
     :data:`DEFAULT_CORPUS_SEQ_LEN` tokens, filled once per test run by the recipe's own
-    functions (recipes/data.py: ``load_raw``, ``get_tokenizer``,
-    ``tokenize_and_pack_cached``, as ``recipes/inputs.py build_data`` calls them), so that
+    function (``recipes.inputs.prepare_corpus``, which ``build_data`` calls), so that
     each launch reads it instead of preparing the corpus again (about 25 CPU-s). Under
     pytest-xdist the workers share it (the run's temporary root; a file lock makes one
     worker fill it while the others wait); a concurrent test run has its own."""
@@ -121,15 +120,12 @@ def default_corpus_cache(tmp_path_factory) -> str:
     with open(root / "default_corpus_cache.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (cache / "filled").exists():
-            from recipes import data
             from recipes.args import parse_args
+            from recipes.inputs import prepare_corpus
 
             args = parse_args(["--seq_len", str(DEFAULT_CORPUS_SEQ_LEN), "--output_dir", str(root / "unused")],
                               environ={"WORLD_SIZE": "1"}).args
-            raw = data.load_raw(args, str(cache))
-            tokenizer = data.get_tokenizer(args, raw, str(cache))
-            data.tokenize_and_pack_cached(raw, tokenizer, args.text_column, args.seq_len, str(cache),
-                                          args.preprocessing_num_workers)
+            prepare_corpus(args, str(cache))
             (cache / "filled").write_text("")
     return str(cache)
 
