@@ -47,7 +47,8 @@ def _cpu_now() -> float:
     return total
 
 
-CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache"}
+CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache",
+                  "print_measured"}
 """Module/session fixtures that only name a folder, set up in-process state or are shared
 by the workers anyway (:func:`default_corpus_cache`): they do not tie tests into one group."""
 

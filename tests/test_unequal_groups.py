@@ -477,7 +477,10 @@ def test_accelerate_launch_with_cpu_6proc_yaml_trains_unequal_groups_on_six_proc
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
 
 
-def test_zz_print_measured_figures():
-    """Not a check: prints what the tests above measured (run with -s)."""
+@pytest.fixture(scope="module", autouse=True)
+def print_measured():
+    """Prints what this module's tests measured (run with -s), after its last test: not a test
+    of its own (it asserts nothing)."""
+    yield
     for k, v in MEASURED.items():
         print(f"[unequal] {k}: {v:.4g}" if isinstance(v, float) else f"[unequal] {k}: {v}")
