@@ -11,9 +11,11 @@ and sends the figure with the test's report.
 Parallel runs (``pytest -n N --dist loadgroup``, what scripts/test.sh does): tests that
 share an expensive module- or session-scoped fixture (a launch whose records several tests
 read) get one ``xdist_group`` mark per set of connected fixtures, so the launch happens
-once, on one worker; every other test is scheduled on its own. Tests of
-:data:`HEAVY_FIRST` modules are collected first, so the long launches start early and do
-not form the tail of the run.
+once, on one worker; every other test is scheduled on its own. The work units (a group, or
+a test on its own) are handed out in collection order (xdist's reordering of units by
+their number of tests is switched off): the units of :data:`LONG_FIRST` first, longest
+first, then the tests of :data:`HEAVY_FIRST` modules, then the rest, so that the long
+launches and the long chains start at once and do not form the tail of the run.
 """
 
 import os
@@ -47,14 +49,28 @@ def _cpu_now() -> float:
     return total
 
 
-CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache"}
+CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "default_corpus_cache",
+                  "print_measured"}
 """Module/session fixtures that only name a folder, set up in-process state or are shared
 by the workers anyway (:func:`default_corpus_cache`): they do not tie tests into one group."""
+
+LONG_FIRST = ("test_ft.py::test_group_killed_mid_round_heals_from_live_group",  # waits on kills and heals
+              "test_recipe_lifecycle.py::",  # the 'full' chain: a run, 2 resumes, 7 refused or short launches
+              "test_streaming_sync.py::",  # the 'four' chain: 19 scenarios, the resumes, the 8-rank launch
+              "test_ft.py::test_torchft_mode_equals_single_world",
+              "test_ft.py::test_recipe_trains_each_group",
+              "test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
+              "test_failures.py::test_max_restarts",
+              "test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
+              "test_recipe.py::")
+"""Node-id prefixes (after ``tests/``) of the units that take longest (wall seconds of the
+last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collected first."""
 
 HEAVY_FIRST = ("test_ft", "test_failures", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
                "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
                "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
-"""Modules with the longest launches, in the order their tests are collected (then the rest)."""
+"""Modules with the longest launches, in the order their tests are collected after
+:data:`LONG_FIRST` (then the rest)."""
 
 
 def _shared_fixture_groups(items) -> dict[str, str]:
@@ -86,11 +102,21 @@ def _shared_fixture_groups(items) -> dict[str, str]:
     return {nodeid: find(keys[0]).replace(":", "-") for nodeid, keys in uses.items()}
 
 
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out the units in collection order
+        config.option.loadscopereorder = False
+
+
+def _order(item) -> tuple[int, int]:
+    nodeid = item.nodeid.split("tests/", 1)[-1]
+    first = next((i for i, prefix in enumerate(LONG_FIRST) if nodeid.startswith(prefix)), len(LONG_FIRST))
+    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+    return first, HEAVY_FIRST.index(module) if module in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    rank = {m: i for i, m in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda it: rank.get(it.module.__name__.rsplit(".", 1)[-1] if getattr(it, "module", None)
-                                       else "", len(rank)))
+    items.sort(key=_order)
     if config.pluginmanager.hasplugin("xdist"):
         groups = _shared_fixture_groups(items)
         for item in items:

@@ -273,12 +273,13 @@ def test_report_only_without_results_is_one_error(tmp_path, capsys):
 
 # ---------------------------------------------------------------------- launching (root: network namespaces)
 _FAKE_RECIPE = r'''
-import json, os, sys, torch, torch.distributed as dist
+import json, os, sys
 args = sys.argv[1:]
 out = args[args.index("--output_dir") + 1]
-if os.environ.get("FAKE_FAIL"):
+if os.environ.get("FAKE_FAIL"):  # before importing torch: the failing launch costs no imports
     print("fake recipe failing on purpose", flush=True)
     sys.exit(3)
+import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1 << 18)  # 1 MiB: crosses the emulated link
 dist.all_reduce(t)

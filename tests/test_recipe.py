@@ -36,6 +36,20 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+def on(run: str):
+    """The xdist group of the tests that read the ``runs(run)`` launch (tests/conftest.py would
+    put every test of the shared ``runs`` fixture into one group: one worker launching all
+    five runs and the resumes one after the other). Each run's tests share a worker, the runs
+    go to different workers; a worker launches (lazily, once) only the runs its tests read."""
+    return pytest.mark.xdist_group(f"test_recipe-{run}")
+
+
+def per_algorithm(algorithms):
+    """``algorithm`` parameters, each in its run's xdist group (:func:`on`)."""
+    return pytest.mark.parametrize("algorithm", [pytest.param(a, marks=on("fsdp" if a == "fl_fsdp_f1" else a))
+                                                 for a in algorithms])
+
+
 @pytest.fixture(scope="session")
 def data_cache(default_corpus_cache):
     """One corpus/tokenizer cache for every launch of the run, filled before them (tests/conftest.py)."""
@@ -60,7 +74,7 @@ def runs(tmp_path_factory, data_cache):
     return get
 
 
-@pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
+@per_algorithm(["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
 def test_recipe_trains_each_algorithm(runs, algorithm):
     """A few steps per algorithm: finite perplexity below the vocabulary, W&B offline run, traffic by axis."""
     out, proc = runs(algorithm)
@@ -92,6 +106,7 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     assert len(results["comm_by_group"]) == (2 if federated else 1)
 
 
+@on("fl_fsdp")
 def test_results_record_what_ran_time_memory_and_mfu(runs):
     """all_results.json says which precision policy, activation checkpointing, compile and
     fl_accel ran; its time figures add up; memory and MFU are there (MFU against
@@ -127,6 +142,7 @@ def test_results_record_what_ran_time_memory_and_mfu(runs):
         assert rec["peak_host_mb"] > 0 and rec["peak_accelerator_mb"] is None and "sync_time_share" in rec
 
 
+@on("fl_fsdp")
 def test_banner_explains_itself(runs):
     """The banner names the fl_accel it imported, explains the letters once, shows the group
     weights and marks every setting the algorithm ignores (also at its default value); fl_accel's
@@ -137,10 +153,17 @@ def test_banner_explains_itself(runs):
     assert "[fl_accel] fl_fsdp F=2 G=2 R=1 S=2 H=3, outer=avg, group weights 1/2, 1/2 (size)" in lines
     assert any(line.startswith("[fl_accel]   (F federation groups of G ranks each") for line in lines)
     assert "hsdp_shard_size=2 (flag; ignored by fl_fsdp)" in proc.stdout
+    assert "UserWarning" not in proc.stderr
+
+
+@on("fsdp")
+def test_banner_marks_what_fsdp_ignores(runs):
+    """FSDP's banner marks the federation flags it ignores; the warning about sync_every is one
+    line of fl_accel's, not `file:line: UserWarning` plus a source line."""
     _, base = runs("fsdp")
     assert "num_groups=2 (flag; ignored by fsdp)" in base.stdout and "sync_every=3 (flag; ignored by fsdp)" in base.stdout
     assert "[fl_accel] sync_every=3 is ignored by algorithm 'fsdp' (one group spans the world)\n" in base.stderr
-    assert "UserWarning" not in base.stderr and "UserWarning" not in proc.stderr
+    assert "UserWarning" not in base.stderr
 
 
 def _masked(line: str) -> str:
@@ -150,6 +173,7 @@ def _masked(line: str) -> str:
     return re.split(r"[0-9=:(]", line, maxsplit=1)[0].strip()
 
 
+@on("fl_fsdp")
 def test_readme_what_you_will_see_matches_a_run(runs):
     """The README's "What you will see" block (the quickstart's FL+FSDP run) has the same lines,
     in the same order, as a run prints: compared by each line's kind (numbers, paths and
@@ -171,19 +195,32 @@ def test_readme_what_you_will_see_matches_a_run(runs):
     assert len(kinds(block)) >= 12 and kinds(block) == kinds(proc.stdout), (kinds(block), kinds(proc.stdout))
 
 
-def test_activation_checkpointing_resumes_across_the_switch(runs, tmp_path, data_cache):
+@pytest.fixture(scope="module")
+def resumed_ac(runs, tmp_path_factory, data_cache):
+    """The FL+FSDP run resumed from its step_2 checkpoint (mid-round, H=3, saved without
+    activation checkpointing) with ``--activation_checkpointing full``: one launch read by the
+    resume test and the activation-checkpointing test."""
+    out, proc = runs("fl_fsdp")
+    assert proc.returncode == 0, proc.tail()
+    ckpt = os.path.join(out, "checkpoints", "step_2")
+    assert os.path.isfile(os.path.join(ckpt, "fl_accel_checkpoint.json"))
+    resumed = str(tmp_path_factory.mktemp("resumed_ac"))
+    proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed, "--cache_dir", data_cache,
+                    "--resume_from_checkpoint", ckpt, "--activation_checkpointing", "full",
+                    "--save_final_model", "false"])  # torchrun + resume: tests/test_failures.py
+    assert proc2.returncode == 0, proc2.tail()
+    return resumed, proc2
+
+
+@on("fl_fsdp")
+def test_activation_checkpointing_resumes_across_the_switch(runs, resumed_ac):
     """A checkpoint saved without activation checkpointing (step_2, mid-round) resumes with
     --activation_checkpointing full: the recomputed activations give the uninterrupted run's
     losses within 1e-5, and the results record that checkpointing ran. (The checkpoint keys
     carry no ``_checkpoint_wrapped_module.``: torch's checkpoint_wrapper strips it from state
     dicts and adds it back on load.)"""
-    out, proc = runs("fl_fsdp")
-    assert proc.returncode == 0, proc.tail()
-    resumed = str(tmp_path / "ac")
-    proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed, "--cache_dir", data_cache,
-                    "--resume_from_checkpoint", os.path.join(out, "checkpoints", "step_2"),
-                    "--activation_checkpointing", "full", "--save_final_model", "false"])
-    assert proc2.returncode == 0, proc2.tail()
+    out, _ = runs("fl_fsdp")
+    resumed, proc2 = resumed_ac
     assert "activation checkpointing full (--activation_checkpointing)" in proc2.stdout
     full = {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
     again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
@@ -227,16 +264,13 @@ def test_other_model_families_train_sync_checkpoint_and_export(family, tmp_path,
         assert torch.isfinite(model(input_ids=torch.arange(64).view(1, 64), use_cache=False).logits).all()
 
 
-def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_cache):
-    """Resume from step_2 (mid-round, H=3): steps 3-4 and the final perplexity match the uninterrupted run."""
-    out, proc = runs("fl_fsdp")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ckpt = os.path.join(out, "checkpoints", "step_2")
-    assert os.path.isfile(os.path.join(ckpt, "fl_accel_checkpoint.json"))
-    resumed_out = str(tmp_path / "resumed")
-    proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed_out, "--cache_dir", data_cache,
-                    "--resume_from_checkpoint", ckpt])  # torchrun + resume: tests/test_failures.py
-    assert proc2.returncode == 0, proc2.tail()
+@on("fl_fsdp")
+def test_recipe_resume_continues_from_mid_round_checkpoint(runs, resumed_ac):
+    """Resume from step_2 (mid-round, H=3; the resumed launch recomputes activations,
+    :func:`resumed_ac`, which changes no value): steps 3-4 (loss, LR) and the final
+    perplexity match the uninterrupted run."""
+    out, _ = runs("fl_fsdp")
+    resumed_out, proc2 = resumed_ac
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
     full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}
     resumed = {r["step"]: r for r in read_metrics(resumed_out) if "train/loss" in r}
@@ -248,10 +282,12 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, tmp_path, data_
         a = json.load(fh)
     with open(os.path.join(resumed_out, "all_results.json"), encoding="utf-8") as fh:
         b = json.load(fh)
+    print(f"\n|resumed - full| eval loss {abs(a['eval_loss'] - b['eval_loss']):.3g}, train losses "
+          f"{[abs(resumed[k]['train/loss'] - full[k]['train/loss']) for k in (3, 4)]}")
     assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-6, (a["eval_loss"], b["eval_loss"])
 
 
-@pytest.mark.parametrize("algorithm", ["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
+@per_algorithm(["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
 def test_measured_bytes_match_cost_model(runs, algorithm):
     """comm_stats of the real 4-process run vs fl_accel.cost_model, within 5% on every axis.
 
@@ -290,6 +326,7 @@ def _train_losses(out: str) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
 
 
+@on("fl_fsdp")
 def test_golden_losses_of_fl_fsdp(runs):
     """Regression guard (torchtitan style): the train losses of every step and the final eval
     loss of the tiny FL+FSDP run (4 ranks, F=2, H=3, seed 42, the embedded corpus) equal the
@@ -311,6 +348,7 @@ def test_golden_losses_of_fl_fsdp(runs):
     assert abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5, (got["eval_loss"], want["eval_loss"])
 
 
+@on("fsdp")
 def test_one_federation_group_is_fsdp_bitwise(runs):
     """FL+FSDP with F=1 is FSDP: the same train loss at every step and the same eval loss,
     bitwise (one group's mean of itself changes nothing; H=3 syncs at steps 3 and 4)."""

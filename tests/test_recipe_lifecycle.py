@@ -211,10 +211,11 @@ def _plain_python(args, tmp):
                           text=True, timeout=900)  # bf16 on CPU: 300 s ran out beside 3 other test workers
 
 
-def test_single_plain_process_runs_and_fl_on_one_process_names_the_fix(full, tmp_path):
+def test_single_plain_process_runs_and_fl_on_one_process_names_the_fix(tmp_path):
     """One plain process (no torchrun, no RANK) trains with --algorithm fsdp; FL with two groups on
-    one process fails at once with a message that suggests --num_groups 1 or --algorithm fsdp."""
-    _, data, _, _ = full
+    one process fails at once with a message that suggests --num_groups 1 or --algorithm fsdp.
+    (Its own corpus, not the ``full`` run's: no launch to wait for, so xdist runs it on any worker.)"""
+    data = _corpus(tmp_path)
     common = ["--model", "tiny", "--micro_batch_size", "2", "--max_steps", "2", "--report_to", "none",
               "--save_final_model", "false", "--max_eval_blocks", "4", *data]  # bf16 matmuls are slow on CPU
     bad = _plain_python([*common, "--output_dir", str(tmp_path / "fl")], tmp_path)

@@ -15,7 +15,7 @@ Launches (each costs ~10-15 s of start-up on a 2-core box, so scenarios are batc
   resume from steps 4 and 3 in [2, 4] (must be bitwise the same run);
 * ``four`` (4 processes): the equal layout [2, 2] with the same S, for the bytes
   comparison, and a load of the [2, 4] checkpoint (must fail);
-* the recipe through torchrun and through ``accelerate launch`` with cpu_6proc.yaml.
+* the recipe through ``accelerate launch`` with cpu_6proc.yaml (6 real processes).
 """
 
 from __future__ import annotations
@@ -433,33 +433,9 @@ def test_group_data_sharding_splits_the_whole_dataset_inside_each_group(six):
 
 # ====================================================================== 6. the recipe
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
-RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "4",
-               "--max_eval_blocks", "48", "--report_to", "none", "--log_every", "1", "--sync_every", "3",
-               "--algorithm", "fl_hsdp", "--group_sizes", "2,4", "--hsdp_shard_size", "2"]
-
-
 @pytest.fixture(scope="module")
 def data_cache(default_corpus_cache):
     return default_corpus_cache  # filled before the launches (tests/conftest.py)
-
-
-def test_recipe_trains_unequal_groups_on_six_processes(tmp_path, data_cache):
-    """``torchrun --nproc_per_node 6 recipes/pretrain.py --algorithm fl_hsdp --group_sizes
-    2,4 --hsdp_shard_size 2 ...``: 4 steps, a finite perplexity below the vocabulary, the
-    run name encodes the sizes (``fl_hsdp-F2-G2_4-S2-H3``), all_results records the sizes,
-    and rank 0 (replica 0 of group 0) sent "fl" bytes at 2 syncs (step 3, final)."""
-    out = str(tmp_path / "run")
-    res = run_torchrun(WORLD, RECIPE, *RECIPE_ARGS, "--output_dir", out, "--cache_dir", data_cache, timeout=600)
-    assert res.returncode == 0, res.tail()
-    MEASURED["recipe torchrun s"] = res.seconds
-    results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
-    assert results["run_name"] == "fl_hsdp-F2-G2_4-S2-H3", results["run_name"]
-    assert results["world_size"] == WORLD and results["group_sizes"] == [2, 4] and results["shards"] == 2
-    assert results["steps"] == 4 and math.isfinite(results["eval_perplexity"])
-    assert 1.0 < results["eval_perplexity"] < results["vocab_size"]
-    assert results["comm"]["fl"]["calls"] == 2 and results["comm"]["fl"]["bytes"] > 0, results["comm"]
-    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
-    assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
 
 
 UNEQUAL_YAML = REPO_ROOT / "recipes" / "configs" / "cpu_fl_hsdp_unequal.yaml"
@@ -475,26 +451,36 @@ def test_unequal_recipe_yaml_parses_to_the_2_4_layout():
     assert FLLayout.from_config(fl.validate(world_size=WORLD), WORLD) == LAYOUT
 
 
-def test_accelerate_launch_with_cpu_6proc_yaml_starts_six_processes(tmp_path, data_cache):
+def test_accelerate_launch_with_cpu_6proc_yaml_trains_unequal_groups_on_six_processes(tmp_path, data_cache):
     """``accelerate launch --config_file accelerate_configs/cpu_6proc.yaml recipes/pretrain.py
-    --config recipes/configs/cpu_fl_hsdp_unequal.yaml`` (shortened to 1 step) on this
-    CPU-only machine runs 6 processes, not one: the recipe's results say world size 6,
-    layout [2, 4], run name ``fl_hsdp-F2-G2_4-S2-H8``."""
+    --config recipes/configs/cpu_fl_hsdp_unequal.yaml`` (shortened to 4 steps, H=3 by flag)
+    on this CPU-only machine runs 6 processes, not one, in the YAML's layout: the results say
+    world size 6, groups [2, 4] of S=2 shards, run name ``fl_hsdp-F2-G2_4-S2-H3`` (the flag
+    overrides the YAML's sync_every: 8); 4 steps logged, a finite perplexity below the
+    vocabulary, and rank 0 (replica 0 of group 0) sent "fl" bytes at 2 syncs (step 3, final)."""
     out = str(tmp_path / "run")
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO_ROOT / "accelerate_configs" / "cpu_6proc.yaml"), "--main_process_port", str(free_port()),
-            str(RECIPE), "--config", str(UNEQUAL_YAML), "--max_steps", "1", "--seq_len", "64",
-            "--micro_batch_size", "2", "--max_eval_blocks", "12", "--report_to", "none", "--output_dir", out,
-            "--cache_dir", data_cache]
+            str(RECIPE), "--config", str(UNEQUAL_YAML), "--max_steps", "4", "--sync_every", "3", "--seq_len", "64",
+            "--micro_batch_size", "2", "--max_eval_blocks", "48", "--log_every", "1", "--report_to", "none",
+            "--output_dir", out, "--cache_dir", data_cache]
     res = run_cmd(argv, timeout=600, env=launch_env(), cwd=REPO_ROOT)
     assert res.returncode == 0, res.tail()
     MEASURED["recipe accelerate launch s"] = res.seconds
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
-    assert results["world_size"] == WORLD and results["group_sizes"] == [2, 4], results
-    assert results["run_name"] == "fl_hsdp-F2-G2_4-S2-H8", results["run_name"]
+    assert results["run_name"] == "fl_hsdp-F2-G2_4-S2-H3", results["run_name"]
+    assert results["world_size"] == WORLD and results["group_sizes"] == [2, 4] and results["shards"] == 2, results
+    assert results["steps"] == 4 and math.isfinite(results["eval_perplexity"])
+    assert 1.0 < results["eval_perplexity"] < results["vocab_size"]
+    assert results["comm"]["fl"]["calls"] == 2 and results["comm"]["fl"]["bytes"] > 0, results["comm"]
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
+    assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
 
 
-def test_zz_print_measured_figures():
-    """Not a check: prints what the tests above measured (run with -s)."""
+@pytest.fixture(scope="module", autouse=True)
+def print_measured():
+    """Prints what this module's tests measured (run with -s), after its last test: not a test
+    of its own (it asserts nothing)."""
+    yield
     for k, v in MEASURED.items():
         print(f"[unequal] {k}: {v:.4g}" if isinstance(v, float) else f"[unequal] {k}: {v}")
