@@ -301,14 +301,14 @@ class FLAccelerator(Accelerator):
 def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
     """The torchft transport (:mod:`fl_accel.ft`); a heal carries the synchronizer's, the
     schedulers' and Accelerate's step state."""
-    from . import ft, ft_state
+    from . import ft
 
     def save():
-        return ft_state.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
+        return ft.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
 
     def load(state):
         fsdp.reshard(acc._models)
-        ft_state.restore(acc.synchronizer, acc._schedulers, state)
+        ft.restore(acc.synchronizer, acc._schedulers, state)
         acc.step = state["extra"].get("accelerate_step", acc.step)
 
     transport = ft.ManagedTransport.create(
