@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -271,7 +272,7 @@ class FLAccelerator(Accelerator):
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
         hooks.insert(len(hooks) - 1, hook)  # before the reshard
-        return _Handle(hooks, hook)
+        return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
         """:func:`fl_accel.checkpoint.save_federated_state` (``extra_meta``, ``rank_state``). Collective."""
@@ -335,13 +336,3 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
         synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
         barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
         load_extras=lambda path: accelerate_call("load_state", path), launch_rank=acc.process_index)
-
-
-class _Handle:
-
-    def __init__(self, hooks: list, hook):
-        self.hooks, self.hook = hooks, hook
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)

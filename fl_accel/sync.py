@@ -39,15 +39,6 @@ class NonFiniteError(RuntimeError):
     """Raised by a sync on every rank when a federation group holds NaN/Inf and on_nonfinite='abort'."""
 
 
-def deal_fragments(units: list[list[int]], num_fragments: int) -> list[list[int]]:
-    """Unit u (forward order) goes to fragment u mod P: P sorted lists of parameter indices.
-    ValueError when P exceeds the number of units."""
-    if num_fragments > len(units):
-        raise ValueError(f"FLConfig.num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
-                         f"each fragment needs at least one unit")
-    return [sorted(i for unit in units[k::num_fragments] for i in unit) for k in range(num_fragments)]
-
-
 @dataclass
 class Fragment:
     """``pending``: the exchange in flight (or its means, after a checkpoint), else None."""
@@ -147,16 +138,20 @@ class FederatedSynchronizer:
     one order on every rank (names via :func:`fl_accel.fsdp.canonical_name`); ``optimizer``:
     the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
     ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
-    dealt into fragments. ``pre_sync_hooks``: ``hook(synchronizer, full)`` before each event."""
+    unit u into fragment u mod P (ValueError: P > units). ``pre_sync_hooks``: ``hook(synchronizer,
+    full)`` before each event."""
 
     def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None):
         named = list(named_params)
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer, self.transport, self.config = optimizer, transport, config
-        units = units if units is not None else [[i] for i in range(len(self.params))]
-        self.fragments = [Fragment(k, idx, [self.names[i] for i in idx])
-                          for k, idx in enumerate(deal_fragments(units, config.num_fragments))]
+        units, P = units if units is not None else [[i] for i in range(len(self.params))], config.num_fragments
+        if P > len(units):
+            raise ValueError(f"FLConfig.num_fragments={P} exceeds the {len(units)} FSDP units of the model; "
+                             f"each fragment needs at least one unit")
+        dealt = [sorted(i for unit in units[k::P] for i in unit) for k in range(P)]  # unit u -> fragment u mod P
+        self.fragments = [Fragment(k, idx, [self.names[i] for i in idx]) for k, idx in enumerate(dealt)]
         elastic = bool(getattr(transport, "elastic", False))  # membership decided at each sync (fl_accel.ft)
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
                                      config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
@@ -207,6 +202,7 @@ class FederatedSynchronizer:
         finally:
             self._suspended -= 1
 
+    @torch.no_grad()
     def on_optimizer_step(self) -> bool:
         """Count one optimizer step and run the actions due; True if a sync event completed."""
         if self._suspended:
@@ -220,7 +216,7 @@ class FederatedSynchronizer:
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
                 if kind == LAUNCH:
-                    self._launch(self.fragments[k])
+                    self.fragments[k].pending = self._exchange(self.fragments[k].params).start()
                 elif kind == ADVANCE and isinstance(pending, Exchange):
                     pending.advance()
                 elif kind == APPLY:
@@ -236,10 +232,6 @@ class FederatedSynchronizer:
                         density=self.config.sync_density, value_bits=self.config.sync_value_bits,
                         residuals=None if self.outer.residuals is None else [self.outer.residuals[i] for i in indices])
 
-    @torch.no_grad()
-    def _launch(self, fragment: Fragment) -> None:
-        fragment.pending = self._exchange(fragment.params).start()
-
     def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
         """A blocking exchange, applied bucket by bucket (gated: whole, after the commit)."""
         if self.gate.deferred is not None:
@@ -253,7 +245,6 @@ class FederatedSynchronizer:
         self.outer.step = self.schedule.global_step
         self.outer.apply(indices, means, alpha)
 
-    @torch.no_grad()
     def _sync_fragment(self, fragment: Fragment) -> None:
         self._pre_sync(full=False)
         rnd = self.transport.begin()
