@@ -49,18 +49,14 @@ class AxisStats:
     by_op: dict = field(default_factory=lambda: defaultdict(int))
 
 
-class CommStats:
+class CommStats(dict):
     """Per-bucket counters: ``stats["fl"].bytes`` etc."""
 
     def __init__(self, buckets=BUCKETS):
-        self.buckets = tuple(buckets)
-        self._stats = {a: AxisStats() for a in self.buckets}
-
-    def __getitem__(self, bucket: str) -> AxisStats:
-        return self._stats[bucket]
+        super().__init__({a: AxisStats() for a in buckets})
 
     def record(self, bucket: str, op: str, nbytes: int, seconds: float) -> None:
-        s = self._stats[bucket]
+        s = self[bucket]
         s.bytes += int(nbytes)
         s.seconds += seconds
         s.calls += 1
@@ -68,12 +64,12 @@ class CommStats:
 
     def as_dict(self) -> dict:
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
-                for a, s in self._stats.items()}
+                for a, s in self.items()}
 
     def load_dict(self, values: dict) -> None:
         for a, v in values.items():
-            if a in self._stats:
-                s = self._stats[a]
+            if a in self:
+                s = self[a]
                 s.bytes, s.seconds, s.calls = int(v["bytes"]), float(v["seconds"]), int(v["calls"])
                 s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
 
@@ -104,12 +100,10 @@ def _wrap(name: str, original):
     op, arg_name, arg_pos = _OPS[name]
 
     def wrapper(*args, **kwargs):
-        meters = list(_active)
         group = kwargs.get("group")
         if group is None and len(args) > _GROUP_POS.get(name, 99):
             group = args[_GROUP_POS[name]]
-        claims = [(m, m.bucket_of(group)) for m in meters]
-        claims = [(m, b) for m, b in claims if b is not None]
+        claims = [(m, b) for m in list(_active) if (b := m.bucket_of(group)) is not None]
         if not claims:
             return original(*args, **kwargs)
         full = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
@@ -167,7 +161,7 @@ class CommMeter:
 
     def __exit__(self, *exc) -> bool:
         with _lock:
-            if self._depth == 0:
+            if self._depth == 0:  # end_training stopped it inside the with block
                 return False
             self._depth -= 1
             if self._depth == 0:

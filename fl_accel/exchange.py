@@ -159,7 +159,8 @@ class Exchange:
             total = sum(w * m for w, m in zip(self.weights, mask))
             self.weights = [w * m / total for w, m in zip(self.weights, mask)]
         self.scale_first = mask is not None or len(set(rnd.weights)) > 1
-        self.plan = plan_buckets([math.prod(s) for s in self.shapes], bucket_values)
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.plan = plan_buckets(self.sizes, bucket_values)
         self.buckets: list[_Bucket] = []
         self.stream = _side_stream(self.device) if self.device.type == "cuda" else None
         if self.stream is not None:  # packing waits for the compute stream's writes
@@ -205,18 +206,15 @@ class Exchange:
     def _pack(self, idx: list[int]) -> _Bucket:
         pad = self.t.num_chunks * (SPARSE_BLOCK if self.sparse else self.round.num_groups * BLOCK if self.compressed
                                    else 1)
-        numel = sum(math.prod(self.shapes[i]) for i in idx)
+        numel = sum(self.sizes[i] for i in idx)
         with self._stream():
             flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=self.device)
-            offset = 0
-            for i in idx:
-                n = math.prod(self.shapes[i])
+            for i, part in zip(idx, self._parts(flat, idx)):
                 value = self.sources[i]() if callable(self.sources[i]) else self.sources[i]
-                flat[offset:offset + n].copy_(value.reshape(-1))
+                part.copy_(value.reshape(-1))
                 del value
                 if self.residuals is not None:
-                    flat[offset:offset + n].add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
-                offset += n
+                    part.add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
         if self.stream is not None:  # the next optimizer step (compute stream) must not overtake packing
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.buckets.append(_Bucket(idx, flat))
@@ -262,7 +260,7 @@ class Exchange:
         lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
         offset = 0
         for i in b.idx:
-            n = math.prod(self.shapes[i])
+            n = self.sizes[i]
             a, z = max(lo, offset), min(hi, offset + n)
             res = self.residuals[i].view(-1)
             res.zero_()
@@ -304,12 +302,12 @@ class Exchange:
         if self.stream is not None:  # read on the compute stream from now on
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             b.flat.record_stream(torch.cuda.current_stream(self.device))
-        out, offset = [], 0
-        for i in b.idx:
-            n = math.prod(self.shapes[i])
-            out.append(b.flat[offset:offset + n].view(self.shapes[i]))
-            offset += n
-        return out
+        return [part.view(self.shapes[i]) for i, part in zip(b.idx, self._parts(b.flat, b.idx))]
+
+    def _parts(self, flat: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        """Views of ``flat`` holding sources ``idx`` in order (the padding after them left out)."""
+        sizes = [self.sizes[i] for i in idx]
+        return flat[:sum(sizes)].split(sizes)
 
 
 def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
