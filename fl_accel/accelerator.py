@@ -334,5 +334,4 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
     return CheckpointIO(
         models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
         synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
-        barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
-        load_extras=lambda path: accelerate_call("load_state", path), launch_rank=acc.process_index)
+        barrier=acc.wait_for_everyone, extras=accelerate_call, is_main_process=acc.is_main_process)

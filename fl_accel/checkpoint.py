@@ -47,8 +47,8 @@ class CheckpointError(ValueError):
 @dataclass
 class CheckpointIO:
     """What a save or load needs from the accelerator (which builds it; no Accelerate here):
-    ``save_extras``/``load_extras`` write/read what is not models and optimizers into/from a
-    folder; ``rank``: in the layout; ``launch_rank``: in the launch's world ("torchft")."""
+    ``extras("save_state" | "load_state", folder)`` writes/reads what is not models and
+    optimizers; ``rank``: in the layout; ``is_main_process``: of the launch's world."""
 
     models: list
     optimizers: list
@@ -57,13 +57,11 @@ class CheckpointIO:
     config: Any
     rank: int
     barrier: Callable[[], None]
-    save_extras: Callable[[str], None]
-    load_extras: Callable[[str], None]
-    launch_rank: int | None = None
+    extras: Callable[[str, str], None]
+    is_main_process: bool
 
     group_index = property(lambda self: self.layout.coords(self.rank)[0])
     replica_index = property(lambda self: self.layout.coords(self.rank)[1])
-    is_main_process = property(lambda self: (self.rank if self.launch_rank is None else self.launch_rank) == 0)
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
@@ -74,23 +72,16 @@ def find_latest(checkpoints_dir: str) -> str | None:
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     """Complete ``(step, path)`` checkpoints (with ``fl_accel_checkpoint.json``), oldest first."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    out = []
-    for name in os.listdir(checkpoints_dir):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(checkpoints_dir, name)
-        if m and os.path.isfile(os.path.join(path, META_FILE)):
-            out.append((int(m.group(1)), path))
-    return sorted(out)
+    names = os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []
+    return sorted((int(m.group(1)), os.path.join(checkpoints_dir, n)) for n in names
+                  if (m := _STEP_DIR.match(n)) and os.path.isfile(os.path.join(checkpoints_dir, n, META_FILE)))
 
 
 def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints; returns them. One process."""
-    deleted = []
-    for _, path in list_checkpoints(checkpoints_dir)[:-keep] if keep > 0 else []:
+    deleted = [path for _, path in list_checkpoints(checkpoints_dir)[:-keep]] if keep > 0 else []
+    for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
-        deleted.append(path)
     return deleted
 
 
@@ -193,7 +184,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
     scopes = {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
-    io.save_extras(tmp)
+    io.extras("save_state", tmp)
     if callable(rank_state):  # evaluated after the save's own collectives (e.g. comm counters)
         rank_state = rank_state()
     if rank_state is not None:
@@ -264,7 +255,7 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
         if meta.get("transport") is not None:
             sync.transport.load_state_dict(meta["transport"])
-    io.load_extras(input_dir)
+    io.extras("load_state", input_dir)
     rank_file = os.path.join(input_dir, "rank_state", f"rank{io.rank}.json")
     if os.path.isfile(rank_file):
         with open(rank_file, encoding="utf-8") as fh:
