@@ -74,17 +74,25 @@ class CommStats(dict):
                 s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
 
 
-class _TimedWork:
-    """An async ``dist.Work`` whose ``wait()`` seconds go to ``on_wait``."""
+class TimedWork:
+    """An async ``dist.Work`` (None: abandoned, its wait is a no-op) whose ``wait()`` seconds go
+    to ``on_wait``; with ``on_error``, a failure goes there instead of raising."""
 
-    def __init__(self, work, on_wait):
-        self._work = work
-        self._on_wait = on_wait
+    def __init__(self, work, on_wait=None, on_error=None):
+        self._work, self._on_wait, self._on_error = work, on_wait, on_error
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._work.wait(*args, **kwargs)
-        self._on_wait(time.perf_counter() - t0)
+        if self._work is None:
+            return True
+        t0, out = time.perf_counter(), True
+        try:
+            out = self._work.wait(*args, **kwargs)
+        except Exception as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - t0)
         return out
 
     def __getattr__(self, name):
@@ -114,7 +122,7 @@ def _wrap(name: str, original):
         for m, bucket in claims:
             m.stats.record(bucket, op, nbytes, elapsed)
         if work is not None and kwargs.get("async_op", False):
-            return _TimedWork(work, lambda s: [m._add_seconds(b, s) for m, b in claims])
+            return TimedWork(work, lambda s: [m._add_seconds(b, s) for m, b in claims])
         return work
 
     wrapper.__wrapped__ = original

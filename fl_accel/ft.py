@@ -37,30 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
+from . import comm
 from .exchange import MeshTransport, Round
 from .fsdp import local
 
 logger = logging.getLogger(__name__)
-
-
-class _Reported:
-    """A collective (None: abandoned) whose failure is reported to the Manager, not raised;
-    ``on_wait(seconds)``."""
-
-    def __init__(self, work, manager, on_wait=None):
-        self.work, self.manager, self.on_wait = work, manager, on_wait
-
-    def wait(self, timeout=None) -> bool:
-        if self.work is None:
-            return True
-        t0 = time.perf_counter()
-        try:
-            self.work.wait()
-        except Exception as exc:  # a peer group died: the round will not commit
-            _report(self.manager, exc)
-        if self.on_wait is not None:
-            self.on_wait(time.perf_counter() - t0)
-        return True
 
 
 def _report(manager, exc: Exception) -> None:
@@ -226,8 +207,6 @@ class ManagedTransport:
         """Launch a collective on the managed group (none once the round is lost) and wait for it
         unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
         the single world's, while it is entered."""
-        from . import comm
-
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
         work, t0 = None, time.perf_counter()
         if self.manager.errored() is None:
@@ -239,7 +218,8 @@ class ManagedTransport:
             num = self.round.num_groups if self.round is not None else 1
             meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
                                time.perf_counter() - t0)
-        work = _Reported(work, self.manager, meter and (lambda s: meter._add_seconds("fl", s)))
+        work = comm.TimedWork(work, meter and (lambda s: meter._add_seconds("fl", s)),
+                              lambda exc: _report(self.manager, exc))  # a peer group died: no commit
         if async_op:
             return work
         work.wait()
