@@ -5,7 +5,7 @@ replaces its local shard with the weighted mean of the shards at the same coordi
 all F groups (FedAvg). No full-parameter gather: a rank exchanges its own shard
 (:mod:`fl_accel.exchange`); parameters stay DTensors, only their local tensors are
 written, in place. :class:`~fl_accel.schedule.SyncSchedule` decides when,
-:class:`~fl_accel.outer.OuterState` runs the outer step, :class:`NonFiniteGuard` checks
+:class:`~fl_accel.outer.OuterState` runs the outer step, :func:`check_finite` checks
 for NaN/Inf, :class:`CommitGate` holds writes until torchft commits.
 
 Non-finite values ("reset"): any exchange in flight is completed and discarded, every
@@ -64,39 +64,33 @@ def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list
     return out
 
 
-class NonFiniteGuard:
-    """The NaN/Inf check every sync runs first, under ``on_nonfinite`` ("abort" | "reset")."""
-
-    def __init__(self, policy: str, transport: Transport):
-        self.policy, self.transport = policy, transport
-
-    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
-        """True when no group has NaN/Inf in a shard or the last loss (a collective); else the
-        reset (module docstring) and False. NonFiniteError on every rank under "abort" or
-        when every group is bad."""
-        s, loss = sync.schedule, sync.last_loss
-        local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
-            (loss is not None and not math.isfinite(loss))
-        bad = self.transport.bad_groups(local_bad, rnd)
-        if bad and (self.policy == "abort" or len(bad) == rnd.num_groups):
-            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
-                                 f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
-                                 f"drop such groups for the round instead.")
-        if not bad:
-            return True
-        for fragment in sync.fragments:  # complete the collectives, discard what they carried
-            if fragment.pending is not None:
-                fragment.finish()
-        mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
-        sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
-        sync.gate.write(sync.outer.zero_residuals)
-        tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
-        if tensors:
-            sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
-        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
-                       "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
-        sync.last_loss = None
-        return False
+def check_finite(sync: "FederatedSynchronizer", rnd: Round) -> bool:
+    """The NaN/Inf check every sync runs first: True when no group has NaN/Inf in a shard or
+    the last loss (a collective); else, under ``on_nonfinite="reset"``, the reset (module
+    docstring) and False. NonFiniteError on every rank under "abort" or when every group is bad."""
+    s, loss = sync.schedule, sync.last_loss
+    local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
+        (loss is not None and not math.isfinite(loss))
+    bad = sync.transport.bad_groups(local_bad, rnd)
+    if bad and (sync.config.on_nonfinite == "abort" or len(bad) == rnd.num_groups):
+        raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
+                             f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
+                             f"drop such groups for the round instead.")
+    if not bad:
+        return True
+    for fragment in sync.fragments:  # complete the collectives, discard what they carried
+        if fragment.pending is not None:
+            fragment.finish()
+    mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
+    sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
+    sync.gate.write(sync.outer.zero_residuals)
+    tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
+    if tensors:
+        sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
+    logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
+                   "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
+    sync.last_loss = None
+    return False
 
 
 class CommitGate:
@@ -156,7 +150,6 @@ class FederatedSynchronizer:
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
                                      config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
         self.outer = OuterState(self.params, config)
-        self.guard = NonFiniteGuard(config.on_nonfinite, transport)
         self.clock = WaitClock()
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
@@ -249,7 +242,7 @@ class FederatedSynchronizer:
         self._pre_sync(full=False)
         rnd = self.transport.begin()
         with self.gate.event(self.schedule):
-            if self.guard.check(self, rnd):
+            if check_finite(self, rnd):
                 alpha = self.config.fragment_update_alpha
                 if fragment.pending is None:
                     self._run(fragment.params, rnd, alpha)
@@ -273,7 +266,7 @@ class FederatedSynchronizer:
             self._pre_sync(full=True)
             rnd = self.transport.begin()
             with self.gate.event(self.schedule):
-                if self.guard.check(self, rnd):
+                if check_finite(self, rnd):
                     for fragment in [f for f in self.fragments if f.pending is not None]:  # apply as scheduled
                         self._apply_pending(fragment, rnd)
                     self._run(list(range(len(self.params))), rnd, alpha)
