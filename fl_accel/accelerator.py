@@ -97,11 +97,7 @@ class FLAccelerator(Accelerator):
     every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
     fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
     before any collective: an invalid ``fl_config`` (naming the field) or a refused setting.
-    ``prepare`` shards over this rank's group and attaches the
-    :class:`~fl_accel.sync.FederatedSynchronizer`; schedulers step once per optimizer step;
-    data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep every group's
-    state; ``end_training`` syncs first.
-    """
+    Schedulers step once per optimizer step."""
 
     def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
         fl_config = FLConfig.from_env() if fl_config is None else fl_config

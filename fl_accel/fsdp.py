@@ -13,10 +13,12 @@ functions of (model, layout, device), testable on a one-process group. Relied on
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+WRAPPER_PREFIXES = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -26,9 +28,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def canonical_name(name: str) -> str:
     """``name`` without the AC and compile wrappers' prefixes (checkpoints resume across them)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return WRAPPER_PREFIXES.sub("", name)
 
 
 def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
