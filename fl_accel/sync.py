@@ -213,7 +213,8 @@ class FederatedSynchronizer:
                 elif kind == ADVANCE and isinstance(pending, Exchange):
                     pending.advance()
                 elif kind == APPLY:
-                    self._sync_fragment(self.fragments[k])
+                    self._event(False, self.config.fragment_update_alpha, self.fragments[k])
+                    self.schedule.applied()
                 elif kind == FULL:
                     self.sync(alpha=self.config.fragment_update_alpha)  # through the instance: tests spy on it
         return any(kind in (APPLY, FULL) for kind, _ in actions)
@@ -238,17 +239,20 @@ class FederatedSynchronizer:
         self.outer.step = self.schedule.global_step
         self.outer.apply(indices, means, alpha)
 
-    def _sync_fragment(self, fragment: Fragment) -> None:
-        self._pre_sync(full=False)
+    def _event(self, full: bool, alpha: float, fragment: Fragment | None = None) -> None:
+        """One sync event: the pre-sync hooks, the round, the non-finite check, then (gated) the
+        results in flight and a blocking exchange: of ``fragment`` unless its own is in flight,
+        or of every parameter (``fragment`` None, a full sync)."""
+        for hook in list(self.pre_sync_hooks):
+            hook(self, full)
         rnd = self.transport.begin()
         with self.gate.event(self.schedule):
             if check_finite(self, rnd):
-                alpha = self.config.fragment_update_alpha
-                if fragment.pending is None:
-                    self._run(fragment.params, rnd, alpha)
-                else:
-                    self._apply_pending(fragment, rnd)
-        self.schedule.applied()
+                ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]
+                for f in ready:  # apply as scheduled
+                    self._apply_pending(f, rnd)
+                if not (fragment and ready):
+                    self._run(fragment.params if fragment else list(range(len(self.params))), rnd, alpha)
 
     def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
         means = fragment.finish()
@@ -263,18 +267,8 @@ class FederatedSynchronizer:
         if not self.schedule.active:
             return self.schedule.synced(alpha)
         with self.clock.measure(self.device):
-            self._pre_sync(full=True)
-            rnd = self.transport.begin()
-            with self.gate.event(self.schedule):
-                if check_finite(self, rnd):
-                    for fragment in [f for f in self.fragments if f.pending is not None]:  # apply as scheduled
-                        self._apply_pending(fragment, rnd)
-                    self._run(list(range(len(self.params))), rnd, alpha)
+            self._event(True, alpha)
             self.schedule.synced(alpha)
-
-    def _pre_sync(self, full: bool) -> None:
-        for hook in list(self.pre_sync_hooks):
-            hook(self, full)
 
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then
