@@ -24,6 +24,7 @@ import yaml
 
 from . import mesh
 
+
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
     """A YAML mapping (empty file: ``{}``). ValueError: unreadable, invalid, not a mapping."""
     try:

@@ -42,6 +42,7 @@ GB = 1e9
 BLOCK = 256  # values per fp32 absmax scale of "int8"
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # bytes per value on "fl"
 SPARSE_BLOCK = 4096  # values per top-k block of "sparse" (int16 indices inside a block)
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
@@ -106,7 +107,6 @@ def sparse_bytes(numel: int, density: float, bits: int) -> int:
     magnitude, level step), k int16 indices, k ``bits``-bit codes."""
     k = sparse_k(density, bits)
     return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
-RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
 
 
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
