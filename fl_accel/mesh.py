@@ -157,11 +157,9 @@ class FLLayout:
         return sum(self.group_sizes[:f])
 
     def weights(self, weighting: str = "size") -> tuple[float, ...]:
-        """w_f of the group average: "size" -> G_f / N, "uniform" -> 1 / F. Sums to 1."""
+        """w_f of the group average: "size" -> G_f / N, "uniform" -> 1 / F (FLConfig.group_weighting). Sums to 1."""
         if weighting == "uniform" or self.is_uniform:
             return (1.0 / self.num_groups,) * self.num_groups
-        if weighting != "size":
-            raise ValueError(f"FLConfig.group_weighting must be 'size' or 'uniform', got {weighting!r}")
         return tuple(g / self.world_size for g in self.group_sizes)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
