@@ -31,6 +31,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
                               ParallelismConfig, TorchDynamoPlugin)
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
@@ -70,8 +71,6 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
 
 def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
     """Point Accelerate's FSDP2 path at this rank's group, with the precision policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     state = acc.state
     plugin = plugin or getattr(state, "fsdp_plugin", None)
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:

@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from .fsdp import local
 
@@ -137,8 +141,6 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     """This rank's DCP state: ``model_0``/``optimizer_0``, shared or under ``group{f}.``;
     ``fl.{anchor,momentum,inflight}/<param>/shard{s}``; ``group{f}.replica{r}.residual/...``
     (replicas' residuals differ). ``inflight_fragment``: templates for a load."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     group_key = f"group{io.group_index}"
     state: dict[str, Any] = {}
 
@@ -170,8 +172,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     """Save models, optimizers, sync state (DCP) and Accelerate's, atomically. Collective.
     ``extra_meta``: JSON, once in the metadata; ``rank_state``: JSON (or a callable, called
     after the DCP save) per rank, back as the load's ``meta["rank_state"]``."""
-    import torch.distributed.checkpoint as dcp
-
     output_dir = os.path.normpath(output_dir)
     tmp = output_dir + ".partial"
     if io.is_main_process:
@@ -211,10 +211,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
 def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     """Inverse of :func:`save_federated_state`; returns the metadata. CheckpointError on every
     rank: incomplete or another layout (before any collective), or a corrupt file."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     meta = read_meta(input_dir)
     check_compatible(meta, layout_meta(io.config, io.layout))
     scopes = meta.get("scopes", {"model": "group", "optimizer": "group"})
