@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+from torch.distributed.tensor import DTensor
 
 from . import comm
 from .exchange import MeshTransport, Round
@@ -320,7 +321,6 @@ def restore(sync, schedulers: list, state: dict) -> None:
             if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
                 local(current[k]).copy_(value)
             elif distributed:
-                from torch.distributed.tensor import DTensor
                 current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
                                                 shape=p.shape, stride=p.stride())
             else:
