@@ -180,11 +180,7 @@ class Exchange:
 
     def finish(self) -> list[torch.Tensor]:
         """One fp32 mean per source, identical on every rank of every group."""
-        out: list = [None] * len(self.shapes)
-        for b in self.buckets:
-            for i, m in zip(b.idx, self._complete(b)):
-                out[i] = m
-        return out
+        return [m for b in self.buckets for m in self._complete(b)]  # buckets hold the sources in order
 
     def run(self, on_bucket: Callable[[list[int], list[torch.Tensor]], None]) -> None:
         """Launch bucket k+1, then complete bucket k and call ``on_bucket(indices, means)``
