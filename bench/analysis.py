@@ -150,6 +150,7 @@ def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> di
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from fl_accel import cost_model as cm
+        from scripts.model_units import units_from_module
         from scripts.netemu import parse_rate
 
         vocab = run.get("vocab_size", 8192)
@@ -158,7 +159,7 @@ def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> di
 
             with torch.device("meta"):
                 model = LlamaForCausalLM(LlamaConfig(**dict(PRESETS["tiny"], vocab_size=vocab)))
-            _UNITS[vocab] = cm.units_from_module(model)
+            _UNITS[vocab] = units_from_module(model)
         layout = layout_of(spec)
         mesh = (run.get("num_groups"), run.get("replicas"), run.get("shards"))
         if None not in mesh and tuple(mesh) != layout.shape:

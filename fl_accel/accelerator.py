@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
                               ParallelismConfig, TorchDynamoPlugin)
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
@@ -69,8 +71,6 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
 
 def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
     """Point Accelerate's FSDP2 path at this rank's group, with the precision policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     state = acc.state
     plugin = plugin or getattr(state, "fsdp_plugin", None)
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
@@ -96,11 +96,7 @@ class FLAccelerator(Accelerator):
     every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
     fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
     before any collective: an invalid ``fl_config`` (naming the field) or a refused setting.
-    ``prepare`` shards over this rank's group and attaches the
-    :class:`~fl_accel.sync.FederatedSynchronizer`; schedulers step once per optimizer step;
-    data is sharded by ``data_sharding``; ``save_state``/``load_state`` keep every group's
-    state; ``end_training`` syncs first.
-    """
+    Schedulers step once per optimizer step."""
 
     def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
         fl_config = FLConfig.from_env() if fl_config is None else fl_config
@@ -271,7 +267,7 @@ class FLAccelerator(Accelerator):
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
         hooks.insert(len(hooks) - 1, hook)  # before the reshard
-        return _Handle(hooks, hook)
+        return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
         """:func:`fl_accel.checkpoint.save_federated_state` (``extra_meta``, ``rank_state``). Collective."""
@@ -301,14 +297,14 @@ class FLAccelerator(Accelerator):
 def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
     """The torchft transport (:mod:`fl_accel.ft`); a heal carries the synchronizer's, the
     schedulers' and Accelerate's step state."""
-    from . import ft, ft_state
+    from . import ft
 
     def save():
-        return ft_state.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
+        return ft.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
 
     def load(state):
         fsdp.reshard(acc._models)
-        ft_state.restore(acc.synchronizer, acc._schedulers, state)
+        ft.restore(acc.synchronizer, acc._schedulers, state)
         acc.step = state["extra"].get("accelerate_step", acc.step)
 
     transport = ft.ManagedTransport.create(
@@ -333,15 +329,4 @@ def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
     return CheckpointIO(
         models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
         synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
-        barrier=acc.wait_for_everyone, save_extras=lambda path: accelerate_call("save_state", path),
-        load_extras=lambda path: accelerate_call("load_state", path), launch_rank=acc.process_index)
-
-
-class _Handle:
-
-    def __init__(self, hooks: list, hook):
-        self.hooks, self.hook = hooks, hook
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
+        barrier=acc.wait_for_everyone, extras=accelerate_call, is_main_process=acc.is_main_process)

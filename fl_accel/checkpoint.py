@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from .fsdp import local
 
@@ -47,8 +51,8 @@ class CheckpointError(ValueError):
 @dataclass
 class CheckpointIO:
     """What a save or load needs from the accelerator (which builds it; no Accelerate here):
-    ``save_extras``/``load_extras`` write/read what is not models and optimizers into/from a
-    folder; ``rank``: in the layout; ``launch_rank``: in the launch's world ("torchft")."""
+    ``extras("save_state" | "load_state", folder)`` writes/reads what is not models and
+    optimizers; ``rank``: in the layout; ``is_main_process``: of the launch's world."""
 
     models: list
     optimizers: list
@@ -57,13 +61,11 @@ class CheckpointIO:
     config: Any
     rank: int
     barrier: Callable[[], None]
-    save_extras: Callable[[str], None]
-    load_extras: Callable[[str], None]
-    launch_rank: int | None = None
+    extras: Callable[[str, str], None]
+    is_main_process: bool
 
     group_index = property(lambda self: self.layout.coords(self.rank)[0])
     replica_index = property(lambda self: self.layout.coords(self.rank)[1])
-    is_main_process = property(lambda self: (self.rank if self.launch_rank is None else self.launch_rank) == 0)
 
 
 def find_latest(checkpoints_dir: str) -> str | None:
@@ -74,23 +76,16 @@ def find_latest(checkpoints_dir: str) -> str | None:
 
 def list_checkpoints(checkpoints_dir: str) -> list[tuple[int, str]]:
     """Complete ``(step, path)`` checkpoints (with ``fl_accel_checkpoint.json``), oldest first."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    out = []
-    for name in os.listdir(checkpoints_dir):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(checkpoints_dir, name)
-        if m and os.path.isfile(os.path.join(path, META_FILE)):
-            out.append((int(m.group(1)), path))
-    return sorted(out)
+    names = os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []
+    return sorted((int(m.group(1)), os.path.join(checkpoints_dir, n)) for n in names
+                  if (m := _STEP_DIR.match(n)) and os.path.isfile(os.path.join(checkpoints_dir, n, META_FILE)))
 
 
 def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints; returns them. One process."""
-    deleted = []
-    for _, path in list_checkpoints(checkpoints_dir)[:-keep] if keep > 0 else []:
+    deleted = [path for _, path in list_checkpoints(checkpoints_dir)[:-keep]] if keep > 0 else []
+    for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
-        deleted.append(path)
     return deleted
 
 
@@ -146,8 +141,6 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     """This rank's DCP state: ``model_0``/``optimizer_0``, shared or under ``group{f}.``;
     ``fl.{anchor,momentum,inflight}/<param>/shard{s}``; ``group{f}.replica{r}.residual/...``
     (replicas' residuals differ). ``inflight_fragment``: templates for a load."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     group_key = f"group{io.group_index}"
     state: dict[str, Any] = {}
 
@@ -179,8 +172,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     """Save models, optimizers, sync state (DCP) and Accelerate's, atomically. Collective.
     ``extra_meta``: JSON, once in the metadata; ``rank_state``: JSON (or a callable, called
     after the DCP save) per rank, back as the load's ``meta["rank_state"]``."""
-    import torch.distributed.checkpoint as dcp
-
     output_dir = os.path.normpath(output_dir)
     tmp = output_dir + ".partial"
     if io.is_main_process:
@@ -193,7 +184,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
     scopes = {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
     dcp.save(_state_for_dcp(io, scopes), checkpoint_id=tmp)
-    io.save_extras(tmp)
+    io.extras("save_state", tmp)
     if callable(rank_state):  # evaluated after the save's own collectives (e.g. comm counters)
         rank_state = rank_state()
     if rank_state is not None:
@@ -220,10 +211,6 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
 def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     """Inverse of :func:`save_federated_state`; returns the metadata. CheckpointError on every
     rank: incomplete or another layout (before any collective), or a corrupt file."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     meta = read_meta(input_dir)
     check_compatible(meta, layout_meta(io.config, io.layout))
     scopes = meta.get("scopes", {"model": "group", "optimizer": "group"})
@@ -264,7 +251,7 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
         if meta.get("transport") is not None:
             sync.transport.load_state_dict(meta["transport"])
-    io.load_extras(input_dir)
+    io.extras("load_state", input_dir)
     rank_file = os.path.join(input_dir, "rank_state", f"rank{io.rank}.json")
     if os.path.isfile(rank_file):
         with open(rank_file, encoding="utf-8") as fh:

@@ -49,18 +49,14 @@ class AxisStats:
     by_op: dict = field(default_factory=lambda: defaultdict(int))
 
 
-class CommStats:
+class CommStats(dict):
     """Per-bucket counters: ``stats["fl"].bytes`` etc."""
 
     def __init__(self, buckets=BUCKETS):
-        self.buckets = tuple(buckets)
-        self._stats = {a: AxisStats() for a in self.buckets}
-
-    def __getitem__(self, bucket: str) -> AxisStats:
-        return self._stats[bucket]
+        super().__init__({a: AxisStats() for a in buckets})
 
     def record(self, bucket: str, op: str, nbytes: int, seconds: float) -> None:
-        s = self._stats[bucket]
+        s = self[bucket]
         s.bytes += int(nbytes)
         s.seconds += seconds
         s.calls += 1
@@ -68,27 +64,35 @@ class CommStats:
 
     def as_dict(self) -> dict:
         return {a: {"bytes": s.bytes, "seconds": s.seconds, "calls": s.calls, "by_op": dict(s.by_op)}
-                for a, s in self._stats.items()}
+                for a, s in self.items()}
 
     def load_dict(self, values: dict) -> None:
         for a, v in values.items():
-            if a in self._stats:
-                s = self._stats[a]
+            if a in self:
+                s = self[a]
                 s.bytes, s.seconds, s.calls = int(v["bytes"]), float(v["seconds"]), int(v["calls"])
                 s.by_op = defaultdict(int, {k: int(b) for k, b in v.get("by_op", {}).items()})
 
 
-class _TimedWork:
-    """An async ``dist.Work`` whose ``wait()`` seconds go to ``on_wait``."""
+class TimedWork:
+    """An async ``dist.Work`` (None: abandoned, its wait is a no-op) whose ``wait()`` seconds go
+    to ``on_wait``; with ``on_error``, a failure goes there instead of raising."""
 
-    def __init__(self, work, on_wait):
-        self._work = work
-        self._on_wait = on_wait
+    def __init__(self, work, on_wait=None, on_error=None):
+        self._work, self._on_wait, self._on_error = work, on_wait, on_error
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._work.wait(*args, **kwargs)
-        self._on_wait(time.perf_counter() - t0)
+        if self._work is None:
+            return True
+        t0, out = time.perf_counter(), True
+        try:
+            out = self._work.wait(*args, **kwargs)
+        except Exception as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - t0)
         return out
 
     def __getattr__(self, name):
@@ -104,12 +108,10 @@ def _wrap(name: str, original):
     op, arg_name, arg_pos = _OPS[name]
 
     def wrapper(*args, **kwargs):
-        meters = list(_active)
         group = kwargs.get("group")
         if group is None and len(args) > _GROUP_POS.get(name, 99):
             group = args[_GROUP_POS[name]]
-        claims = [(m, m.bucket_of(group)) for m in meters]
-        claims = [(m, b) for m, b in claims if b is not None]
+        claims = [(m, b) for m in list(_active) if (b := m.bucket_of(group)) is not None]
         if not claims:
             return original(*args, **kwargs)
         full = kwargs.get(arg_name, args[arg_pos] if len(args) > arg_pos else None)
@@ -120,7 +122,7 @@ def _wrap(name: str, original):
         for m, bucket in claims:
             m.stats.record(bucket, op, nbytes, elapsed)
         if work is not None and kwargs.get("async_op", False):
-            return _TimedWork(work, lambda s: [m._add_seconds(b, s) for m, b in claims])
+            return TimedWork(work, lambda s: [m._add_seconds(b, s) for m, b in claims])
         return work
 
     wrapper.__wrapped__ = original
@@ -167,7 +169,7 @@ class CommMeter:
 
     def __exit__(self, *exc) -> bool:
         with _lock:
-            if self._depth == 0:
+            if self._depth == 0:  # end_training stopped it inside the with block
                 return False
             self._depth -= 1
             if self._depth == 0:

@@ -2,25 +2,132 @@
 
 Precedence: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides (the
 recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped. The merge and type rules
-(:mod:`fl_accel.fields`) are shared with the recipe's parser; layout checks live in
-:mod:`fl_accel.mesh`. Every check raises ``ValueError`` naming the field, in pure Python,
-so every rank raises it before any collective.
+(:func:`resolve_sources`, :func:`check_type`) are shared with the recipe's parser, which
+accepts and refuses the same values with the same words; layout checks live in
+:mod:`fl_accel.mesh`. Every check raises ``ValueError`` naming the field (or variable), in
+pure Python, so every rank raises it before any collective.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import textwrap
+import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Mapping, get_args
 
+import yaml
 
 from . import mesh
-from .fields import (ENV_PREFIX, TEST_ENV_PREFIX, _type_hints, check_type, env_overrides,  # noqa: F401
-                     read_yaml_mapping, resolve_sources)
+
+
+def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
+    """A YAML mapping (empty file: ``{}``). ValueError: unreadable, invalid, not a mapping."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{what} {path} must be a YAML mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    args = get_args(hint)
+    if type(None) in args and typing.get_origin(hint) is not Literal:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def check_type(label: str, value: Any, hint: Any) -> None:
+    """ValueError ``"<label> must be ..."`` unless ``value`` fits ``hint``: Literal, ``X | None``,
+    ``list[int]``, bool, int, float (int or float), str (bool is no number)."""
+    hint, optional = _unwrap_optional(hint)
+    if optional and value is None:
+        return
+    if typing.get_origin(hint) is Literal:
+        if value not in get_args(hint):
+            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}")
+        return
+    if typing.get_origin(hint) is list:
+        ok, what = isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value), "a list of integers"
+    else:
+        ok, what = {bool: (isinstance(value, bool), "a boolean"),
+                    int: (isinstance(value, int) and not isinstance(value, bool), "an integer"),
+                    float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+                    str: (isinstance(value, str), "a string")}.get(hint, (True, ""))
+    if not ok:
+        raise ValueError(f"{label} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def parse_env_value(var: str, raw: str, hint: Any) -> Any:
+    """Parse variable ``var``'s text as ``hint``; ValueError naming ``var``."""
+    text = raw.strip()
+    hint, optional = _unwrap_optional(hint)
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if typing.get_origin(hint) is list:
+            return [int(x) for x in text.replace(",", " ").split()]
+        if hint is bool:
+            return {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}[text.lower()]
+        if hint in (int, float):
+            return hint(text)
+    except (KeyError, ValueError):
+        what = {bool: "a boolean", int: "an integer", float: "a number"}.get(hint, "a list of integers (e.g. '2,4')")
+        raise ValueError(f"{var}={raw!r} is not {what}") from None
+    return text
+
+
+ENV_PREFIX = "FL_ACCEL_"
+TEST_ENV_PREFIX = "FL_ACCEL_TEST_"  # test hooks (FL_ACCEL_TEST_FAULT_INJECT, ...), skipped
+
+
+def resolve_sources(cls, yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
+                    environ: Mapping[str, str] | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge YAML < ``FL_ACCEL_<FIELD>`` of ``environ`` (default ``os.environ``) < ``overrides``
+    (None skipped) for the dataclass ``cls``. Returns ``(values, sources)``, a source being
+    ``yaml_source``, the variable or "override". ValueError: a bad ``FL_ACCEL_*`` variable."""
+    values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
+    env = env_overrides(os.environ if environ is None else environ, cls)
+    values.update(env)
+    sources.update({k: ENV_PREFIX + k.upper() for k in env})
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k], sources[k] = v, "override"
+    return values, sources
+
+
+def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
+    """``cls``'s (default FLConfig) typed values from the ``FL_ACCEL_<FIELD>`` variables.
+    ValueError: an unknown ``FL_ACCEL_*`` name or an unparsable value."""
+    cls = FLConfig if cls is None else cls
+    by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
+    hints = _type_hints(cls)
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
+            continue
+        if key not in by_env:
+            raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
+        out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
+    return out
+
 
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
 assert get_args(Algorithm) == mesh.ALGORITHMS
@@ -136,27 +243,22 @@ class FLConfig:
 
     def ignored_settings(self) -> list[str]:
         """Non-default settings the ``algorithm`` and modes ignore, one sentence each."""
-        out, explicit = [], self._explicit
-        if not self.is_federated:
-            out += [f"{name}={getattr(self, name)!r} is ignored by algorithm {self.algorithm!r} (one group spans "
-                    f"the world)" for name in sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"})]
-        if not self.uses_hsdp and self.hsdp_shard_size is not None:
-            out.append(f"hsdp_shard_size={self.hsdp_shard_size} is ignored by algorithm {self.algorithm!r} "
-                       f"(it shards over the whole group)")
-        if self.is_federated and self.outer_optimizer == "avg":
-            out += [f"{name}={getattr(self, name)!r} is ignored by outer_optimizer 'avg'"
-                    for name in ("outer_lr", "outer_momentum") if name in explicit]
-        if self.fault_tolerance == "none":
-            out += [f"{name}={getattr(self, name)!r} is ignored with fault_tolerance 'none' (one world)"
-                    for name in ("group_index", "lighthouse_addr") if name in explicit]
-        out += [f"{n}={getattr(self, n)!r} is ignored with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"
-                for n in ("sync_density", "sync_value_bits") if n in explicit and self.sync_dtype != "sparse"]
-        if self.error_feedback and not self.compressed:
-            out.append("error_feedback=True is ignored with sync_dtype 'fp32' (nothing is quantized)")
-        if self.is_federated and self.outer_state_device != "same" and not self.keeps_outer_state:
-            out.append(f"outer_state_device={self.outer_state_device!r} is ignored with outer_optimizer 'avg' "
-                       f"and sync_dtype 'fp32' (the sync keeps no anchor)")
-        return out
+        explicit, alg = self._explicit, self.algorithm
+        rules = [  # (names, ignored when, why)
+            (sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}), not self.is_federated,
+             f"by algorithm {alg!r} (one group spans the world)"),
+            (["hsdp_shard_size"], not self.uses_hsdp, f"by algorithm {alg!r} (it shards over the whole group)"),
+            (["outer_lr", "outer_momentum"], self.is_federated and self.outer_optimizer == "avg",
+             "by outer_optimizer 'avg'"),
+            (["group_index", "lighthouse_addr"], self.fault_tolerance == "none",
+             "with fault_tolerance 'none' (one world)"),
+            (["sync_density", "sync_value_bits"], self.sync_dtype != "sparse",
+             f"with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"),
+            (["error_feedback"], not self.compressed, "with sync_dtype 'fp32' (nothing is quantized)"),
+            (["outer_state_device"], self.is_federated and not self.keeps_outer_state,
+             "with outer_optimizer 'avg' and sync_dtype 'fp32' (the sync keeps no anchor)")]
+        return [f"{n}={getattr(self, n)!r} is ignored {why}" for names, when, why in rules if when
+                for n in names if n in explicit]
 
     # ------------------------------------------------------------------ loading
     def to_dict(self) -> dict[str, Any]:
@@ -175,14 +277,6 @@ class FLConfig:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "dict") -> "FLConfig":
-        """Build from a mapping; unknown keys raise ValueError naming them and the source."""
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown FLConfig field(s) {unknown} in {source}; known: {cls.field_names()}")
-        return cls(**dict(values))
-
-    @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "FLConfig":
         """:meth:`resolve` of a YAML mapping (top level, or under an ``fl:`` key) and ``overrides``."""
         return cls.resolve(yaml_path=path, overrides=overrides)
@@ -196,7 +290,8 @@ class FLConfig:
     def resolve(cls, yaml_path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> "FLConfig":
         """Merge defaults < YAML < environment < overrides (None: not given) and validate.
-        Raises ValueError: unreadable YAML, unknown keys, values of the wrong type."""
+        Raises ValueError: unreadable YAML, unknown keys (naming them and the source), values of the
+        wrong type."""
         yaml_values = None
         if yaml_path is not None:
             yaml_values = read_yaml_mapping(yaml_path, what="FL config")
@@ -205,7 +300,11 @@ class FLConfig:
                 if not isinstance(yaml_values, dict):
                     raise ValueError(f"'fl:' in {yaml_path} must be a mapping, got {type(yaml_values).__name__}")
         values, _ = resolve_sources(cls, yaml_values, str(yaml_path), environ, overrides)
-        return cls.from_dict(values, source=str(yaml_path or "defaults"))
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown FLConfig field(s) {unknown} in {yaml_path or 'overrides'}; known: "
+                             f"{cls.field_names()}")
+        return cls(**values)
 
 
 def check_fields(cfg: FLConfig) -> None:
@@ -216,10 +315,9 @@ def check_fields(cfg: FLConfig) -> None:
         check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
     if cfg.group_sizes is not None:
         cfg.group_sizes = list(cfg.group_sizes)
-    for name in ("num_groups", "sync_every", "num_fragments", "sync_bucket_mb"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"FLConfig.{name} must be >= 1, got {getattr(cfg, name)}")
-    for name, ok, what in (("outer_lr", cfg.outer_lr > 0, "> 0"),
+    for name, ok, what in (*((n, getattr(cfg, n) >= 1, ">= 1") for n in ("num_groups", "sync_every", "num_fragments",
+                                                                          "sync_bucket_mb")),
+                           ("outer_lr", cfg.outer_lr > 0, "> 0"),
                            ("outer_momentum", 0 <= cfg.outer_momentum < 1, "in [0, 1)"),
                            ("fragment_update_alpha", 0 <= cfg.fragment_update_alpha <= 1, "in [0, 1]"),
                            ("sync_density", 0 < cfg.sync_density <= 1, "in (0, 1]"),

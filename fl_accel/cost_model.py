@@ -37,12 +37,62 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
-from .units import LLAMA_3_1_8B, ShardUnit, _int, _num, llama_units, units_from_module, units_from_param_count  # noqa: F401
 
 GB = 1e9
 BLOCK = 256  # values per fp32 absmax scale of "int8"
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # bytes per value on "fl"
 SPARSE_BLOCK = 4096  # values per top-k block of "sparse" (int16 indices inside a block)
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
+
+
+def _int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _num(name: str, value: Any, zero_ok: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One ``fully_shard`` call of ``numel`` parameters, gathered twice per micro-batch if
+    ``reshard_after_forward``; ``shapes`` give FSDP2's dim-0 padding (ValueError: not numel)."""
+
+    name: str
+    numel: int
+    reshard_after_forward: bool = True
+    shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        _int("ShardUnit.numel", self.numel, minimum=0)
+        if self.shapes is not None and sum(map(math.prod, self.shapes)) != self.numel:
+            raise ValueError(f"ShardUnit.shapes of {self.name!r} do not hold numel={self.numel} elements")
+
+    gathers = property(lambda self: 2 if self.reshard_after_forward else 1)
+
+    def local_sizes(self, shards: int) -> list[int]:
+        """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows."""
+        if self.shapes is None:
+            return [math.ceil(self.numel / shards)]
+        return [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
+
+    def padded_numel(self, shards: int) -> int:
+        """Elements of FSDP2's all-gather output (``numel`` without shapes)."""
+        return self.numel if self.shapes is None else shards * sum(self.local_sizes(shards))
+
+
+def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]:
+    """``num_units`` equal resharded units of ``params`` elements in all (ValueError unless
+    params >= num_units >= 1)."""
+    n, k = round(_num("params", params)), _int("num_units", num_units)
+    if n < k:
+        raise ValueError(f"params must be a number of parameters >= num_units={k}, got {params!r}")
+    return [ShardUnit(f"unit{i}", n // k + (i < n % k)) for i in range(k)]
 
 
 def sparse_k(density: float, bits: int) -> int:
@@ -57,7 +107,6 @@ def sparse_bytes(numel: int, density: float, bits: int) -> int:
     magnitude, level step), k int16 indices, k ``bits``-bit codes."""
     k = sparse_k(density, bits)
     return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
-RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
 
 
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:

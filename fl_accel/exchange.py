@@ -1,8 +1,7 @@
 """The wire protocol of the sync: a weighted mean across federation groups, shard by shard.
 
 A :class:`Transport` gives each sync a :class:`Round` (F, this group's position, the
-weights: membership may change between syncs) and three collectives over "fl": an
-all-reduce (SUM), ``all_to_all_single`` and an all-gather into ``[F, m]``.
+weights: membership may change between syncs) and three collectives over "fl".
 :class:`MeshTransport` runs them on the mesh's process groups. An :class:`Exchange` packs
 local tensors into flat fp32 buckets; collectives are issued from the caller's thread in
 program order, so every rank issues them in one order (as NCCL requires).
@@ -10,25 +9,18 @@ program order, so every rank issues them in one order (as NCCL requires).
 Chunking (FL+HSDP's 1/R rule, unequal groups): a buffer is cut into ``C = R_min`` chunks;
 replica ``c < C`` of every group exchanges chunk c over "fl", then the group's replicas
 share the chunks over "dp_replicate" (all-gather if ``R_f == C``, else C broadcasts).
-
-Modes (``sync_dtype``), n fp32 values per rank, bytes on "fl":
-
-* "fp32": all-reduce(SUM) (pre-scaled by w_f if weights differ, else divided by F):
-  2 (F-1)/F 4n.
-* "bf16" / "int8" (INTELLECT-1, arXiv 2412.01152; int8 with one fp32 absmax scale per
-  ``BLOCK`` = 256 values): quantize into F sub-chunks, ``all_to_all_single``, weighted fp32
-  sum of this rank's sub-chunk, re-quantize, all-gather: 2 (F-1)/F n b (b =
-  ``cost_model.SYNC_VALUE_BYTES``).
-* "sparse" (SparseLoCo, arXiv 2508.15706; :mod:`fl_accel.compress`): top-k per 4096
-  values, one all-gather of every group's payload, weighted fp32 sum of the decoded
-  values: (F-1) ``cost_model.sparse_bytes(n)``.
-
-n is padded to a multiple of C (fp32), C F BLOCK (bf16, int8) or C 4096 (sparse).
+Modes (``sync_dtype``; bytes per rank: :mod:`fl_accel.cost_model`): "fp32" all-reduces
+(SUM; pre-scaled by w_f if weights differ, else divided by F); "bf16"/"int8" (INTELLECT-1,
+arXiv 2412.01152; :mod:`fl_accel.compress`) quantize into F sub-chunks, all-to-all, sum
+this rank's sub-chunk weighted in fp32, re-quantize, all-gather; "sparse" (SparseLoCo,
+arXiv 2508.15706) all-gathers every group's top-k payload and sums the decoded values.
+Buffers are padded to a multiple of C (fp32), C F ``BLOCK`` (bf16, int8) or C 4096 (sparse).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -95,11 +87,11 @@ class MeshTransport:
     def from_mesh(cls, mesh, rank: int, weighting: str, device: torch.device) -> "MeshTransport":
         layout = mesh.layout
         f, r, s = layout.coords(rank)
-        owner = r if r < layout.min_replicas else None
-        return cls(fl_group=mesh.group(FL) if owner is not None else None, replicate_group=mesh.group(DP_REPLICATE),
-                   round=Round(layout.num_groups, f, layout.weights(weighting)), num_chunks=layout.min_replicas,
-                   chunk_index=owner, replicas=layout.replicas_of(f),
-                   chunk_owners=tuple(layout.rank(f, c, s) for c in range(layout.min_replicas)), device=device)
+        C, groups = layout.min_replicas, mesh.groups
+        return cls(fl_group=groups.get(FL) if r < C else None, replicate_group=groups.get(DP_REPLICATE),
+                   round=Round(layout.num_groups, f, layout.weights(weighting)), num_chunks=C,
+                   chunk_index=r if r < C else None, replicas=layout.replicas_of(f),
+                   chunk_owners=tuple(layout.rank(f, c, s) for c in range(C)), device=device)
 
     def begin(self) -> Round:
         return self.round
@@ -167,9 +159,12 @@ class Exchange:
             total = sum(w * m for w, m in zip(self.weights, mask))
             self.weights = [w * m / total for w, m in zip(self.weights, mask)]
         self.scale_first = mask is not None or len(set(rnd.weights)) > 1
-        self.plan = plan_buckets([math.prod(s) for s in self.shapes], bucket_values)
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.plan = plan_buckets(self.sizes, bucket_values)
         self.buckets: list[_Bucket] = []
-        self.stream = _side_stream(self.device)
+        self.stream = _side_stream(self.device) if self.device.type == "cuda" else None
+        if self.stream is not None:  # packing waits for the compute stream's writes
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.peak_bytes = 0
 
     def start(self) -> "Exchange":
@@ -185,11 +180,7 @@ class Exchange:
 
     def finish(self) -> list[torch.Tensor]:
         """One fp32 mean per source, identical on every rank of every group."""
-        out: list = [None] * len(self.shapes)
-        for b in self.buckets:
-            for i, m in zip(b.idx, self._complete(b)):
-                out[i] = m
-        return out
+        return [m for b in self.buckets for m in self._complete(b)]  # buckets hold the sources in order
 
     def run(self, on_bucket: Callable[[list[int], list[torch.Tensor]], None]) -> None:
         """Launch bucket k+1, then complete bucket k and call ``on_bucket(indices, means)``
@@ -211,18 +202,15 @@ class Exchange:
     def _pack(self, idx: list[int]) -> _Bucket:
         pad = self.t.num_chunks * (SPARSE_BLOCK if self.sparse else self.round.num_groups * BLOCK if self.compressed
                                    else 1)
-        numel = sum(math.prod(self.shapes[i]) for i in idx)
+        numel = sum(self.sizes[i] for i in idx)
         with self._stream():
             flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=self.device)
-            offset = 0
-            for i in idx:
-                n = math.prod(self.shapes[i])
+            for i, part in zip(idx, self._parts(flat, idx)):
                 value = self.sources[i]() if callable(self.sources[i]) else self.sources[i]
-                flat[offset:offset + n].copy_(value.reshape(-1))
+                part.copy_(value.reshape(-1))
                 del value
                 if self.residuals is not None:
-                    flat[offset:offset + n].add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
-                offset += n
+                    part.add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
         if self.stream is not None:  # the next optimizer step (compute stream) must not overtake packing
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.buckets.append(_Bucket(idx, flat))
@@ -268,7 +256,7 @@ class Exchange:
         lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
         offset = 0
         for i in b.idx:
-            n = math.prod(self.shapes[i])
+            n = self.sizes[i]
             a, z = max(lo, offset), min(hi, offset + n)
             res = self.residuals[i].view(-1)
             res.zero_()
@@ -310,12 +298,12 @@ class Exchange:
         if self.stream is not None:  # read on the compute stream from now on
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             b.flat.record_stream(torch.cuda.current_stream(self.device))
-        out, offset = [], 0
-        for i in b.idx:
-            n = math.prod(self.shapes[i])
-            out.append(b.flat[offset:offset + n].view(self.shapes[i]))
-            offset += n
-        return out
+        return [part.view(self.shapes[i]) for i, part in zip(b.idx, self._parts(b.flat, b.idx))]
+
+    def _parts(self, flat: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        """Views of ``flat`` holding sources ``idx`` in order (the padding after them left out)."""
+        sizes = [self.sizes[i] for i in idx]
+        return flat[:sum(sizes)].split(sizes)
 
 
 def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
@@ -323,15 +311,7 @@ def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "f
     return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()
 
 
-_STREAMS: dict = {}
-
-
+@functools.cache
 def _side_stream(device: torch.device):
-    """A CUDA stream (None on CPU) for packing off the compute stream, after waiting for it."""
-    if device.type != "cuda":
-        return None
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return stream
+    """One CUDA stream per device for packing off the compute stream."""
+    return torch.cuda.Stream(device=device)

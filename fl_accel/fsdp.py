@@ -13,10 +13,14 @@ functions of (model, layout, device), testable on a one-process group. Relied on
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+WRAPPER_PREFIXES = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -26,17 +30,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def canonical_name(name: str) -> str:
     """``name`` without the AC and compile wrappers' prefixes (checkpoints resume across them)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return WRAPPER_PREFIXES.sub("", name)
 
 
 def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
     """Indices into ``params`` per FSDP unit (``FSDPModule``s grouped by ``fully_shard.state``),
     in registration order, root last: the parameters no nested unit holds, each in the first
     unit reaching it (tied weights); parameters of no unit form one unit each."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
     index = {id(p): i for i, p in enumerate(params)}
     units: dict[int, list[int]] = {}
     root_state, taken = None, set()
@@ -68,8 +68,6 @@ def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int
     ``_init_weights``), keep this rank's shard (``distribute_tensor(src_data_rank=None)``, no
     communication). Values as a full init after ``torch.manual_seed(seed)``; peak memory the
     sharded model plus the largest module."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     model.to_empty(device=device)
     torch.manual_seed(seed)
     if device.type == "cuda":
@@ -104,8 +102,6 @@ def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int
 def reshard(models) -> None:
     """Free every unit's unsharded parameters; call before writing local shards (an evaluation
     leaves the tail unit unsharded, and the next forward would use stale full weights)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for model in models:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -117,8 +113,6 @@ def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
     evaluation, which FSDP2 records in its post-forward order until a backward ends: the
     next backward would all-gather its last unit for nothing), unless ``accumulating()``.
     Returns the hook handle, or None for a model that is not an ``FSDPModule``."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not isinstance(model, FSDPModule):
         return None
     forward_only = [False]

@@ -36,30 +36,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+from torch.distributed.tensor import DTensor
 
+from . import comm
 from .exchange import MeshTransport, Round
+from .fsdp import local
 
 logger = logging.getLogger(__name__)
-
-
-class _Reported:
-    """A collective (None: abandoned) whose failure is reported to the Manager, not raised;
-    ``on_wait(seconds)``."""
-
-    def __init__(self, work, manager, on_wait=None):
-        self.work, self.manager, self.on_wait = work, manager, on_wait
-
-    def wait(self, timeout=None) -> bool:
-        if self.work is None:
-            return True
-        t0 = time.perf_counter()
-        try:
-            self.work.wait()
-        except Exception as exc:  # a peer group died: the round will not commit
-            _report(self.manager, exc)
-        if self.on_wait is not None:
-            self.on_wait(time.perf_counter() - t0)
-        return True
 
 
 def _report(manager, exc: Exception) -> None:
@@ -143,7 +126,7 @@ class ManagedTransport:
         """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
         ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
         ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
-        callbacks (:mod:`fl_accel.ft_state`). Collective over the group's world. ImportError
+        callbacks (:func:`capture`, :func:`restore`). Collective over the group's world. ImportError
         without torchft."""
         from torchft import Manager
         from torchft.checkpointing import HTTPTransport
@@ -225,8 +208,6 @@ class ManagedTransport:
         """Launch a collective on the managed group (none once the round is lost) and wait for it
         unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
         the single world's, while it is entered."""
-        from . import comm
-
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
         work, t0 = None, time.perf_counter()
         if self.manager.errored() is None:
@@ -238,7 +219,8 @@ class ManagedTransport:
             num = self.round.num_groups if self.round is not None else 1
             meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
                                time.perf_counter() - t0)
-        work = _Reported(work, self.manager, meter and (lambda s: meter._add_seconds("fl", s)))
+        work = comm.TimedWork(work, meter and (lambda s: meter._add_seconds("fl", s)),
+                              lambda exc: _report(self.manager, exc))  # a peer group died: no commit
         if async_op:
             return work
         work.wait()
@@ -290,3 +272,66 @@ def _attempt_store(group_rank: int, group, timeout: timedelta):
     box = [server.port if server is not None else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return host, int(box[0]), server
+
+
+def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
+    """What a group healing from this live one takes over (the Manager's ``state_dict``, on its
+    quorum thread): cloned ``params``, ``optimizer`` (state, hyperparameters), ``outer`` (anchor,
+    momentum), ``schedule``, ``schedulers``, ``extra``; not the residuals or data position."""
+    opt = sync.optimizer
+    state = {}
+    for i, p in enumerate(sync.params):
+        st = opt.state.get(p)
+        if st:
+            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
+                        for k, v in st.items()}
+    shared, _ = sync.outer.tensors()
+    return {"params": [local(p).detach().clone() for p in sync.params],
+            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
+                                                     for g in opt.param_groups]},
+            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
+            "schedule": sync.schedule.state_dict(),
+            "schedulers": [s.state_dict() for s in schedulers],
+            "extra": dict(extra or {})}
+
+
+@torch.no_grad()
+def restore(sync, schedulers: list, state: dict) -> None:
+    """Inverse of :func:`capture` (residuals zeroed, nothing in flight); the caller reshards
+    first and applies ``extra``. ValueError: parameter count or shard shapes differ."""
+    params = sync.params
+    if len(state["params"]) != len(params) or any(
+            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
+        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
+                         "shard shapes differ); every federation group must run the same model and group size")
+    for p, v in zip(params, state["params"]):
+        local(p).copy_(v)
+    opt = sync.optimizer
+    for i, p in enumerate(params):
+        saved = state["optimizer"]["state"].get(i)
+        if saved is None:
+            opt.state.pop(p, None)
+            continue
+        current = opt.state.setdefault(p, {})
+        for k, v in saved.items():
+            if not isinstance(v, tuple):
+                current[k] = v
+                continue
+            value, distributed = v
+            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
+                local(current[k]).copy_(value)
+            elif distributed:
+                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
+                                                shape=p.shape, stride=p.stride())
+            else:
+                current[k] = value.clone()
+    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
+        group.update(saved)
+    residuals = {i: {"residual": r} for i, r in enumerate(sync.outer.residuals or ())}
+    sync.outer.load(state["outer"], residuals)
+    sync.outer.zero_residuals()
+    sync.schedule.load_state_dict(state["schedule"])
+    for fragment in sync.fragments:
+        fragment.pending = None
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(saved)

@@ -13,11 +13,13 @@ their group, :mod:`fl_accel.exchange`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
@@ -134,22 +136,15 @@ class FLLayout:
     is_federated = property(lambda self: is_federated(self.algorithm))
     uses_hsdp = property(lambda self: uses_hsdp(self.algorithm))
 
-    def _need_uniform(self, what: str) -> None:
-        if not self.is_uniform:
-            raise ValueError(f"{what} is not defined for unequal groups {list(self.group_sizes)}; "
-                             f"use group_size_of(f) / replicas_of(f)")
-
     @property
     def group_size(self) -> int:
-        """G = R * S (equal groups only, like ``replicas`` R and ``shape`` (F, R, S))."""
-        self._need_uniform("group_size")
+        """G = R * S; equal groups only, like ``replicas`` R and ``shape`` (F, R, S) (else ValueError)."""
+        if not self.is_uniform:
+            raise ValueError(f"group_size is not defined for unequal groups {list(self.group_sizes)}; "
+                             f"use group_size_of(f) / replicas_of(f)")
         return self.group_sizes[0]
 
-    @property
-    def replicas(self) -> int:
-        self._need_uniform("replicas")
-        return self.group_sizes[0] // self.shards
-
+    replicas = property(lambda self: self.group_size // self.shards)
     shape = property(lambda self: (self.num_groups, self.replicas, self.shards))
 
     def group_size_of(self, f: int) -> int:
@@ -162,22 +157,17 @@ class FLLayout:
         return sum(self.group_sizes[:f])
 
     def weights(self, weighting: str = "size") -> tuple[float, ...]:
-        """w_f of the group average: "size" -> G_f / N, "uniform" -> 1 / F. Sums to 1."""
+        """w_f of the group average: "size" -> G_f / N, "uniform" -> 1 / F (FLConfig.group_weighting). Sums to 1."""
         if weighting == "uniform" or self.is_uniform:
             return (1.0 / self.num_groups,) * self.num_groups
-        if weighting != "size":
-            raise ValueError(f"FLConfig.group_weighting must be 'size' or 'uniform', got {weighting!r}")
         return tuple(g / self.world_size for g in self.group_sizes)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        f, offset = 0, 0
-        while rank >= offset + self.group_sizes[f]:
-            offset += self.group_sizes[f]
-            f += 1
-        local = rank - offset
-        return f, local // self.shards, local % self.shards
+        f = bisect.bisect_right(list(itertools.accumulate(self.group_sizes)), rank)
+        r, s = divmod(rank - self.group_offset(f), self.shards)
+        return f, r, s
 
     def rank(self, f: int, r: int, s: int) -> int:
         return self.group_offset(f) + r * self.shards + s
@@ -275,8 +265,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
                                 rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
 
 
-@dataclass
-class FLMesh:
+class FLMesh(NamedTuple):
     """``device_mesh``: this group's ``(R_f, S)`` mesh ("dp_replicate", "dp_shard_cp") that
     Accelerate's FSDP2 path slices (FSDP2 never crosses groups); ``groups``: axis -> this
     rank's ProcessGroup (absent for one rank, or on "fl" for a rank taking no part)."""
@@ -284,10 +273,6 @@ class FLMesh:
     layout: FLLayout
     device_mesh: Any
     groups: dict
-
-    def group(self, axis: str):
-        """The ProcessGroup of ``axis`` containing this rank, or None."""
-        return self.groups.get(axis)
 
 
 def build_mesh(layout: FLLayout, device_type: str, timeout: timedelta, rank: int) -> FLMesh:

@@ -5,7 +5,7 @@ replaces its local shard with the weighted mean of the shards at the same coordi
 all F groups (FedAvg). No full-parameter gather: a rank exchanges its own shard
 (:mod:`fl_accel.exchange`); parameters stay DTensors, only their local tensors are
 written, in place. :class:`~fl_accel.schedule.SyncSchedule` decides when,
-:class:`~fl_accel.outer.OuterState` runs the outer step, :class:`NonFiniteGuard` checks
+:class:`~fl_accel.outer.OuterState` runs the outer step, :func:`check_finite` checks
 for NaN/Inf, :class:`CommitGate` holds writes until torchft commits.
 
 Non-finite values ("reset"): any exchange in flight is completed and discarded, every
@@ -39,15 +39,6 @@ class NonFiniteError(RuntimeError):
     """Raised by a sync on every rank when a federation group holds NaN/Inf and on_nonfinite='abort'."""
 
 
-def deal_fragments(units: list[list[int]], num_fragments: int) -> list[list[int]]:
-    """Unit u (forward order) goes to fragment u mod P: P sorted lists of parameter indices.
-    ValueError when P exceeds the number of units."""
-    if num_fragments > len(units):
-        raise ValueError(f"FLConfig.num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
-                         f"each fragment needs at least one unit")
-    return [sorted(i for unit in units[k::num_fragments] for i in unit) for k in range(num_fragments)]
-
-
 @dataclass
 class Fragment:
     """``pending``: the exchange in flight (or its means, after a checkpoint), else None."""
@@ -73,39 +64,33 @@ def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list
     return out
 
 
-class NonFiniteGuard:
-    """The NaN/Inf check every sync runs first, under ``on_nonfinite`` ("abort" | "reset")."""
-
-    def __init__(self, policy: str, transport: Transport):
-        self.policy, self.transport = policy, transport
-
-    def check(self, sync: "FederatedSynchronizer", rnd: Round) -> bool:
-        """True when no group has NaN/Inf in a shard or the last loss (a collective); else the
-        reset (module docstring) and False. NonFiniteError on every rank under "abort" or
-        when every group is bad."""
-        s, loss = sync.schedule, sync.last_loss
-        local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
-            (loss is not None and not math.isfinite(loss))
-        bad = self.transport.bad_groups(local_bad, rnd)
-        if bad and (self.policy == "abort" or len(bad) == rnd.num_groups):
-            raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
-                                 f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
-                                 f"drop such groups for the round instead.")
-        if not bad:
-            return True
-        for fragment in sync.fragments:  # complete the collectives, discard what they carried
-            if fragment.pending is not None:
-                fragment.finish()
-        mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
-        sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
-        sync.gate.write(sync.outer.zero_residuals)
-        tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
-        if tensors:
-            sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
-        logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
-                       "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
-        sync.last_loss = None
-        return False
+def check_finite(sync: "FederatedSynchronizer", rnd: Round) -> bool:
+    """The NaN/Inf check every sync runs first: True when no group has NaN/Inf in a shard or
+    the last loss (a collective); else, under ``on_nonfinite="reset"``, the reset (module
+    docstring) and False. NonFiniteError on every rank under "abort" or when every group is bad."""
+    s, loss = sync.schedule, sync.last_loss
+    local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
+        (loss is not None and not math.isfinite(loss))
+    bad = sync.transport.bad_groups(local_bad, rnd)
+    if bad and (sync.config.on_nonfinite == "abort" or len(bad) == rnd.num_groups):
+        raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
+                             f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
+                             f"drop such groups for the round instead.")
+    if not bad:
+        return True
+    for fragment in sync.fragments:  # complete the collectives, discard what they carried
+        if fragment.pending is not None:
+            fragment.finish()
+    mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
+    sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
+    sync.gate.write(sync.outer.zero_residuals)
+    tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
+    if tensors:
+        sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
+    logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
+                   "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
+    sync.last_loss = None
+    return False
 
 
 class CommitGate:
@@ -147,21 +132,24 @@ class FederatedSynchronizer:
     one order on every rank (names via :func:`fl_accel.fsdp.canonical_name`); ``optimizer``:
     the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
     ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
-    dealt into fragments. ``pre_sync_hooks``: ``hook(synchronizer, full)`` before each event."""
+    unit u into fragment u mod P (ValueError: P > units). ``pre_sync_hooks``: ``hook(synchronizer,
+    full)`` before each event."""
 
     def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None):
         named = list(named_params)
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer, self.transport, self.config = optimizer, transport, config
-        units = units if units is not None else [[i] for i in range(len(self.params))]
-        self.fragments = [Fragment(k, idx, [self.names[i] for i in idx])
-                          for k, idx in enumerate(deal_fragments(units, config.num_fragments))]
+        units, P = units if units is not None else [[i] for i in range(len(self.params))], config.num_fragments
+        if P > len(units):
+            raise ValueError(f"FLConfig.num_fragments={P} exceeds the {len(units)} FSDP units of the model; "
+                             f"each fragment needs at least one unit")
+        dealt = [sorted(i for unit in units[k::P] for i in unit) for k in range(P)]  # unit u -> fragment u mod P
+        self.fragments = [Fragment(k, idx, [self.names[i] for i in idx]) for k, idx in enumerate(dealt)]
         elastic = bool(getattr(transport, "elastic", False))  # membership decided at each sync (fl_accel.ft)
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
                                      config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
         self.outer = OuterState(self.params, config)
-        self.guard = NonFiniteGuard(config.on_nonfinite, transport)
         self.clock = WaitClock()
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
@@ -207,6 +195,7 @@ class FederatedSynchronizer:
         finally:
             self._suspended -= 1
 
+    @torch.no_grad()
     def on_optimizer_step(self) -> bool:
         """Count one optimizer step and run the actions due; True if a sync event completed."""
         if self._suspended:
@@ -220,11 +209,12 @@ class FederatedSynchronizer:
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
                 if kind == LAUNCH:
-                    self._launch(self.fragments[k])
+                    self.fragments[k].pending = self._exchange(self.fragments[k].params).start()
                 elif kind == ADVANCE and isinstance(pending, Exchange):
                     pending.advance()
                 elif kind == APPLY:
-                    self._sync_fragment(self.fragments[k])
+                    self._event(False, self.config.fragment_update_alpha, self.fragments[k])
+                    self.schedule.applied()
                 elif kind == FULL:
                     self.sync(alpha=self.config.fragment_update_alpha)  # through the instance: tests spy on it
         return any(kind in (APPLY, FULL) for kind, _ in actions)
@@ -235,10 +225,6 @@ class FederatedSynchronizer:
                         sync_dtype=self.config.sync_dtype, bucket_values=max(1, self.config.sync_bucket_mb * 2**18),
                         density=self.config.sync_density, value_bits=self.config.sync_value_bits,
                         residuals=None if self.outer.residuals is None else [self.outer.residuals[i] for i in indices])
-
-    @torch.no_grad()
-    def _launch(self, fragment: Fragment) -> None:
-        fragment.pending = self._exchange(fragment.params).start()
 
     def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
         """A blocking exchange, applied bucket by bucket (gated: whole, after the commit)."""
@@ -253,18 +239,20 @@ class FederatedSynchronizer:
         self.outer.step = self.schedule.global_step
         self.outer.apply(indices, means, alpha)
 
-    @torch.no_grad()
-    def _sync_fragment(self, fragment: Fragment) -> None:
-        self._pre_sync(full=False)
+    def _event(self, full: bool, alpha: float, fragment: Fragment | None = None) -> None:
+        """One sync event: the pre-sync hooks, the round, the non-finite check, then (gated) the
+        results in flight and a blocking exchange: of ``fragment`` unless its own is in flight,
+        or of every parameter (``fragment`` None, a full sync)."""
+        for hook in list(self.pre_sync_hooks):
+            hook(self, full)
         rnd = self.transport.begin()
         with self.gate.event(self.schedule):
-            if self.guard.check(self, rnd):
-                alpha = self.config.fragment_update_alpha
-                if fragment.pending is None:
-                    self._run(fragment.params, rnd, alpha)
-                else:
-                    self._apply_pending(fragment, rnd)
-        self.schedule.applied()
+            if check_finite(self, rnd):
+                ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]
+                for f in ready:  # apply as scheduled
+                    self._apply_pending(f, rnd)
+                if not (fragment and ready):
+                    self._run(fragment.params if fragment else list(range(len(self.params))), rnd, alpha)
 
     def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
         means = fragment.finish()
@@ -279,18 +267,8 @@ class FederatedSynchronizer:
         if not self.schedule.active:
             return self.schedule.synced(alpha)
         with self.clock.measure(self.device):
-            self._pre_sync(full=True)
-            rnd = self.transport.begin()
-            with self.gate.event(self.schedule):
-                if self.guard.check(self, rnd):
-                    for fragment in [f for f in self.fragments if f.pending is not None]:  # apply as scheduled
-                        self._apply_pending(fragment, rnd)
-                    self._run(list(range(len(self.params))), rnd, alpha)
+            self._event(True, alpha)
             self.schedule.synced(alpha)
-
-    def _pre_sync(self, full: bool) -> None:
-        for hook in list(self.pre_sync_hooks):
-            hook(self, full)
 
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then

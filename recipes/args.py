@@ -20,8 +20,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fl_accel.config import ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, resolve_sources
-from fl_accel.fields import check_type, read_yaml_mapping
+from fl_accel.config import (ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, check_type, read_yaml_mapping,
+                             resolve_sources)
 
 
 class RecipeError(ValueError):
@@ -151,7 +151,7 @@ class RecipeArguments:
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
     """Raise RecipeError ``--<name> must be ...`` unless ``value`` fits the annotation: the
-    type rules of ``fl_accel.fields.check_type`` (one owner), shared with FLConfig."""
+    type rules of ``fl_accel.config.check_type`` (one owner), shared with FLConfig."""
     try:
         check_type(f"--{name}", value, hint)
     except ValueError as exc:

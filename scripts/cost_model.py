@@ -15,9 +15,9 @@ import json
 import sys
 from typing import Any, Sequence
 
-from fl_accel.cost_model import GB, LLAMA_3_1_8B, _int, estimate, llama_units, predict_step_time, \
-    units_from_param_count
+from fl_accel.cost_model import GB, _int, estimate, predict_step_time, units_from_param_count
 from fl_accel.mesh import FLLayout
+from scripts.model_units import LLAMA_3_1_8B, llama_units
 
 
 def _fail(message: Any):

@@ -18,7 +18,7 @@ MFU = flops_per_token x tokens/s per process / peak FLOPS of one device (dense b
 no sparsity), as torchtitan reports it.
 
 Peak memory per rank (:func:`estimate`), in bytes, for FSDP2 as accelerate 1.15 applies
-it (units: :func:`fl_accel.cost_model.llama_units`) and the sync of :mod:`fl_accel.sync`.
+it (units: :func:`scripts.model_units.llama_units`) and the sync of :mod:`fl_accel.sync`.
 n = this rank's local shard elements (FSDP2 pads dim 0 to a multiple of S); t = micro-batch
 x seq_len tokens; p = compute bytes (2 bf16, 4 fp32); V, h, I, L, a heads, k KV heads, d head
 dim. Components:
@@ -86,10 +86,11 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from fl_accel.cost_model import LLAMA_3_1_8B, _int
+from fl_accel.cost_model import _int
 from fl_accel.mesh import FLLayout
+from scripts.model_units import LLAMA_3_1_8B, _cfg as _get, llama_units
 
 PEAK_BF16_TFLOPS = {
     # dense bf16 tensor-core peaks from the vendors' data sheets (as torchtitan's
@@ -114,11 +115,6 @@ def peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
-    return default if value is None else value
-
-
 def model_flops_per_token(config: Any, seq_len: int, num_params: int | None = None,
                           embedding_params: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) of a decoder-only transformer.
@@ -129,7 +125,7 @@ def model_flops_per_token(config: Any, seq_len: int, num_params: int | None = No
             ``head_dim`` (default hidden / heads), ``tie_word_embeddings``.
         seq_len: T, tokens per sequence.
         num_params: N, the model's parameters counted once (a tied weight once);
-            default: counted by :func:`fl_accel.cost_model.llama_units` from a Llama-shaped
+            default: counted by :func:`scripts.model_units.llama_units` from a Llama-shaped
             config.
         embedding_params: N_emb, the input embedding's parameters; default vocab x hidden.
 
@@ -139,8 +135,6 @@ def model_flops_per_token(config: Any, seq_len: int, num_params: int | None = No
     Raises:
         ValueError: a missing or non-positive field, or ``seq_len < 1``.
     """
-    from fl_accel.cost_model import llama_units
-
     T = _int("seq_len", seq_len)
     V, H, L, h = (_int(f"config.{k}", _get(config, k)) for k in (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
@@ -241,8 +235,6 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         ValueError: naming the argument or config field (bad choice, size < 1, no layout).
     """
     inputs = {k: v for k, v in locals().items() if k not in ("config", "layout", "units")}  # the arguments
-    from fl_accel.cost_model import llama_units
-
     b, T = _int("micro_batch", micro_batch), _int("seq_len", seq_len)
     V, H, I, L, a = (_int(f"config.{k}", _get(config, k)) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))

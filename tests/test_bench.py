@@ -213,12 +213,12 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
         return types.SimpleNamespace(step_s=2.0, comm_s=0.5, comm_s_by_axis={"fl": 0.5}, exposed_sync_s=0.1,
                                      tokens_per_s=None)
 
-    fake = types.SimpleNamespace(estimate=estimate, predict_step_time=predict_step_time,
-                                 units_from_module=lambda model: ["unit"])
+    fake = types.SimpleNamespace(estimate=estimate, predict_step_time=predict_step_time)
     import fl_accel
 
     monkeypatch.setattr(fl_accel, "cost_model", fake, raising=False)
     monkeypatch.setitem(sys.modules, "fl_accel.cost_model", fake)
+    monkeypatch.setitem(sys.modules, "scripts.model_units", types.SimpleNamespace(units_from_module=lambda m: ["unit"]))
     plan = _plan("--suite", "streaming", "--rates", "10mbit")
     spec = _rows(plan, "10mbit")["fl_fsdp-p2-tau2-int8-ef"]
     p = analysis.predict(plan, spec, {"vocab_size": 8192, "num_groups": 2, "replicas": 1, "shards": 2}, 1.5)

@@ -364,7 +364,7 @@ def test_from_yaml_applies_env_then_overrides(tmp_path, monkeypatch):
 
 def test_unknown_keys_rejected():
     with pytest.raises(ValueError, match="sync_evrey"):
-        FLConfig.from_dict({"sync_evrey": 3})
+        FLConfig.resolve(environ={}, overrides={"sync_evrey": 3})
     with pytest.raises(ValueError, match="nope"):
         FLConfig.resolve(environ={}, overrides={"nope": 1})
 

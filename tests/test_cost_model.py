@@ -13,6 +13,7 @@ from fl_accel import FLConfig
 from fl_accel import cost_model as cm
 from fl_accel import exchange
 from scripts import cost_model as cost_cli
+from scripts import model_units as mu
 from fl_accel.comm import ring_bytes as measured_ring_bytes
 from fl_accel.mesh import FLLayout
 
@@ -230,11 +231,11 @@ def test_bad_inputs_other_functions():
     with pytest.raises(ValueError, match="group_size"):
         cm.ring_bytes("all_reduce", 10, 0)
     with pytest.raises(ValueError, match="config.hidden_size"):
-        cm.llama_units({"vocab_size": 10, "intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1})
+        mu.llama_units({"vocab_size": 10, "intermediate_size": 4, "num_hidden_layers": 1, "num_attention_heads": 1})
     with pytest.raises(ValueError, match="numel"):
         cm.ShardUnit("x", 5, True, ((2, 2),))
     with pytest.raises(ValueError, match="wrap_cls_names"):
-        cm.units_from_module(torch.nn.Linear(2, 2), ["Block"])
+        mu.units_from_module(torch.nn.Linear(2, 2), ["Block"])
 
 
 # ------------------------------------------------------------------ time model
@@ -304,7 +305,7 @@ def test_time_model_bad_inputs():
 
 # ------------------------------------------------------------------ Llama units
 def test_llama_8b_param_count_and_units():
-    units = cm.llama_units(cm.LLAMA_3_1_8B)
+    units = mu.llama_units(mu.LLAMA_3_1_8B)
     assert sum(u.numel for u in units) == 8_030_261_248 and len(units) == 34
     assert [u.name for u in units[:2]] == ["embed", "model.layers.0"] and units[-1].name == "tail"
     assert units[0].reshard_after_forward and not units[-1].reshard_after_forward
@@ -318,8 +319,8 @@ def test_llama_units_equal_units_from_module(tied, bias):
         num_key_value_heads=2, tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    units = cm.units_from_module(model)
-    assert units == cm.llama_units(cfg)
+    units = mu.units_from_module(model)
+    assert units == mu.llama_units(cfg)
     assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
     assert [u.name for u in units][0] == ("tail" if tied else "embed")  # the tied tail sits at the embedding
 
@@ -328,7 +329,7 @@ def test_llama_units_equal_units_from_module(tied, bias):
 def test_8b_fsdp_about_48gb_all_inter_node():
     e = est(EQ(1, 1, 512), 8.03e9, param_bytes=2, ranks_per_node=4)
     assert e.total / 1e9 == pytest.approx(48.09, abs=0.01) and e.inter_node == approx(e.total)
-    exact = est(EQ(1, 1, 512), cm.llama_units(cm.LLAMA_3_1_8B), param_bytes=2, ranks_per_node=4)
+    exact = est(EQ(1, 1, 512), mu.llama_units(mu.LLAMA_3_1_8B), param_bytes=2, ranks_per_node=4)
     assert exact.total / 1e9 == pytest.approx(47.05, abs=0.01)  # the tail is not resharded
 
 
@@ -336,7 +337,7 @@ def test_8b_fl_fsdp_inter_node_per_step():
     e = est(EQ(128, 1, 4), 8.03e9, sync_every=8, param_bytes=2, ranks_per_node=4)
     assert e.inter_node / 1e9 == pytest.approx(1.992, abs=0.002)
     assert e.intra_node / 1e9 == pytest.approx(36.13, abs=0.01)
-    units = cm.llama_units(cm.LLAMA_3_1_8B)
+    units = mu.llama_units(mu.LLAMA_3_1_8B)
     blocking = est(EQ(128, 1, 4), units, sync_every=8, param_bytes=2, ranks_per_node=4)
     streaming = est(EQ(128, 1, 4), units, sync_every=8, num_fragments=4, param_bytes=2, ranks_per_node=4)
     assert streaming.inter_node == pytest.approx(blocking.inter_node, rel=1e-6)
@@ -387,6 +388,7 @@ import transformers
 from fl_accel.comm import CommMeter, CommStats
 from fl_accel.mesh import FLLayout
 from fl_accel import cost_model as cm
+from scripts import model_units as mu
 
 dist.init_process_group("gloo")
 rank, N = dist.get_rank(), dist.get_world_size()
@@ -395,7 +397,7 @@ cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=24, intermediate_size
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(cfg)
-units = cm.units_from_module(model)
+units = mu.units_from_module(model)
 mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
 # Accelerate's fsdp2_prepare_model wrapping, with bf16 mixed precision as set_mixed_precision("bf16").
 kw = dict(mesh=mesh, reshard_after_forward=True,

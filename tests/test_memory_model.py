@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fl_accel import cost_model as cm
+from scripts import model_units as cm
 from scripts import memory_model as mm
 
 

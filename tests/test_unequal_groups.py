@@ -335,7 +335,8 @@ def test_fl_bytes_at_a_sync_equal_the_equal_layout_and_cost_model(six, four):
       fact exactly, that layout's for the same shard coordinate, measured on 4 processes;
     * fl_accel.cost_model.estimate of [2, 4] predicts the busiest rank's figure (shard 0)
       to the byte (the meter floors each call to whole bytes)."""
-    from fl_accel.cost_model import estimate, units_from_module
+    from fl_accel.cost_model import estimate
+    from scripts.model_units import units_from_module
 
     recs, equal = by_coord(six("size")), by_coord(four("equal"))
     world_flags = 13  # 2 (N-1)/N x 4 bytes x F flags, the non-finite check, on "world"

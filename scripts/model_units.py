@@ -1,62 +1,15 @@
-"""FSDP units as shapes, without torch: what one ``fully_shard`` call holds, for the cost
-model (:mod:`fl_accel.cost_model`) and the memory model. Shapes follow transformers'
-``modeling_llama.py``; units follow accelerate 1.15 ``fsdp2_prepare_model``."""
+"""FSDP units of a model as shapes, without torch (the input of :func:`fl_accel.cost_model.estimate`
+and of :mod:`scripts.memory_model`): a Llama from its config (shapes as transformers'
+``modeling_llama.py``), or any module as accelerate 1.15 ``fsdp2_prepare_model`` wraps it.
+Used by the CLIs, the bench's analysis and the tests; the library only needs :class:`ShardUnit`.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-
-def _int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _num(name: str, value: Any, zero_ok: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} finite number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ShardUnit:
-    """One ``fully_shard`` call of ``numel`` parameters, gathered twice per micro-batch if
-    ``reshard_after_forward``; ``shapes`` give FSDP2's dim-0 padding (ValueError: not numel)."""
-
-    name: str
-    numel: int
-    reshard_after_forward: bool = True
-    shapes: tuple[tuple[int, ...], ...] | None = None
-
-    def __post_init__(self) -> None:
-        _int("ShardUnit.numel", self.numel, minimum=0)
-        if self.shapes is not None and sum(map(math.prod, self.shapes)) != self.numel:
-            raise ValueError(f"ShardUnit.shapes of {self.name!r} do not hold numel={self.numel} elements")
-
-    gathers = property(lambda self: 2 if self.reshard_after_forward else 1)
-
-    def local_sizes(self, shards: int) -> list[int]:
-        """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows."""
-        if self.shapes is None:
-            return [math.ceil(self.numel / shards)]
-        return [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
-
-    def padded_numel(self, shards: int) -> int:
-        """Elements of FSDP2's all-gather output (``numel`` without shapes)."""
-        return self.numel if self.shapes is None else shards * sum(self.local_sizes(shards))
-
-
-def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]:
-    """``num_units`` equal resharded units of ``params`` elements in all (ValueError unless
-    params >= num_units >= 1)."""
-    n, k = round(_num("params", params)), _int("num_units", num_units)
-    if n < k:
-        raise ValueError(f"params must be a number of parameters >= num_units={k}, got {params!r}")
-    return [ShardUnit(f"unit{i}", n // k + (i < n % k)) for i in range(k)]
+from fl_accel.cost_model import ShardUnit, _int
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:
