@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: installs what the tests need, then runs them in parallel workers. Measured from a fresh
-# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=30 /usr/bin/time -v bash .ci/run): 17 min 21 s wall,
-# 553 passed, 1,067 CPU-s user+system (fork servers not counted), 1,817 CPU-s summed per test. After the
-# changes of 2026-12-02 (suite3), measured only on a shared machine (load average 18-76: a 4-rank training
-# run and three other pytest sessions): 42 min 40 s wall, 553 passed, 6 skipped, 1,875 CPU-s summed per
-# test; tests left unchanged used 1.19x their idle-machine CPU there, so about 1,575 CPU-s idle (-13%).
+# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=30 /usr/bin/time -v bash .ci/run, 2026-12-02): 14 min 35 s
+# wall, 553 passed, 6 skipped, 1,549 CPU-s summed per test (863 CPU-s user+system by /usr/bin/time, fork
+# servers not counted).
 # FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
