@@ -156,6 +156,19 @@ def default_corpus_cache(tmp_path_factory) -> str:
     return str(cache)
 
 
+@pytest.fixture(autouse=True)
+def _keep_inductor_cache_dir():
+    """torch inductor's ``cache_dir()`` writes its default into ``TORCHINDUCTOR_CACHE_DIR``
+    the first time an in-process test compiles; the fork launcher then (rightly) refuses
+    launches whose import-time variables differ from its server's. Restore it after each test."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    yield
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("FL_ACCEL_TEST_CPU"):
