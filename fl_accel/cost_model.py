@@ -109,6 +109,16 @@ def sparse_bytes(numel: int, density: float, bits: int) -> int:
     return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
 
 
+def deal_fragments(units: Sequence, num_fragments: int) -> list[list]:
+    """Fragment k of P = ``num_fragments`` holds the units u with u mod P = k (streaming
+    DiLoCo's strided deal, arXiv 2501.18512 Sec. 2.2), in order. ValueError: P exceeds
+    the number of units (a fragment would be empty)."""
+    if num_fragments > len(units):
+        raise ValueError(f"num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
+                         "each fragment needs at least one unit")
+    return [list(units[k::num_fragments]) for k in range(num_fragments)]
+
+
 def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
     """Bytes one rank sends in a ring ``op`` of ``tensor_bytes`` over ``group_size`` ranks
     (``int()`` of it is the exact floor). ValueError: unknown op, bytes < 0, group_size < 1."""
@@ -279,10 +289,8 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
             t.add(DP_REPLICATE, "all_reduce", n * gb / S, layout.replicas_of(f))
     fragments, full, weights, full_weight = [], [], [], 0.0
     if layout.is_federated and F > 1:
-        if P > len(units):
-            raise ValueError(f"num_fragments={P} exceeds the {len(units)} FSDP units; each fragment needs one")
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
-        sizes = [[n for u in units[k::P] for n in u.local_sizes(S)] for k in range(P)]
+        sizes = [[n for u in part for n in u.local_sizes(S)] for part in deal_fragments(units, P)]
         sparse = (sync_density, sync_value_bits)
         fragments = [_sync_event(layout, s, sync_dtype, bucket, sparse) for s in sizes]
         full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], sync_dtype, bucket, sparse)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import WaitClock
+from .cost_model import deal_fragments
 from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .outer import OuterState
@@ -141,10 +142,7 @@ class FederatedSynchronizer:
         self.params = [p for _, p in named]
         self.optimizer, self.transport, self.config = optimizer, transport, config
         units, P = units if units is not None else [[i] for i in range(len(self.params))], config.num_fragments
-        if P > len(units):
-            raise ValueError(f"FLConfig.num_fragments={P} exceeds the {len(units)} FSDP units of the model; "
-                             f"each fragment needs at least one unit")
-        dealt = [sorted(i for unit in units[k::P] for i in unit) for k in range(P)]  # unit u -> fragment u mod P
+        dealt = [sorted(i for unit in part for i in unit) for part in deal_fragments(units, P)]
         self.fragments = [Fragment(k, idx, [self.names[i] for i in idx]) for k, idx in enumerate(dealt)]
         elastic = bool(getattr(transport, "elastic", False))  # membership decided at each sync (fl_accel.ft)
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,

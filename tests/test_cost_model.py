@@ -151,6 +151,18 @@ def test_fragments_cut_peak_not_amortized_bytes():
     assert four.weights == [1 / 8] * 4 and [len(f) for f in four.fragments] == [4] * 4
 
 
+def test_units_are_dealt_strided_and_a_fragment_is_never_empty():
+    """Fragment k holds units k, k+P, ... (the synchronizer deals the same way: fl_accel.sync);
+    more fragments than units is a ValueError naming num_fragments, also from estimate."""
+    assert cm.deal_fragments(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
+    assert cm.deal_fragments(list("ab"), 2) == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="num_fragments=3 exceeds the 2 FSDP units"):
+        cm.deal_fragments(list("ab"), 3)
+    units = [cm.ShardUnit(f"u{i}", 64, True, ((8, 8),)) for i in range(2)]
+    with pytest.raises(ValueError, match="num_fragments=4 exceeds the 2 FSDP units"):
+        est(EQ(2, 1, 2), units, sync_every=8, num_fragments=4)
+
+
 def test_padding():
     unit = cm.ShardUnit("a", 15, True, ((5, 3),))
     assert unit.padded_numel(4) == 8 * 3 and unit.local_sizes(4) == [6]
