@@ -296,7 +296,7 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "num_fragments": 2, "sync_delay": 1,
                "sync_dtype": "int8", "error_feedback": True, "outer_optimizer": "nesterov"},
-        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.15,
+        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.4,
         "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
@@ -376,7 +376,7 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
-        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
+        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.4, "record_steps": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
     logs = {name: tmp_path / name for name in ("g0", "g1a0", "g2", "g1a1")}  # forked groups: a folder of logs each
