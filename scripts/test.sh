@@ -4,6 +4,7 @@
 # wall, 553 passed, 6 skipped, 1,549 CPU-s summed per test (863 CPU-s user+system by /usr/bin/time, fork
 # servers not counted). The same tree (main 5f012b7 from git archive) at 08:45 UTC that day, 98% of the 2 cores:
 # 8 min 24 s in pytest, 897 CPU-s summed per test: CPU seconds on this shared VM depend on its host's load.
+# Branch suite4 (forked torchft recipe groups, ...) at 09:00 UTC, 95% of the 2 cores: 7 min 16 s, 769 CPU-s.
 # FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
