@@ -282,13 +282,19 @@ if os.environ.get("FAKE_FAIL"):  # before importing torch: the failing launch co
     sys.exit(3)
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-t = torch.ones(1 << 18)  # 1 MiB: crosses the emulated link
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.full((1 << 18,), float(rank + 1))  # 1 MiB: crosses the emulated link
 dist.all_reduce(t)
-if dist.get_rank() == 0:
-    os.makedirs(out, exist_ok=True)
-    json.dump({"world_size": dist.get_world_size(), "ok": bool((t == dist.get_world_size()).all())},
-              open(os.path.join(out, "all_results.json"), "w"))
+ok = bool((t == world * (world + 1) / 2).all())
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+    json.dump({"rank": rank, "world": world, "local_rank": int(os.environ["LOCAL_RANK"]),
+               "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "ok": ok}, fh)
+dist.barrier()
+if rank == 0:
+    json.dump({"world_size": world, "ok": ok}, open(os.path.join(out, "all_results.json"), "w"))
 dist.destroy_process_group()
+sys.exit(0 if ok else 3)
 '''
 
 
@@ -301,9 +307,17 @@ def _root_ok():
 @pytest.mark.skipif(not _root_ok(), reason="needs root/CAP_NET_ADMIN to create network namespaces")
 def test_runner_meters_a_launch_over_the_emulator(tmp_path, monkeypatch):
     """bench.launch.Runner with a stand-in recipe (one gloo all-reduce over 2 nodes x 2):
-    the launch record has its wall time, HostLoad figures and the veth byte counters."""
+    the launch record has its wall time, HostLoad figures and the veth byte counters.
+
+    It is also the test of gloo across the emulator (scripts/netemu.py ``run_torchrun``, which
+    the Runner calls; one launch of 4 torch processes serves both): the all-reduce is right on
+    every rank, ranks 0-1 talk through node 0's interface and ranks 2-3 through node 1's
+    (``GLOO_SOCKET_IFNAME``), the 1 MiB crossed each node's shaped link both ways, and nothing
+    of the emulator is left afterwards."""
     from bench import launch as bl
     from scripts import netemu
+
+    from test_netemu import _gone
 
     script = tmp_path / "fake_recipe.py"
     script.write_text(_FAKE_RECIPE)
@@ -316,14 +330,22 @@ def test_runner_meters_a_launch_over_the_emulator(tmp_path, monkeypatch):
         monkeypatch.setenv("FAKE_FAIL", "1")
         with pytest.raises(bp.BenchError, match="exit code 1") as err:
             runner.torchrun(emu, dataclasses_replace(spec, id="failing"))
+    _gone(emu)
     log = str(err.value).split("full log: ")[1].split("\n")[0]
     assert log.endswith("launch.log") and "fake recipe failing on purpose" in open(log).read()
-    res = json.loads((tmp_path / "work" / "smoke" / spec.path / "all_results.json").read_text())
+    out = tmp_path / "work" / "smoke" / spec.path
+    res = json.loads((out / "all_results.json").read_text())
     assert res == {"world_size": 4, "ok": True}
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["ok"] and r["world"] == 4 for r in ranks), ranks
+    assert {r["ifname"] for r in ranks[:2]} == {emu.ifname(0)} and {r["ifname"] for r in ranks[2:]} == {emu.ifname(1)}
     rec = runner.launches[spec.path]
     assert rec["wall_s"] > 0 and rec["host"]["own_cpu_s"] > 1.0  # 4 Python processes importing torch
     assert 0.0 <= rec["host"]["background_cpu_share"] <= 1.0
-    assert set(rec["wire"]) == {"0", "1"} and all(v["tx_bytes"] > (1 << 20) // 2 for v in rec["wire"].values())
+    # the all-reduce of 1 MiB crossed each node's shaped NIC (ring over 4 ranks, 2 hops per node)
+    assert set(rec["wire"]) == {"0", "1"}, rec["wire"]
+    assert all(v["tx_bytes"] > (1 << 20) // 2 and v["rx_bytes"] > (1 << 20) // 2 for v in rec["wire"].values()), \
+        rec["wire"]
 
 
 def dataclasses_replace(spec, **kw):

@@ -16,8 +16,11 @@ each group its own world on its own rendezvous port, as under torchrun.
   equal after the final sync.
 * Three groups: both ranks of a recovering group heal from one source group (the torchft
   #343 guard), and all groups end equal.
-* The recipe runs in the mode (scripts/ft_launch.py): each group trains, logs and
-  evaluates into its own folder, and the groups' final eval losses are equal.
+* The recipe runs in the mode (forked groups with scripts/ft_launch.py's environment):
+  each group trains, logs and evaluates into its own folder, and the groups' final eval
+  losses are equal.
+* ``python -m scripts.ft_launch`` (real torchruns and a Lighthouse) gives each group its
+  environment and a live Lighthouse, and a failed group does not stop the others.
 * Unequal groups are refused on every rank before any collective.
 """
 
@@ -293,7 +296,7 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "num_fragments": 2, "sync_delay": 1,
                "sync_dtype": "int8", "error_feedback": True, "outer_optimizer": "nesterov"},
-        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.15,
+        "optimizer": "adamw", "lr": 1e-3, "scheduler": True, "max_steps": 3000, "stop_file": True, "step_sleep": 0.4,
         "checkpoint_every": 3, "checkpoint_groups": [1], "resume": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
@@ -373,7 +376,7 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 3, "sync_every": 4}, "optimizer": "adamw", "lr": 1e-3,
-        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.15, "record_steps": True})
+        "scheduler": True, "max_steps": 400, "stop_file": True, "step_sleep": 0.4, "record_steps": True})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)  # groups arrive seconds apart on a busy machine
     logs = {name: tmp_path / name for name in ("g0", "g1a0", "g2", "g1a1")}  # forked groups: a folder of logs each
@@ -435,52 +438,96 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def _recipe_launch(tmp_path, cache, out, name, *flags, cli=True):
-    """The recipe in the torchft mode, 2 groups: with ``cli`` through ``python -m
-    scripts.ft_launch`` (its Lighthouse, one torchrun per group), else a Lighthouse from
-    ``ft_launch.start_lighthouse`` and forked groups with ``ft_launch.group_env``'s
-    environment. Returns each group's all_results and its eval losses by step."""
+def _recipe_launch(tmp_path, cache, out, name, *flags):
+    """The recipe in the torchft mode, 2 groups: a Lighthouse from ``ft_launch.start_lighthouse``
+    (every quorum waits for both groups) and the groups' ranks forked with
+    ``ft_launch.group_env``'s environment, as ``python -m scripts.ft_launch`` starts them
+    (that command line's own launch: :func:`test_ft_launch_cli_starts_a_lighthouse_and_one_torchrun_per_group`).
+    Returns each group's all_results and its eval losses by step."""
     recipe = ["recipes/pretrain.py", "--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(out),
               "--cache_dir", cache, *flags]
-    if cli:
-        argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
-                "--min_replicas", "2", "--log_dir", str(tmp_path / name), "--", *recipe]
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            stdout, _ = proc.communicate(timeout=1200)  # 4 steps, but 8 processes start on a shared machine
-        finally:
-            if proc.poll() is None:
-                ft_launch.kill_group(proc)
-        logs = "\n".join(_log_tail(tmp_path / name / f"group{f}.log") for f in range(2))
-        assert proc.returncode == 0 and "group exit statuses: [0, 0]" in stdout, stdout + logs
-    else:
-        (tmp_path / name).mkdir()
-        lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"),
-                                                     min_replicas=2)
-        groups = []
-        try:
-            for f in range(2):
-                groups.append(_forked_group(f, REPO_ROOT / recipe[0], *recipe[1:], lighthouse=addr,
-                                            log_dir=tmp_path / name / f"group{f}",
-                                            collective_timeout_s=None))  # as scripts.ft_launch's groups
-            codes = [_wait_code(g, 1200) for g in groups]
-        finally:
-            for g in groups:
-                _kill(g)
-            terminate(lighthouse)
-        assert codes == [0, 0], "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(2))
+    (tmp_path / name).mkdir()
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"), min_replicas=2)
+    groups = []
+    try:
+        for f in range(2):
+            groups.append(_forked_group(f, REPO_ROOT / recipe[0], *recipe[1:], lighthouse=addr,
+                                        log_dir=tmp_path / name / f"group{f}",
+                                        collective_timeout_s=None))  # as scripts.ft_launch's groups
+        codes = [_wait_code(g, 1200) for g in groups]
+    finally:
+        for g in groups:
+            _kill(g)
+        terminate(lighthouse)
+    assert codes == [0, 0], "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(2))
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
               if "eval/loss" in m} for f in range(2)]
     return results, evals
 
 
+_CLI_RANK = r'''
+import json, os, sys, time, urllib.request
+out = sys.argv[1]
+rec = {k: os.environ.get(k) for k in ("FL_ACCEL_FAULT_TOLERANCE", "FL_ACCEL_GROUP_INDEX", "TORCHFT_LIGHTHOUSE", "RANK",
+                                      "WORLD_SIZE", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH")}
+with urllib.request.urlopen(rec["TORCHFT_LIGHTHOUSE"] + "/status", timeout=60) as page:  # the Lighthouse is up
+    rec["lighthouse_status"] = page.read().decode(errors="replace")
+with open(os.path.join(out, f"g{rec['FL_ACCEL_GROUP_INDEX']}_r{rec['RANK']}.json"), "w") as fh:
+    json.dump(rec, fh)
+for _ in range(600):  # both ranks of the group wrote theirs (torchrun stops the other rank of a failed one)
+    if all(os.path.exists(os.path.join(out, f"g{rec['FL_ACCEL_GROUP_INDEX']}_r{k}.json")) for k in range(2)):
+        break
+    time.sleep(0.1)
+sys.exit(3 if rec["FL_ACCEL_GROUP_INDEX"] == "1" else 0)  # group 1 fails, group 0 does not
+'''
+
+
+def test_ft_launch_cli_starts_a_lighthouse_and_one_torchrun_per_group(tmp_path):
+    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2
+    --log_dir D -- script out`` (a Lighthouse and two real torchruns of 2 ranks; the script
+    stands in for the recipe, which runs in the mode in
+    :func:`test_recipe_trains_each_group_in_its_own_folder_and_resumes`, with the same
+    ``ft_launch.group_env``): every rank of group f sees ``FL_ACCEL_FAULT_TOLERANCE=torchft``,
+    ``FL_ACCEL_GROUP_INDEX=f``, the address of a live Lighthouse that wants 2 replicas,
+    ``OMP_NUM_THREADS=1`` and the repository on ``PYTHONPATH``, in a world of its own (2
+    ranks, its own master port); each group logs to ``D/group<f>.log``. Group 1's ranks
+    exit 3: group 0 still ends on its own (a failed group does not stop the others) and the
+    command exits with the first non-zero group status (torchrun's 1)."""
+    script = tmp_path / "rank.py"
+    script.write_text(_CLI_RANK)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", str(G),
+            "--min_replicas", "2", "--log_dir", str(tmp_path / "logs"), "--", str(script), str(out)]
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            ft_launch.kill_group(proc)
+    logs = "\n".join(_log_tail(tmp_path / "logs" / f"group{f}.log") for f in range(2))
+    assert proc.returncode == 1 and "group exit statuses: [0, 1]" in stdout, stdout + logs
+    assert "exitcode  : 3" in (tmp_path / "logs" / "group1.log").read_text(), logs  # torchrun's summary of group 1
+    recs = {(f, k): json.loads((out / f"g{f}_r{k}.json").read_text()) for f in range(2) for k in range(G)}
+    addresses = {r["TORCHFT_LIGHTHOUSE"] for r in recs.values()}
+    assert len(addresses) == 1 and addresses.pop().startswith("http://"), recs
+    for (f, k), r in recs.items():
+        assert (r["FL_ACCEL_FAULT_TOLERANCE"], r["FL_ACCEL_GROUP_INDEX"], r["RANK"], r["WORLD_SIZE"]) == \
+            ("torchft", str(f), str(k), str(G)), r
+        assert r["OMP_NUM_THREADS"] == "1" and str(REPO_ROOT) in r["PYTHONPATH"].split(os.pathsep), r
+        assert "need min_replicas 2" in r["lighthouse_status"] or "min_replicas: 2" in r["lighthouse_status"], r
+    assert recs[0, 0]["MASTER_PORT"] == recs[0, 1]["MASTER_PORT"] != recs[1, 0]["MASTER_PORT"]  # a world per group
+    assert (tmp_path / "logs" / "lighthouse.log").exists()
+
+
 def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, default_corpus_cache):
-    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2 --
-    recipes/pretrain.py --fault_tolerance torchft --checkpoint_every 1 ...`` (every quorum
-    waits for both groups, so a slow start of one group cannot leave the other syncing
-    alone; a Lighthouse and two torchruns of 2 ranks, the tiny Llama, 4 steps, H=2): both
+    """``recipes/pretrain.py --fault_tolerance torchft --checkpoint_every 1 ...`` in two
+    groups of 2 forked ranks with the environment ``python -m scripts.ft_launch
+    --num_groups 2 --nproc_per_group 2 --min_replicas 2`` gives them (every quorum waits for
+    both groups, so a slow start of one group cannot leave the other syncing alone; the
+    tiny Llama, 4 steps, H=2; that command line's own launch is tested above): both
     groups exit 0 and each writes its own ``<output_dir>/group<f>`` (all_results.json,
     metrics.jsonl, checkpoints/step_N with its group index and torchft step), with
     figures gathered over its own 2 ranks only (traffic of one group, tokens of 2 ranks;
@@ -490,8 +537,7 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, defaul
     synchronizer's counters (2 syncs, no heal).
 
     Then the whole federation restarts with ``--resume_from_checkpoint latest`` after the
-    checkpoints past step 1 are deleted (as if it had stopped there; the groups' ranks
-    forked this time, the command line was the subject above): each group resumes
+    checkpoints past step 1 are deleted (as if it had stopped there): each group resumes
     from its own step-1 checkpoint (data position included) and its evals at steps 2 and 4
     are bitwise the uninterrupted run's. Group 1's planning refuses group 0's checkpoint."""
     from recipes.args import RecipeError
@@ -528,7 +574,7 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, defaul
                   "--resume_from_checkpoint", str(out / "group0" / "checkpoints" / "step_1")], environ=environ)
 
     resumed, resumed_evals = _recipe_launch(tmp_path, default_corpus_cache, out, "logs_resumed",
-                                            "--checkpoint_every", "1", "--resume_from_checkpoint", "latest", cli=False)
+                                            "--checkpoint_every", "1", "--resume_from_checkpoint", "latest")
     for f, r in enumerate(resumed):
         assert r["session"]["resumed_from_step"] == 1 and r["session"]["steps"] == 3, r["session"]
         assert r["fault_tolerance"]["sync"] == results[f]["fault_tolerance"]["sync"]
