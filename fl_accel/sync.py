@@ -148,6 +148,7 @@ class FederatedSynchronizer:
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
                                      config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
         self.outer = OuterState(self.params, config)
+        self.last_round: Round | None = None  # the membership of the last sync event (torchft: it may be partial)
         self.clock = WaitClock()
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
@@ -243,7 +244,7 @@ class FederatedSynchronizer:
         or of every parameter (``fragment`` None, a full sync)."""
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
-        rnd = self.transport.begin()
+        rnd = self.last_round = self.transport.begin()
         with self.gate.event(self.schedule):
             if check_finite(self, rnd):
                 ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]

@@ -198,6 +198,8 @@ def evaluate(model, accelerator, blocks, micro_batch: int, per_group: bool = Fal
 SCORED = {
     "synchronized": "the synchronized model (every group holds the same parameters)",
     "single group": "the model (one group spans the world: nothing to synchronize)",
+    "own group": "this group's own model: the last sync covered fewer federation groups than the run has "
+                 "(torchft: the others had ended or were down), so the groups may end different",
     "own group per rank": "each rank scores its rows with its own group's model (fragments or alpha > 0 leave the "
                           "groups different between full syncs)",
 }
@@ -205,14 +207,17 @@ SCORED = {
 each group's own model, scored right before the sync of that step."""
 
 
-def scored(fl, final: bool) -> str:
+def scored(fl, final: bool, groups_in_last_sync: int | None = None) -> str:
     """What an evaluation after the step's sync scores (a key of :data:`SCORED`).
 
     Mid-run evaluations fall on multiples of H, right after a sync: with one fragment and
     alpha = 0 the groups are then identical; with fragments (P > 1) or alpha > 0 they are
-    not until the final full sync."""
+    not until the final full sync. ``groups_in_last_sync``: the federation groups the last
+    sync covered (fewer than ``fl.num_groups``: "own group")."""
     if not fl.is_federated:
         return "single group"
+    if groups_in_last_sync is not None and groups_in_last_sync < fl.federation_size:
+        return "own group"
     if final or (fl.num_fragments == 1 and not fl.fragment_update_alpha):
         return "synchronized"
     return "own group per rank"

@@ -330,6 +330,11 @@ class Run:
             self.group_evals[step] = evaluate(self.model, self.accelerator, self.data.val_blocks,
                                               self.args.micro_batch_size, per_group=True)
 
+    def groups_in_last_sync(self) -> int | None:
+        """The federation groups the last sync covered (None before any; torchft: the quorum's)."""
+        last = getattr(self.accelerator.synchronizer, "last_round", None)
+        return last.num_groups if last is not None else None
+
     def evaluate(self, step: int, final: bool = False) -> tuple:
         """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored.
         Returns the overall (perplexity, mean NLL, tokens)."""
@@ -340,7 +345,7 @@ class Run:
         groups = self.group_evals.pop(step, [])
         if final and args.eval_groups and layout.num_groups > 1:
             groups = evaluate(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size, True)
-        what = scored(fl, final)
+        what = scored(fl, final, self.groups_in_last_sync())
         record = {"step": step, "tokens": self.meter.tokens, "time_s": self.meter.clock.total("train_seconds"),
                   "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
         if groups:
@@ -372,7 +377,13 @@ def finish(run: Run, recorded: dict) -> dict:
     acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
     with run.meter.outside_training():
         step = run.meter.completed_steps
-        if acc.sync_if_pending():
+        synced = acc.sync_if_pending()
+        covered = run.groups_in_last_sync()
+        if covered is not None and covered < fl.federation_size:
+            acc.print(f"[fl_accel] warning: the last sync (step {step}) covered {covered} of the run's "
+                      f"{fl.federation_size} federation groups (the others had ended or were down): this group's "
+                      f"final model is its own and may differ from theirs")
+        elif synced:
             acc.print(f"[fl_accel] final synchronization: the federation groups synchronized at step {step}")
         elif fl.is_federated:
             acc.print(f"[fl_accel] final synchronization: none needed (the groups synchronized at step {step})")
@@ -391,7 +402,7 @@ def finish(run: Run, recorded: dict) -> dict:
         "group_weights": list(layout.weights(fl.group_weighting)) if fl.is_federated else [1.0],
         "sync_every": fl.sync_every if fl.is_federated else None, "fl": fl.to_dict(),
         "eval_perplexity": ppl, "eval_loss": nll, "eval_tokens": n_tokens,
-        "eval_scored": scored(fl, final=True),
+        "eval_scored": scored(fl, final=True, groups_in_last_sync=covered),
         **run.meter.run_figures(), "model": args.model, **recorded, "run_name": run.plan.run_name,
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
         "wandb_id": run.wandb_id,
@@ -502,7 +513,11 @@ def _record_for_launcher(message: str) -> None:
 
 def _timeout_text() -> str:
     """How the collective timeout was set (``FLConfig.collective_timeout_s``)."""
-    return f"FLConfig.collective_timeout_s={os.environ.get('FL_ACCEL_COLLECTIVE_TIMEOUT_S', 'default')}"
+    from fl_accel import FLConfig
+
+    env = os.environ.get("FL_ACCEL_COLLECTIVE_TIMEOUT_S")
+    return (f"FL_ACCEL_COLLECTIVE_TIMEOUT_S={env} s" if env else
+            f"FLConfig.collective_timeout_s, {FLConfig.collective_timeout_s:g} s unless the --config YAML sets it")
 
 
 def cli(argv=None) -> int:

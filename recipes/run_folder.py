@@ -190,9 +190,22 @@ def launcher_config_file(environ=None) -> str | None:
 
 def _where(key: str, variable: str, environ) -> str:
     """``"<key>: <value> in the Accelerate config <file>"``, or the variable when no file is known."""
+    from fl_accel.config import read_yaml_mapping
+
     path = launcher_config_file(environ)
     value = environ.get(variable)
     if path:
+        try:
+            cfg = read_yaml_mapping(path, "Accelerate config")
+        except ValueError:
+            cfg = {}
+        in_file = cfg.get(key, (cfg.get("fsdp_config") or {}).get(key) if isinstance(cfg.get("fsdp_config"), dict)
+                          else None)
+        if in_file is None:
+            return (f"{key}: {value} from accelerate launch (its --{key} flag or default; the Accelerate config "
+                    f"{path} does not set it; exported as {variable}={value})")
+        if str(in_file).lower() != str(value).lower():  # the launch flag overrode the file
+            return f"--{key} {value} given to accelerate launch (the Accelerate config {path} says {key}: {in_file})"
         return f"{key}: {value} in the Accelerate config {path} (accelerate launch exports it as {variable}={value})"
     return f"{variable}={value} (set by `accelerate launch` from its config's {key}, or by you)"
 
@@ -231,9 +244,8 @@ def resolve_mixed_precision(flag: str, environ=None) -> str:
     launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
     if launcher == "fp16":
         raise RecipeError(f"fl_accel does not support fp16, requested by "
-                          f"{_where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ)} (or accelerate "
-                          f"launch --mixed_precision fp16): use bf16 or 'no' there (fp16's loss scaler can skip a "
-                          f"step in one federation group only)")
+                          f"{_where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ)}: use bf16 or 'no' "
+                          f"there (fp16's loss scaler can skip a step in one federation group only)")
     if flag != "auto":
         return flag
     if launcher == "bf16":
@@ -300,6 +312,15 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
             else args.resume_from_checkpoint
     elif not args.overwrite_output_dir:
         old = list_checkpoints(checkpoints_dir)
+        try:
+            last = read_meta(old[-1][1]) if old else {}
+        except CheckpointError:  # unreadable: the general advice below
+            last = {}
+        if old and last.get("max_steps") is not None and last.get("completed_steps", 0) >= last["max_steps"]:
+            raise RecipeError(f"the output folder {args.output_dir} holds a finished run (its checkpoint "
+                              f"{os.path.basename(old[-1][1])} is step {last['completed_steps']} of "
+                              f"{last['max_steps']}). Start over with --overwrite_output_dir (deletes it), or "
+                              f"choose another --output_dir / --run_name")
         if old:
             raise RecipeError(f"the output folder {args.output_dir} already holds checkpoints "
                               f"{[os.path.basename(p) for _, p in old][-3:]} of a run. Continue that run with "
@@ -325,9 +346,13 @@ def _check_resume(resume: str, meta: dict, args, identity: dict) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(FLConfig) if f.name in identity.get("fl", {})}
         theirs = {**theirs, "fl": {**defaults, **theirs["fl"]}}
     if theirs is not None and theirs != json.loads(json.dumps(identity)):
-        diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
+        def flat(d: dict) -> dict:  # the FLConfig fields one by one: "fl.sync_every", not the whole "fl"
+            fl = d.get("fl")
+            return {**d, **{f"fl.{k}": v for k, v in fl.items()}, "fl": None} if isinstance(fl, dict) else d
+        theirs, here = flat(theirs), flat(json.loads(json.dumps(identity)))
+        diff = sorted(k for k in set(theirs) | set(here) if theirs.get(k) != here.get(k))
         raise RecipeError(f"checkpoint {resume} was written by another run: {diff} differ "
-                          f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {identity.get(diff[0])!r} here). "
+                          f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {here.get(diff[0])!r} here). "
                           f"Resume with that run's settings, or start over with --overwrite_output_dir")
     steps, their_max = meta.get("completed_steps", 0), meta.get("max_steps")
     if their_max is not None and steps >= their_max and args.max_steps in (None, their_max):

@@ -438,19 +438,21 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def _recipe_launch(tmp_path, cache, out, name, *flags):
+def _recipe_launch(tmp_path, cache, out, name, *flags, groups=2):
     """The recipe in the torchft mode, 2 groups: a Lighthouse from ``ft_launch.start_lighthouse``
     (every quorum waits for both groups) and the groups' ranks forked with
     ``ft_launch.group_env``'s environment, as ``python -m scripts.ft_launch`` starts them
     (that command line's own launch: :func:`test_ft_launch_cli_starts_a_lighthouse_and_one_torchrun_per_group`).
-    Returns each group's all_results and its eval losses by step."""
+    ``groups=1``: only group 0 of the 2 starts (the Lighthouse then waits for one).
+    Returns each started group's all_results and its eval losses by step."""
     recipe = ["recipes/pretrain.py", "--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(out),
               "--cache_dir", cache, *flags]
     (tmp_path / name).mkdir()
-    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"), min_replicas=2)
-    groups = []
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"),
+                                                  min_replicas=groups)
+    started, groups = groups, []
     try:
-        for f in range(2):
+        for f in range(started):
             groups.append(_forked_group(f, REPO_ROOT / recipe[0], *recipe[1:], lighthouse=addr,
                                         log_dir=tmp_path / name / f"group{f}",
                                         collective_timeout_s=None))  # as scripts.ft_launch's groups
@@ -459,10 +461,10 @@ def _recipe_launch(tmp_path, cache, out, name, *flags):
         for g in groups:
             _kill(g)
         terminate(lighthouse)
-    assert codes == [0, 0], "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(2))
-    results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
+    assert codes == [0] * started, "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(started))
+    results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(started)]
     evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
-              if "eval/loss" in m} for f in range(2)]
+              if "eval/loss" in m} for f in range(started)]
     return results, evals
 
 
@@ -580,6 +582,23 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, defaul
         assert r["fault_tolerance"]["sync"] == results[f]["fault_tolerance"]["sync"]
         assert r["eval_loss"] == results[f]["eval_loss"] and r["train_tokens"] == results[f]["train_tokens"]
     assert resumed_evals == evals, (resumed_evals, evals)
+
+
+def test_recipe_says_when_its_last_sync_left_groups_out(tmp_path, default_corpus_cache):
+    """Group 0 of 2 trains alone (the other never starts; the Lighthouse waits for one): its
+    syncs are quorums of one group, so its final model is its own. The run ends 0 but
+    does not call it synchronized: ``eval_scored`` is "own group" in all_results.json and in
+    the eval records, and rank 0 prints the warning naming 1 of the 2 groups (a newcomer
+    found the two groups' different final models reported as "synchronized")."""
+    out = tmp_path / "out"
+    (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", groups=1)
+    assert result["steps"] == 4 and result["fault_tolerance"]["sync"]["num_syncs"] == 2, result["fault_tolerance"]
+    assert result["eval_scored"] == "own group", result["eval_scored"]
+    records = [m for m in map(json.loads, (out / "group0" / "metrics.jsonl").open()) if "eval/scored" in m]
+    assert [m["eval/scored"] for m in records] == ["own group"] * len(records) and records
+    log = _log_tail(tmp_path / "alone" / "group0", 20000)
+    assert "the last sync (step 4) covered 1 of the run's 2 federation groups" in log, log[-3000:]
+    assert "final synchronization: none needed" not in log
 
 
 def test_recipe_refuses_unsupported_flags_in_torchft_mode(tmp_path):

@@ -155,14 +155,15 @@ def test_wandb_offline_resume_keeps_the_run_id(full):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ([], "already holds checkpoints"),
+    ([], "holds a finished run (its checkpoint step_6 is step 6 of 6)"),
     (["--resume_from_checkpoint", "latest", "--seed", "7"], "written by another run: ['seed'] differ"),
     (["--resume_from_checkpoint", "latest", "--max_steps", "3"], "is at step 6, past --max_steps 3"),
     (["--resume_from_checkpoint", "CKPT2", "--max_steps", "8"], "belongs to a run of 6 steps"),
     (["--resume_from_checkpoint", "latest"], "is the end of a finished run (6 of 6 steps)"),
 ], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length", "finished_run"])
 def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
-    """A new run into a folder holding another run's checkpoints, a checkpoint of another run
+    """A new run into a folder holding a finished run's checkpoints (an unfinished run's:
+    tests/test_recipe_units.py), a checkpoint of another run
     (run identity: seed, data, model, optimizer, FLConfig), one past --max_steps, or a resume
     that would rebuild the LR schedule for another length: refused on every rank before any
     collective, with a message naming the fix; nothing is written."""

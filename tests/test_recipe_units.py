@@ -266,7 +266,9 @@ def test_evaluations_say_what_they_scored():
     assert metrics.scored(fragments, final=False) == "own group per rank"
     assert metrics.scored(fragments, final=True) == "synchronized"
     assert metrics.scored(FLConfig(fragment_update_alpha=0.5), final=False) == "own group per rank"
-    assert set(metrics.SCORED) == {"synchronized", "single group", "own group per rank"}
+    assert metrics.scored(FLConfig(num_groups=2), final=True, groups_in_last_sync=2) == "synchronized"
+    assert metrics.scored(FLConfig(num_groups=2), final=True, groups_in_last_sync=1) == "own group"  # torchft quorum of 1
+    assert set(metrics.SCORED) == {"synchronized", "single group", "own group per rank", "own group"}
 
 
 def test_model_flops_through_the_recipe_match_the_formula_for_an_untied_llama():
@@ -386,3 +388,59 @@ def test_outer_lr_schedule_spans_the_run_and_its_warmup_must_be_shorter(tmp_path
     assert plan.fl.outer_lr_decay_steps == 40 and plan.identity["fl"]["outer_lr_decay_steps"] is None
     with pytest.raises(RecipeError, match=r"outer_lr_warmup_steps=40 must be shorter than the run.*40 optimizer steps"):
         plan_run(flags + ["--max_steps", "40", "--outer_lr_warmup_steps", "40"], environ=ENV)
+
+
+def test_resume_refusal_names_the_flconfig_field_that_differs():
+    """A checkpoint of another run is refused naming the FLConfig field ("fl.sync_every"),
+    not the whole "fl" settings (a newcomer had to diff two 25-field dicts)."""
+    from recipes.run_folder import _check_resume
+
+    identity = {"seed": 42, "fl": {"sync_every": 8, "num_groups": 2}}
+    meta = {"run_identity": {"seed": 42, "fl": {"sync_every": 100, "num_groups": 2}}, "completed_steps": 2,
+            "max_steps": 10}
+    with pytest.raises(RecipeError, match=r"\['fl.sync_every'\] differ \(e.g. fl.sync_every=100 there, 8 here\)"):
+        _check_resume("ckpt", meta, SimpleNamespace(max_steps=10, output_dir="x"), identity)
+    _check_resume("ckpt", {**meta, "run_identity": identity}, SimpleNamespace(max_steps=10, output_dir="x"), identity)
+
+
+def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_path):
+    """An unfinished run's checkpoints: continue it with --resume_from_checkpoint latest; a
+    finished run's: only --overwrite_output_dir or another folder (resuming it would be
+    refused as "the end of a finished run"; the launched case: tests/test_recipe_lifecycle.py)."""
+    from fl_accel.checkpoint import FORMAT_VERSION, META_FILE
+
+    def folder(name, steps):
+        ckpt = tmp_path / name / "checkpoints" / f"step_{steps}"
+        ckpt.mkdir(parents=True)
+        (ckpt / ".metadata").write_bytes(b"")
+        (ckpt / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "completed_steps": steps,
+                                                  "max_steps": 10}))
+        return str(tmp_path / name)
+
+    with pytest.raises(RecipeError, match=r"already holds checkpoints \['step_4'\] .* --resume_from_checkpoint latest"):
+        plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", folder("unfinished", 4)], environ=ENV)
+    with pytest.raises(RecipeError, match=r"holds a finished run \(its checkpoint step_10 is step 10 of 10\)") as exc:
+        plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", folder("finished", 10)], environ=ENV)
+    assert "--resume_from_checkpoint" not in str(exc.value) and "--overwrite_output_dir" in str(exc.value)
+
+
+def test_fp16_refusal_names_where_the_launcher_got_it(tmp_path, monkeypatch):
+    """fp16 from accelerate launch is refused naming its source: the Accelerate config's
+    key, or the launch flag that overrode the file (a newcomer's `--mixed_precision fp16`
+    was blamed on a file saying 'no'), or the flag/default when the file does not set it."""
+    from recipes import run_folder
+
+    cfg = tmp_path / "accelerate.yaml"
+    monkeypatch.setattr(run_folder, "launcher_config_file", lambda environ: str(cfg))
+    env = {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    for text, message in [
+        ("mixed_precision: fp16\n", f"requested by mixed_precision: fp16 in the Accelerate config {cfg}"),
+        ("mixed_precision: 'no'\n", f"requested by --mixed_precision fp16 given to accelerate launch (the "
+                                    f"Accelerate config {cfg} says mixed_precision: no)"),
+        ("distributed_type: FSDP\n", f"mixed_precision: fp16 from accelerate launch (its --mixed_precision flag or "
+                                     f"default; the Accelerate config {cfg} does not set it"),
+    ]:
+        cfg.write_text(text)
+        with pytest.raises(RecipeError) as exc:
+            run_folder.resolve_mixed_precision("auto", env)
+        assert message in str(exc.value), str(exc.value)
