@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: installs what the tests need, then runs them in parallel workers. Measured from a fresh
-# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=30 /usr/bin/time -v bash .ci/run, 2026-12-02): 14 min 35 s
-# wall, 553 passed, 6 skipped, 1,549 CPU-s summed per test (863 CPU-s user+system by /usr/bin/time, fork
-# servers not counted). The same tree (main 5f012b7 from git archive) at 08:45 UTC that day, 98% of the 2 cores:
-# 8 min 24 s in pytest, 897 CPU-s summed per test: CPU seconds on this shared VM depend on its host's load.
-# Branch suite4 (forked torchft recipe groups, ...) at 09:00 UTC, 95% of the 2 cores: 7 min 16 s, 769 CPU-s.
+# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=40 /usr/bin/time -v bash .ci/run, 2026-12-02 09:15 UTC,
+# commit 7434bd5): 7 min 42 s wall, 554 passed, 6 skipped, 793 CPU-s summed per test. CPU seconds on a shared
+# VM depend on its host's load: compare figures from one sitting only.
 # FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
