@@ -379,7 +379,7 @@ def finish(run: Run, recorded: dict) -> dict:
         step = run.meter.completed_steps
         synced = acc.sync_if_pending()
         covered = run.groups_in_last_sync()
-        if covered is not None and covered < fl.federation_size:
+        if scored(fl, True, covered) == "own group":
             acc.print(f"[fl_accel] warning: the last sync (step {step}) covered {covered} of the run's "
                       f"{fl.federation_size} federation groups (the others had ended or were down): this group's "
                       f"final model is its own and may differ from theirs")

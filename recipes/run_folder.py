@@ -199,8 +199,8 @@ def _where(key: str, variable: str, environ) -> str:
             cfg = read_yaml_mapping(path, "Accelerate config")
         except ValueError:
             cfg = {}
-        in_file = cfg.get(key, (cfg.get("fsdp_config") or {}).get(key) if isinstance(cfg.get("fsdp_config"), dict)
-                          else None)
+        fsdp = cfg.get("fsdp_config")
+        in_file = cfg.get(key, fsdp.get(key) if isinstance(fsdp, dict) else None)  # fsdp_version sits under it
         if in_file is None:
             return (f"{key}: {value} from accelerate launch (its --{key} flag or default; the Accelerate config "
                     f"{path} does not set it; exported as {variable}={value})")
@@ -316,7 +316,7 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
             last = read_meta(old[-1][1]) if old else {}
         except CheckpointError:  # unreadable: the general advice below
             last = {}
-        if old and last.get("max_steps") is not None and last.get("completed_steps", 0) >= last["max_steps"]:
+        if old and _finished(last):
             raise RecipeError(f"the output folder {args.output_dir} holds a finished run (its checkpoint "
                               f"{os.path.basename(old[-1][1])} is step {last['completed_steps']} of "
                               f"{last['max_steps']}). Start over with --overwrite_output_dir (deletes it), or "
@@ -340,22 +340,28 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
     return resume
 
 
+def _finished(meta: dict) -> bool:
+    """The checkpoint's run had trained all its ``max_steps``."""
+    return meta.get("max_steps") is not None and meta.get("completed_steps", 0) >= meta["max_steps"]
+
+
 def _check_resume(resume: str, meta: dict, args, identity: dict) -> None:
     theirs = meta.get("run_identity")
     if theirs is not None and isinstance(theirs.get("fl"), dict):  # FLConfig fields newer than the checkpoint
         defaults = {f.name: f.default for f in dataclasses.fields(FLConfig) if f.name in identity.get("fl", {})}
         theirs = {**theirs, "fl": {**defaults, **theirs["fl"]}}
-    if theirs is not None and theirs != json.loads(json.dumps(identity)):
+    here = json.loads(json.dumps(identity))  # as the checkpoint stored it
+    if theirs is not None and theirs != here:
         def flat(d: dict) -> dict:  # the FLConfig fields one by one: "fl.sync_every", not the whole "fl"
             fl = d.get("fl")
             return {**d, **{f"fl.{k}": v for k, v in fl.items()}, "fl": None} if isinstance(fl, dict) else d
-        theirs, here = flat(theirs), flat(json.loads(json.dumps(identity)))
+        theirs, here = flat(theirs), flat(here)
         diff = sorted(k for k in set(theirs) | set(here) if theirs.get(k) != here.get(k))
         raise RecipeError(f"checkpoint {resume} was written by another run: {diff} differ "
                           f"(e.g. {diff[0]}={theirs.get(diff[0])!r} there, {here.get(diff[0])!r} here). "
                           f"Resume with that run's settings, or start over with --overwrite_output_dir")
     steps, their_max = meta.get("completed_steps", 0), meta.get("max_steps")
-    if their_max is not None and steps >= their_max and args.max_steps in (None, their_max):
+    if _finished(meta) and args.max_steps in (None, their_max):
         raise RecipeError(f"checkpoint {resume} is the end of a finished run ({steps} of {their_max} steps): "
                           f"nothing is left to train. Its results are in {args.output_dir}; start over with "
                           f"--overwrite_output_dir or choose another --output_dir / --run_name")

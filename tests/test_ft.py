@@ -438,19 +438,19 @@ RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", 
                "--report_to", "none"]
 
 
-def _recipe_launch(tmp_path, cache, out, name, *flags, groups=2):
+def _recipe_launch(tmp_path, cache, out, name, *flags, started=2):
     """The recipe in the torchft mode, 2 groups: a Lighthouse from ``ft_launch.start_lighthouse``
     (every quorum waits for both groups) and the groups' ranks forked with
     ``ft_launch.group_env``'s environment, as ``python -m scripts.ft_launch`` starts them
     (that command line's own launch: :func:`test_ft_launch_cli_starts_a_lighthouse_and_one_torchrun_per_group`).
-    ``groups=1``: only group 0 of the 2 starts (the Lighthouse then waits for one).
+    ``started=1``: only group 0 of the 2 starts (the Lighthouse then waits for one).
     Returns each started group's all_results and its eval losses by step."""
     recipe = ["recipes/pretrain.py", "--fault_tolerance", "torchft", *RECIPE_ARGS, "--output_dir", str(out),
               "--cache_dir", cache, *flags]
     (tmp_path / name).mkdir()
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / name / "lighthouse.log", "w"),
-                                                  min_replicas=groups)
-    started, groups = groups, []
+                                                  min_replicas=started)
+    groups = []
     try:
         for f in range(started):
             groups.append(_forked_group(f, REPO_ROOT / recipe[0], *recipe[1:], lighthouse=addr,
@@ -591,7 +591,7 @@ def test_recipe_says_when_its_last_sync_left_groups_out(tmp_path, default_corpus
     the eval records, and rank 0 prints the warning naming 1 of the 2 groups (a newcomer
     found the two groups' different final models reported as "synchronized")."""
     out = tmp_path / "out"
-    (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", groups=1)
+    (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", started=1)
     assert result["steps"] == 4 and result["fault_tolerance"]["sync"]["num_syncs"] == 2, result["fault_tolerance"]
     assert result["eval_scored"] == "own group", result["eval_scored"]
     records = [m for m in map(json.loads, (out / "group0" / "metrics.jsonl").open()) if "eval/scored" in m]
