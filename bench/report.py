@@ -512,16 +512,18 @@ def guide_rows(res: dict) -> list[list[str]]:
 def _ttt_spread_text(res: dict) -> str:
     """How much tokens to target moved between seeds (the noise of the ranking)."""
     second = [r for r in res["rows"].values() if r["second_seed"]]
-    parts = []
+    parts, shares = [], []
     for r in second:
         first = res["rows"].get(r["id"].rsplit("-seed", 1)[0])
         if first and first.get("tokens_to_target") and r.get("tokens_to_target"):
+            shares.append(100 * (r["tokens_to_target"] / first["tokens_to_target"] - 1))
             parts.append(f"{first['label']}: {first['tokens_to_target']:,.0f} vs {r['tokens_to_target']:,.0f} "
-                         f"({100 * (r['tokens_to_target'] / first['tokens_to_target'] - 1):+.1f}%)")
+                         f"({shares[-1]:+.1f}%)")
     if not parts:
         return ""
     return ("Seed-to-seed change of tokens to target (seed 42 vs 43): " + "; ".join(parts)
-            + ". Rows whose minutes differ by less than this share are not ranked apart by this suite.")
+            + f". Rows whose minutes differ by less than the larger of these shares ({max(map(abs, shares)):.1f}%)"
+            " are not ranked apart by this suite.")
 
 
 def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:

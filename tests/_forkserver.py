@@ -251,7 +251,9 @@ class ForkedLaunch:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        failed = [p for p in self.procs if p.exitcode not in (None, 0)]
+        # ranks first seen failed in the same poll: one killed by a signal before one that
+        # exited with an error (most likely the killed rank's peer, whose collective failed)
+        failed = sorted((p for p in self.procs if p.exitcode not in (None, 0)), key=lambda p: p.exitcode >= 0)
         if failed and self._failed_at is None:
             self._failed_at, self._first_failure = time.monotonic(), failed[0].exitcode
         if all(p.exitcode is not None for p in self.procs):
