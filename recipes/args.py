@@ -168,6 +168,12 @@ def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tu
     """
     label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
     environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
+    spell, names = (lambda n: ENV_PREFIX + n.upper()), fl_cls.field_names()
+    unknown = [k for k in environ if k.startswith(ENV_PREFIX) and k not in map(spell, names)]
+    if unknown:
+        raise RecipeError("unknown environment variable " + ", ".join(
+            k + _did_you_mean(k[len(ENV_PREFIX):].lower(), names, spell) for k in unknown)
+            + f"; known: {sorted(map(spell, names))}")
     try:
         return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
     except ValueError as exc:
@@ -230,7 +236,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     Raises:
         RecipeError: unreadable YAML, unknown keys (naming the file; an FLConfig field at
             the top level "belongs under 'fl:'"), values of the wrong type or range.
-        SystemExit: argparse's own errors (an unknown flag, a value outside the choices).
+            argparse's own errors (an unknown flag, with a "did you mean"; a value outside the choices).
     """
     argv = list(os.sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
@@ -288,7 +294,10 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     except (ValueError, TypeError) as exc:
         raise RecipeError(_yaml_hint(str(exc), known.config)) from exc
     if _rest:
-        parser.error(f"unrecognized arguments: {' '.join(_rest)}")
+        flag = lambda n: f"--{n}"
+        parser.error("unrecognized arguments: " + " ".join(
+            t + _did_you_mean(t[2:].split("=")[0], recipe_names | fl_names, flag) if t.startswith("--") else t
+            for t in _rest))
     defaults_of = {f.name: f.default for f in (*fields(RecipeArguments), *fields(fl_cls))}
     sources = {k: v for k, v in sources.items() if k in defaults_of}
     return ParsedArgs(recipe_args, fl, sources)
@@ -302,10 +311,12 @@ ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "per_device_
 """Names users bring from other trainers (run_clm_no_trainer, the paper's letters), for "did you mean"."""
 
 
-def _did_you_mean(key: str, names: set[str]) -> str:
+def _did_you_mean(key: str, names, show=repr) -> str:
+    """`` (did you mean <name>?)``: the ALIASES entry or the closest of ``names`` (difflib), as
+    ``show`` spells it (a YAML key, ``--flag``, ``FL_ACCEL_VAR``); "" when nothing is close."""
     guess = ALIASES.get(key) if ALIASES.get(key) in names else None
     guess = guess or next(iter(difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)), None)
-    return f" (did you mean {guess!r}?)" if guess else ""
+    return f" (did you mean {show(guess)}?)" if guess else ""
 
 
 def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str]) -> None:
@@ -319,7 +330,7 @@ def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set
         if key in fl_names:
             problems.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
         elif key not in recipe_names:
-            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names).replace("?)", "? under 'fl:')")
+            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names, lambda n: f"{n!r} under 'fl:'")
             problems.append(f"unknown key {key!r}{hint}")
     for key in fl_yaml:
         if key in recipe_names:

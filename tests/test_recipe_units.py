@@ -81,6 +81,21 @@ def test_every_bad_yaml_key_is_reported_at_once_with_did_you_mean(tmp_path):
         assert part in text, part
 
 
+def test_unknown_flag_and_environment_variable_say_did_you_mean():
+    """A misspelt --flag or FL_ACCEL_* variable is still refused (RecipeError), now with the
+    closest known name."""
+    with pytest.raises(RecipeError) as err:
+        parse_args(["--num_fragmnts", "2", "--sync_evry=4"], environ={})
+    text = str(err.value)
+    assert "unrecognized arguments: --num_fragmnts (did you mean --num_fragments?) 2" in text
+    assert "--sync_evry=4 (did you mean --sync_every?)" in text
+    with pytest.raises(RecipeError) as err:
+        parse_args([], environ={"FL_ACCEL_NUM_FRAGMNTS": "2"})
+    assert "unknown environment variable FL_ACCEL_NUM_FRAGMNTS (did you mean FL_ACCEL_NUM_FRAGMENTS?)" in str(err.value)
+    with pytest.raises(RecipeError, match=r"variable FL_ACCEL_ZZZ; known: \['FL_ACCEL_ALGORITHM'"):
+        parse_args([], environ={"FL_ACCEL_ZZZ": "1"})  # nothing close: no guess
+
+
 @pytest.mark.parametrize("how", ["flag", "env", "yaml"])
 def test_group_sizes_are_checked_against_the_world_first(tmp_path, how):
     """--group_sizes 1,2 on 4 ranks: the sum is the first thing said (not "unequal groups need
