@@ -250,8 +250,6 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     known, _ = pre.parse_known_args(argv)
     recipe_names = {f.name for f in fields(RecipeArguments)}
     fl_names = set(fl_cls.field_names())
-    defaults: dict[str, Any] = {}
-    sources: dict[str, str] = {}
     values, fl_yaml = {}, {}
     if known.config:
         try:
@@ -261,7 +259,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         fl_yaml = values.pop("fl", None) or {}
         if not isinstance(fl_yaml, dict):
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
-        _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
+        _check_yaml(known.config, values, fl_yaml, recipe_names, fl_names, fl_cls)
     fl_defaults, fl_sources = fl_values(fl_yaml, known.config, environ, fl_cls)
     # Which flags were given explicitly: parse once with a sentinel as every default.
     sentinel = object()
@@ -270,23 +268,10 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     given, _ = probe.parse_known_args(argv)
     flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
     _check_group_sizes_sum(flags, fl_defaults, fl_sources, environ)
-    if known.config:
-        # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
-        try:
-            RecipeArguments(**values)
-        except RecipeError as exc:
-            raise RecipeError(f"{exc} (in {known.config})".replace("--", "", 1)) from exc
-        try:
-            fl_cls(**fl_yaml)
-        except ValueError as exc:
-            raise RecipeError(f"{exc} (under 'fl:' in {known.config})") from exc
-        defaults.update(values)
-        sources.update({k: known.config for k in values})
-    defaults.update(fl_defaults)
-    sources.update(fl_sources)
+    defaults = {**values, **fl_defaults}
     if defaults:
         parser.set_defaults(**defaults)
-    sources.update({k: "flag" for k in flags})
+    sources = {**dict.fromkeys(values, known.config), **fl_sources, **dict.fromkeys(flags, "flag")}
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                     return_remaining_strings=True)
@@ -319,27 +304,42 @@ def _did_you_mean(key: str, names, show=repr) -> str:
     return f" (did you mean {show(guess)}?)" if guess else ""
 
 
-def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str]) -> None:
-    """Every unknown or misplaced key of a recipe YAML at once, each with a "did you mean".
+def _check_yaml(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str],
+                fl_cls) -> None:
+    """Every unknown or misplaced key of a recipe YAML (each with a "did you mean") and every
+    value that is wrong on its own (type, range), at once. Constraints between fields are
+    checked after the merge with the environment and the flags, naming each value's source.
 
     Raises:
-        RecipeError: naming the file and every bad key.
+        RecipeError: naming the file, every bad key and every bad value.
     """
-    problems = []
+    keys, bad_values = [], []
     for key in values:
         if key in fl_names:
-            problems.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
+            keys.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
         elif key not in recipe_names:
             hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names, lambda n: f"{n!r} under 'fl:'")
-            problems.append(f"unknown key {key!r}{hint}")
+            keys.append(f"unknown key {key!r}{hint}")
     for key in fl_yaml:
         if key in recipe_names:
-            problems.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
+            keys.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
         elif key not in fl_names:
-            problems.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
-    if problems:
-        raise RecipeError(f"{len(problems)} bad key{'s' if len(problems) > 1 else ''} in --config {config}: "
-                          + "; ".join(problems) + " (python recipes/pretrain.py --help lists the options)")
+            keys.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
+    # Types before argparse sees them (it would convert the string '2' to 2); a message that
+    # does not start with "<field> must be" is a constraint with another field's default.
+    for cls, section, label, names in ((RecipeArguments, values, "--", recipe_names),
+                                       (fl_cls, fl_yaml, "FLConfig.", fl_names)):
+        for key in (k for k in section if k in names):
+            try:
+                cls(**{key: section[key]})
+            except ValueError as exc:
+                if str(exc).startswith(f"{label}{key} must be "):
+                    bad_values.append(str(exc).removeprefix("--"))
+    counts = [f"{len(found)} bad {what}{'s' if len(found) > 1 else ''}"
+              for found, what in ((keys, "key"), (bad_values, "value")) if found]
+    if counts:
+        raise RecipeError(f"{' and '.join(counts)} in --config {config}: " + "; ".join(keys + bad_values)
+                          + " (python recipes/pretrain.py --help lists the options)")
 
 
 def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, environ) -> None:

@@ -81,6 +81,24 @@ def test_every_bad_yaml_key_is_reported_at_once_with_did_you_mean(tmp_path):
         assert part in text, part
 
 
+def test_every_bad_yaml_key_and_value_is_reported_in_one_error(tmp_path):
+    """Bad keys and bad values (type or range, top level and under 'fl:') in one ValueError naming the
+    file; a value that only conflicts with another field's default is no problem of the file."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_step: 3\nseq_len: 0\nmicro_batch_size: four\nfl:\n  num_groups: '2'\n  num_fragments: 3\n")
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", str(cfg)], environ={})
+    text = str(err.value)
+    assert text.startswith(f"1 bad key and 3 bad values in --config {cfg}: unknown key 'max_step'"), text
+    for part in ("seq_len must be >= 1, got 0", "micro_batch_size must be an integer, got 'four' (str)",
+                 "FLConfig.num_groups must be an integer, got '2' (str)"):
+        assert part in text, part
+    assert "num_fragments" not in text  # 3 does not divide the default sync_every 8: the merge's business
+    cfg.write_text("streaming: true\nfl:\n  num_fragments: 4\n")  # max_steps and sync_every from flag and env
+    parsed = parse_args(["--config", str(cfg), "--max_steps", "5"], environ={"FL_ACCEL_SYNC_EVERY": "4"})
+    assert parsed.args.streaming and parsed.fl.num_fragments == 4
+
+
 def test_unknown_flag_and_environment_variable_say_did_you_mean():
     """A misspelt --flag or FL_ACCEL_* variable is still refused (RecipeError), now with the
     closest known name."""
