@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -277,7 +278,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
                                                     return_remaining_strings=True)
         recipe_args, fl, _rest = parsed[0], parsed[1], parsed[-1]  # (a namespace with --config in between)
     except (ValueError, TypeError) as exc:
-        raise RecipeError(_yaml_hint(str(exc), known.config)) from exc
+        raise RecipeError(str(exc) + source_hint(str(exc), sources, fl_names)) from exc
     if _rest:
         flag = lambda n: f"--{n}"
         parser.error("unrecognized arguments: " + " ".join(
@@ -350,21 +351,30 @@ def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, env
         RecipeError: naming where group_sizes was set and the launched world size.
     """
     if flags.get("group_sizes") is not None:
-        value, where = flags["group_sizes"], "--group_sizes"
+        value, source = flags["group_sizes"], "flag"
     elif fl_defaults.get("group_sizes") is not None:
         value, source = fl_defaults["group_sizes"], fl_sources.get("group_sizes", "")
-        where = source if source.startswith(ENV_PREFIX) else f"group_sizes under 'fl:' in {source}"
     else:
         return
     world = int(environ.get("WORLD_SIZE", "1"))
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
-        raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
-                          f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
+        raise RecipeError(f"{_where('group_sizes', source, fl=True)} {','.join(map(str, value))} sums to {sum(value)} "
+                          f"ranks, but {world} were launched (WORLD_SIZE): the group sizes must add up to the number "
+                          f"of processes")
 
 
-def _yaml_hint(message: str, config: str | None) -> str:
-    return message + (f" (check --config {config})" if config and "--" not in message and "FL_ACCEL" not in message
-                      else "")
+def _where(name: str, source: str, fl: bool) -> str:
+    """Where the user set ``name``: ``--name``, the variable, or the key in the YAML file ``source``."""
+    if source == "flag" or source.startswith(ENV_PREFIX):
+        return f"--{name}" if source == "flag" else source
+    return f"{name} under 'fl:' in {source}" if fl else f"{name} in {source}"
+
+
+def source_hint(message: str, sources: dict[str, str], fl_names: set[str]) -> str:
+    """`` (values from ...)``: where each field that ``message`` names was set, unless it says so already."""
+    said = [_where(n, s, n in fl_names) for n, s in sources.items() if re.search(rf"\b{n}\b", message)]
+    said = [w for w in said if w not in message]
+    return f" (values from {', '.join(said)})" if said else ""
 
 
 def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from fl_accel import FLConfig
 
-from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity
+from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity, source_hint
 
 OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png")
 """What a run writes into its folder (``--overwrite_output_dir`` deletes exactly these)."""
@@ -71,7 +71,10 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     args, fl = parsed.args, parsed.fl
     check_launcher(environ)
     world = int(environ.get("WORLD_SIZE", "1"))
-    layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+    try:
+        layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+    except RecipeError as exc:
+        raise RecipeError(f"{exc}{source_hint(str(exc), parsed.sources, set(fl.field_names()))}") from exc
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)

@@ -99,6 +99,31 @@ def test_every_bad_yaml_key_and_value_is_reported_in_one_error(tmp_path):
     assert parsed.args.streaming and parsed.fl.num_fragments == 4
 
 
+@pytest.mark.parametrize("how", ["flag", "env", "yaml"])
+def test_a_bad_merged_value_names_the_source_that_set_it(tmp_path, how):
+    """num_fragments 3 against sync_every 8 from a --config file: the error names where each value was
+    set (the flag, the variable or the file), not "check --config" whatever the source; the same for
+    a range error and for a layout error found by plan_run."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("fl:\n  sync_every: 8\n" + ("  num_fragments: 3\n" if how == "yaml" else ""))
+    argv, env = ["--config", str(cfg)], {}
+    if how == "flag":
+        argv += ["--num_fragments", "3"]
+    elif how == "env":
+        env["FL_ACCEL_NUM_FRAGMENTS"] = "3"
+    with pytest.raises(ValueError) as err:
+        parse_args(argv, environ=env)
+    where = {"flag": "--num_fragments", "env": "FL_ACCEL_NUM_FRAGMENTS", "yaml": f"num_fragments under 'fl:' in {cfg}"}
+    text = str(err.value)
+    assert "must be a multiple of FLConfig.num_fragments=3" in text and where[how] in text, text
+    assert f"sync_every under 'fl:' in {cfg}" in text and "check --config" not in text
+    with pytest.raises(ValueError, match=r"num_groups must be >= 1, got 0 \(values from FL_ACCEL_NUM_GROUPS\)"):
+        parse_args(["--config", str(cfg)], environ={"FL_ACCEL_NUM_GROUPS": "0"})
+    cfg.write_text("fl:\n  num_groups: 3\n")
+    with pytest.raises(ValueError, match=f"does not divide the world size 4.*values from num_groups under 'fl:' in {cfg}"):
+        plan_run(["--config", str(cfg), "--output_dir", str(tmp_path / "out")], environ=ENV)
+
+
 def test_unknown_flag_and_environment_variable_say_did_you_mean():
     """A misspelt --flag or FL_ACCEL_* variable is still refused (RecipeError), now with the
     closest known name."""
