@@ -377,18 +377,19 @@ def source_hint(message: str, sources: dict[str, str], fl_names: set[str]) -> st
     return f" (values from {', '.join(said)})" if said else ""
 
 
-def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:
+def describe_sources(parsed: ParsedArgs, ignored: dict[str, str] | None = None) -> list[str]:
     """One line per non-default FLConfig value (or one a file, variable or flag set), saying
     where it came from; values from ``FL_ACCEL_*`` variables are marked, since a leftover
     variable silently changes a run, and so are the fields in ``ignored`` (those the
-    algorithm does not read), whatever their value."""
+    algorithm and modes do not read, mapped to why: "by fsdp"), whatever their value."""
+    ignored = ignored or {}
     lines = []
     for f in fields(parsed.fl):
         value = getattr(parsed.fl, f.name)
         if value != f.default or f.name in parsed.sources:
             where = parsed.sources.get(f.name, "default")
             if f.name in ignored:
-                where += f"; ignored by {parsed.fl.algorithm}"
+                where += f"; ignored {ignored[f.name]}"
             mark = "  <- environment variable" if where.startswith(ENV_PREFIX) else ""
             lines.append(f"{f.name}={value!r} ({where}){mark}")
     return lines

@@ -355,8 +355,20 @@ def test_banner_marks_ignored_settings_explains_letters_and_shows_weights(tmp_pa
         assert letter in banner.LETTERS
     assert metrics.weights_text([1 / 3, 2 / 3]) == "1/3, 2/3"
     assert metrics.weights_text([0.5, 0.5]) == "1/2, 1/2"
-    assert banner.ignored_fields(FLConfig()) >= {"outer_lr", "outer_momentum", "error_feedback", "hsdp_shard_size"}
+    assert banner.ignored_fields(FLConfig()).keys() >= {"outer_lr", "outer_momentum", "error_feedback",
+                                                        "hsdp_shard_size"}
     assert "num_groups" not in banner.ignored_fields(FLConfig())
+
+
+def test_banner_marks_a_leftover_group_index_ignored_outside_torchft():
+    """FL_ACCEL_GROUP_INDEX (or lighthouse_addr) left in the environment of a plain run: shown,
+    and marked ignored; in torchft mode it is read, so not marked."""
+    env = {"FL_ACCEL_GROUP_INDEX": "1", "FL_ACCEL_LIGHTHOUSE_ADDR": "http://h:1", "WORLD_SIZE": "2"}
+    line = banner.fl_line(parse_args([], environ=env))
+    assert "group_index=1 (FL_ACCEL_GROUP_INDEX; ignored outside torchft mode)  <- environment variable" in line
+    assert "lighthouse_addr='http://h:1' (FL_ACCEL_LIGHTHOUSE_ADDR; ignored outside torchft mode)" in line
+    line = banner.fl_line(parse_args(["--fault_tolerance", "torchft"], environ=env))
+    assert "group_index=1 (FL_ACCEL_GROUP_INDEX)  <- environment variable" in line and "ignored" not in line
 
 
 def test_fl_accel_origin_is_the_imported_package():
