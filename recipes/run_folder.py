@@ -112,11 +112,12 @@ def fill_outer_lr_decay(fl, max_steps: int) -> None:
 
 # =========================================================================== names and layout
 def default_run_name(layout, fl) -> str:
-    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``), plus the
-    fragment and exchange settings when they differ from the defaults: sortable in W&B."""
-    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}-" \
-           f"H{fl.sync_every if fl.is_federated else 0}"
+    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``; no H for fsdp and
+    hsdp, which never sync), plus the fragment and exchange settings when they differ from the
+    defaults: sortable in W&B."""
+    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}"
     if fl.is_federated:
+        name += f"-H{fl.sync_every}"
         if fl.num_fragments > 1 or fl.sync_delay:
             name += f"-P{fl.num_fragments}-tau{fl.sync_delay}"
         if fl.fragment_update_alpha:

@@ -176,6 +176,16 @@ def test_test_hook_variables_are_not_flconfig_fields():
     assert parsed.sources == {}
 
 
+def test_default_run_name_has_no_h_for_fsdp_and_hsdp(tmp_path):
+    """H (sync_every) means nothing without a federation: fsdp-F1-G4-S4, not ...-H0."""
+    def name(*argv):
+        return plan_run([*argv, "--output_dir", str(tmp_path / "out")], environ=ENV).run_name
+
+    assert name("--algorithm", "fsdp") == "fsdp-F1-G4-S4"
+    assert name("--algorithm", "hsdp", "--hsdp_shard_size", "2") == "hsdp-F1-G4-S2"
+    assert name("--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "8") == "fl_fsdp-F2-G2-S2-H8"
+
+
 # =========================================================================== launcher settings (issue 18 items 2, 3)
 def test_fsdp_version_1_is_one_line_naming_fsdp2(tmp_path):
     with pytest.raises(RecipeError) as err:
