@@ -170,11 +170,11 @@ def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tu
     label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
     environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
     spell, names = (lambda n: ENV_PREFIX + n.upper()), fl_cls.field_names()
-    unknown = [k for k in environ if k.startswith(ENV_PREFIX) and k not in map(spell, names)]
+    known = sorted(map(spell, names))
+    unknown = [k for k in environ if k.startswith(ENV_PREFIX) and k not in known]
     if unknown:
         raise RecipeError("unknown environment variable " + ", ".join(
-            k + _did_you_mean(k[len(ENV_PREFIX):].lower(), names, spell) for k in unknown)
-            + f"; known: {sorted(map(spell, names))}")
+            k + _did_you_mean(k[len(ENV_PREFIX):].lower(), names, spell) for k in unknown) + f"; known: {known}")
     try:
         return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
     except ValueError as exc:
@@ -365,8 +365,10 @@ def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, env
 
 def _where(name: str, source: str, fl: bool) -> str:
     """Where the user set ``name``: ``--name``, the variable, or the key in the YAML file ``source``."""
-    if source == "flag" or source.startswith(ENV_PREFIX):
-        return f"--{name}" if source == "flag" else source
+    if source == "flag":
+        return f"--{name}"
+    if source.startswith(ENV_PREFIX):
+        return source
     return f"{name} under 'fl:' in {source}" if fl else f"{name} in {source}"
 
 
