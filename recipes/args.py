@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -168,6 +169,12 @@ def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tu
     """
     label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
     environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
+    spell, names = (lambda n: ENV_PREFIX + n.upper()), fl_cls.field_names()
+    known = sorted(map(spell, names))
+    unknown = [k for k in environ if k.startswith(ENV_PREFIX) and k not in known]
+    if unknown:
+        raise RecipeError("unknown environment variable " + ", ".join(
+            k + _did_you_mean(k[len(ENV_PREFIX):].lower(), names, spell) for k in unknown) + f"; known: {known}")
     try:
         return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
     except ValueError as exc:
@@ -230,7 +237,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     Raises:
         RecipeError: unreadable YAML, unknown keys (naming the file; an FLConfig field at
             the top level "belongs under 'fl:'"), values of the wrong type or range.
-        SystemExit: argparse's own errors (an unknown flag, a value outside the choices).
+            argparse's own errors (an unknown flag, with a "did you mean"; a value outside the choices).
     """
     argv = list(os.sys.argv[1:] if argv is None else argv)
     environ = os.environ if environ is None else environ
@@ -244,8 +251,6 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     known, _ = pre.parse_known_args(argv)
     recipe_names = {f.name for f in fields(RecipeArguments)}
     fl_names = set(fl_cls.field_names())
-    defaults: dict[str, Any] = {}
-    sources: dict[str, str] = {}
     values, fl_yaml = {}, {}
     if known.config:
         try:
@@ -255,7 +260,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
         fl_yaml = values.pop("fl", None) or {}
         if not isinstance(fl_yaml, dict):
             raise RecipeError(f"'fl:' in {known.config} must be a mapping, got {type(fl_yaml).__name__}")
-        _check_yaml_keys(known.config, values, fl_yaml, recipe_names, fl_names)
+        _check_yaml(known.config, values, fl_yaml, recipe_names, fl_names, fl_cls)
     fl_defaults, fl_sources = fl_values(fl_yaml, known.config, environ, fl_cls)
     # Which flags were given explicitly: parse once with a sentinel as every default.
     sentinel = object()
@@ -264,31 +269,21 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     given, _ = probe.parse_known_args(argv)
     flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
     _check_group_sizes_sum(flags, fl_defaults, fl_sources, environ)
-    if known.config:
-        # Check the YAML's types before argparse sees them (it would convert the string '2' to 2).
-        try:
-            RecipeArguments(**values)
-        except RecipeError as exc:
-            raise RecipeError(f"{exc} (in {known.config})".replace("--", "", 1)) from exc
-        try:
-            fl_cls(**fl_yaml)
-        except ValueError as exc:
-            raise RecipeError(f"{exc} (under 'fl:' in {known.config})") from exc
-        defaults.update(values)
-        sources.update({k: known.config for k in values})
-    defaults.update(fl_defaults)
-    sources.update(fl_sources)
+    defaults = {**values, **fl_defaults}
     if defaults:
         parser.set_defaults(**defaults)
-    sources.update({k: "flag" for k in flags})
+    sources = {**dict.fromkeys(values, known.config), **fl_sources, **dict.fromkeys(flags, "flag")}
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                     return_remaining_strings=True)
         recipe_args, fl, _rest = parsed[0], parsed[1], parsed[-1]  # (a namespace with --config in between)
     except (ValueError, TypeError) as exc:
-        raise RecipeError(_yaml_hint(str(exc), known.config)) from exc
+        raise RecipeError(str(exc) + source_hint(str(exc), sources, fl_names)) from exc
     if _rest:
-        parser.error(f"unrecognized arguments: {' '.join(_rest)}")
+        flag = lambda n: f"--{n}"
+        parser.error("unrecognized arguments: " + " ".join(
+            t + _did_you_mean(t[2:].split("=")[0], recipe_names | fl_names, flag) if t.startswith("--") else t
+            for t in _rest))
     defaults_of = {f.name: f.default for f in (*fields(RecipeArguments), *fields(fl_cls))}
     sources = {k: v for k, v in sources.items() if k in defaults_of}
     return ParsedArgs(recipe_args, fl, sources)
@@ -302,33 +297,50 @@ ALIASES = {"lr": "learning_rate", "batch_size": "micro_batch_size", "per_device_
 """Names users bring from other trainers (run_clm_no_trainer, the paper's letters), for "did you mean"."""
 
 
-def _did_you_mean(key: str, names: set[str]) -> str:
+def _did_you_mean(key: str, names, show=repr) -> str:
+    """`` (did you mean <name>?)``: the ALIASES entry or the closest of ``names`` (difflib), as
+    ``show`` spells it (a YAML key, ``--flag``, ``FL_ACCEL_VAR``); "" when nothing is close."""
     guess = ALIASES.get(key) if ALIASES.get(key) in names else None
     guess = guess or next(iter(difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)), None)
-    return f" (did you mean {guess!r}?)" if guess else ""
+    return f" (did you mean {show(guess)}?)" if guess else ""
 
 
-def _check_yaml_keys(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str]) -> None:
-    """Every unknown or misplaced key of a recipe YAML at once, each with a "did you mean".
+def _check_yaml(config: str, values: dict, fl_yaml: dict, recipe_names: set[str], fl_names: set[str],
+                fl_cls) -> None:
+    """Every unknown or misplaced key of a recipe YAML (each with a "did you mean") and every
+    value that is wrong on its own (type, range), at once. Constraints between fields are
+    checked after the merge with the environment and the flags, naming each value's source.
 
     Raises:
-        RecipeError: naming the file and every bad key.
+        RecipeError: naming the file, every bad key and every bad value.
     """
-    problems = []
+    keys, bad_values = [], []
     for key in values:
         if key in fl_names:
-            problems.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
+            keys.append(f"key {key!r} is an FLConfig field: it belongs under 'fl:'")
         elif key not in recipe_names:
-            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names).replace("?)", "? under 'fl:')")
-            problems.append(f"unknown key {key!r}{hint}")
+            hint = _did_you_mean(key, recipe_names) or _did_you_mean(key, fl_names, lambda n: f"{n!r} under 'fl:'")
+            keys.append(f"unknown key {key!r}{hint}")
     for key in fl_yaml:
         if key in recipe_names:
-            problems.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
+            keys.append(f"key {key!r} under 'fl:' is a recipe option: put it at the top level")
         elif key not in fl_names:
-            problems.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
-    if problems:
-        raise RecipeError(f"{len(problems)} bad key{'s' if len(problems) > 1 else ''} in --config {config}: "
-                          + "; ".join(problems) + " (python recipes/pretrain.py --help lists the options)")
+            keys.append(f"unknown FLConfig field {key!r} under 'fl:'{_did_you_mean(key, fl_names)}")
+    # Types before argparse sees them (it would convert the string '2' to 2); a message that
+    # does not start with "<field> must be" is a constraint with another field's default.
+    for cls, section, label, names in ((RecipeArguments, values, "--", recipe_names),
+                                       (fl_cls, fl_yaml, "FLConfig.", fl_names)):
+        for key in (k for k in section if k in names):
+            try:
+                cls(**{key: section[key]})
+            except ValueError as exc:
+                if str(exc).startswith(f"{label}{key} must be "):
+                    bad_values.append(str(exc).removeprefix("--"))
+    counts = [f"{len(found)} bad {what}{'s' if len(found) > 1 else ''}"
+              for found, what in ((keys, "key"), (bad_values, "value")) if found]
+    if counts:
+        raise RecipeError(f"{' and '.join(counts)} in --config {config}: " + "; ".join(keys + bad_values)
+                          + " (python recipes/pretrain.py --help lists the options)")
 
 
 def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, environ) -> None:
@@ -339,35 +351,47 @@ def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, env
         RecipeError: naming where group_sizes was set and the launched world size.
     """
     if flags.get("group_sizes") is not None:
-        value, where = flags["group_sizes"], "--group_sizes"
+        value, source = flags["group_sizes"], "flag"
     elif fl_defaults.get("group_sizes") is not None:
         value, source = fl_defaults["group_sizes"], fl_sources.get("group_sizes", "")
-        where = source if source.startswith(ENV_PREFIX) else f"group_sizes under 'fl:' in {source}"
     else:
         return
     world = int(environ.get("WORLD_SIZE", "1"))
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
-        raise RecipeError(f"{where} {','.join(map(str, value))} sums to {sum(value)} ranks, but {world} were "
-                          f"launched (WORLD_SIZE): the group sizes must add up to the number of processes")
+        raise RecipeError(f"{_where('group_sizes', source, fl=True)} {','.join(map(str, value))} sums to {sum(value)} "
+                          f"ranks, but {world} were launched (WORLD_SIZE): the group sizes must add up to the number "
+                          f"of processes")
 
 
-def _yaml_hint(message: str, config: str | None) -> str:
-    return message + (f" (check --config {config})" if config and "--" not in message and "FL_ACCEL" not in message
-                      else "")
+def _where(name: str, source: str, fl: bool) -> str:
+    """Where the user set ``name``: ``--name``, the variable, or the key in the YAML file ``source``."""
+    if source == "flag":
+        return f"--{name}"
+    if source.startswith(ENV_PREFIX):
+        return source
+    return f"{name} under 'fl:' in {source}" if fl else f"{name} in {source}"
 
 
-def describe_sources(parsed: ParsedArgs, ignored=frozenset()) -> list[str]:
+def source_hint(message: str, sources: dict[str, str], fl_names: set[str]) -> str:
+    """`` (values from ...)``: where each field that ``message`` names was set, unless it says so already."""
+    said = [_where(n, s, n in fl_names) for n, s in sources.items() if re.search(rf"\b{n}\b", message)]
+    said = [w for w in said if w not in message]
+    return f" (values from {', '.join(said)})" if said else ""
+
+
+def describe_sources(parsed: ParsedArgs, ignored: dict[str, str] | None = None) -> list[str]:
     """One line per non-default FLConfig value (or one a file, variable or flag set), saying
     where it came from; values from ``FL_ACCEL_*`` variables are marked, since a leftover
     variable silently changes a run, and so are the fields in ``ignored`` (those the
-    algorithm does not read), whatever their value."""
+    algorithm and modes do not read, mapped to why: "by fsdp"), whatever their value."""
+    ignored = ignored or {}
     lines = []
     for f in fields(parsed.fl):
         value = getattr(parsed.fl, f.name)
         if value != f.default or f.name in parsed.sources:
             where = parsed.sources.get(f.name, "default")
             if f.name in ignored:
-                where += f"; ignored by {parsed.fl.algorithm}"
+                where += f"; ignored {ignored[f.name]}"
             mark = "  <- environment variable" if where.startswith(ENV_PREFIX) else ""
             lines.append(f"{f.name}={value!r} ({where}){mark}")
     return lines

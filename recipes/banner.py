@@ -25,8 +25,9 @@ FL_ONLY = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fr
 outer-state placement field, whichever this fl_accel has)."""
 
 
-def ignored_fields(fl) -> set[str]:
-    """The FLConfig fields the configured algorithm and modes do not read, whatever their value."""
+def ignored_fields(fl) -> dict[str, str]:
+    """The FLConfig fields the configured algorithm and modes do not read, whatever their value,
+    each with why (a leftover ``FL_ACCEL_GROUP_INDEX`` outside torchft mode is one)."""
     names = {f.name for f in fields(fl)}
     out = set()
     if not fl.is_federated:
@@ -39,7 +40,10 @@ def ignored_fields(fl) -> set[str]:
         out.add("error_feedback")
     if fl.outer_optimizer == "avg" and fl.sync_dtype == "fp32":
         out |= {"anchor_device", "outer_state_device"}
-    return out & names
+    why = dict.fromkeys(out & names, f"by {fl.algorithm}")
+    if fl.fault_tolerance != "torchft":
+        why.update(dict.fromkeys({"group_index", "lighthouse_addr"} & names, "outside torchft mode"))
+    return why
 
 
 def fl_line(parsed) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from fl_accel import FLConfig
 
-from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity
+from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity, source_hint
 
 OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png")
 """What a run writes into its folder (``--overwrite_output_dir`` deletes exactly these)."""
@@ -71,7 +71,10 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     args, fl = parsed.args, parsed.fl
     check_launcher(environ)
     world = int(environ.get("WORLD_SIZE", "1"))
-    layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+    try:
+        layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
+    except RecipeError as exc:
+        raise RecipeError(f"{exc}{source_hint(str(exc), parsed.sources, set(fl.field_names()))}") from exc
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)
@@ -109,11 +112,12 @@ def fill_outer_lr_decay(fl, max_steps: int) -> None:
 
 # =========================================================================== names and layout
 def default_run_name(layout, fl) -> str:
-    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``), plus the
-    fragment and exchange settings when they differ from the defaults: sortable in W&B."""
-    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}-" \
-           f"H{fl.sync_every if fl.is_federated else 0}"
+    """``<algorithm>-F<F>-G<G>-S<S>-H<H>`` (G lists unequal sizes: ``G2_4``; no H for fsdp and
+    hsdp, which never sync), plus the fragment and exchange settings when they differ from the
+    defaults: sortable in W&B."""
+    name = f"{fl.algorithm}-F{layout.num_groups}-{layout.sizes_label()}-S{layout.shards}"
     if fl.is_federated:
+        name += f"-H{fl.sync_every}"
         if fl.num_fragments > 1 or fl.sync_delay:
             name += f"-P{fl.num_fragments}-tau{fl.sync_delay}"
         if fl.fragment_update_alpha:

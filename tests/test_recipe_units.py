@@ -81,6 +81,64 @@ def test_every_bad_yaml_key_is_reported_at_once_with_did_you_mean(tmp_path):
         assert part in text, part
 
 
+def test_every_bad_yaml_key_and_value_is_reported_in_one_error(tmp_path):
+    """Bad keys and bad values (type or range, top level and under 'fl:') in one ValueError naming the
+    file; a value that only conflicts with another field's default is no problem of the file."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_step: 3\nseq_len: 0\nmicro_batch_size: four\nfl:\n  num_groups: '2'\n  num_fragments: 3\n")
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", str(cfg)], environ={})
+    text = str(err.value)
+    assert text.startswith(f"1 bad key and 3 bad values in --config {cfg}: unknown key 'max_step'"), text
+    for part in ("seq_len must be >= 1, got 0", "micro_batch_size must be an integer, got 'four' (str)",
+                 "FLConfig.num_groups must be an integer, got '2' (str)"):
+        assert part in text, part
+    assert "num_fragments" not in text  # 3 does not divide the default sync_every 8: the merge's business
+    cfg.write_text("streaming: true\nfl:\n  num_fragments: 4\n")  # max_steps and sync_every from flag and env
+    parsed = parse_args(["--config", str(cfg), "--max_steps", "5"], environ={"FL_ACCEL_SYNC_EVERY": "4"})
+    assert parsed.args.streaming and parsed.fl.num_fragments == 4
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "yaml"])
+def test_a_bad_merged_value_names_the_source_that_set_it(tmp_path, how):
+    """num_fragments 3 against sync_every 8 from a --config file: the error names where each value was
+    set (the flag, the variable or the file), not "check --config" whatever the source; the same for
+    a range error and for a layout error found by plan_run."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("fl:\n  sync_every: 8\n" + ("  num_fragments: 3\n" if how == "yaml" else ""))
+    argv, env = ["--config", str(cfg)], {}
+    if how == "flag":
+        argv += ["--num_fragments", "3"]
+    elif how == "env":
+        env["FL_ACCEL_NUM_FRAGMENTS"] = "3"
+    with pytest.raises(ValueError) as err:
+        parse_args(argv, environ=env)
+    where = {"flag": "--num_fragments", "env": "FL_ACCEL_NUM_FRAGMENTS", "yaml": f"num_fragments under 'fl:' in {cfg}"}
+    text = str(err.value)
+    assert "must be a multiple of FLConfig.num_fragments=3" in text and where[how] in text, text
+    assert f"sync_every under 'fl:' in {cfg}" in text and "check --config" not in text
+    with pytest.raises(ValueError, match=r"num_groups must be >= 1, got 0 \(values from FL_ACCEL_NUM_GROUPS\)"):
+        parse_args(["--config", str(cfg)], environ={"FL_ACCEL_NUM_GROUPS": "0"})
+    cfg.write_text("fl:\n  num_groups: 3\n")
+    with pytest.raises(ValueError, match=f"does not divide the world size 4.*values from num_groups under 'fl:' in {cfg}"):
+        plan_run(["--config", str(cfg), "--output_dir", str(tmp_path / "out")], environ=ENV)
+
+
+def test_unknown_flag_and_environment_variable_say_did_you_mean():
+    """A misspelt --flag or FL_ACCEL_* variable is still refused (RecipeError), now with the
+    closest known name."""
+    with pytest.raises(RecipeError) as err:
+        parse_args(["--num_fragmnts", "2", "--sync_evry=4"], environ={})
+    text = str(err.value)
+    assert "unrecognized arguments: --num_fragmnts (did you mean --num_fragments?) 2" in text
+    assert "--sync_evry=4 (did you mean --sync_every?)" in text
+    with pytest.raises(RecipeError) as err:
+        parse_args([], environ={"FL_ACCEL_NUM_FRAGMNTS": "2"})
+    assert "unknown environment variable FL_ACCEL_NUM_FRAGMNTS (did you mean FL_ACCEL_NUM_FRAGMENTS?)" in str(err.value)
+    with pytest.raises(RecipeError, match=r"variable FL_ACCEL_ZZZ; known: \['FL_ACCEL_ALGORITHM'"):
+        parse_args([], environ={"FL_ACCEL_ZZZ": "1"})  # nothing close: no guess
+
+
 @pytest.mark.parametrize("how", ["flag", "env", "yaml"])
 def test_group_sizes_are_checked_against_the_world_first(tmp_path, how):
     """--group_sizes 1,2 on 4 ranks: the sum is the first thing said (not "unequal groups need
@@ -116,6 +174,16 @@ def test_new_flags_parse_and_check_their_values():
 def test_test_hook_variables_are_not_flconfig_fields():
     parsed = parse_args([], environ={"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", "FL_ACCEL_TEST_RECORD_BLOCKS": "/x"})
     assert parsed.sources == {}
+
+
+def test_default_run_name_has_no_h_for_fsdp_and_hsdp(tmp_path):
+    """H (sync_every) means nothing without a federation: fsdp-F1-G4-S4, not ...-H0."""
+    def name(*argv):
+        return plan_run([*argv, "--output_dir", str(tmp_path / "out")], environ=ENV).run_name
+
+    assert name("--algorithm", "fsdp") == "fsdp-F1-G4-S4"
+    assert name("--algorithm", "hsdp", "--hsdp_shard_size", "2") == "hsdp-F1-G4-S2"
+    assert name("--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "8") == "fl_fsdp-F2-G2-S2-H8"
 
 
 # =========================================================================== launcher settings (issue 18 items 2, 3)
@@ -297,8 +365,20 @@ def test_banner_marks_ignored_settings_explains_letters_and_shows_weights(tmp_pa
         assert letter in banner.LETTERS
     assert metrics.weights_text([1 / 3, 2 / 3]) == "1/3, 2/3"
     assert metrics.weights_text([0.5, 0.5]) == "1/2, 1/2"
-    assert banner.ignored_fields(FLConfig()) >= {"outer_lr", "outer_momentum", "error_feedback", "hsdp_shard_size"}
+    assert banner.ignored_fields(FLConfig()).keys() >= {"outer_lr", "outer_momentum", "error_feedback",
+                                                        "hsdp_shard_size"}
     assert "num_groups" not in banner.ignored_fields(FLConfig())
+
+
+def test_banner_marks_a_leftover_group_index_ignored_outside_torchft():
+    """FL_ACCEL_GROUP_INDEX (or lighthouse_addr) left in the environment of a plain run: shown,
+    and marked ignored; in torchft mode it is read, so not marked."""
+    env = {"FL_ACCEL_GROUP_INDEX": "1", "FL_ACCEL_LIGHTHOUSE_ADDR": "http://h:1", "WORLD_SIZE": "2"}
+    line = banner.fl_line(parse_args([], environ=env))
+    assert "group_index=1 (FL_ACCEL_GROUP_INDEX; ignored outside torchft mode)  <- environment variable" in line
+    assert "lighthouse_addr='http://h:1' (FL_ACCEL_LIGHTHOUSE_ADDR; ignored outside torchft mode)" in line
+    line = banner.fl_line(parse_args(["--fault_tolerance", "torchft"], environ=env))
+    assert "group_index=1 (FL_ACCEL_GROUP_INDEX)  <- environment variable" in line and "ignored" not in line
 
 
 def test_fl_accel_origin_is_the_imported_package():
