@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
@@ -124,7 +125,10 @@ def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
         if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
             continue
         if key not in by_env:
-            raise ValueError(f"unknown environment variable {key}; known: {sorted(by_env)}")
+            close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), cls.field_names(), n=1)
+            raise ValueError(f"unknown environment variable {key}"
+                             f"{f' (did you mean {ENV_PREFIX}{close[0].upper()}?)' if close else ''}; "
+                             f"known: {sorted(by_env)}")
         out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
     return out
 

@@ -169,12 +169,6 @@ def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tu
     """
     label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
     environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
-    spell, names = (lambda n: ENV_PREFIX + n.upper()), fl_cls.field_names()
-    known = sorted(map(spell, names))
-    unknown = [k for k in environ if k.startswith(ENV_PREFIX) and k not in known]
-    if unknown:
-        raise RecipeError("unknown environment variable " + ", ".join(
-            k + _did_you_mean(k[len(ENV_PREFIX):].lower(), names, spell) for k in unknown) + f"; known: {known}")
     try:
         return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
     except ValueError as exc:

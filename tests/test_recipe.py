@@ -332,13 +332,13 @@ def test_golden_losses_of_fl_fsdp(runs):
     """Regression guard (torchtitan style): the train losses of every step and the final eval
     loss of the tiny FL+FSDP run (4 ranks, F=2, H=3, seed 42, the embedded corpus) equal the
     committed values within 1e-5. A change that moves the numerics on purpose regenerates
-    the file: ``FL_ACCEL_REGEN_GOLDEN=1 python -m pytest tests/test_recipe.py -k golden``."""
+    the file: ``FL_ACCEL_TEST_REGEN_GOLDEN=1 python -m pytest tests/test_recipe.py -k golden``."""
     out, proc = runs("fl_fsdp")
     assert proc.returncode == 0, proc.tail()
     got = {"train_loss": {str(k): v for k, v in sorted(_train_losses(out).items())},
            "eval_loss": json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())["eval_loss"],
            "command": " ".join([*COMMON, "--algorithm", "fl_fsdp"])}
-    if os.environ.get("FL_ACCEL_REGEN_GOLDEN") == "1":
+    if os.environ.get("FL_ACCEL_TEST_REGEN_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
     want = json.loads(GOLDEN.read_text())
