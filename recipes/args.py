@@ -195,7 +195,8 @@ def build_parser(fl_cls=FLConfig, **kwargs):
         def error(self, message):
             raise RecipeError(f"{message} (python recipes/pretrain.py --help lists the options)")
 
-    parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], **kwargs)
+    # allow_abbrev=False: argparse would take --num_frag for --num_fragments without a word
+    parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], allow_abbrev=False, **kwargs)
     docs = fl_cls.field_docs()
     for action in parser._actions:
         if action.dest in docs and not action.help:
@@ -240,7 +241,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
                                                                    *map(typing.get_origin, typing.get_args(h)))}
     argv = _expand_lists(argv, list_flags)
     parser = build_parser(fl_cls)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     recipe_names = {f.name for f in fields(RecipeArguments)}

@@ -132,6 +132,8 @@ def test_unknown_flag_and_environment_variable_say_did_you_mean():
     text = str(err.value)
     assert "unrecognized arguments: --num_fragmnts (did you mean --num_fragments?) 2" in text
     assert "--sync_evry=4 (did you mean --sync_every?)" in text
+    with pytest.raises(RecipeError, match=r"unrecognized arguments: --num_frag \(did you mean --num_fragments\?\) 3"):
+        parse_args(["--num_frag", "3"], environ={})  # no prefix matching: argparse would take it silently
     with pytest.raises(RecipeError) as err:
         parse_args([], environ={"FL_ACCEL_NUM_FRAGMNTS": "2"})
     assert "unknown environment variable FL_ACCEL_NUM_FRAGMNTS (did you mean FL_ACCEL_NUM_FRAGMENTS?)" in str(err.value)
