@@ -175,7 +175,7 @@ class FLAccelerator(Accelerator):
         if self.synchronizer is not None and pairs and self.num_groups > 1:
             raise ValueError("FLAccelerator.prepare: this accelerator already federates one model and optimizer; a "
                              "second model/optimizer pair (e.g. an EMA or teacher model) would train unfederated. "
-                             "Use one FLAccelerator per prepared model, or keep the second model out of prepare.")
+                             "Keep the second model out of prepare (e.g. an EMA updated from the federated model's parameters).")
         stand_ins = []
         for model in (a for a in args if isinstance(a, torch.nn.Module)):
             for i, p in enumerate(dict.fromkeys(model.parameters())):
@@ -252,13 +252,26 @@ class FLAccelerator(Accelerator):
                     (seed or 0) + self.group_index)
         return self.layout.world_size, self._fl_rank, seed
 
+    def _groups_differ(self) -> bool:
+        sync = self.synchronizer
+        return sync is not None and sync.schedule.active and not sync.schedule.in_sync
+
     def sync_if_pending(self) -> bool:
         """Sync if the groups may differ; True if it synced."""
-        sync = self.synchronizer
-        if sync is not None and sync.schedule.active and not sync.schedule.in_sync:
-            sync.sync()
+        if self._groups_differ():
+            self.synchronizer.sync()
             return True
         return False
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Accelerate's (also behind ``save_model``), with a warning when the groups may differ
+        (steps since the last sync): the result is then this group's model, not the federated
+        one; call :meth:`sync_if_pending` first for that."""
+        if self._groups_differ():
+            warnings.warn(f"[fl_accel] get_state_dict/save_model: the federation groups have trained since "
+                          f"their last full sync, so this is group {self.group_index}'s model; call "
+                          f"accelerator.sync_if_pending() first for the federated model", UserWarning, stacklevel=2)
+        return super().get_state_dict(model, unwrap=unwrap)
 
     def register_pre_sync_hook(self, hook):
         """Call ``hook(synchronizer, full)`` before every sync event (it may run forwards, e.g.

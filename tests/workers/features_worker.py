@@ -57,7 +57,7 @@ def build(family: str = "llama"):
 
 def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, family: str = "llama",
         kwargs: dict | None = None, save_at: int | None = None, resume: str | None = None, roundtrip: bool = False,
-        second_prepare: bool = False) -> None:
+        second_prepare: bool = False, state_dict_check: bool = False) -> None:
     import torch
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -104,6 +104,16 @@ def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, fa
             acc.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
         except ValueError as exc:
             rec["second_prepare_error"] = str(exc)
+    if state_dict_check:  # the groups differ after the last step unless it was a sync step
+        import warnings
+
+        for when in ("before", "after"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                state = acc.get_state_dict(model)
+            rec[f"state_dict_warnings_{when}"] = [str(w.message) for w in caught if "[fl_accel]" in str(w.message)]
+            rec[f"state_dict_sum_{when}"] = float(sum(v.double().sum() for v in state.values())) if state else None
+            rec[f"synced_{when}"] = acc.sync_if_pending()
     _scenario.end_training(acc, last)
     rec["final"] = _scenario.local_shards(params)
     _scenario.save_record(rec, out, name, rank, last)
@@ -125,12 +135,12 @@ def main() -> None:
         user = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
         scenarios = [
             ("precision_default", dict(steps=1, fl={"sync_every": 1}, kwargs={"mixed_precision": "bf16"},
-                                       second_prepare=True)),
+                                       second_prepare=True, state_dict_check=True)),
             ("precision_user", dict(steps=1, fl={"sync_every": 1},
                                     kwargs={"mixed_precision": "bf16", "fsdp_plugin": plugin(mixed_precision_policy=user)})),
             ("ac_on", dict(steps=5, fl=nesterov, kwargs={"fsdp_plugin": plugin(activation_checkpointing=True)},
                            save_at=3)),
-            ("ac_off", dict(steps=5, fl=nesterov, kwargs={"fsdp_plugin": plugin()}, save_at=3)),
+            ("ac_off", dict(steps=5, fl=nesterov, kwargs={"fsdp_plugin": plugin()}, save_at=3, state_dict_check=True)),
             ("off_from_on", dict(steps=5, fl=nesterov, kwargs={"fsdp_plugin": plugin()}, resume="ac_on/step_3")),
             ("on_from_off", dict(steps=5, fl=nesterov, kwargs={"fsdp_plugin": plugin(activation_checkpointing=True)},
                                  resume="ac_off/step_3")),
