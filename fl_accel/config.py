@@ -387,8 +387,9 @@ def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_
     notes = cfg.ignored_settings()
     if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
         notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
-                     f"group)" + (f"; that leaves one replica per group (R=1): pass hsdp_shard_size="
-                                  f"{layout.shards // 2} for 2 replicas"
+                     f"group)" + (f"; that leaves one replica per group (R=1): set hsdp_shard_size="
+                                  f"{layout.shards // 2} (the recipe's --hsdp_shard_size {layout.shards // 2}) "
+                                  f"for 2 replicas"
                                   if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
     if device_type == "cpu" and mixed_precision != "no":
         notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")

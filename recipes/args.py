@@ -275,10 +275,9 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     except (ValueError, TypeError) as exc:
         raise RecipeError(str(exc) + source_hint(str(exc), sources, fl_names)) from exc
     if _rest:
-        flag = lambda n: f"--{n}"
-        parser.error("unrecognized arguments: " + " ".join(
-            t + _did_you_mean(t[2:].split("=")[0], recipe_names | fl_names, flag) if t.startswith("--") else t
-            for t in _rest))
+        flags_given = [t.split("=")[0] for t in _rest if t.startswith("--")]
+        hints = [f + h for f in flags_given if (h := _did_you_mean(f[2:], recipe_names | fl_names, lambda n: f"--{n}"))]
+        parser.error("unrecognized arguments: " + " ".join(_rest) + ("; " + ", ".join(hints) if hints else ""))
     defaults_of = {f.name: f.default for f in (*fields(RecipeArguments), *fields(fl_cls))}
     sources = {k: v for k, v in sources.items() if k in defaults_of}
     return ParsedArgs(recipe_args, fl, sources)

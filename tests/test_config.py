@@ -479,3 +479,16 @@ def test_outer_lr_schedule_values_and_its_missing_length():
     assert [OuterState(params, warm).lr_at(s) for s in (1, 3, 5, 50)] == pytest.approx([0, 0.35, 0.7, 0.7])
     with pytest.raises(ValueError, match="outer_lr_decay_steps"):
         OuterState(params, FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine")).lr_at(8)
+
+
+def test_a_defaulted_hsdp_shard_size_leaving_one_replica_names_the_field_and_the_flag():
+    """fl_hsdp on one 4-rank node without hsdp_shard_size: S=2 per group of 2 leaves R=1; the
+    note says so and names both the FLConfig field and the recipe's flag that give 2 replicas."""
+    from fl_accel.config import start_notes
+
+    cfg = FLConfig(algorithm="fl_hsdp", num_groups=2)
+    notes = start_notes(cfg, FLLayout.from_config(cfg, 4, ranks_per_node=4), "cpu", "no")
+    assert any("one replica per group (R=1): set hsdp_shard_size=1 (the recipe's --hsdp_shard_size 1) for 2 "
+               "replicas" in n for n in notes), notes
+    assert not start_notes(FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=1),
+                           FLLayout((2, 2), 1, "fl_hsdp"), "cpu", "no")
