@@ -504,6 +504,15 @@ def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_pat
     with pytest.raises(RecipeError, match=r"holds a finished run \(its checkpoint step_10 is step 10 of 10\)") as exc:
         plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", folder("finished", 10)], environ=ENV)
     assert "--resume_from_checkpoint" not in str(exc.value) and "--overwrite_output_dir" in str(exc.value)
+    # an interrupted save (step_N.partial) is refused before any data is prepared, naming complete ones
+    partial = tmp_path / "unfinished" / "checkpoints" / "step_6.partial"
+    partial.mkdir()
+    (partial / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "completed_steps": 6,
+                                                 "max_steps": 10}))
+    with pytest.raises(RecipeError, match=r"step_6.partial/ is an unfinished save .* \(step_4\) or with "
+                                          r"--resume_from_checkpoint latest"):
+        plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", str(tmp_path / "unfinished"),
+                  "--resume_from_checkpoint", str(partial) + "/"], environ=ENV)
 
 
 def test_fp16_refusal_names_where_the_launcher_got_it(tmp_path, monkeypatch):
