@@ -342,9 +342,15 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
     if resume:
         try:
             meta = read_meta(resume)
-            check_compatible(meta, layout_meta(fl, layout))
         except CheckpointError as exc:
             raise RecipeError(str(exc)) from exc
+        try:
+            check_compatible(meta, layout_meta(fl, layout))
+        except CheckpointError as exc:
+            raise RecipeError(f"{exc} The layout comes from the number of processes launched, --algorithm, "
+                              f"--num_groups or --group_sizes, and --hsdp_shard_size; the sync state from the "
+                              f"FLConfig flags. Or start over with --overwrite_output_dir, or choose another "
+                              f"--output_dir / --run_name") from exc
         _check_resume(resume, meta, args, identity)
     return resume
 

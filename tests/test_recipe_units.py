@@ -504,6 +504,11 @@ def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_pat
     with pytest.raises(RecipeError, match=r"holds a finished run \(its checkpoint step_10 is step 10 of 10\)") as exc:
         plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", folder("finished", 10)], environ=ENV)
     assert "--resume_from_checkpoint" not in str(exc.value) and "--overwrite_output_dir" in str(exc.value)
+    # a checkpoint of another layout (this stand-in's metadata has none): what sets it, and the way out
+    with pytest.raises(RecipeError, match=r"written by a different setup.*group_sizes=None vs \[4\].* the number of "
+                                          r"processes launched, .*--overwrite_output_dir"):
+        plan_run(["--algorithm", "fsdp", "--max_steps", "10", "--output_dir", str(tmp_path / "unfinished"),
+                  "--resume_from_checkpoint", "latest"], environ=ENV)
     # an interrupted save (step_N.partial) is refused before any data is prepared, naming complete ones
     partial = tmp_path / "unfinished" / "checkpoints" / "step_6.partial"
     partial.mkdir()
