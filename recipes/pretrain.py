@@ -466,8 +466,8 @@ def _on_sigterm(signum, frame):
     # torchrun sends SIGTERM to the surviving ranks when one rank fails. Exit at once: an
     # interpreter shutdown would run atexit handlers that wait on the dead peers.
     if not _STOPPING:
-        _say(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed "
-             f"or the job was cancelled)")
+        _say(f"[fl_accel] rank {os.environ.get('RANK', '0')}: stopped by the launcher (another rank failed, "
+             f"the job was cancelled or the launcher died)")
     sys.stdout.flush()
     os._exit(143)
 
@@ -520,11 +520,32 @@ def _timeout_text() -> str:
             f"FLConfig.collective_timeout_s, {FLConfig.collective_timeout_s:g} s unless the --config YAML sets it")
 
 
+def _end_with_launcher() -> None:
+    """Under torchrun/accelerate launch (LOCAL_RANK set), on Linux: SIGTERM this rank when its
+    launcher dies (prctl(2) PR_SET_PDEATHSIG), so a SIGKILLed launcher (OOM killer, kill -9 of
+    its process group) leaves no rank training on: torchrun starts each rank in its own session,
+    out of reach of a group kill. The signal comes when the *thread* that forked the rank ends:
+    torchrun's agent starts its workers from its main thread (elastic SubprocessContext, Popen),
+    the tests' fork launcher from the fork server's main thread (tests/_forkserver.py); both live
+    as long as the ranks. A launcher that died between the two getppid() calls is caught too
+    (the rank was reparented); one gone before cli() ran (interpreter start-up) is not."""
+    if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def cli(argv=None) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigint)
+    _end_with_launcher()
     _one_line_warnings()
     rank = os.environ.get("RANK", "0")
     try:

@@ -149,3 +149,57 @@ def test_ctrl_c_ends_each_rank_with_one_line(tmp_path, cache):
     assert sorted(ours) == sorted(f"[fl_accel] rank {r}: interrupted; resume with --resume_from_checkpoint latest "
                                   f"(checkpoints every --checkpoint_every steps)" for r in (0, 1)), err[-3000:]
     assert "KeyboardInterrupt" not in err and "pretrain.py\", line" not in err, err[-3000:]
+
+
+def test_ranks_end_when_the_launcher_is_killed(tmp_path, cache):
+    """kill -9 of torchrun alone (as by the OOM killer; its ranks run in sessions of their
+    own, so a kill of its process group misses them too): every rank gets SIGTERM from the
+    kernel (recipes/pretrain.py ``_end_with_launcher``, PR_SET_PDEATHSIG), says "stopped by
+    the launcher" and exits, instead of training on and writing checkpoints beside a
+    ``--resume_from_checkpoint latest`` run."""
+    import signal
+    import time
+
+    import psutil
+
+    cmd = launch.torchrun_argv(2, RECIPE, *FAST, "--algorithm", "fsdp", "--max_steps", "100000",
+                               "--output_dir", str(tmp_path / "run"), "--cache_dir", cache)
+    log = tmp_path / "stderr.txt"
+    ranks: list = []
+    with open(log, "w") as err_file:
+        proc = launch.start(cmd, launch_env(), REPO_ROOT, subprocess.DEVNULL, err_file)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None and not any(
+                    s in log.read_text() for s in ("step/s", "s/step")):
+                time.sleep(1)
+            assert proc.poll() is None, log.read_text()[-3000:]  # training (the progress bar moves)
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if any("pretrain.py" in a for a in p.cmdline())]
+            assert len(ranks) == 2, ranks
+            os.kill(proc.pid, signal.SIGKILL)  # torchrun only, not its group
+            proc.wait()
+
+            def alive():
+                out = []
+                for p in ranks:
+                    try:
+                        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                            out.append(p.pid)
+                    except psutil.NoSuchProcess:
+                        pass
+                return out
+
+            deadline = time.monotonic() + 30
+            while alive() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert not alive(), (alive(), log.read_text()[-3000:])
+        finally:
+            for p in ranks:  # a failing test leaves no rank training
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            launch.terminate(proc, 0)
+    err = log.read_text()
+    assert all(f"rank {r}: stopped by the launcher" in err for r in (0, 1)), err[-3000:]
