@@ -110,7 +110,9 @@ class FLLayout:
             num_groups = config.num_groups if federated else 1
             if world_size % num_groups:
                 raise ValueError(f"FLConfig.num_groups={num_groups} does not divide the world size {world_size}: "
-                                 f"equal federation groups need the same number of ranks (or set group_sizes)")
+                                 f"equal federation groups need the same number of ranks (or set group_sizes)"
+                                 + ("; a single process (no launcher) is one group: num_groups=1" if world_size == 1
+                                    else ""))
             sizes = (world_size // num_groups,) * num_groups
         if uses_hsdp(config.algorithm):
             shards = config.hsdp_shard_size

@@ -144,7 +144,7 @@ def plan_layout(fl, world: int, ranks_per_node: int | None = None):
     except ValueError as exc:
         hint = ""
         if world == 1 and fl.is_federated:
-            hint = (" A single process holds one federation group: pass --num_groups 1 or --algorithm fsdp, or "
+            hint = (" In the recipe: pass --num_groups 1 or --algorithm fsdp, or "
                     "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
                     "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
         raise RecipeError(f"{exc}.{hint}") from exc

@@ -190,7 +190,8 @@ def test_construction_validates_and_validate_rechecks_mutations():
 
 
 def test_single_process_error_names_the_fix():
-    with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 1"):
+    with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 1: .*a single process \\(no "
+                                         "launcher\\) is one group: num_groups=1"):
         FLLayout.from_config(FLConfig(num_groups=2), 1)
 
 
