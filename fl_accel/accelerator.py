@@ -175,7 +175,8 @@ class FLAccelerator(Accelerator):
         if self.synchronizer is not None and pairs and self.num_groups > 1:
             raise ValueError("FLAccelerator.prepare: this accelerator already federates one model and optimizer; a "
                              "second model/optimizer pair (e.g. an EMA or teacher model) would train unfederated. "
-                             "Keep the second model out of prepare (e.g. an EMA updated from the federated model's parameters).")
+                             "Keep the second model out of prepare (e.g. an EMA updated from the federated model's "
+                             "parameters).")
         stand_ins = []
         for model in (a for a in args if isinstance(a, torch.nn.Module)):
             for i, p in enumerate(dict.fromkeys(model.parameters())):

@@ -352,12 +352,12 @@ def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, env
         return
     world = int(environ.get("WORLD_SIZE", "1"))
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
-        raise RecipeError(f"{_where('group_sizes', source, fl=True)} {','.join(map(str, value))} sums to {sum(value)} "
+        raise RecipeError(f"{_origin('group_sizes', source, fl=True)} {','.join(map(str, value))} sums to {sum(value)} "
                           f"ranks, but {world} were launched (WORLD_SIZE): the group sizes must add up to the number "
                           f"of processes")
 
 
-def _where(name: str, source: str, fl: bool) -> str:
+def _origin(name: str, source: str, fl: bool) -> str:
     """Where the user set ``name``: ``--name``, the variable, or the key in the YAML file ``source``."""
     if source == "flag":
         return f"--{name}"
@@ -368,7 +368,7 @@ def _where(name: str, source: str, fl: bool) -> str:
 
 def source_hint(message: str, sources: dict[str, str], fl_names: set[str]) -> str:
     """`` (values from ...)``: where each field that ``message`` names was set, unless it says so already."""
-    said = [_where(n, s, n in fl_names) for n, s in sources.items() if re.search(rf"\b{n}\b", message)]
+    said = [_origin(n, s, n in fl_names) for n, s in sources.items() if re.search(rf"\b{n}\b", message)]
     said = [w for w in said if w not in message]
     return f" (values from {', '.join(said)})" if said else ""
 

@@ -334,12 +334,12 @@ def preflight(args, fl, layout, identity: dict) -> str | None:
             raise RecipeError(f"the output folder {args.output_dir} holds the results of a finished run (and no "
                               f"checkpoint to continue from). Start over with --overwrite_output_dir (deletes "
                               f"them), or choose another --output_dir / --run_name")
-    if resume and os.path.normpath(resume).endswith(".partial"):
-        done = [os.path.basename(p) for _, p in list_checkpoints(os.path.dirname(os.path.normpath(resume)))]
-        raise RecipeError(f"--resume_from_checkpoint {resume} is an unfinished save (interrupted while writing; a "
-                          f"complete one is renamed to step_N): resume from a complete checkpoint "
-                          f"({', '.join(done[-3:]) or 'none there'}) or with --resume_from_checkpoint latest")
     if resume:
+        if os.path.normpath(resume).endswith(".partial"):
+            done = [os.path.basename(p) for _, p in list_checkpoints(os.path.dirname(os.path.normpath(resume)))]
+            raise RecipeError(f"--resume_from_checkpoint {resume} is an unfinished save (interrupted while writing; "
+                              f"a complete one is renamed to step_N): resume from a complete checkpoint "
+                              f"({', '.join(done[-3:]) or 'none there'}) or with --resume_from_checkpoint latest")
         try:
             meta = read_meta(resume)
         except CheckpointError as exc:
