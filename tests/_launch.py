@@ -101,3 +101,11 @@ def start_forked(nproc: int, script: Path | str, *args: str, env: dict[str, str]
 def write_json(path: Path, obj) -> Path:
     path.write_text(json.dumps(obj, indent=1))
     return path
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``path`` <- ``text`` as one rename: a process reading it meanwhile never sees it empty or
+    half-written (``write_text`` truncates first)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -40,7 +40,8 @@ import torch
 
 from fl_accel import FLConfig
 from fl_accel.checkpoint import find_latest
-from tests._launch import LAUNCHER_VAR, REPO_ROOT, WORKERS, launch_env, run_torchrun, start_forked, write_json
+from tests._launch import (LAUNCHER_VAR, REPO_ROOT, WORKERS, launch_env, run_torchrun, start_forked, write_json,
+                           write_whole)
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0): "
                                                 "the fault-tolerant mode and its tests need it")
@@ -324,7 +325,7 @@ def test_group_killed_mid_round_heals_from_live_group(tmp_path):
             _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a{attempt}").exists() for k in range(G)), 300,
                       f"group 1 to heal (attempt {attempt})", procs)
             outages.append((step_at_kill, t_kill, time.time()))  # group 1 was out until it healed
-        (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(2)) + 8))
+        write_whole(out / "stop_at", str(max(_progress(out, f)[0] for f in range(2)) + 8))
         codes = [_wait_code(p, 300) for p in procs]
     finally:
         for p in set(procs + started):
@@ -394,7 +395,7 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
         procs = [g0, g1b, g2]
         _wait_for(lambda: all((out / "healed" / f"g1_r{k}_a1").exists() for k in range(G)), 240,
                   "group 1 to heal", procs)
-        (out / "stop_at").write_text(str(max(_progress(out, f)[0] for f in range(3)) + 8))
+        write_whole(out / "stop_at", str(max(_progress(out, f)[0] for f in range(3)) + 8))
         codes = [_wait_code(p, 240) for p in procs]
     finally:
         for p in {id(p): p for p in procs + [g1] if p is not None}.values():

@@ -194,7 +194,8 @@ def run_case(spec: dict, out: Path) -> None:
             crash = spec.get("crash") or {}
             if restart == 0 and crash.get("group") == f and crash.get("step") == step:
                 os._exit(3)  # a crash of the whole group: torchrun --max-restarts starts the next attempt
-            progress.write_text(f"{step} {now} {attempt}")
+            progress.with_name(progress.name + ".tmp").write_text(f"{step} {now} {attempt}")
+            os.replace(progress.with_name(progress.name + ".tmp"), progress)  # the test reads it mid-run: never torn
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
             if step >= target():
