@@ -38,11 +38,34 @@ ADDRESS_IN_USE = ("address already in use", "EADDRINUSE", "Address in use")
 
 # ---------------------------------------------------------------------- ports and argv
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel just handed out as free on ``host``.
+    """A TCP port that is free on ``host`` now and that the kernel does not hand out by itself.
 
-    The port is released before returning, so another process can take it before the
-    caller binds it; :func:`run_torchrun` retries once with a new port when that happens.
+    The port is drawn at random below the kernel's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default), from 20000 up, and
+    checked by binding it. The kernel gives ports of the ephemeral range to every ``bind(0)``
+    and outgoing connection (gloo's listeners, torchft's servers, a TCPStore on port 0), so a
+    port drawn there could be taken in the seconds before a launched rank 0 binds it: a
+    concurrent test suite saw ``EADDRINUSE`` that way. A port below the range can only be
+    taken by another explicit choice. The port is released before returning, so that remains
+    possible; :func:`run_torchrun` retries once with a new port when it happens. Falls back to
+    a kernel-chosen port when the range leaves no room below it or 200 draws were all in use.
     """
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw = random.SystemRandom()  # not the seeded module-level generator: launches must not agree
+    for _ in range(200 if low > 21000 else 0):
+        port = draw.randrange(20000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

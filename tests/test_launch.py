@@ -23,9 +23,14 @@ def test_import_pulls_in_neither_torch_nor_accelerate():
     assert out.split() == ["False", "False"]
 
 
-def test_free_port_is_bindable_and_varies():
+def test_free_port_is_bindable_varies_and_is_below_the_ephemeral_range():
+    """Below the range the kernel hands to bind(0) and outgoing connections, so that a
+    listener of another process cannot take it before a launched rank 0 binds it (a CI run
+    lost a torchft group to EADDRINUSE on a port drawn inside that range)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     ports = {launch.free_port() for _ in range(5)}
     assert len(ports) > 1
+    assert all(20000 <= p < low for p in ports), (ports, low)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
 
