@@ -454,8 +454,11 @@ def classify_failure(exc: BaseException) -> str | None:
 
 
 def _say(line: str) -> None:
-    """One write per line, so lines of concurrent ranks sharing a pipe do not interleave."""
-    sys.stderr.write(line.replace("\n", " ") + "\n")
+    """One write per line, so lines of concurrent ranks sharing a pipe do not interleave; on a
+    new line when this rank draws a progress bar (tqdm leaves its line open)."""
+    bars = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    lead = "\n" if bars is not None and getattr(bars, "_instances", None) else ""
+    sys.stderr.write(lead + line.replace("\n", " ") + "\n")
     sys.stderr.flush()
 
 
