@@ -552,3 +552,23 @@ def test_one_process_with_two_groups_says_how_to_launch_or_what_to_pass():
     text = str(exc.value)
     assert "a single process (no launcher) is one group: num_groups=1. In the recipe: pass --num_groups 1" in text
     assert text.count("single process") == 1 and "torchrun --nproc_per_node N" in text
+
+
+def test_one_line_messages_start_on_a_new_line_while_a_progress_bar_is_drawn(capsys):
+    """tqdm leaves its bar's line open (it ends with a carriage return, not a newline), so
+    a rank's "stopped by the launcher" line shared the bar's line in captured logs; with a
+    bar open the message now starts a line of its own, and without one adds no blank line."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    from recipes.pretrain import _say
+
+    _say("[fl_accel] before")
+    bar = tqdm(total=3, file=io.StringIO())
+    try:
+        _say("[fl_accel] rank 0: during")
+    finally:
+        bar.close()
+    _say("[fl_accel] after")
+    assert capsys.readouterr().err == "[fl_accel] before\n\n[fl_accel] rank 0: during\n[fl_accel] after\n"
