@@ -353,10 +353,12 @@ class Run:
             record.update({f"eval/loss_group{f}": r[1] for f, r in enumerate(groups)})
             record["eval/scored_groups"] = "after the final sync" if final else "before the sync"
         self.log(record)
-        self.accelerator.print(
-            f"[fl_accel] step {step}: eval perplexity {ppl:.2f} ({SCORED[what].split(' (')[0]})"
-            + (f"; each group's own model {record['eval/scored_groups']}: "
-               + ", ".join(f"group {f} {r[0]:.2f}" for f, r in enumerate(groups)) if groups else ""))
+        if self.accelerator.is_main_process:  # above the progress bar (tqdm.write clears and redraws it)
+            self.progress.write(
+                f"[fl_accel] step {step}: eval perplexity {ppl:.2f} ({SCORED[what].split(' (')[0]})"
+                + (f"; each group's own model {record['eval/scored_groups']}: "
+                   + ", ".join(f"group {f} {r[0]:.2f}" for f, r in enumerate(groups)) if groups else ""),
+                file=sys.stdout)
         return ppl, nll, tokens
 
     def save_checkpoint(self, step: int) -> None:
