@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests._launch import write_whole
+
 MODEL = dict(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 SEQ_LEN = 16
@@ -194,8 +196,7 @@ def run_case(spec: dict, out: Path) -> None:
             crash = spec.get("crash") or {}
             if restart == 0 and crash.get("group") == f and crash.get("step") == step:
                 os._exit(3)  # a crash of the whole group: torchrun --max-restarts starts the next attempt
-            progress.with_name(progress.name + ".tmp").write_text(f"{step} {now} {attempt}")
-            os.replace(progress.with_name(progress.name + ".tmp"), progress)  # the test reads it mid-run: never torn
+            write_whole(progress, f"{step} {now} {attempt}")  # the test reads it mid-run: never torn
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
             if step >= target():
