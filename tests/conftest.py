@@ -103,6 +103,19 @@ def _shared_fixture_groups(items) -> dict[str, str]:
 
 
 def pytest_configure(config):
+    if getattr(config.option, "dist", None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import inspect
+
+        from _pytest.nodes import Node
+
+        # pytest-xdist 3.8 groups a test by renaming item._nodeid to "nodeid@group"; pytest 9.2's
+        # Node.nodeid no longer reads _nodeid, so the grouping would silently not take and every
+        # worker would repeat the shared launches (about 1.6x the CPU time)
+        if "_nodeid" not in inspect.getsource(Node.nodeid.fget):
+            raise pytest.UsageError(f"pytest {pytest.__version__} ignores pytest-xdist's --dist loadgroup, which "
+                                    f"keeps the tests of one shared launch on one worker: install what "
+                                    f"requirements.txt pins (pip install 'pytest<9.2'), or run the tests serially "
+                                    f"with FL_ACCEL_TEST_WORKERS=0")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out the units in collection order
         config.option.loadscopereorder = False
 
