@@ -179,10 +179,10 @@ class RunSpec:
                 text += f" P={self.num_fragments} tau={self.sync_delay}"
             if self.sync_dtype != "fp32" or self.error_feedback:
                 text += f" {self.sync_dtype}" + ("+EF" if self.error_feedback else "")
-            if self.extra_flags:
-                text += " " + " ".join(f.lstrip("-") for f in self.extra_flags)
         elif self.phase == "paper_regime":
             text += f" G={self.world}"
+        if self.extra_flags:
+            text += " " + " ".join(f.lstrip("-") for f in self.extra_flags)
         if self.seed is not None:
             text += f" (seed {self.seed})"
         return text
@@ -247,8 +247,33 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     # issue 21 item 3: top-k 1/64 of every 4096 values, 2-bit values, error feedback (FLConfig defaults)
     dict(id="fl_fsdp-h8-p2-tau2-sparse-ef", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="sparse",
          error_feedback=True),
+    # issue 28 item 5, the decisive grid (rules: GRID_RULES). Is nesterov below FSDP an LR effect?
+    dict(id="fsdp-lr1e-3", algorithm="fsdp", extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h8-nesterov-lr1e-3", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
+         outer_momentum=0.9, extra_flags=("--learning_rate", "1e-3")),
+    # the DiLoCo scaling-law table's outer LR for 2 groups (arXiv 2503.09799: 0.4/0.6/0.6/0.8 for 1/2/4/8)
+    dict(id="fl_fsdp-h8-nesterov-olr0.6", sync_every=8, outer_optimizer="nesterov", outer_lr=0.6, outer_momentum=0.9),
+    dict(id="fl_fsdp-h8-nesterov-olr0.4", sync_every=8, outer_optimizer="nesterov", outer_lr=0.4, outer_momentum=0.9),
+    # fewer syncs with the outer momentum
+    dict(id="fl_fsdp-h16-nesterov", sync_every=16, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    dict(id="fl_fsdp-h32-nesterov", sync_every=32, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    # compression cost, isolated, all with nesterov
+    dict(id="fl_fsdp-h8-p2-tau2-nesterov", sync_every=8, num_fragments=2, sync_delay=2, outer_optimizer="nesterov",
+         outer_lr=0.7, outer_momentum=0.9),
+    dict(id="fl_fsdp-h8-int8-ef-nesterov", sync_every=8, sync_dtype="int8", error_feedback=True,
+         outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    dict(id="fl_fsdp-h8-p2-tau2-int8-ef-nesterov", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="int8",
+         error_feedback=True, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
 )
-CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8")
+GRID_RULES = (
+    "Decision rules, fixed before the grid's runs (issue 28): a difference between two rows counts only above "
+    "0.04 nats (about 2 seed bands of the first seed pairs); every row reports its tokens to three fixed eval-loss "
+    "targets, 5.42, 5.50 and 5.60, besides FSDP's half-budget loss, so that no single target picks the winner."
+)
+"""Printed at the top of the convergence report."""
+GRID_SIGNIFICANT_NATS = 0.04
+GRID_TARGETS = (5.42, 5.50, 5.60)
+CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov")
 """Rows trained again with a second seed: the seed band."""
 CONVERGENCE_FSDP, CONVERGENCE_BLOCKING = "fsdp", "fl_fsdp-h8"
 """The two references of the convergence table: FSDP, and blocking fp32 FL+FSDP (H=8 avg, P=1)."""

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The two quality suites of issue 21, in priority order, at low CPU priority on a shared
-# machine. Resumable: run the same command again (same DATE) and it continues where it
-# stopped (finished runs are skipped, the others resume from their last checkpoint).
+# The decisive convergence grid of issue 28, in priority order, at low CPU priority on a
+# shared machine. Resumable: run the same command again (same NAME) and it continues where
+# it stopped (finished runs are skipped, the others resume from their last checkpoint).
 #
-#   DATE=2026-12-01 nohup bench/run_quality.sh > bench/work/quality.log 2>&1 &
+#   NAME=2026-12-03-grid nohup bench/run_quality.sh > bench/work/quality.log 2>&1 &
 #
-# 1. the paper regime's two main rows (FSDP over 8 ranks, FL+FSDP 8 groups of 1);
-# 2. the convergence rows that carry most (FSDP, blocking fp32, int8 + error feedback, and
-#    FSDP's second seed: a first seed band);
-# 3. the rest of the paper regime (F=4 x G=2, second seeds; about an hour);
-# 4. the rest of the convergence suite.
+# The rows and the decision rules are in bench/plan.py (CONVERGENCE_ROWS, GRID_RULES).
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
-DATE=${DATE:-$(date +%F)}
-BENCH=(nice -n 15 python -m bench.run_bench --report-to none)
-"${BENCH[@]}" --suite paper-regime --name "$DATE-paper-regime" --only fsdp-8p,fl_fsdp-f8g1
-"${BENCH[@]}" --suite convergence --name "$DATE-convergence" --only fsdp,fl_fsdp-h8,fl_fsdp-h8-p2-tau2-int8-ef,fsdp-seed43
-"${BENCH[@]}" --suite paper-regime --name "$DATE-paper-regime"
-"${BENCH[@]}" --suite convergence --name "$DATE-convergence"
+NAME=${NAME:-$(date +%F)-grid}
+BENCH=(nice -n 15 python -m bench.run_bench --report-to none --suite convergence --name "$NAME")
+# 1. is nesterov below FSDP real or an LR effect; a second nesterov seed; the outer LR
+"${BENCH[@]}" --only fsdp-lr1e-3
+"${BENCH[@]}" --only fl_fsdp-h8-nesterov-seed43
+"${BENCH[@]}" --only fl_fsdp-h8-nesterov-lr1e-3
+"${BENCH[@]}" --only fl_fsdp-h8-nesterov-olr0.6
+# 2. fewer syncs with the outer momentum; fragments alone
+"${BENCH[@]}" --only fl_fsdp-h16-nesterov,fl_fsdp-h32-nesterov,fl_fsdp-h8-p2-tau2-nesterov
+# 3. everything else of the suite (compressed rows with nesterov, sparse, the rest)
+"${BENCH[@]}"
