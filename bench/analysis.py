@@ -5,7 +5,7 @@ Input: the recipe's ``all_results.json`` and ``metrics.jsonl`` of every run, und
 launch records of :mod:`bench.launch` (wall time, background CPU, bytes on the wire).
 Missing runs and fields are skipped, so results written by older versions still read.
 
-Every call into :mod:`fl_accel.cost_model` is in :func:`predict`.
+Every call into :mod:`fl_accel.planning.cost` is in :func:`predict`.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ _UNITS: dict[int, Any] = {}
 
 def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> dict:
     """The cost model for this run: bytes per axis and, given the calibrated compute time,
-    its step time at the run's link. The only function that calls fl_accel.cost_model.
+    its step time at the run's link. The only function that calls fl_accel.planning.cost.
 
     Uses ``estimate(layout, units, sync_every=, num_fragments=, sync_dtype=, param_bytes=4,
     grad_bytes=4, ranks_per_node=, total_steps=)`` and ``predict_step_time(est,
@@ -149,7 +149,7 @@ def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> di
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from fl_accel import cost_model as cm
+        from fl_accel.planning import cost as cm
         from scripts.model_units import units_from_module
         from scripts.netemu import parse_rate
 

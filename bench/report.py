@@ -426,7 +426,7 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
               "throughput measurement of the same configuration (" + ", ".join(
                   f"`bench/results/{s}`" for s in res.get("throughput_sources", [])) + "; the mean where measured "
               "twice); **(model)** = no measurement of this configuration at this link, the cost model's prediction "
-              "(`fl_accel.cost_model`, compute time per step from the committed calibration of the same "
+              "(`fl_accel.planning.cost`, compute time per step from the committed calibration of the same "
               "configuration) instead. The cost model was within 2% of the measured FL+FSDP rows; for FSDP at "
               "100 Mbit/s the measurement was 0.73x the prediction (gloo's 4-rank ring used 63% of the link), so "
               "FSDP's predicted 10 Mbit/s time is optimistic. '-' = never reached the target.", "",

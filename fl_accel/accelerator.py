@@ -257,12 +257,26 @@ class FLAccelerator(Accelerator):
         sync = self.synchronizer
         return sync is not None and sync.schedule.active and not sync.schedule.in_sync
 
-    def sync_if_pending(self) -> bool:
-        """Sync if the groups may differ; True if it synced."""
-        if self._groups_differ():
-            self.synchronizer.sync()
+    def sync_if_pending(self, final: bool = False) -> bool:
+        """Sync if the groups may differ; True if it synced. ``final``: the end of training (no
+        more steps follow): with a lossy ``sync_dtype`` and ``final_sync="exact"`` the sync is
+        exact and also runs when only error-feedback residuals are left to send."""
+        sync = self.synchronizer
+        if (final and sync is not None and sync.needs_final_sync()) or self._groups_differ():
+            sync.sync(final=final)
             return True
         return False
+
+    def set_max_steps(self, max_steps: int) -> None:
+        """The run's length in optimizer steps: the sync after step ``max_steps`` is the final
+        one, so with a lossy ``sync_dtype`` and ``final_sync="exact"`` it is the exact fp32 sync
+        (else :meth:`end_training` adds it). ValueError: not a positive integer; RuntimeError
+        before ``prepare``."""
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"set_max_steps needs a positive number of optimizer steps, got {max_steps!r}")
+        if self.synchronizer is None:
+            raise RuntimeError("set_max_steps needs prepare(model, optimizer) first")
+        self.synchronizer.final_step = max_steps
 
     def get_state_dict(self, model, unwrap: bool = True):
         """Accelerate's (also behind ``save_model``), with a warning when the groups may differ
@@ -297,9 +311,10 @@ class FLAccelerator(Accelerator):
         return load_federated_state(_checkpoint_io(self), input_dir)
 
     def end_training(self):
-        """The final sync, then Accelerate's end_training (it destroys the process groups:
-        save before); "torchft" also shuts the Manager down."""
-        self.sync_if_pending()
+        """The final sync (exact with a lossy ``sync_dtype`` and ``final_sync="exact"``: it also
+        sends the error-feedback residuals), then Accelerate's end_training (it destroys the
+        process groups: save before); "torchft" also shuts the Manager down."""
+        self.sync_if_pending(final=True)
         if self.synchronizer is not None:
             self.synchronizer.detach()
             if self.fault_tolerant:

@@ -5,7 +5,7 @@ FSDP2 communicates through ``torch.distributed.all_gather_single``,
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, torch 2.13); the sync adds
 ``all_to_all_single`` and ``broadcast``. While a :class:`CommMeter` is entered these entry
 points are wrapped: each call goes to a bucket (the mesh axes, or "world" for the default
-group) and is charged :func:`fl_accel.cost_model.ring_bytes` (all-to-all: M is this rank's
+group) and is charged :func:`ring_bytes` (all-to-all: M is this rank's
 input), so measurement and model compare axis by axis. Seconds are host time in the call
 and in ``wait()`` (with CUDA streams a lower bound). Several meters may be entered at once,
 each counting its own process groups. :class:`WaitClock` measures what the training stream
@@ -23,8 +23,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .cost_model import ring_bytes
 from .mesh import BUCKETS, WORLD
+
+RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
+"""A ring collective over p ranks of M bytes sends RING[op] x (p-1)/p x M bytes per rank."""
+
+
+def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring ``op`` of ``tensor_bytes`` over ``group_size`` ranks
+    (``int()`` of it is the exact floor). ValueError: unknown op, bytes < 0, group_size < 1."""
+    if op not in RING:
+        raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if isinstance(tensor_bytes, bool) or not isinstance(tensor_bytes, (int, float)) or not tensor_bytes >= 0 \
+            or tensor_bytes == float("inf"):
+        raise ValueError(f"tensor_bytes must be a non-negative finite number, got {tensor_bytes!r}")
+    return RING[op] * float(tensor_bytes) * (group_size - 1) / group_size
 
 # entry point -> (collective kind, name of the "full tensor" argument, its position)
 _OPS = {

@@ -176,6 +176,15 @@ class FLConfig:
     """"sparse": bits per sent value, 2, 4 or 8 (a sign and a magnitude level)."""
     error_feedback: bool = False
     """Compressed: each rank adds what compression dropped to its next pseudo-gradient ("sparse" needs it)."""
+    error_feedback_decay: float | None = None
+    """beta in (0, 1]: the error-feedback buffer is multiplied by beta before it is added (e <- beta e + Delta,
+    then e <- e - sent). None: 0.95 for "sparse" (SparseLoCo, arXiv 2508.15706), 1 for "bf16"/"int8"."""
+    sparse_aggregation: Literal["senders", "zero_fill"] = "senders"
+    """"sparse": "senders", each index's weighted mean over the groups that sent it (CCLoco); "zero_fill", the
+    weighted sum with zeros where a group sent nothing (shrinks the update by about 1/F)."""
+    final_sync: Literal["exact", "compressed"] = "exact"
+    """Compressed: "exact", the end-of-training sync sends pseudo-gradient + error-feedback residual in fp32, so
+    the final model carries everything the groups learned; "compressed", it uses ``sync_dtype`` like the others."""
     outer_optimizer: Literal["avg", "nesterov"] = "avg"
     """"avg": FedAvg, the weighted mean. "nesterov": DiLoCo (arXiv 2311.08105), SGD-Nesterov on anchor - mean."""
     outer_lr: float = 0.7
@@ -234,6 +243,13 @@ class FLConfig:
                           doc="P > 1, tau > 0 or alpha > 0.")
     compressed = property(lambda self: self.sync_dtype != "fp32", doc='``sync_dtype`` is not "fp32".')
 
+    @property
+    def residual_decay(self) -> float:
+        """beta of the error-feedback buffer: ``error_feedback_decay``, or its mode's default."""
+        if self.error_feedback_decay is not None:
+            return float(self.error_feedback_decay)
+        return 0.95 if self.sync_dtype == "sparse" else 1.0
+
     keeps_outer_state = property(lambda self: self.outer_optimizer == "nesterov" or self.compressed,
                                  doc='The sync keeps an fp32 anchor ("nesterov" or a compressed exchange).')
 
@@ -256,9 +272,11 @@ class FLConfig:
              "by outer_optimizer 'avg'"),
             (["group_index", "lighthouse_addr"], self.fault_tolerance == "none",
              "with fault_tolerance 'none' (one world)"),
-            (["sync_density", "sync_value_bits"], self.sync_dtype != "sparse",
+            (["sync_density", "sync_value_bits", "sparse_aggregation"], self.sync_dtype != "sparse",
              f"with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"),
-            (["error_feedback"], not self.compressed, "with sync_dtype 'fp32' (nothing is quantized)"),
+            (["error_feedback", "error_feedback_decay", "final_sync"], not self.compressed, "with sync_dtype 'fp32' (nothing is quantized)"),
+            (["error_feedback_decay"], self.compressed and not self.error_feedback,
+             "without error_feedback (no residual to decay)"),
             (["outer_state_device"], self.is_federated and not self.keeps_outer_state,
              "with outer_optimizer 'avg' and sync_dtype 'fp32' (the sync keeps no anchor)")]
         return [f"{n}={getattr(self, n)!r} is ignored {why}" for names, when, why in rules if when
@@ -324,7 +342,10 @@ def check_fields(cfg: FLConfig) -> None:
                            ("outer_lr", cfg.outer_lr > 0, "> 0"),
                            ("outer_momentum", 0 <= cfg.outer_momentum < 1, "in [0, 1)"),
                            ("fragment_update_alpha", 0 <= cfg.fragment_update_alpha <= 1, "in [0, 1]"),
-                           ("sync_density", 0 < cfg.sync_density <= 1, "in (0, 1]"),
+                           ("sync_density", 1 / 4096 <= cfg.sync_density <= 1,
+                            "in [1/4096, 1] (at least one value of every 4096 is sent)"),
+                           ("error_feedback_decay", cfg.error_feedback_decay is None
+                            or 0 < cfg.error_feedback_decay <= 1, "None or in (0, 1]"),
                            ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
                            ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds")):
         if not ok:

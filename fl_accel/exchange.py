@@ -3,18 +3,14 @@
 A :class:`Transport` gives each sync a :class:`Round` (F, this group's position, the
 weights: membership may change between syncs) and three collectives over "fl".
 :class:`MeshTransport` runs them on the mesh's process groups. An :class:`Exchange` packs
-local tensors into flat fp32 buckets; collectives are issued from the caller's thread in
-program order, so every rank issues them in one order (as NCCL requires).
+local tensors into flat fp32 buckets (:func:`plan_buckets`) and drives one
+:class:`~fl_accel.codecs.Codec` through its stages (what crosses "fl", its padding and its
+bytes are the codec's: :mod:`fl_accel.codecs`); collectives are issued from the caller's
+thread in program order, so every rank issues them in one order (as NCCL requires).
 
 Chunking (FL+HSDP's 1/R rule, unequal groups): a buffer is cut into ``C = R_min`` chunks;
 replica ``c < C`` of every group exchanges chunk c over "fl", then the group's replicas
 share the chunks over "dp_replicate" (all-gather if ``R_f == C``, else C broadcasts).
-Modes (``sync_dtype``; bytes per rank: :mod:`fl_accel.cost_model`): "fp32" all-reduces
-(SUM; pre-scaled by w_f if weights differ, else divided by F); "bf16"/"int8" (INTELLECT-1,
-arXiv 2412.01152; :mod:`fl_accel.compress`) quantize into F sub-chunks, all-to-all, sum
-this rank's sub-chunk weighted in fp32, re-quantize, all-gather; "sparse" (SparseLoCo,
-arXiv 2508.15706) all-gathers every group's top-k payload and sums the decoded values.
-Buffers are padded to a multiple of C (fp32), C F ``BLOCK`` (bf16, int8) or C 4096 (sparse).
 """
 
 from __future__ import annotations
@@ -28,9 +24,21 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .compress import QMAX, dequantize, quantize, sparse_encode, sparse_sum  # noqa: F401 (QMAX: tests)
-from .cost_model import BLOCK, SPARSE_BLOCK, plan_buckets
+from .codecs import Codec, make_codec
 from .mesh import DP_REPLICATE, FL
+
+
+def plan_buckets(sizes: list[int], bucket_values: int) -> list[list[int]]:
+    """The exchange's buckets: indices of ``sizes`` (fp32 values per tensor) grouped in order,
+    at most ``bucket_values`` values each (a larger tensor alone)."""
+    out, total = [], 0
+    for i, n in enumerate(sizes):
+        if not out or total + n > bucket_values:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -138,22 +146,24 @@ class _Bucket:
 
 class Exchange:
     """One weighted mean of ``sources`` (tensors, or callables called one at a time while
-    packing; then ``shapes`` and ``device`` are required) over ``transport`` in round ``rnd``.
-    ``mask``: per-group 0/1, weights renormalized over the 1s (the non-finite reset);
-    ``residuals``: error feedback, fp32 per source (maybe on the host), added before
-    quantization and replaced by what it dropped of this rank's chunk; ``bucket_values``:
-    fp32 values per bucket; ``density``, ``value_bits``: "sparse". ``peak_bytes``: the most
-    the buffers held at once. ``start``/``advance``/``finish`` run a delayed exchange (all
-    buckets at once); ``run`` a blocking one."""
+    packing; then ``shapes`` and ``device`` are required) over ``transport`` in round ``rnd``,
+    on the wire of ``codec`` (default: :func:`~fl_accel.codecs.make_codec` of ``sync_dtype``,
+    ``density`` and ``value_bits``). ``mask``: per-group 0/1, weights renormalized over the 1s
+    (the non-finite reset); ``residuals``: error feedback, fp32 per source (maybe on the host):
+    ``residual_decay`` x residual is added before encoding and replaced by what the codec
+    dropped of this rank's chunk (zero for an exact codec); ``bucket_values``: fp32 values per
+    bucket. ``peak_bytes``: the most the buffers held at once. ``start``/``advance``/``finish``
+    run a delayed exchange (all buckets at once); ``run`` a blocking one."""
 
     def __init__(self, transport: Transport, rnd: Round, sources: list, *, shapes=None, device=None,
                  sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20,
-                 density: float = 1 / 64, value_bits: int = 2):
+                 density: float = 1 / 64, value_bits: int = 2, codec: Codec | None = None,
+                 residual_decay: float = 1.0):
         self.t, self.round, self.sources, self.residuals = transport, rnd, sources, residuals
+        self.codec = codec if codec is not None else make_codec(sync_dtype, density=density, value_bits=value_bits)
+        self.residual_decay = float(residual_decay)
         self.shapes = [tuple(s) for s in (shapes if shapes is not None else [x.shape for x in sources])]
         self.device = device if device is not None else (sources[0].device if sources else torch.device("cpu"))
-        self.sync_dtype, self.compressed = sync_dtype, sync_dtype != "fp32"
-        self.sparse = (density, value_bits) if sync_dtype == "sparse" else None
         self.weights = list(rnd.weights)
         if mask is not None:
             total = sum(w * m for w, m in zip(self.weights, mask))
@@ -174,7 +184,8 @@ class Exchange:
         return self
 
     def advance(self) -> None:
-        """Compressed: wait for each bucket's all-to-all, reduce, launch its all-gather."""
+        """The codec's second stage of every bucket (e.g. wait for the all-to-all, reduce, launch
+        the all-gather); nothing for a one-collective codec."""
         for b in self.buckets:
             self._advance(b)
 
@@ -200,8 +211,7 @@ class Exchange:
         self.peak_bytes = max(self.peak_bytes, sum(b.nbytes() for b in self.buckets))
 
     def _pack(self, idx: list[int]) -> _Bucket:
-        pad = self.t.num_chunks * (SPARSE_BLOCK if self.sparse else self.round.num_groups * BLOCK if self.compressed
-                                   else 1)
+        pad = self.codec.padding(self.round.num_groups, self.t.num_chunks)
         numel = sum(self.sizes[i] for i in idx)
         with self._stream():
             flat = torch.zeros(math.ceil(numel / pad) * pad, dtype=torch.float32, device=self.device)
@@ -210,7 +220,8 @@ class Exchange:
                 part.copy_(value.reshape(-1))
                 del value
                 if self.residuals is not None:
-                    part.add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True))
+                    part.add_(self.residuals[i].reshape(-1).to(self.device, non_blocking=True),
+                              alpha=self.residual_decay)
         if self.stream is not None:  # the next optimizer step (compute stream) must not overtake packing
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.buckets.append(_Bucket(idx, flat))
@@ -227,54 +238,32 @@ class Exchange:
         if mine is None:  # a replica beyond R_min: it receives the chunks from its group
             return b
         with self._stream():
-            if not self.compressed:
-                b.piece = mine.clone() if self.t.num_chunks > 1 else mine
-                if self.scale_first:
-                    w = self.weights[self.round.position]
-                    b.piece.mul_(w) if w else b.piece.zero_()  # zero, not 0 * NaN, for a dropped group
-                b.work = self.t.all_reduce(b.piece, async_op=True)
-            elif self.sparse:  # one stage: the all-gather of every group's top-k
-                payload, sent = sparse_encode(mine, *self.sparse)
-                if self.residuals is not None:
-                    self._store_residual(b, mine - sent)
-                b.gathered = torch.empty(self.round.num_groups, payload.numel(), dtype=torch.uint8, device=mine.device)
-                b.sent, b.stage = payload, 2
-                b.work = self.t.all_gather(b.gathered, payload.view(1, -1), async_op=True)  # gloo: rows match
-            else:
-                b.sent = quantize(mine, self.sync_dtype, self.round.num_groups)
-                if self.residuals is not None:
-                    self._store_residual(b, mine - dequantize(b.sent, self.sync_dtype).view(-1))
-                b.recv = torch.empty_like(b.sent)
-                b.work = self.t.all_to_all(b.recv, b.sent, async_op=True)
+            self.codec.launch(self, b, mine)
         self._track()
         return b
 
-    def _store_residual(self, b: _Bucket, dropped: torch.Tensor) -> None:
-        """residual <- (value + old residual) - decoded(sent), on this rank's chunk only."""
-        dropped = dropped.to(self.residuals[b.idx[0]].device)
+    def store_residual(self, b: _Bucket, dropped: torch.Tensor | None) -> None:
+        """residual <- ``dropped`` (packed - decoded(sent)) on this rank's chunk, zero elsewhere
+        (``dropped`` None: zero everywhere). Called by the codec while launching."""
         size = b.flat.numel() // self.t.num_chunks
         lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
+        if dropped is not None:
+            dropped = dropped.to(self.residuals[b.idx[0]].device)
         offset = 0
         for i in b.idx:
             n = self.sizes[i]
             a, z = max(lo, offset), min(hi, offset + n)
             res = self.residuals[i].view(-1)
             res.zero_()
-            if a < z:
+            if dropped is not None and a < z:
                 res[a - offset:z - offset].copy_(dropped[a - lo:z - lo])
             offset += n
 
     def _advance(self, b: _Bucket) -> None:
-        if b.stage != 1 or not self.compressed or b.work is None:
+        if b.stage != 1 or b.work is None:
             return
         with self._stream():
-            b.work.wait()
-            parts = dequantize(b.recv, self.sync_dtype)  # [F, m]: group g's sub-chunk
-            w = torch.tensor(self.weights, dtype=torch.float32, device=parts.device).unsqueeze(1)
-            mine = quantize((parts * w).sum(dim=0), self.sync_dtype, 1)
-            b.gathered = torch.empty(self.round.num_groups, mine.shape[1], dtype=torch.uint8, device=mine.device)
-            b.recv = b.sent = None
-            b.work = self.t.all_gather(b.gathered, mine, async_op=True)
+            self.codec.advance(self, b)
         b.stage = 2
         self._track()
 
@@ -283,17 +272,8 @@ class Exchange:
         mine = self._chunk(b)
         with self._stream():
             if b.work is not None:
-                b.work.wait()
-                if self.sparse:
-                    mine.copy_(sparse_sum(b.gathered, self.weights, *self.sparse))
-                elif self.compressed:
-                    mine.copy_(dequantize(b.gathered, self.sync_dtype).view(-1))
-                else:
-                    if not self.scale_first:
-                        b.piece.div_(self.round.num_groups)
-                    if b.piece is not mine:
-                        mine.copy_(b.piece)
-                b.work = b.piece = b.gathered = b.sent = None
+                self.codec.complete(self, b, mine)
+                b.work = b.piece = b.gathered = b.sent = b.recv = None
             self.t.share_chunks(b.flat)
         if self.stream is not None:  # read on the compute stream from now on
             torch.cuda.current_stream(self.device).wait_stream(self.stream)

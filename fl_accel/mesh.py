@@ -25,7 +25,7 @@ ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
 AXES = (FL, DP_REPLICATE, DP_SHARD)
 WORLD = "world"  # the comm bucket of the default process group (not a mesh axis)
-BUCKETS = AXES + (WORLD,)  # the comm accounting buckets (fl_accel.comm, fl_accel.cost_model)
+BUCKETS = AXES + (WORLD,)  # the comm accounting buckets (fl_accel.comm, fl_accel.planning.cost)
 FSDP_SHARD_DIM = "dp_shard_cp"  # "dp_shard" as accelerate 1.15 fsdp2_prepare_model slices it (fsdp_dim_names)
 
 

@@ -13,6 +13,7 @@ The caller runs the actions :meth:`SyncSchedule.step` returns and reports each e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 LAUNCH, ADVANCE, APPLY, FULL = "launch", "advance", "apply", "full"
 
@@ -98,3 +99,13 @@ class SyncSchedule:
         self.in_sync = bool(state.get("in_sync", self.local_step == 0))
         fragment = state.get("inflight_fragment")
         self.inflight = None if fragment is None else int(fragment)
+
+
+def deal_fragments(units: Sequence, num_fragments: int) -> list[list]:
+    """Fragment k of P = ``num_fragments`` holds the units u with u mod P = k (streaming
+    DiLoCo's strided deal, arXiv 2501.18512 Sec. 2.2), in order. ValueError: P exceeds
+    the number of units (a fragment would be empty)."""
+    if num_fragments > len(units):
+        raise ValueError(f"num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
+                         "each fragment needs at least one unit")
+    return [list(units[k::num_fragments]) for k in range(num_fragments)]

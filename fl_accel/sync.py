@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .codecs import codec_of
 from .comm import WaitClock
-from .cost_model import deal_fragments
 from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .outer import OuterState
-from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule
+from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule, deal_fragments
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,9 @@ class FederatedSynchronizer:
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
         self.gate = CommitGate(transport)
+        self.final_step: int | None = None
+        """The run's last optimizer step, if known (:meth:`FLAccelerator.set_max_steps`): its sync is the final one."""
+        self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -214,44 +217,65 @@ class FederatedSynchronizer:
                 elif kind == APPLY:
                     self._event(False, self.config.fragment_update_alpha, self.fragments[k])
                     self.schedule.applied()
-                elif kind == FULL:
-                    self.sync(alpha=self.config.fragment_update_alpha)  # through the instance: tests spy on it
+                elif kind == FULL:  # through the instance: tests spy on it
+                    final = self.final_step is not None and self.schedule.global_step >= self.final_step
+                    self.sync(alpha=self.config.fragment_update_alpha, final=final)
         return any(kind in (APPLY, FULL) for kind, _ in actions)
 
-    def _exchange(self, indices: list[int], rnd: Round | None = None) -> Exchange:
+    @property
+    def exact_final(self) -> bool:
+        """The final sync sends pseudo-gradient + residual in fp32 (``final_sync="exact"``, lossy codec)."""
+        return self.config.final_sync == "exact" and codec_of(self.config).lossy
+
+    def needs_final_sync(self) -> bool:
+        """True when :meth:`sync` with ``final=True`` would change something: the groups have trained
+        since their last full sync, or residuals of a lossy exchange wait for the exact final sync.
+        The same answer on every rank (it reads counters and settings only)."""
+        if not self.schedule.active:
+            return False
+        waiting = self.exact_final and self.outer.residuals is not None and not self.final_synced \
+            and self.schedule.num_syncs > 0
+        return not self.schedule.in_sync or waiting
+
+    def _exchange(self, indices: list[int], rnd: Round | None = None, exact: bool = False) -> Exchange:
+        cfg = self.config
         return Exchange(self.transport, rnd or self.transport.begin(), [self.outer.source(i) for i in indices],
                         shapes=[tuple(local(self.params[i]).shape) for i in indices], device=self.device,
-                        sync_dtype=self.config.sync_dtype, bucket_values=max(1, self.config.sync_bucket_mb * 2**18),
-                        density=self.config.sync_density, value_bits=self.config.sync_value_bits,
+                        codec=codec_of(cfg, exact=exact), bucket_values=max(1, cfg.sync_bucket_mb * 2**18),
+                        residual_decay=cfg.residual_decay,
                         residuals=None if self.outer.residuals is None else [self.outer.residuals[i] for i in indices])
 
-    def _run(self, indices: list[int], rnd: Round, alpha: float) -> None:
+    def _run(self, indices: list[int], rnd: Round, alpha: float, exact: bool = False) -> None:
         """A blocking exchange, applied bucket by bucket (gated: whole, after the commit)."""
         if self.gate.deferred is not None:
-            means = self._exchange(indices, rnd).start().finish()
+            means = self._exchange(indices, rnd, exact).start().finish()
             self.gate.write(lambda: self._apply(indices, means, alpha))
         else:
-            self._exchange(indices, rnd).run(lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
+            self._exchange(indices, rnd, exact).run(
+                lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
         self._average_optimizer_state(indices, rnd)
 
     def _apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
         self.outer.step = self.schedule.global_step
         self.outer.apply(indices, means, alpha)
 
-    def _event(self, full: bool, alpha: float, fragment: Fragment | None = None) -> None:
+    def _event(self, full: bool, alpha: float, fragment: Fragment | None = None, final: bool = False) -> None:
         """One sync event: the pre-sync hooks, the round, the non-finite check, then (gated) the
         results in flight and a blocking exchange: of ``fragment`` unless its own is in flight,
-        or of every parameter (``fragment`` None, a full sync)."""
+        or of every parameter (``fragment`` None, a full sync; exact if ``final`` and
+        :attr:`exact_final`)."""
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
         rnd = self.last_round = self.transport.begin()
+        exact = final and self.exact_final
         with self.gate.event(self.schedule):
             if check_finite(self, rnd):
                 ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]
                 for f in ready:  # apply as scheduled
                     self._apply_pending(f, rnd)
                 if not (fragment and ready):
-                    self._run(fragment.params if fragment else list(range(len(self.params))), rnd, alpha)
+                    self._run(fragment.params if fragment else list(range(len(self.params))), rnd, alpha, exact)
+        self.final_synced = exact
 
     def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
         means = fragment.finish()
@@ -259,14 +283,15 @@ class FederatedSynchronizer:
         self._average_optimizer_state(fragment.params, rnd)
 
     @torch.no_grad()
-    def sync(self, alpha: float = 0.0) -> None:
+    def sync(self, alpha: float = 0.0, final: bool = False) -> None:
         """Sync every fragment now (an exchange in flight first); with ``alpha=0`` the groups end
-        identical. Collective (every rank, same step); a no-op with one group. NonFiniteError:
-        NaN/Inf under "abort"."""
+        identical. ``final``: the end of training; with :attr:`exact_final` the exchange sends
+        pseudo-gradient + residual in fp32 and leaves the residuals zero. Collective (every rank,
+        same step); a no-op with one group. NonFiniteError: NaN/Inf under "abort"."""
         if not self.schedule.active:
             return self.schedule.synced(alpha)
         with self.clock.measure(self.device):
-            self._event(True, alpha)
+            self._event(True, alpha, final=final)
             self.schedule.synced(alpha)
 
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:

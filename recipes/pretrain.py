@@ -109,6 +109,8 @@ def main(argv=None) -> dict:
     per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
     max_steps = args.max_steps or args.num_epochs * per_epoch
     fill_outer_lr_decay(fl, max_steps)
+    if accelerator.synchronizer is not None:
+        accelerator.set_max_steps(max_steps)  # the last step's sync is the final (exact) one
     scheduler = accelerator.prepare(get_scheduler(  # FLAccelerator: one scheduler step per optimizer step
         args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
         num_training_steps=max_steps))
@@ -379,7 +381,7 @@ def finish(run: Run, recorded: dict) -> dict:
     acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
     with run.meter.outside_training():
         step = run.meter.completed_steps
-        synced = acc.sync_if_pending()
+        synced = acc.sync_if_pending(final=True)
         covered = run.groups_in_last_sync()
         if scored(fl, True, covered) == "own group":
             acc.print(f"[fl_accel] warning: the last sync (step {step}) covered {covered} of the run's "

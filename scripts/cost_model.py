@@ -1,7 +1,7 @@
 """The cost model's command line: bytes per GPU per step (and, given link speeds, step
 time and tokens/s) of FSDP/HSDP, blocking FL, fragmented fp32 and int8 for a model
 and a layout. Defaults: the paper's setting (Llama-3.1-8B, 128 nodes x 4 GPUs, G=4, H=8,
-bf16 gathers). The model itself is :mod:`fl_accel.cost_model`.
+bf16 gathers). The model itself is :mod:`fl_accel.planning.cost`.
 
     python -m scripts.cost_model
     python -m scripts.cost_model --compute-s 1 --intra-node-gbs 100 --inter-node-gbs 12.5
@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from fl_accel.cost_model import GB, _int, estimate, predict_step_time, units_from_param_count
+from fl_accel.planning.cost import GB, _int, estimate, predict_step_time, units_from_param_count
 from fl_accel.mesh import FLLayout
 from scripts.model_units import LLAMA_3_1_8B, llama_units
 

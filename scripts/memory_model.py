@@ -88,7 +88,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fl_accel.cost_model import _int
+from fl_accel.planning.cost import _int
 from fl_accel.mesh import FLLayout
 from scripts.model_units import LLAMA_3_1_8B, _cfg as _get, llama_units
 
@@ -228,7 +228,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
             num_fragments, sync_delay: as :class:`fl_accel.config.FLConfig`.
         gradient_accumulation_steps: > 1 keeps gradients alive through the next forward.
         accelerator: "cuda" (adds :data:`CUDA_CONTEXT_BYTES`) | "cpu".
-        units: :class:`fl_accel.cost_model.ShardUnit` list (default ``llama_units(config)``).
+        units: :class:`fl_accel.planning.cost.ShardUnit` list (default ``llama_units(config)``).
         buckets_in_flight: exchange buckets alive at once (None: the whole fragment).
 
     Raises:

@@ -1,4 +1,4 @@
-"""FSDP units of a model as shapes, without torch (the input of :func:`fl_accel.cost_model.estimate`
+"""FSDP units of a model as shapes, without torch (the input of :func:`fl_accel.planning.cost.estimate`
 and of :mod:`scripts.memory_model`): a Llama from its config (shapes as transformers'
 ``modeling_llama.py``), or any module as accelerate 1.15 ``fsdp2_prepare_model`` wraps it.
 Used by the CLIs, the bench's analysis and the tests; the library only needs :class:`ShardUnit`.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from fl_accel.cost_model import ShardUnit, _int
+from fl_accel.planning.cost import ShardUnit, _int
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:

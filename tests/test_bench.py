@@ -214,10 +214,10 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
                                      tokens_per_s=None)
 
     fake = types.SimpleNamespace(estimate=estimate, predict_step_time=predict_step_time)
-    import fl_accel
+    import fl_accel.planning
 
-    monkeypatch.setattr(fl_accel, "cost_model", fake, raising=False)
-    monkeypatch.setitem(sys.modules, "fl_accel.cost_model", fake)
+    monkeypatch.setattr(fl_accel.planning, "cost", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "fl_accel.planning.cost", fake)
     monkeypatch.setitem(sys.modules, "scripts.model_units", types.SimpleNamespace(units_from_module=lambda m: ["unit"]))
     monkeypatch.setattr(analysis, "_UNITS", {})  # the stand-in units must not stay cached for later tests
     plan = _plan("--suite", "streaming", "--rates", "10mbit")
@@ -235,7 +235,7 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
 
 
 def test_predict_with_the_real_cost_model(tmp_path):
-    """With the real fl_accel.cost_model, the predicted fl bytes equal the recipe's count."""
+    """With the real fl_accel.planning.cost, the predicted fl bytes equal the recipe's count."""
     raw = _committed_copy(tmp_path) / "raw"
     plan = _plan("--suite", "baselines", "--rates", "100mbit")
     spec = _rows(plan, "100mbit")["fl_fsdp"]

@@ -289,7 +289,7 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, resumed_ac):
 
 @per_algorithm(["fl_fsdp", "fsdp", "hsdp", "fl_hsdp"])
 def test_measured_bytes_match_cost_model(runs, algorithm):
-    """comm_stats of the real 4-process run vs fl_accel.cost_model, within 5% on every axis.
+    """comm_stats of the real 4-process run vs fl_accel.planning.cost, within 5% on every axis.
 
     The train record of step 3 holds the bytes of 3 training steps and the sync at step
     3 (H=3), logged before the evaluation at step 3 adds forward all-gathers.
@@ -298,7 +298,7 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLConfig
-    from fl_accel.cost_model import estimate_from_config
+    from fl_accel.planning.cost import estimate_from_config
     from scripts.model_units import units_from_module
 
     out, proc = runs(algorithm)

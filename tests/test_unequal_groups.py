@@ -333,9 +333,9 @@ def test_fl_bytes_at_a_sync_equal_the_equal_layout_and_cost_model(six, four):
     * "the equal-size layout with the same S" is F groups of the smallest size, [2, 2]
       (R = R_min = 1, the same chunking): the unequal layout's figure is at most, and in
       fact exactly, that layout's for the same shard coordinate, measured on 4 processes;
-    * fl_accel.cost_model.estimate of [2, 4] predicts the busiest rank's figure (shard 0)
+    * fl_accel.planning.cost.estimate of [2, 4] predicts the busiest rank's figure (shard 0)
       to the byte (the meter floors each call to whole bytes)."""
-    from fl_accel.cost_model import estimate
+    from fl_accel.planning.cost import estimate
     from scripts.model_units import units_from_module
 
     recs, equal = by_coord(six("size")), by_coord(four("equal"))

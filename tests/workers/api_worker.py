@@ -74,10 +74,10 @@ def collectives(out_dir: str) -> None:
     for dtype in ("fp32", "bf16", "int8"):
         x = torch.linspace(-1, 1, 1000, device=acc.device)
         rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()
-    from fl_accel.compress import sparse_encode  # "sparse": topk, codes and all-gather on the device, = the CPU's
+    from fl_accel.codecs import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
-    want = sparse_encode(torch.nn.functional.pad(x, (0, 4096 - 1000)), 1 / 64, 2)[1][:1000]
+    want = Sparse(1 / 64, 2).encode(torch.nn.functional.pad(x, (0, 4096 - 1000)))[1][:1000]
     got = mean(t, [x.to(acc.device)], sync_dtype="sparse")[0]
     rec["exchange_sparse_device"], rec["exchange_sparse_vs_cpu"] = str(got.device), (got.cpu() - want).abs().max().item()
     t.bad_groups(False, t.begin())  # the sync's world all-reduce of per-group flags

@@ -127,7 +127,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     if sc.get("spy"):  # launches and applies alternate: one exchange in flight at most
         real_exchange, real_apply = sync._exchange, sync._apply
 
-        def spy_exchange(indices, rnd=None):
+        def spy_exchange(indices, rnd=None, exact=False):
             indices = list(indices)
             with torch.no_grad():
                 rec["launches"].append({
@@ -135,8 +135,8 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
                     "anchor": None if outer.anchor is None else [outer.anchor[i].detach().clone() for i in indices],
                     "residual_before": None if outer.residuals is None else
-                    [outer.residuals[i].clone() for i in indices]})
-            return real_exchange(indices, rnd)
+                    [outer.residuals[i].clone() for i in indices], "exact": exact})
+            return real_exchange(indices, rnd, exact)
 
         def spy_apply(indices, means, alpha):
             launch = rec["launches"][-1]

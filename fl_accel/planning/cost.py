@@ -1,7 +1,7 @@
 r"""Per-rank communication and step-time model of FSDP, HSDP, FL+FSDP and FL+HSDP.
 
 Method: arXiv 2609.20359 Sec. 3, with the fragmented and compressed sync of
-:mod:`fl_accel.exchange`. Units: bytes one rank sends per optimizer step, seconds, GB =
+:mod:`fl_accel.exchange`, whose bytes on "fl" each codec states (:meth:`fl_accel.codecs.Codec.wire`). Units: bytes one rank sends per optimizer step, seconds, GB =
 1e9 bytes; per group for its busiest rank; ``by_axis`` and the splits take the max over
 groups. A ring collective over p ranks of M bytes sends (p-1)/p M (all-reduce twice that;
 :func:`ring_bytes`, as :mod:`fl_accel.comm` charges).
@@ -20,7 +20,9 @@ pads; a world all-reduce of F fp32 flags checks for NaN/Inf::
     sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`sparse_k`)
 
 With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched in its tau-step
-window, and ``end_training``'s full sync unless step T ended one (P = 1).
+window, and ``end_training``'s full sync unless step T ended one (P = 1). With a lossy
+``sync_dtype`` and ``final_sync="exact"`` the final full sync (step T's, or end_training's)
+is an fp32 one.
 
 Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s per collective; bw =
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
@@ -36,13 +38,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
+from ..codecs import BLOCK, SPARSE_BLOCK, Codec, Fp32Mean, make_codec, sparse_bytes, sparse_k  # noqa: F401
+from ..comm import RING, ring_bytes  # noqa: F401
+from ..exchange import plan_buckets  # noqa: F401
+from ..mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
+from ..schedule import deal_fragments
 
 GB = 1e9
-BLOCK = 256  # values per fp32 absmax scale of "int8"
 SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # bytes per value on "fl"
-SPARSE_BLOCK = 4096  # values per top-k block of "sparse" (int16 indices inside a block)
-RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}  # x (p-1)/p M
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
@@ -95,39 +98,6 @@ def units_from_param_count(params: float, num_units: int = 1) -> list[ShardUnit]
     return [ShardUnit(f"unit{i}", n // k + (i < n % k)) for i in range(k)]
 
 
-def sparse_k(density: float, bits: int) -> int:
-    """Values kept per 4096 by "sparse": ``density`` x 4096 rounded up to a multiple of 32 /
-    ``bits`` (whole bytes of codes, fields 4-byte aligned), at most 4096."""
-    q = 32 // bits
-    return min(SPARSE_BLOCK, max(q, math.ceil(density * SPARSE_BLOCK / q) * q))
-
-
-def sparse_bytes(numel: int, density: float, bits: int) -> int:
-    """"sparse" bytes of ``numel`` values (a multiple of 4096): per block two fp32 (lowest kept
-    magnitude, level step), k int16 indices, k ``bits``-bit codes."""
-    k = sparse_k(density, bits)
-    return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
-
-
-def deal_fragments(units: Sequence, num_fragments: int) -> list[list]:
-    """Fragment k of P = ``num_fragments`` holds the units u with u mod P = k (streaming
-    DiLoCo's strided deal, arXiv 2501.18512 Sec. 2.2), in order. ValueError: P exceeds
-    the number of units (a fragment would be empty)."""
-    if num_fragments > len(units):
-        raise ValueError(f"num_fragments={num_fragments} exceeds the {len(units)} FSDP units of the model; "
-                         "each fragment needs at least one unit")
-    return [list(units[k::num_fragments]) for k in range(num_fragments)]
-
-
-def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring ``op`` of ``tensor_bytes`` over ``group_size`` ranks
-    (``int()`` of it is the exact floor). ValueError: unknown op, bytes < 0, group_size < 1."""
-    if op not in RING:
-        raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
-    p = _int("group_size", group_size)
-    return RING[op] * _num("tensor_bytes", tensor_bytes, zero_ok=True) * (p - 1) / p
-
-
 @dataclass
 class Traffic:
     """What one rank sends: ``bytes[axis][op]`` and ``calls[axis]`` (collectives)."""
@@ -145,35 +115,18 @@ class Traffic:
         return sum(self.bytes.get(axis, {}).values())
 
 
-def plan_buckets(sizes: Sequence[int], bucket_values: int) -> list[list[int]]:
-    """The exchange's buckets: indices grouped in order, at most ``bucket_values`` values each
-    (a larger tensor alone)."""
-    out, total = [], 0
-    for i, n in enumerate(sizes):
-        if not out or total + n > bucket_values:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += n
-    return out
-
-
-def _sync_event(layout: FLLayout, sizes: list[int], dtype: str, bucket_values: int,
-                sparse: tuple = (1 / 64, 2)) -> list[Traffic]:
-    """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values."""
+def _sync_event(layout: FLLayout, sizes: list[int], codec: Codec, bucket_values: int) -> list[Traffic]:
+    """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values on ``codec``'s wire."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
-    pad = C * (1 if dtype == "fp32" else SPARSE_BLOCK if dtype == "sparse" else F * BLOCK)
+    pad = codec.padding(F, C)
     out = []
     for f in range(F):
         t, R = Traffic(), layout.replicas_of(f)
         for n in buckets:
             chunk = math.ceil(n / pad) * pad // C
-            if dtype == "sparse":  # an all-gather of every group's top-k
-                t.add(FL, "all_gather", F * sparse_bytes(chunk, *sparse), F)
-            else:
-                for op in ("all_reduce",) if dtype == "fp32" else ("all_to_all", "all_gather"):
-                    t.add(FL, op, chunk * SYNC_VALUE_BYTES[dtype], F)
+            for op, nbytes in codec.wire(chunk, F):
+                t.add(FL, op, nbytes, F)
             if R == C:
                 t.add(DP_REPLICATE, "all_gather", 4 * chunk * C, R)
             else:
@@ -261,11 +214,12 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              sync_dtype: str = "fp32", param_bytes: float = 4, grad_bytes: float | None = None,
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
              sync_delay: int = 0, sync_bucket_mb: int = 256, sync_density: float = 1 / 64,
-             sync_value_bits: int = 2) -> CommEstimate:
+             sync_value_bits: int = 2, final_sync: str = "exact") -> CommEstimate:
     """Bytes per rank per step of ``layout`` training ``units`` (ShardUnits or a parameter
     count); sync arguments as FLConfig's; bytes per gathered parameter / reduced gradient;
     A micro-batches; ``ranks_per_node``: the node split; ``total_steps`` T: a T-step run's
-    syncs instead of 1/H per step. ValueError naming the argument."""
+    syncs instead of 1/H per step, the final full sync in fp32 when ``final_sync="exact"``
+    and ``sync_dtype`` is lossy. ValueError naming the argument."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
@@ -291,9 +245,11 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
     if layout.is_federated and F > 1:
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in part for n in u.local_sizes(S)] for part in deal_fragments(units, P)]
-        sparse = (sync_density, sync_value_bits)
-        fragments = [_sync_event(layout, s, sync_dtype, bucket, sparse) for s in sizes]
-        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], sync_dtype, bucket, sparse)
+        codec = make_codec(sync_dtype, density=sync_density, value_bits=sync_value_bits)
+        exact = codec.lossy and final_sync == "exact"
+        fragments = [_sync_event(layout, s, codec, bucket) for s in sizes]
+        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], Fp32Mean() if exact else codec,
+                           bucket)
         weights = [1.0 / H] * P
         if total_steps is not None:
             T = _int("total_steps", total_steps)
@@ -301,8 +257,10 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
             counts = [n // P + (k < n % P) for k in range(P)]
             if tau and rest >= period - tau:
                 counts[n % P] += 1  # launched early; end_training's sync completes it
-            weights = [c / T for c in counts]
             full_weight = 0.0 if P == 1 and rest == 0 else 1.0 / T
+            if exact and not full_weight and n:  # step T's sync is the final one: exact
+                counts[0], full_weight = counts[0] - 1, 1.0 / T
+            weights = [c / T for c in counts]
     return CommEstimate(layout, H, P, sync_dtype, tau, step, fragments, full, weights, full_weight, ranks_per_node,
                         sum(u.numel for u in units))
 
@@ -312,7 +270,7 @@ def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit
     """:func:`estimate` of an FLConfig's layout and sync fields (``kw`` overrides them)."""
     layout = FLLayout.from_config(config, world_size, ranks_per_node)
     names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
-             "sync_value_bits")
+             "sync_value_bits", "final_sync")
     return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 
