@@ -246,7 +246,8 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
          outer_momentum=0.9, extra_flags=("--outer_lr_schedule", "cosine", "--outer_lr_warmup_steps", "64")),
     # issue 21 item 3: top-k 1/64 of every 4096 values, 2-bit values, error feedback (FLConfig defaults)
     dict(id="fl_fsdp-h8-p2-tau2-sparse-ef", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="sparse",
-         error_feedback=True),
+         error_feedback=True, extra_flags=("--sparse_aggregation", "zero_fill", "--error_feedback_decay", "1.0",
+                                           "--final_sync", "compressed")),
     # issue 28 item 5, the decisive grid (rules: GRID_RULES). Is nesterov below FSDP an LR effect?
     dict(id="fsdp-lr1e-3", algorithm="fsdp", extra_flags=("--learning_rate", "1e-3")),
     dict(id="fl_fsdp-h8-nesterov-lr1e-3", sync_every=8, outer_optimizer="nesterov", outer_lr=0.7,
@@ -264,6 +265,16 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
          outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
     dict(id="fl_fsdp-h8-p2-tau2-int8-ef-nesterov", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="int8",
          error_feedback=True, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    # sparse as its authors run it: the mean over the senders, error feedback decayed by 0.95 (the FLConfig
+    # defaults), the exact final sync; with the plain average (SparseLoCo's outer LR 1) and with nesterov
+    dict(id="fl_fsdp-h8-p2-tau2-sparse-ef-senders", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="sparse",
+         error_feedback=True),
+    dict(id="fl_fsdp-h8-p2-tau2-sparse-ef-nesterov", sync_every=8, num_fragments=2, sync_delay=2,
+         sync_dtype="sparse", error_feedback=True, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    # the density 1/16 (4x the bytes), in case 1/64 falls short
+    dict(id="fl_fsdp-h8-p2-tau2-sparse16-ef-nesterov", sync_every=8, num_fragments=2, sync_delay=2,
+         sync_dtype="sparse", error_feedback=True, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+         extra_flags=("--sync_density", "0.0625")),
 )
 GRID_RULES = (
     "Decision rules, fixed before the grid's runs (issue 28): a difference between two rows counts only above "

@@ -755,9 +755,10 @@ def test_compressed_mean_within_two_stage_bound(four, dtype):
 def _check_residuals(recs, num_chunks: int) -> tuple[int, float]:
     """For every launch on every rank: residual_after == (D + residual_before) -
     deQ(Q(D + residual_before)) on this rank's chunk of the packed buffer and 0 outside
-    it, recomputed from the recorded D = anchor - theta with exchange.quantize; within
-    the quantization bound; carried forward to the next launch unchanged."""
-    checked, biggest = 0, 0.0
+    it, recomputed from the recorded D = anchor - theta with the int8 codec; within
+    the quantization bound; carried forward to the next launch unchanged; 0 after the
+    exact final sync (end_training sends D + residual in fp32)."""
+    checked, biggest, exact = 0, 0.0, 0
     for rec in recs:
         chunk = rec["coords"][1] if num_chunks > 1 else 0
         launches = rec["launches"]
@@ -769,6 +770,10 @@ def _check_residuals(recs, num_chunks: int) -> tuple[int, float]:
                     assert torch.equal(r, last_after[i]), "the residual was not carried forward"
                 else:
                     assert not r.any(), "a residual before the first launch must be 0"
+            if la["exact"]:
+                assert not any(r.any() for r in la["residual_after"]), f"rank {rec['rank']}: left after the final sync"
+                exact += 1
+                continue
             values = [(a - t.float()) + r for a, t, r in zip(la["anchor"], la["theta"], la["residual_before"])]
             n = sum(v.numel() for v in values)
             flat = _flat(values, num_chunks * F * BLOCK)
@@ -785,6 +790,7 @@ def _check_residuals(recs, num_chunks: int) -> tuple[int, float]:
             for i, r in zip(la["indices"], la["residual_after"]):
                 last_after[i] = r
             checked += 1
+    assert exact == len(recs), "every rank ends with one exact final sync"
     return checked, biggest
 
 
