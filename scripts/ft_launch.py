@@ -17,7 +17,7 @@ not stop the others: that is the point of the mode. The exit status is the first
 non-zero group status.
 
 On a cluster the same pattern is one Lighthouse job step and one job (or step) per
-group; see the README section "Groups that fail alone (torchft)".
+group; see docs/fault_tolerance.md (examples/torchft_two_groups.sh runs this script).
 
 The functions are used by tests/test_ft.py and the benchmark: :func:`start_lighthouse`,
 :func:`group_env`, :func:`start_group`, :func:`kill_group`.

@@ -66,7 +66,7 @@ LONG_FIRST = ("test_ft.py::test_group_killed_mid_round_heals_from_live_group",  
 """Node-id prefixes (after ``tests/``) of the units that take longest (wall seconds of the
 last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collected first."""
 
-HEAVY_FIRST = ("test_ft", "test_failures", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
+HEAVY_FIRST = ("test_ft", "test_failures", "test_examples", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
                "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
                "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
 """Modules with the longest launches, in the order their tests are collected after

@@ -229,11 +229,12 @@ def test_cli_paper_setting_and_matrix(capsys):
     assert exc.value.code == 2 and "--group-size 3" in capsys.readouterr().err
 
 
-def test_readme_memory_table_is_the_cli_output():
+def test_docs_memory_table_is_the_cli_output():
+    """docs/gpus_and_memory.md's table is what ``python -m scripts.memory_model --matrix`` prints."""
     from scripts import memory_model as cli
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    readme = open(os.path.join(root, "docs", "gpus_and_memory.md"), encoding="utf-8").read()
     rows = cli.matrix(cm.LLAMA_3_1_8B, dict(seq_len=2048, micro_batch=2), 64 * GIB, mm.ALLOCATOR_HEADROOM)
     assert cli.matrix_markdown(rows, 64, mm.ALLOCATOR_HEADROOM) in readme
 

@@ -174,13 +174,13 @@ def _masked(line: str) -> str:
 
 
 @on("fl_fsdp")
-def test_readme_what_you_will_see_matches_a_run(runs):
-    """The README's "What you will see" block (the quickstart's FL+FSDP run) has the same lines,
-    in the same order, as a run prints: compared by each line's kind (numbers, paths and
+def test_docs_what_a_run_prints_matches_a_run(runs):
+    """docs/recipe.md's "What a run prints" block (the quickstart's FL+FSDP run) has the same
+    lines, in the same order, as a run prints: compared by each line's kind (numbers, paths and
     sources differ between the quickstart's 48 steps and this 4-step run)."""
     out, proc = runs("fl_fsdp")
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split("### What you will see", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    page = (REPO_ROOT / "docs" / "recipe.md").read_text()
+    block = page.split("## What a run prints", 1)[1].split("```text", 1)[1].split("```", 1)[0]
 
     def kinds(text):
         seen = []

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Two federation groups that fail alone (FLConfig.fault_tolerance="torchft"), on one machine.
+#
+#   bash examples/torchft_two_groups.sh                       # 2 groups x 2 ranks, 24 steps, H=4
+#   bash examples/torchft_two_groups.sh --max_steps 48 --outer_optimizer nesterov
+#
+# python -m scripts.ft_launch starts a torchft Lighthouse on a free port, then one torchrun
+# per federation group, each its own world with its own --master_port and the variables
+# FL_ACCEL_FAULT_TOLERANCE=torchft, FL_ACCEL_GROUP_INDEX=f and TORCHFT_LIGHTHOUSE, which
+# examples/train_loop.py reads through FLConfig.from_env. Every sync is a torchft quorum of
+# the live groups. Arguments go to examples/train_loop.py.
+#
+# Settings (environment):
+#   NPROC_PER_GROUP  ranks per group (default 2)
+#   MIN_REPLICAS     groups a quorum waits for (default 2: every sync waits for both groups, so
+#                    a group restarted by torchrun heals and rejoins; 1: a live group syncs on
+#                    alone while the other is down)
+#   MAX_RESTARTS     torchrun --max-restarts of each group (default 1: a group whose rank dies
+#                    restarts and heals from the live group at its first sync)
+#   LOG_DIR          where lighthouse.log and group<f>.log go (default logs/torchft_two_groups)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+LOG_DIR=${LOG_DIR:-logs/torchft_two_groups}
+status=0
+python -m scripts.ft_launch --num_groups 2 --nproc_per_group "${NPROC_PER_GROUP:-2}" \
+    --min_replicas "${MIN_REPLICAS:-2}" --max_restarts "${MAX_RESTARTS:-1}" --log_dir "$LOG_DIR" -- \
+    examples/train_loop.py --num_groups 2 --sync_every 4 "$@" || status=$?
+for f in 0 1; do
+  echo "--- group $f ($LOG_DIR/group$f.log)"
+  grep -h '^\[train_loop\]' "$LOG_DIR/group$f.log" || tail -n 20 "$LOG_DIR/group$f.log"
+done
+exit "$status"

@@ -1,0 +1,77 @@
+"""The examples the README sends users to run, run as a user would (short settings).
+
+* examples/train_loop.py (the README's "use it in your own Accelerate loop"): 4 gloo
+  processes, FL+FSDP with 2 groups of 2, H=4, 8 optimizer steps under gradient
+  accumulation. It trains (finite loss, below a uniform guess), syncs twice, carries
+  traffic on the "fl" axis, and after the final sync every shard is equal across the
+  groups.
+* examples/torchft_two_groups.sh (the torchft how-to): a Lighthouse and two torchruns
+  of 2 ranks through ``python -m scripts.ft_launch``, each running examples/train_loop.py
+  in the fault-tolerant mode. Both groups finish their steps, each sync is a quorum of
+  both, and their shards are equal after the final sync.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+
+import pytest
+
+from _launch import REPO_ROOT, launch_env, run_torchrun
+
+EXAMPLE = REPO_ROOT / "examples" / "train_loop.py"
+RESULT = re.compile(r"^\[train_loop\] result (\{.*\})$", re.M)
+STEP = re.compile(r"^\[train_loop\] step (\d+): loss ([0-9.]+)", re.M)
+
+
+def _results(text: str) -> list[dict]:
+    return [json.loads(m) for m in RESULT.findall(text)]
+
+
+def test_train_loop_trains_syncs_and_ends_with_identical_groups():
+    res = run_torchrun(4, EXAMPLE, "--num_groups", "2", "--sync_every", "4", "--max_steps", "8",
+                       "--log_every", "4", timeout=300)
+    assert res.returncode == 0, res.tail()
+    [result] = _results(res.stdout)
+    assert (result["algorithm"], result["num_groups"], result["fault_tolerance"]) == ("fl_fsdp", 2, "none")
+    assert result["steps"] == 8 and result["num_syncs"] == 2, result
+    assert result["loss_finite"] and result["final_loss"] < math.log(256), result  # below a uniform guess
+    losses = {int(s): float(v) for s, v in STEP.findall(res.stdout)}
+    assert sorted(losses) == [4, 8] and losses[8] < losses[4], losses
+    assert result["comm_bytes"]["fl"] > 0 and result["comm_bytes"]["dp_shard"] > 0, result["comm_bytes"]
+    shards = result["shards"]
+    assert sorted((s["group"], s["shard"]) for s in shards) == [(0, 0), (0, 1), (1, 0), (1, 1)], shards
+    for k in (0, 1):  # the same shard in both groups: the same values after the final sync
+        assert len({s["checksum"] for s in shards if s["shard"] == k}) == 1, shards
+    assert result["groups_identical"] is True
+
+
+def test_torchft_example_runs_two_groups_to_the_end(tmp_path):
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    from scripts import ft_launch
+
+    logs = tmp_path / "logs"
+    env = launch_env({"LOG_DIR": str(logs), "MAX_RESTARTS": "0"})
+    proc = subprocess.Popen(["bash", str(REPO_ROOT / "examples" / "torchft_two_groups.sh"), "--max_steps", "4"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            ft_launch.kill_group(proc)
+    group_logs = "\n".join((logs / f"group{f}.log").read_text()[-3000:] for f in range(2)
+                           if (logs / f"group{f}.log").exists())
+    assert proc.returncode == 0 and "group exit statuses: [0, 0]" in out, out + group_logs
+    results = {r["group_index"]: r for r in _results(out)}
+    assert sorted(results) == [0, 1], out
+    for f, r in results.items():
+        assert r["fault_tolerance"] == "torchft" and r["num_groups"] == 2, r
+        assert r["steps"] == 4 and r["num_syncs"] == 1 and r["loss_finite"], r
+        assert r["comm_bytes"]["fl"] > 0, r["comm_bytes"]  # the exchange over torchft's process group
+        assert {s["group"] for s in r["shards"]} == {f}, r["shards"]  # each launch is one group
+    checksums = [{s["shard"]: s["checksum"] for s in results[f]["shards"]} for f in (0, 1)]
+    assert checksums[0] == checksums[1], checksums  # equal after the final sync
