@@ -343,7 +343,7 @@ def test_evaluations_say_what_they_scored():
 
 def test_model_flops_through_the_recipe_match_the_formula_for_an_untied_llama():
     """6 (N - N_emb) + 12 L h d_head T, N counted from the recipe's own model."""
-    from scripts.memory_model import model_flops_per_token
+    from fl_accel.planning.flops import model_flops_per_token
     from recipes.modeling import build_model, embedding_params, model_config
 
     config = model_config("tiny", 256, 8192)

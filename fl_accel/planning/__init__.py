@@ -1,0 +1,1 @@
+"""Analytic predictors: no runtime module imports this package."""
