@@ -426,8 +426,6 @@ def finish(run: Run, recorded: dict) -> dict:
 def write_results(run: Run, results: dict) -> None:
     """all_results.json and curves.png (main process; without matplotlib no curves.png, one
     note instead), end of training, the closing lines."""
-    import importlib.util
-
     from recipes.plots import plot_run_curves
 
     acc, args, fl = run.accelerator, run.args, run.plan.fl
@@ -435,7 +433,9 @@ def write_results(run: Run, results: dict) -> None:
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
-        if importlib.util.find_spec("matplotlib") is None:
+        try:
+            import matplotlib  # noqa: F401  (optional: the recipe trains without it)
+        except ImportError:
             print("[fl_accel] note: matplotlib is not installed: no curves.png (pip install matplotlib draws it)",
                   file=sys.stderr)
         else:
