@@ -2,8 +2,8 @@
 
 The recipe records it in ``all_results.json`` (``host``, read by ``scripts/compare.py``); the
 tests and the benchmark meter their launches with it. Needs psutil, imported when a meter is
-made: importing this module does not need it, and the recipe runs without it (then its
-``host`` entry is null).
+made, not by importing this module (Accelerate depends on psutil, so a training environment
+has it; should it be missing, the recipe records a null ``host``).
 """
 
 from __future__ import annotations

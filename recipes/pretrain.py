@@ -33,7 +33,7 @@ Where things live: recipes/args.py (flags), recipes/run_folder.py (checks before
 collective, the output folder, checkpoints), recipes/inputs.py (data), recipes/modeling.py
 (models, optimizer, export), recipes/metrics.py (time, throughput, MFU, memory, traffic,
 evaluation), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
-the machine meanwhile; needs psutil, else all_results.json's host is null), recipes/plots.py
+the machine meanwhile; psutil, imported lazily), recipes/plots.py
 (curves.png), recipes/testing_hooks.py (the tests' fault injection and block recording,
 switched on from the environment). FLOPs per token and MFU: fl_accel.planning.flops.
 
