@@ -1,8 +1,9 @@
 """Peak accelerator memory per rank, by component and by moment, and whether it fits a GPU.
 
 The command line of the memory model: the model and its method are in
-:mod:`fl_accel.planning.memory` (FLOPs per token and MFU: :mod:`fl_accel.planning.flops`). Defaults: the paper's setting (Llama-3.1-8B, FL+FSDP with G=4, micro-batch
-2 x 2048 tokens, bf16 parameters and fp32 reduce, AdamW, FedAvg) on an A100-64GB::
+:mod:`fl_accel.planning.memory` (FLOPs per token and MFU: :mod:`fl_accel.planning.flops`).
+Defaults: the paper's setting (Llama-3.1-8B, FL+FSDP with G=4, micro-batch 2 x 2048 tokens,
+bf16 parameters and fp32 reduce, AdamW, FedAvg) on an A100-64GB::
 
     python -m scripts.memory_model                                 # the table and the verdict
     python -m scripts.memory_model --matrix                        # paper layouts x checkpointing x avg/nesterov
