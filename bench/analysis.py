@@ -150,7 +150,7 @@ def predict(plan: dict, spec: RunSpec, run: dict, compute_s: float | None) -> di
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from fl_accel.planning import cost as cm
-        from scripts.model_units import units_from_module
+        from fl_accel.planning.units import units_from_module
         from scripts.netemu import parse_rate
 
         vocab = run.get("vocab_size", 8192)

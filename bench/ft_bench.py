@@ -54,7 +54,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from scripts import ft_launch
-from scripts.launch import HostLoad, child_env, free_port, start, terminate, torchrun_argv, wait  # noqa: E402
+from recipes.host_load import HostLoad  # noqa: E402
+from scripts.launch import child_env, free_port, start, terminate, torchrun_argv, wait  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "pretrain.py"
 G = 2  # ranks per group

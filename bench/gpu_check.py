@@ -13,7 +13,7 @@ On a machine with at least one CUDA GPU it
    compile off/on (recipe flags ``--activation_checkpointing`` and ``--compile``);
 3. records per run tokens/s (the last logged window, after compilation), MFU,
    ``peak_accelerator_mb`` (all_results.json) and the memory model's prediction
-   (:func:`scripts.memory_model.estimate` without the CUDA context, which
+   (:func:`fl_accel.planning.memory.estimate` without the CUDA context, which
    ``max_memory_allocated`` does not count; AdamW foreach and fused), in
    ``bench/results/<name>/``: gpu_check.json and table.md.
 
@@ -66,7 +66,7 @@ def recipe_argv(model: str, ac: str, compile_: bool, out: str, cache: str, steps
 
 def predict(model: str, ac: str, seq_len: int, micro_batch: int) -> dict[str, float]:
     """The memory model's peak for one run, in MiB, without the CUDA context, for AdamW foreach and fused."""
-    from scripts.memory_model import estimate
+    from fl_accel.planning.memory import estimate
     from fl_accel.mesh import FLLayout
     from recipes.modeling import PRESETS
 

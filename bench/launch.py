@@ -1,6 +1,6 @@
 """Runs the plan's launches inside the network emulator (scripts/netemu.py).
 
-Every launch is metered: wall seconds, CPU with :class:`scripts.launch.HostLoad`
+Every launch is metered: wall seconds, CPU with :class:`recipes.host_load.HostLoad`
 (this process and everything it started count as ours; the share of the CPUs other
 processes used is the background load), and the bytes each node's NIC sent and received
 (the emulator's veth counters). The records go to ``meta["launches"][<run path>]``.
@@ -16,6 +16,7 @@ import subprocess
 import time
 from typing import Any
 
+from recipes.host_load import HostLoad
 from scripts import launch
 from scripts import netemu
 
@@ -89,7 +90,7 @@ class Runner:
         self._fresh(out_dir)
         log_path = os.path.join(out_dir, "launch.log")
         before = emu.link_bytes()
-        with launch.HostLoad() as load, open(log_path, "w", encoding="utf-8") as log:
+        with HostLoad() as load, open(log_path, "w", encoding="utf-8") as log:
             rc = emu.run_torchrun(args, nproc_per_node=spec.nproc_per_node, master_port=port, env=run_env(self.plan),
                                   timeout=self.plan["run_timeout"], stdout=log, stderr=subprocess.STDOUT)
         self._record(spec.path, load, _wire_delta(before, emu.link_bytes()))
@@ -110,7 +111,7 @@ class Runner:
             return
         procs, logs = [], []
         before = emu.link_bytes()
-        load = launch.HostLoad().start()
+        load = HostLoad().start()
         try:
             for k, (argv, out_dir) in enumerate(jobs):
                 self._fresh(out_dir)
@@ -133,7 +134,7 @@ class Runner:
             if rc != 0 or not os.path.isfile(os.path.join(out_dir, "all_results.json")):
                 raise self._fail(f"{label} (node {k})", rc, os.path.join(out_dir, "launch.log"))
 
-    def _record(self, label: str, load: launch.HostLoad, wire: dict) -> None:
+    def _record(self, label: str, load: HostLoad, wire: dict) -> None:
         self.launches[label] = {"wall_s": load.wall_s, "host": load.as_dict(), "wire": wire}
         bg = load.background_cpu_share
         print(f"[bench] {label}: ended after {load.wall_s:.0f} s"
@@ -235,7 +236,7 @@ def run_local(plan: dict, dry: bool) -> dict:
     last checkpoint (or from step 0 when it has none); its ``launch.log`` is appended to,
     one header per session. A failed row is recorded and the suite goes on with the next
     (the error is raised at the end). Each session's wall time, exit code, the step it
-    resumed from and :class:`scripts.launch.HostLoad` figures go to
+    resumed from and :class:`recipes.host_load.HostLoad` figures go to
     ``<work>/launches.json`` (``{run path: {"sessions": [...]}}``) as soon as it ends.
 
     Returns:
@@ -270,7 +271,7 @@ def run_local(plan: dict, dry: bool) -> dict:
         started = datetime.datetime.now().isoformat(timespec="seconds")
         print(f"[bench] {spec.path}: starting" + (f", resuming from step {resumed}" if resumed else ""), flush=True)
         rc: int | str = "interrupted"
-        load = launch.HostLoad().start()
+        load = HostLoad().start()
         try:
             with open(log_path, "a", encoding="utf-8") as log:
                 log.write(f"=== session {started} (resume from step {resumed}) ===\n"

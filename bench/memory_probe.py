@@ -61,7 +61,7 @@ def _output_dir(argv: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    import recipes.modeling as modeling
+    import recipes.metrics as metrics
     from recipes.pretrain import cli
 
     out = os.path.join(_output_dir(argv), "memory_probe")
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
                 time.sleep(0.005)
 
         threading.Thread(target=sample, daemon=True).start()
-    recipe_peak = modeling.peak_host_mb
+    recipe_peak = metrics.peak_host_mb
 
     def peak_host_mb() -> float:  # the recipe calls it once, right after prepare
         value = recipe_peak()
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
                 state["peak_live"] = state["after_prepare_live"]
         return value
 
-    modeling.peak_host_mb = peak_host_mb
+    metrics.peak_host_mb = peak_host_mb  # recipes/pretrain.py imports it from recipes.metrics in main()
     rc = cli(argv)
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(out, exist_ok=True)

@@ -1,4 +1,4 @@
-"""CPU validation of the memory model (scripts.memory_model) against real recipe runs.
+"""CPU validation of the memory model (fl_accel.planning.memory) against real recipe runs.
 
 Each case trains ``recipes/pretrain.py`` (through ``bench/memory_probe.py``) on 4 gloo
 processes, FL+FSDP F=2 x G=2, H=2, fp32, a Llama of hidden 256 (intermediate 768, 4 heads,
@@ -94,7 +94,7 @@ def measured_mb(m: dict) -> dict:
 
 def predict(m: dict):
     """The model's estimate for a case, on the CPU as the recipe runs there."""
-    from scripts.memory_model import estimate
+    from fl_accel.planning.memory import estimate
     from fl_accel.mesh import FLLayout
 
     layout = FLLayout.equal(RUN["num_groups"], 1, RUN["nproc"] // RUN["num_groups"])
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "memory.json"), "w", encoding="utf-8") as fh:
         json.dump({"tolerance": TOLERANCE, "rows": rows}, fh, indent=1)
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as fh:
-        fh.write(f"CPU validation of scripts.memory_model (bench/memory_validation.py): 4 gloo ranks, FL+FSDP "
+        fh.write(f"CPU validation of fl_accel.planning.memory (bench/memory_validation.py): 4 gloo ranks, FL+FSDP "
                  f"F=2 x G=2, fp32, hidden 256, vocab 8192, seq_len {RUN['seq_len']}, micro-batch "
                  f"{RUN['micro_batch_size']}, {RUN['steps']} steps. MiB; measured = the largest rank's growth after "
                  f"prepare; predicted = the model's peak minus the parameters. malloc 'mmap' = "

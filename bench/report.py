@@ -1,4 +1,4 @@
-"""The benchmark's results folder: table.md (tabulate), plots (scripts.plots), raw run files,
+"""The benchmark's results folder: table.md (tabulate), plots (recipes.plots), raw run files,
 machine.json, command.txt, bench.json, and an offline W&B run.
 
 The report states figures only; bench/README.md says how to read them against the goals.
@@ -17,7 +17,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from scripts import plots
+from recipes import plots
 from fl_accel.mesh import AXES
 
 from bench.analysis import MIB, analyze
@@ -90,7 +90,7 @@ def write_table(plan: dict, res: dict, machine: dict, meta: dict, path: str) -> 
           "perplexity at that link and world size, limit rows excluded: " + "; ".join(
               f"{link}: " + ", ".join(f"{w} proc {t:,.1f}" for w, t in sorted(b["ppl_target"].items()))
               for link, b in res["main"].items()) + ". `background CPU`: share of all CPUs other processes kept "
-          "busy during the launch (scripts.launch.HostLoad); (!) above 5%: step times are inflated by other work.",
+          "busy during the launch (recipes.host_load.HostLoad); (!) above 5%: step times are inflated by other work.",
           ""]
 
     L += ["## Bytes: per axis (rank 0, training) and on the wire (per node, whole launch)", ""]

@@ -14,7 +14,7 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
 * **Throughput**: tokens/s = training tokens / ``train_seconds`` (whole run; in a logged
   step: since the previous logged step), per process = / world size.
 * **MFU** = ``model_flops_per_token`` x tokens/s per process / peak FLOPS
-  (:mod:`scripts.memory_model`: torchtitan's 6 (N - N_emb) + 12 L h d_head T; the peak from
+  (:mod:`fl_accel.planning.flops`: torchtitan's 6 (N - N_emb) + 12 L h d_head T; the peak from
   ``--peak_tflops`` or the CUDA device's name; null when unknown, e.g. on CPU).
 * **Memory** (MiB = 2**20 bytes): ``peak_host_mb`` the largest peak RSS of any rank over the
   whole run (``ru_maxrss``), ``peak_host_mb_after_prepare`` the same right after
@@ -312,7 +312,7 @@ class Meter:
                                                    self.buckets)
 
     def mfu(self, tokens_per_s_per_process: float | None) -> float | None:
-        from scripts.memory_model import mfu
+        from fl_accel.planning.flops import mfu
 
         return mfu(self.flops_per_token, tokens_per_s_per_process, self.peak_tflops) \
             if tokens_per_s_per_process else None

@@ -60,13 +60,6 @@ def check_model(model: str, seq_len: int) -> None:
         raise RecipeError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings {limit}")
 
 
-def check_seq_len(model: str, seq_len: int) -> None:
-    """A preset's ``max_position_embeddings`` bounds ``--seq_len`` (kept for callers; see check_model)."""
-    if model in PRESETS and seq_len > PRESETS[model]["max_position_embeddings"]:
-        raise RecipeError(f"--seq_len {seq_len} exceeds the model's max_position_embeddings "
-                          f"{PRESETS[model]['max_position_embeddings']}")
-
-
 def _load_config(model: str):
     from .data import DataError, load_model_config
 
@@ -154,13 +147,6 @@ def build_model(config, init_device: str):
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     return AutoModelForCausalLM.from_config(config)
-
-
-def peak_host_mb() -> float:
-    """This process's peak resident memory so far, in MiB (``ru_maxrss``, KiB on Linux)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def export_final_model(model, config, tokenizer, path: str, is_main_process: bool) -> None:

@@ -26,14 +26,20 @@ Run it (from the repository root; the embedded Shakespeare corpus needs no netwo
 Every FLConfig field is a flag (``python recipes/pretrain.py --help``), a YAML key under
 ``fl:`` and an ``FL_ACCEL_<FIELD>`` variable. Outputs in --output_dir: metrics.jsonl (one
 JSON record per log/eval step, the whole history), all_results.json (whole-run figures,
-explained in recipes/metrics.py), curves.png, checkpoints/step_N, final_model/
-(save_pretrained), the offline W&B run under wandb/.
+explained in recipes/metrics.py), curves.png (recipes/plots.py; when matplotlib is installed),
+checkpoints/step_N, final_model/ (save_pretrained), the offline W&B run under wandb/.
 
 Where things live: recipes/args.py (flags), recipes/run_folder.py (checks before any
 collective, the output folder, checkpoints), recipes/inputs.py (data), recipes/modeling.py
 (models, optimizer, export), recipes/metrics.py (time, throughput, MFU, memory, traffic,
-evaluation), recipes/banner.py (the start-up banner), recipes/testing_hooks.py (the tests'
-fault injection and block recording, switched on from the environment).
+evaluation), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
+the machine meanwhile; psutil, imported lazily), recipes/plots.py
+(curves.png), recipes/testing_hooks.py (the tests' fault injection and block recording,
+switched on from the environment). FLOPs per token and MFU: fl_accel.planning.flops.
+
+Run as a file, Python puts recipes/ (not the repository root) first on the module search
+path: the recipe imports its siblings as ``recipes.x`` from the installed repository
+(``pip install -e .``); it never edits the search path.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ import sys
 import time
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script (accelerate launch / torchrun / python recipes/pretrain.py)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:  # run as a file (accelerate launch / torchrun / python recipes/pretrain.py), the package is found
+    import recipes  # noqa: F401  because it is installed (the module docstring)
+except ModuleNotFoundError as exc:
+    raise SystemExit("[fl_accel] error: recipes/pretrain.py imports its package 'recipes', which is not installed: "
+                     "run `pip install -e .` in the repository root") from exc
 
 from recipes.args import RecipeError  # noqa: E402,F401  (re-exported)
 from recipes.inputs import main_first  # noqa: E402,F401  (re-exported: tests/workers/api_worker.py)
@@ -64,12 +73,15 @@ def main(argv=None) -> dict:
         RecipeError (a ValueError): bad input, on every rank before any collective where it
             can be found without one.
     """
+    from recipes.host_load import HostLoad
     from recipes.metrics import launch_seconds
     from recipes.run_folder import plan_run
-    from scripts.launch import HostLoad
 
     t0, launched = time.perf_counter(), launch_seconds()
-    host = HostLoad(pid=os.getppid() if "LOCAL_RANK" in os.environ else None).start()  # CPU load of this session
+    try:  # CPU load of this session; psutil is optional (without it all_results.json's host is null)
+        host = HostLoad(pid=os.getppid() if "LOCAL_RANK" in os.environ else None).start()
+    except ModuleNotFoundError:
+        host = None
     plan = plan_run(argv, t0=t0)
     args, fl, layout = plan.args, plan.fl, plan.layout
     for key, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("HF_UPDATE_DOWNLOAD_COUNTS", "0")):
@@ -80,7 +92,7 @@ def main(argv=None) -> dict:
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from scripts.memory_model import model_flops_per_token, peak_tflops
+    from fl_accel.planning.flops import model_flops_per_token, peak_tflops
     from recipes import testing_hooks
     from recipes.banner import banner_lines
     from recipes.inputs import batches, build_data, steps_per_epoch
@@ -163,7 +175,7 @@ def main(argv=None) -> dict:
                                "model_type": config.model_type, "mixed_precision": plan.mixed_precision})
     results["session"] = {"resumed_from_step": completed_steps, "steps": meter.completed_steps - completed_steps,
                           "launch_seconds": launched, "wall_seconds": sum(clock.session.values()), **clock.session}
-    results["host"] = host.stop()
+    results["host"] = host.stop() if host is not None else None
     if accelerator.fault_tolerant:
         results["fault_tolerance"] = fault_tolerance_results(accelerator, meter)
     write_results(run, results)
@@ -414,19 +426,28 @@ def finish(run: Run, recorded: dict) -> dict:
 
 
 def write_results(run: Run, results: dict) -> None:
-    """all_results.json and curves.png (main process), end of training, the closing lines."""
-    from scripts.plots import plot_run_curves
+    """all_results.json and curves.png (main process; without matplotlib no curves.png, one
+    note instead), end of training, the closing lines."""
+    from recipes.plots import plot_run_curves
 
     acc, args, fl = run.accelerator, run.args, run.plan.fl
+    curves = False
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
-        try:  # the whole history, also after a resume
-            plot_run_curves(read_metrics(run.metrics_path), os.path.join(args.output_dir, "curves.png"),
-                            f"{run.plan.run_name} ({args.model})", sync_every=fl.sync_every if fl.is_federated
-                            else None, num_fragments=fl.num_fragments)
-        except Exception as exc:  # a plot must never fail a training run
-            print(f"[fl_accel] could not draw curves.png: {exc}", file=sys.stderr)
+        try:
+            import matplotlib  # noqa: F401  (optional: the recipe trains without it)
+        except ImportError:
+            print("[fl_accel] note: matplotlib is not installed: no curves.png (pip install matplotlib draws it)",
+                  file=sys.stderr)
+        else:
+            try:  # the whole history, also after a resume
+                plot_run_curves(read_metrics(run.metrics_path), os.path.join(args.output_dir, "curves.png"),
+                                f"{run.plan.run_name} ({args.model})", sync_every=fl.sync_every if fl.is_federated
+                                else None, num_fragments=fl.num_fragments)
+                curves = True
+            except Exception as exc:  # a plot must never fail a training run
+                print(f"[fl_accel] could not draw curves.png: {exc}", file=sys.stderr)
     acc.end_training()
     if acc.is_main_process:
         wandb_dir = os.path.join(args.output_dir, "wandb")
@@ -434,7 +455,8 @@ def write_results(run: Run, results: dict) -> None:
         print(f"[fl_accel] done: eval perplexity {results['eval_perplexity']:.2f} (loss {results['eval_loss']:.4f}) "
               f"after {results['steps']} steps, {results['tokens_per_s'] or 0:.0f} tokens/s"
               + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "") + "\n"
-              f"[fl_accel] results: {os.path.join(args.output_dir, 'all_results.json')}, metrics.jsonl, curves.png"
+              f"[fl_accel] results: {os.path.join(args.output_dir, 'all_results.json')}, metrics.jsonl"
+              + (", curves.png" if curves else "")
               + (", final_model/" if args.save_final_model else "")
               + (f"\n[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
                  if args.report_to == "wandb" else ""))

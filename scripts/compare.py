@@ -22,7 +22,7 @@ written before they existed show "-"), ``precision_policy`` (``{"param", "reduce
     results["host"] = {"background_cpu_share": float, "cpus": int}
 
 the share of all CPUs that other processes kept busy during the run, as measured by
-``scripts.launch.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
+``recipes.host_load.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
 other work, and the throughput comparison is unreliable.
 
 Exit status: 0, or 2 with one ``error:`` line when the folder is missing or holds no runs.
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(text)
     print(text)
     if not args.no_plot:
-        from scripts.plots import plot_comparison
+        from recipes.plots import plot_comparison
 
         png = plot_comparison(runs, os.path.join(args.root, "comparison.png"),
                               os.path.basename(os.path.normpath(args.root)))

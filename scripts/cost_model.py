@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from fl_accel.planning.cost import GB, _int, estimate, predict_step_time, units_from_param_count
 from fl_accel.mesh import FLLayout
-from scripts.model_units import LLAMA_3_1_8B, llama_units
+from fl_accel.planning.units import LLAMA_3_1_8B, llama_units
 
 
 def _fail(message: Any):

@@ -218,7 +218,7 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
 
     monkeypatch.setattr(fl_accel.planning, "cost", fake, raising=False)
     monkeypatch.setitem(sys.modules, "fl_accel.planning.cost", fake)
-    monkeypatch.setitem(sys.modules, "scripts.model_units", types.SimpleNamespace(units_from_module=lambda m: ["unit"]))
+    monkeypatch.setitem(sys.modules, "fl_accel.planning.units", types.SimpleNamespace(units_from_module=lambda m: ["unit"]))
     monkeypatch.setattr(analysis, "_UNITS", {})  # the stand-in units must not stay cached for later tests
     plan = _plan("--suite", "streaming", "--rates", "10mbit")
     spec = _rows(plan, "10mbit")["fl_fsdp-p2-tau2-int8-ef"]

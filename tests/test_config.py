@@ -483,6 +483,31 @@ def test_outer_lr_schedule_values_and_its_missing_length():
         OuterState(params, FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine")).lr_at(8)
 
 
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_multiplier_equals_transformers_schedules(schedule):
+    """fl_accel.outer.lr_multiplier is transformers' get_scheduler multiplier, bit for bit
+    ("constant" is its "constant_with_warmup"), at every index of several lengths and warmups,
+    past the end too; unknown names and a decay without its length raise ValueError."""
+    transformers = pytest.importorskip("transformers")
+    from fl_accel.outer import lr_multiplier
+
+    name = "constant_with_warmup" if schedule == "constant" else schedule
+    for warmup, total in ((0, 1), (0, 10), (1, 10), (3, 10), (7, 8), (10, 1000), (0, 97)):
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        theirs = transformers.get_scheduler(name, probe, num_warmup_steps=warmup,
+                                            num_training_steps=total).lr_lambdas[0]
+        for index in range(total + 5):
+            ours = lr_multiplier(schedule, index, warmup_steps=warmup, total_steps=total)
+            assert isinstance(ours, float) and ours == float(theirs(index)), (warmup, total, index)
+    with pytest.raises(ValueError, match="unknown"):
+        lr_multiplier("cosine_with_restarts", 0, total_steps=4)
+    if schedule != "constant":
+        with pytest.raises(ValueError, match="total_steps"):
+            lr_multiplier(schedule, 0, warmup_steps=1)
+    else:
+        assert lr_multiplier("constant", 5, warmup_steps=2) == 1.0  # needs no length
+
+
 def test_a_defaulted_hsdp_shard_size_leaving_one_replica_names_the_field_and_the_flag():
     """fl_hsdp on one 4-rank node without hsdp_shard_size: S=2 per group of 2 leaves R=1; the
     note says so and names both the FLConfig field and the recipe's flag that give 2 replicas."""

@@ -13,7 +13,7 @@ from fl_accel import FLConfig
 from fl_accel.planning import cost as cm
 from fl_accel import codecs
 from scripts import cost_model as cost_cli
-from scripts import model_units as mu
+from fl_accel.planning import units as mu
 from fl_accel.comm import ring_bytes as measured_ring_bytes
 from fl_accel.mesh import FLLayout
 
@@ -400,7 +400,7 @@ import transformers
 from fl_accel.comm import CommMeter, CommStats
 from fl_accel.mesh import FLLayout
 from fl_accel.planning import cost as cm
-from scripts import model_units as mu
+from fl_accel.planning import units as mu
 
 dist.init_process_group("gloo")
 rank, N = dist.get_rank(), dist.get_world_size()

@@ -1,5 +1,5 @@
-"""scripts.launch: argv, environment, process groups, timeouts, CPU metering (no torch needed
-except the one real torchrun launch)."""
+"""scripts.launch: argv, environment, process groups, timeouts; recipes.host_load: CPU metering
+(no torch needed except the one real torchrun launch)."""
 
 import os
 import socket
@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from recipes.host_load import HostLoad
 from scripts import launch
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
@@ -103,7 +104,7 @@ def test_hostload_counts_our_tree_and_sees_other_processes():
                                                  f"subprocess.run([sys.executable, '-c', {BURN.format(s=0.6)!r}])\n"
                                                  "print('done', flush=True); time.sleep(300)"],
                           stdout=subprocess.PIPE)
-    load = launch.HostLoad(pid=parent.pid).start()
+    load = HostLoad(pid=parent.pid).start()
     outsider = launch.start([sys.executable, "-c", BURN.format(s=0.6)])
     p_out = psutil.Process(outsider.pid)
     out_cpu = 0.0
@@ -124,12 +125,12 @@ def test_hostload_counts_our_tree_and_sees_other_processes():
 
 
 def test_hostload_default_tree_is_this_process_and_its_reaped_children():
-    with launch.HostLoad() as load:
+    with HostLoad() as load:
         assert launch.run([sys.executable, "-c", BURN.format(s=0.5)], timeout=60).ok
     assert load.own_cpu_s >= 0.45 and load.wall_s > 0 and load.background_cpu_share is not None
     assert set(load.as_dict()) >= {"background_cpu_share", "cpus"}
     with pytest.raises(RuntimeError, match="start"):
-        launch.HostLoad().sample()
+        HostLoad().sample()
 
 
 def test_run_torchrun_retries_on_a_taken_port(monkeypatch):

@@ -1,11 +1,11 @@
-"""scripts.plots: real matplotlib figures (Agg), inspected before they are closed."""
+"""recipes.plots: real matplotlib figures (Agg), inspected before they are closed."""
 
 import subprocess
 import sys
 
 import pytest
 
-from scripts import plots
+from recipes import plots
 
 pytest.importorskip("matplotlib")
 
@@ -40,7 +40,7 @@ def _records(scale=1.0, groups=0, scored=None):
 
 
 def test_import_is_lazy():
-    out = subprocess.run([sys.executable, "-c", "import sys, scripts.plots; print('matplotlib' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, recipes.plots; print('matplotlib' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -299,7 +299,7 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
 
     from fl_accel import FLConfig
     from fl_accel.planning.cost import estimate_from_config
-    from scripts.model_units import units_from_module
+    from fl_accel.planning.units import units_from_module
 
     out, proc = runs(algorithm)
     assert proc.returncode == 0, proc.stderr[-4000:]

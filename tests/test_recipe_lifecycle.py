@@ -138,7 +138,7 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     assert scored == [(2, "synchronized", "before the sync"), (4, "synchronized", "before the sync"),
                       (6, "synchronized", "after the final sync")], scored
 
-    from scripts.plots import plot_run_curves
+    from recipes.plots import plot_run_curves
 
     redrawn = tmp_path / "redrawn.png"
     plot_run_curves(records, redrawn, f"{b['run_name']} (tiny)", sync_every=2, num_fragments=1)

@@ -336,7 +336,7 @@ def test_fl_bytes_at_a_sync_equal_the_equal_layout_and_cost_model(six, four):
     * fl_accel.planning.cost.estimate of [2, 4] predicts the busiest rank's figure (shard 0)
       to the byte (the meter floors each call to whole bytes)."""
     from fl_accel.planning.cost import estimate
-    from scripts.model_units import units_from_module
+    from fl_accel.planning.units import units_from_module
 
     recs, equal = by_coord(six("size")), by_coord(four("equal"))
     world_flags = 13  # 2 (N-1)/N x 4 bytes x F flags, the non-finite check, on "world"

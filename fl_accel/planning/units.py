@@ -1,7 +1,8 @@
 """FSDP units of a model as shapes, without torch (the input of :func:`fl_accel.planning.cost.estimate`
-and of :mod:`scripts.memory_model`): a Llama from its config (shapes as transformers'
-``modeling_llama.py``), or any module as accelerate 1.15 ``fsdp2_prepare_model`` wraps it.
-Used by the CLIs, the bench's analysis and the tests; the library only needs :class:`ShardUnit`.
+and of :func:`fl_accel.planning.memory.estimate`): a Llama from its config (shapes as
+transformers' ``modeling_llama.py``), or any module as accelerate 1.15 ``fsdp2_prepare_model``
+wraps it. Used by the planning models, the CLIs, the bench's analysis and the tests; the
+library's runtime only needs :class:`fl_accel.planning.cost.ShardUnit`.
 """
 
 from __future__ import annotations
@@ -12,19 +13,35 @@ from typing import Any, Mapping, Sequence
 from fl_accel.planning.cost import ShardUnit, _int
 
 
-def _cfg(config: Any, name: str, default: Any = None) -> Any:
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """Field ``name`` of a model config: a mapping's key or an object's attribute (a
+    ``transformers`` config); ``default`` when it is absent or None. Never raises."""
     value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
     return default if value is None else value
 
 
 def llama_units(config: Any, reshard_after_forward: bool = True) -> list[ShardUnit]:
-    """:func:`units_from_module` of ``LlamaForCausalLM(config)`` (a LlamaConfig or mapping)
-    without torch; ValueError naming a missing or non-positive field."""
-    V, H, I, L, nh = (_int(f"config.{k}", _cfg(config, k)) for k in (
+    """:func:`units_from_module` of ``LlamaForCausalLM(config)`` without torch.
+
+    Args:
+        config: a LlamaConfig or mapping: ``vocab_size``, ``hidden_size``, ``intermediate_size``,
+            ``num_hidden_layers``, ``num_attention_heads``; optional ``num_key_value_heads``,
+            ``head_dim``, ``attention_bias``, ``mlp_bias``, ``tie_word_embeddings``.
+        reshard_after_forward: of the decoder layers (the tail is never resharded).
+
+    Returns:
+        The units in FSDP order: ``embed`` (untied only), ``model.layers.{i}``, ``tail``
+        (final norm and output embedding; first when tied), each with its parameter shapes.
+
+    Raises:
+        ValueError: naming a missing or non-positive field.
+    """
+    V, H, I, L, nh = (_int(f"config.{k}", config_value(config, k)) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
-    nkv = _int("config.num_key_value_heads", _cfg(config, "num_key_value_heads", nh))
-    hd = _int("config.head_dim", _cfg(config, "head_dim", H // nh))
-    q, kv, ab, mb = nh * hd, nkv * hd, bool(_cfg(config, "attention_bias")), bool(_cfg(config, "mlp_bias"))
+    nkv = _int("config.num_key_value_heads", config_value(config, "num_key_value_heads", nh))
+    hd = _int("config.head_dim", config_value(config, "head_dim", H // nh))
+    ab, mb = bool(config_value(config, "attention_bias")), bool(config_value(config, "mlp_bias"))
+    q, kv = nh * hd, nkv * hd
     linears = [(q, H, ab), (kv, H, ab), (kv, H, ab), (H, q, ab), (I, H, mb), (I, H, mb), (H, I, mb)]
     layer = [s for o, i, b in linears for s in [(o, i)] + [(o,)] * b] + [(H,), (H,)]  # weight, bias; 2 norms
 
@@ -32,7 +49,7 @@ def llama_units(config: Any, reshard_after_forward: bool = True) -> list[ShardUn
         return ShardUnit(name, sum(map(math.prod, shapes)), reshard, tuple(shapes))
 
     layers = [unit(f"model.layers.{i}", layer, reshard_after_forward) for i in range(L)]
-    if _cfg(config, "tie_word_embeddings", False):  # tail [norm, embed = lm_head] sits where embed is
+    if config_value(config, "tie_word_embeddings", False):  # tail [norm, embed = lm_head] sits where embed is
         return [unit("tail", [(H,), (V, H)], False)] + layers
     return [unit("embed", [(V, H)], reshard_after_forward)] + layers + [unit("tail", [(H,), (V, H)], False)]
 
@@ -81,6 +98,6 @@ def units_from_module(model: Any, wrap_cls_names: Sequence[str] | None = None,
     return [u for _, u in sorted(units, key=lambda ku: ku[0])]
 
 
-# Llama-3.1-8B's config.json: 8,030,261,248 parameters
 LLAMA_3_1_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
+"""Llama-3.1-8B's config.json shapes (8,030,261,248 parameters): the paper's model."""

@@ -2,7 +2,8 @@
 and the benchmark's figures.
 
 matplotlib is imported inside the functions (Agg backend, no display needed), so
-importing this module costs nothing. Axes with token counts or rates use engineering
+importing this module costs nothing and needs no matplotlib: a training run without
+matplotlib skips its ``curves.png`` (recipes/pretrain.py). Axes with token counts or rates use engineering
 notation (``160k``, ``2.5k``). Runs with identical numbers must not hide each other:
 every series gets its own colour, marker and line style, hollow markers alternate with
 filled ones, and bar charts print their values.

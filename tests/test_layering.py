@@ -1,0 +1,178 @@
+"""Imports go one way: bench/, tests/ -> scripts/ -> recipes/ -> fl_accel/ (no processes, no torch).
+
+Every ``.py`` under fl_accel/, recipes/, scripts/ and bench/ is parsed with :mod:`ast`; every
+``import`` / ``from ... import`` in it (at any depth: inside functions too, relative ones
+resolved against the file's package) is checked against:
+
+* the layers: fl_accel imports nothing of recipes/scripts/bench/tests; recipes only fl_accel
+  and recipes; scripts only fl_accel, recipes and scripts; bench anything but tests;
+* the planning package: no runtime module of the library (everything outside
+  :data:`PLANNING`) imports a planning module. The analytic predictors describe the runtime;
+  the runtime does not run on them. :data:`KNOWN_RUNTIME_TO_PLANNING` lists the offenders
+  of today, which must shrink to empty;
+* the library's third-party imports: only its declared dependencies (pyproject.toml).
+
+The checker is :func:`violations`; ``test_the_checker_reports_planted_wrong_imports`` shows
+it catches what it should on a package tree written for the purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("fl_accel", "recipes", "scripts", "bench")
+"""The folders checked (``tests`` is a layer too, one nothing else may import)."""
+ALLOWED = {
+    "fl_accel": {"fl_accel"},
+    "recipes": {"fl_accel", "recipes"},
+    "scripts": {"fl_accel", "recipes", "scripts"},
+    "bench": {"fl_accel", "recipes", "scripts", "bench"},
+}
+"""Layer -> the first-party top-level packages its modules may import."""
+PLANNING = ("fl_accel.planning",)
+"""The library's analytic predictors (cost, memory and FLOPs models): no runtime module imports them."""
+KNOWN_RUNTIME_TO_PLANNING: set[str] = set()
+"""Runtime modules allowed to import a planning module: none. (The wire constants and helpers
+the cost model shares live in runtime modules, fl_accel.codecs, comm, exchange and schedule,
+which the planning models import.) An entry that no longer offends fails the test."""
+LIBRARY_THIRD_PARTY = {"torch", "accelerate", "yaml", "torchft"}
+"""What fl_accel may import besides the standard library: pyproject.toml's dependencies
+(torch, accelerate, PyYAML) and the ``ft`` extra (torchft, imported only in fault-tolerant
+mode). Not transformers: the recipe's dependency, not the library's."""
+
+
+def module_name(path: Path, root: Path) -> str:
+    """Dotted name of the module at ``path`` (a package's ``__init__.py``: the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path) -> set[str]:
+    """Absolute names of everything ``path`` imports: ``import a.b`` gives "a.b"; ``from a
+    import b`` gives "a" and "a.b" (b may be a submodule); relative imports are resolved."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                base_parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return {m for m in out if m}
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def violations(root: Path, known_runtime_to_planning=frozenset()) -> list[str]:
+    """Every import under ``root``'s layer folders that breaks a rule, one line each
+    ("<module> imports <module>: <rule>"), sorted; [] when the tree is clean.
+
+    Args:
+        root: a repository root holding (some of) fl_accel/, recipes/, scripts/, bench/.
+        known_runtime_to_planning: runtime modules excused from the planning rule; each
+            must still offend, else "... is no offender any more" is reported.
+    """
+    found, offenders = set(), set()
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            importer = module_name(path, root)
+            runtime = layer == "fl_accel" and not _under(importer, PLANNING)
+            for target in imported_modules(path, root):
+                top = target.split(".")[0]
+                if top in ALLOWED or top == "tests":
+                    if top not in ALLOWED[layer]:
+                        found.add(f"{importer} imports {target}: {layer} may import only {sorted(ALLOWED[layer])}")
+                elif layer == "fl_accel" and top not in LIBRARY_THIRD_PARTY and top not in sys.stdlib_module_names:
+                    found.add(f"{importer} imports {target}: not a dependency of the library")
+                if runtime and _under(target, PLANNING):
+                    offenders.add(importer)
+                    if importer not in known_runtime_to_planning:
+                        found.add(f"{importer} imports {target}: a runtime module imports the planning package")
+    found.update(f"{m} is no offender any more: remove it from KNOWN_RUNTIME_TO_PLANNING"
+                 for m in set(known_runtime_to_planning) - offenders)
+    return sorted(found)
+
+
+def test_the_repository_keeps_the_import_directions():
+    assert violations(REPO_ROOT, KNOWN_RUNTIME_TO_PLANNING) == []
+
+
+def test_the_known_runtime_to_planning_imports_are_exactly_those_offenders():
+    """Without the allow-list, exactly its modules are reported (so it lists today's
+    offenders and nothing else)."""
+    reported = {line.split(" ")[0] for line in violations(REPO_ROOT) if "planning package" in line}
+    assert reported == KNOWN_RUNTIME_TO_PLANNING
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def test_the_checker_reports_planted_wrong_imports(tmp_path):
+    """A package tree with one wrong import of each kind (absolute, relative, inside a
+    function, a submodule named in ``from``), next to allowed ones: exactly the wrong ones
+    are reported; an excused runtime module that no longer offends is reported too."""
+    _write(tmp_path, {
+        "fl_accel/__init__.py": "from .mesh import FLLayout\n",
+        "fl_accel/mesh.py": "import math\nimport torch\nFLLayout = None\n",
+        "fl_accel/bad_layer.py": "def f():\n    from recipes.modeling import PRESETS\n",
+        "fl_accel/bad_third_party.py": "from transformers import get_scheduler\n",
+        "fl_accel/runtime.py": "from .planning import memory\n",
+        "fl_accel/runtime_ok.py": "from . import mesh\n",
+        "fl_accel/planning/__init__.py": '"""Analytic predictors."""\n',
+        "fl_accel/planning/memory.py": "from ..mesh import FLLayout\nfrom fl_accel.planning.units import x\n",
+        "fl_accel/planning/units.py": "x = 1\n",
+        "recipes/__init__.py": "",
+        "recipes/pretrain.py": "import fl_accel\nfrom recipes import modeling\nfrom scripts.launch import run\n",
+        "recipes/modeling.py": "from . import pretrain\nimport matplotlib\n",
+        "scripts/__init__.py": "",
+        "scripts/cli.py": "from recipes import modeling\nfrom bench import plan\n",
+        "bench/__init__.py": "",
+        "bench/plan.py": "import scripts.cli\nfrom tests import _launch\n",
+    })
+    assert violations(tmp_path, {"fl_accel.runtime_ok"}) == sorted([
+        "bench.plan imports tests._launch: bench may import only ['bench', 'fl_accel', 'recipes', 'scripts']",
+        "bench.plan imports tests: bench may import only ['bench', 'fl_accel', 'recipes', 'scripts']",
+        "fl_accel.bad_layer imports recipes.modeling.PRESETS: fl_accel may import only ['fl_accel']",
+        "fl_accel.bad_layer imports recipes.modeling: fl_accel may import only ['fl_accel']",
+        "fl_accel.bad_third_party imports transformers.get_scheduler: not a dependency of the library",
+        "fl_accel.bad_third_party imports transformers: not a dependency of the library",
+        "fl_accel.runtime imports fl_accel.planning.memory: a runtime module imports the planning package",
+        "fl_accel.runtime imports fl_accel.planning: a runtime module imports the planning package",
+        "fl_accel.runtime_ok is no offender any more: remove it from KNOWN_RUNTIME_TO_PLANNING",
+        "recipes.pretrain imports scripts.launch.run: recipes may import only ['fl_accel', 'recipes']",
+        "recipes.pretrain imports scripts.launch: recipes may import only ['fl_accel', 'recipes']",
+        "scripts.cli imports bench.plan: scripts may import only ['fl_accel', 'recipes', 'scripts']",
+        "scripts.cli imports bench: scripts may import only ['fl_accel', 'recipes', 'scripts']",
+    ])
+    assert violations(tmp_path, {"fl_accel.runtime"}) == [
+        line for line in violations(tmp_path) if not line.startswith("fl_accel.runtime ")]
+
+
+@pytest.mark.parametrize("rel, level, module, want", [
+    ("fl_accel/sync.py", 1, "cost_model", "fl_accel.cost_model"),
+    ("fl_accel/__init__.py", 1, "config", "fl_accel.config"),
+    ("fl_accel/planning/memory.py", 2, "mesh", "fl_accel.mesh"),
+    ("fl_accel/planning/__init__.py", 2, None, "fl_accel"),
+])
+def test_relative_imports_resolve_against_the_package(tmp_path, rel, level, module, want):
+    """``from .x`` in a module is a sibling, in an ``__init__.py`` a child; ``..`` goes up."""
+    _write(tmp_path, {rel: f"from {'.' * level}{module or ''} import name\n"})
+    assert want in imported_modules(tmp_path / rel, tmp_path)
