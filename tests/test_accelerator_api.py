@@ -279,7 +279,7 @@ def test_a_new_flconfig_field_is_a_flag_a_yaml_key_and_an_env_variable(tmp_path)
     the YAML's 'fl:' section and from FL_ACCEL_<FIELD>, with the usual precedence."""
     from recipes.args import parse_args
 
-    @dataclasses.dataclass
+    @dataclasses.dataclass(frozen=True)  # FLConfig is frozen, and so is a dataclass extending it
     class Extended(FLConfig):
         gossip_rounds: int = 3
         """A new setting."""
