@@ -258,7 +258,8 @@ class FLConfig:
         return dataclasses.replace(self, outer_lr_decay_steps=max_steps)
 
     uses_hsdp = property(lambda self: mesh.uses_hsdp(self.algorithm), doc='True for "hsdp" and "fl_hsdp".')
-    is_federated = property(lambda self: mesh.is_federated(self.algorithm), doc='True for "fl_fsdp", "fl_hsdp".')
+    is_federated = property(lambda self: mesh.is_federated(self.algorithm),
+                            doc='True for "fl_fsdp", "fl_hsdp" (:func:`fl_accel.mesh.is_federated`, the one test).')
 
     fragmented = property(lambda self: self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0,
                           doc="P > 1, tau > 0 or alpha > 0.")
@@ -276,11 +277,11 @@ class FLConfig:
 
     def sync_state(self, num_groups: int) -> dict[str, Any]:
         """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
-        federated = num_groups > 1
-        return {"outer_optimizer": self.outer_optimizer if federated else "avg",
-                "sync_dtype": self.sync_dtype if federated else "fp32",
-                "error_feedback": bool(self.error_feedback and self.compressed and federated),
-                "num_fragments": self.num_fragments if federated else 1}
+        syncs = num_groups > 1  # F > 1 groups exchange something (one group keeps no sync state)
+        return {"outer_optimizer": self.outer_optimizer if syncs else "avg",
+                "sync_dtype": self.sync_dtype if syncs else "fp32",
+                "error_feedback": bool(self.error_feedback and self.compressed and syncs),
+                "num_fragments": self.num_fragments if syncs else 1}
 
     def _ignored(self) -> dict[str, tuple[str, str]]:
         """The one rule of what is ignored: field -> (mark, why), whatever the field's value; the

@@ -214,6 +214,31 @@ def test_with_max_steps_fills_the_outer_lr_decay_in_a_copy():
         c.with_max_steps(0)
 
 
+def test_for_launch_is_the_one_launch_rule():
+    """FLLayout.for_launch (FLAccelerator's and the recipe's): the launch's world, or with torchft
+    this launch is one group of F equal ones (world x F); launch_part is the launch's own world."""
+    plain = FLConfig()
+    layout = FLLayout.for_launch(plain, 4)
+    assert layout == FLLayout.from_config(plain, 4) and layout.launch_part(plain) is layout
+    ft = FLConfig(fault_tolerance="torchft", group_index=1, num_groups=3)
+    layout = FLLayout.for_launch(ft, 2)
+    assert layout.group_sizes == (2, 2, 2) and layout.launch_part(ft) == FLLayout((2,), 2, "fsdp")
+    hsdp = FLConfig(algorithm="fl_hsdp", fault_tolerance="torchft", group_index=0, hsdp_shard_size=2)
+    assert FLLayout.for_launch(hsdp, 4).launch_part(hsdp) == FLLayout((4,), 2, "hsdp")
+    with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 3"):
+        FLLayout.for_launch(plain, 3)
+
+
+def test_world_size_from_env_is_the_one_reader():
+    from fl_accel.mesh import ranks_per_node, world_size_from_env
+
+    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "8"}) == 8
+    assert ranks_per_node(8, {}) == 8 and ranks_per_node(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    for bad in ("x", "0", "-2"):
+        with pytest.raises(ValueError, match=f"WORLD_SIZE={bad!r} must be a positive integer"):
+            world_size_from_env({"WORLD_SIZE": bad})
+
+
 def test_single_process_error_names_the_fix():
     with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 1: .*a single process \\(no "
                                          "launcher\\) is one group: num_groups=1"):
