@@ -25,6 +25,7 @@ import os
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -42,22 +43,77 @@ from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node
 from .sync import FederatedSynchronizer
 
 
+FP16_REASON = ("fp16 needs a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one "
+               "federation group only: the groups' step counters then diverge and the sync's collectives mismatch "
+               "until they time out")
+
+
+def _said(requested_by: str | Callable[[], str]) -> str:
+    return requested_by() if callable(requested_by) else requested_by
+
+
+def refuse_fp16(precision: str | None, requested_by: str | Callable[[], str]) -> None:
+    """The one fp16 refusal (FLAccelerator's and the recipe's). Raises ValueError when
+    ``precision`` is "fp16", naming ``requested_by`` (where the setting came from, or a function
+    saying it, called only then) and the fix."""
+    if str(precision or "no").lower() == "fp16":
+        raise ValueError(f"fl_accel does not support fp16, requested by {_said(requested_by)}: use bf16 or 'no' "
+                         f"there ({FP16_REASON})")
+
+
+def refuse_whole_model_compile(compiles: bool, regional: bool, requested_by: str | Callable[[], str]) -> None:
+    """The one whole-model-compile refusal (FLAccelerator's and the recipe's). Raises
+    ValueError when ``compiles`` without ``regional`` compilation, naming ``requested_by`` (as
+    :func:`refuse_fp16`): a whole-model ``torch.compile`` returns an OptimizedModule that
+    bypasses FSDP2's hooks."""
+    if compiles and not regional:
+        raise ValueError(f"{_said(requested_by)} compiles the whole model, but fl_accel compiles regionally only (a "
+                         f"whole-model torch.compile returns an OptimizedModule that bypasses FSDP2's hooks): set "
+                         f"use_regional_compilation=True (TorchDynamoPlugin; in the Accelerate config "
+                         f"dynamo_use_regional_compilation: true, each decoder layer is compiled in place)")
+
+
+def mixed_precision_policy(mixed_precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy of a ``mixed_precision``: "bf16" gives bf16 parameters and compute with
+    gradients reduced in ``reduce_dtype`` ("fp32" or "bf16") and no output cast (the loss stays
+    fp32); anything else None (fp32). ValueError: another ``reduce_dtype``."""
+    if reduce_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"reduce_dtype must be 'fp32' or 'bf16', got {reduce_dtype!r}")
+    if mixed_precision != "bf16":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.float32 if reduce_dtype == "fp32" else torch.bfloat16)
+
+
+def fsdp2_plugin(mixed_precision: str | None = None, reduce_dtype: str = "fp32",
+                 activation_checkpointing: bool | None = None) -> FullyShardedDataParallelPlugin:
+    """The one FSDP2 plugin fl_accel builds: ``fsdp_version=2``, the auto-wrap policy of
+    ``FSDP_AUTO_WRAP_POLICY`` (default "transformer_based_wrap"), the precision policy of
+    ``mixed_precision`` (:func:`mixed_precision_policy`; None: left for FLAccelerator to set
+    from its own ``mixed_precision``) and ``activation_checkpointing`` (None: the
+    ``FSDP_ACTIVATION_CHECKPOINTING`` that ``accelerate launch`` exports; the other
+    ``FSDP_*`` variables too). ValueError: a bad ``reduce_dtype``."""
+    policy = mixed_precision_policy(mixed_precision, reduce_dtype) if mixed_precision is not None else None
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=activation_checkpointing, mixed_precision_policy=policy,
+        auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+
+
 def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
     """ValueError, on every rank before any process group: fp16, a whole-model compile, CPU
     offload with a federated algorithm."""
     precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
-    if str(precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower() == "fp16":
-        raise ValueError(
-            "FLAccelerator does not support mixed_precision='fp16'; use mixed_precision='bf16' (or 'no'). fp16 needs "
-            "a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one federation group "
-            "only: the groups' step counters then diverge and the sync's collectives mismatch until they time out.")
+    if precision is not None:
+        refuse_fp16(precision, f"mixed_precision={str(precision)!r}")
+    else:
+        refuse_fp16(os.environ.get("ACCELERATE_MIXED_PRECISION"), f"mixed_precision='fp16' (ACCELERATE_MIXED_PRECISION,"
+                                                                   f" set by accelerate launch)")
     backend = kwargs.get("dynamo_backend")
     dynamo = TorchDynamoPlugin(backend=backend) if backend is not None else \
         kwargs.get("dynamo_plugin") or TorchDynamoPlugin()  # as Accelerator.__init__, env included
-    if dynamo.backend != DynamoBackend.NO and not dynamo.use_regional_compilation:
-        raise ValueError("FLAccelerator compiles regionally only: a whole-model torch.compile returns an "
-                         "OptimizedModule that bypasses FSDP2's hooks. Set use_regional_compilation=True "
-                         "(TorchDynamoPlugin, or dynamo_use_regional_compilation in the Accelerate config).")
+    refuse_whole_model_compile(dynamo.backend != DynamoBackend.NO, dynamo.use_regional_compilation,
+                               lambda: f"the dynamo backend {dynamo.backend.value.lower()!r} (FLAccelerator's "
+                                       f"dynamo_backend / dynamo_plugin, or ACCELERATE_DYNAMO_BACKEND)")
     plugin = kwargs.get("fsdp_plugin")
     offload = getattr(plugin, "cpu_offload", None) if plugin is not None else \
         os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("true", "1")
@@ -74,12 +130,9 @@ def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
     state = acc.state
     plugin = plugin or getattr(state, "fsdp_plugin", None)
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
-        # Reads the FSDP_* environment variables `accelerate launch` sets for the rest.
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+        plugin = fsdp2_plugin()  # reads the FSDP_* environment variables `accelerate launch` sets
     if user_policy is None:
-        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if acc.mixed_precision == "bf16" else None
+        plugin.mixed_precision_policy = mixed_precision_policy(acc.mixed_precision)
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -103,16 +156,12 @@ class FLAccelerator(Accelerator):
         if not isinstance(fl_config, FLConfig):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
         world = world_size_from_env()
-        self.fl_config = fl_config.validate()
+        self.fl_config = fl_config  # frozen and validated at construction; the layout is checked next
         self.fault_tolerant = fl_config.fault_tolerance == "torchft"
-        if self.fault_tolerant:  # this world is one federation group; the layout is the federation's
+        if self.fault_tolerant:
             self._lighthouse = lighthouse_addr(fl_config)
-            self.layout = FLLayout.from_config(fl_config, world * fl_config.federation_size,
-                                               ranks_per_node=ranks_per_node(world))
-            self._mesh_layout = FLLayout((world,), self.layout.shards, "hsdp" if self.layout.uses_hsdp else "fsdp")
-        else:
-            self.layout = FLLayout.from_config(fl_config, world, ranks_per_node=ranks_per_node(world))
-            self._mesh_layout = self.layout
+        self.layout = FLLayout.for_launch(fl_config, world, ranks_per_node=ranks_per_node(world))
+        self._mesh_layout = self.layout.launch_part(fl_config)  # torchft: this world is one federation group
         _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
         accelerate_kwargs.setdefault("cpu", not torch.cuda.is_available())
         timeout = timedelta(seconds=fl_config.collective_timeout_s)
@@ -270,12 +319,18 @@ class FLAccelerator(Accelerator):
     def set_max_steps(self, max_steps: int) -> None:
         """The run's length in optimizer steps: the sync after step ``max_steps`` is the final
         one, so with a lossy ``sync_dtype`` and ``final_sync="exact"`` it is the exact fp32 sync
-        (else :meth:`end_training` adds it). ValueError: not a positive integer; RuntimeError
-        before ``prepare``."""
+        (else :meth:`end_training` adds it); a decaying outer-LR schedule without
+        ``outer_lr_decay_steps`` spans the run (:meth:`FLConfig.with_max_steps`: ``fl_config``,
+        the synchronizer's and its outer state's are replaced by that copy). Raises ValueError:
+        not a positive integer, or the outer-LR warmup not shorter than the run (naming
+        ``FLConfig.outer_lr_warmup_steps``), on every rank alike; RuntimeError before ``prepare``."""
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"set_max_steps needs a positive number of optimizer steps, got {max_steps!r}")
         if self.synchronizer is None:
             raise RuntimeError("set_max_steps needs prepare(model, optimizer) first")
+        config = self.fl_config.with_max_steps(max_steps)
+        if config is not self.fl_config:
+            self.fl_config = self.synchronizer.config = self.synchronizer.outer.config = config
         self.synchronizer.final_step = max_steps
 
     def get_state_dict(self, model, unwrap: bool = True):

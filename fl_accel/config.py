@@ -6,6 +6,9 @@ recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped. The merge and typ
 accepts and refuses the same values with the same words; layout checks live in
 :mod:`fl_accel.mesh`. Every check raises ``ValueError`` naming the field (or variable), in
 pure Python, so every rank raises it before any collective.
+
+An :class:`FLConfig` is frozen and validated once, at construction: a changed copy is made
+with ``dataclasses.replace`` (validated like a new one), e.g. :meth:`FLConfig.with_max_steps`.
 """
 
 from __future__ import annotations
@@ -142,10 +145,12 @@ NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_inde
 checkpoint identity (a run may resume a checkpoint written with other values)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class FLConfig:
     """Settings of the federated sync (paper Sec. 3, Alg. 1), fragments, sync delay, compressed exchange
-    (Streaming DiLoCo, arXiv 2501.18512) and unequal groups. ValueError naming the field, at construction."""
+    (Streaming DiLoCo, arXiv 2501.18512) and unequal groups. Frozen: assigning a field raises
+    ``dataclasses.FrozenInstanceError``; ``dataclasses.replace(config, **changes)`` makes a changed copy.
+    ValueError naming the field, at construction (and so in ``replace``)."""
 
     algorithm: Algorithm = "fl_fsdp"
     """Baselines "fsdp", "hsdp" (one group spans the world); "fl_fsdp", "fl_hsdp" (groups run FSDP/HSDP inside)."""
@@ -219,6 +224,10 @@ class FLConfig:
     """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
 
     def __post_init__(self) -> None:
+        """Validate every field once (:func:`check_fields`); ``group_sizes`` given as a tuple is
+        stored as a list. ValueError naming the field."""
+        if isinstance(self.group_sizes, tuple):
+            object.__setattr__(self, "group_sizes", list(self.group_sizes))
         check_fields(self)
 
     @property
@@ -229,15 +238,28 @@ class FLConfig:
     _explicit = property(lambda self: {f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
     def validate(self, world_size: int | None = None, ranks_per_node: int | None = None) -> "FLConfig":
-        """Check every field and, given ``world_size``, the layout
-        (:meth:`fl_accel.mesh.FLLayout.from_config`). Returns ``self``; ValueError naming the field."""
-        check_fields(self)
+        """Check the layout against ``world_size`` ranks (:meth:`fl_accel.mesh.FLLayout.from_config`;
+        the fields were checked at construction, and a frozen config cannot change since).
+        Returns ``self``; ValueError naming the field (e.g. F not dividing the world)."""
         if world_size is not None:
             mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
         return self
 
+    def with_max_steps(self, max_steps: int) -> "FLConfig":
+        """This config for a run of ``max_steps`` optimizer steps: a decaying outer-LR schedule
+        ("cosine"/"linear") without ``outer_lr_decay_steps`` spans the run (a replaced copy with
+        ``outer_lr_decay_steps=max_steps``); otherwise ``self``. Raises ValueError: ``max_steps``
+        not a positive integer; the warmup not shorter than the run (naming
+        ``FLConfig.outer_lr_warmup_steps`` and ``FLConfig.outer_lr_decay_steps``)."""
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be a positive number of optimizer steps, got {max_steps!r}")
+        if self.outer_lr_schedule == "constant" or self.outer_lr_decay_steps is not None:
+            return self
+        return dataclasses.replace(self, outer_lr_decay_steps=max_steps)
+
     uses_hsdp = property(lambda self: mesh.uses_hsdp(self.algorithm), doc='True for "hsdp" and "fl_hsdp".')
-    is_federated = property(lambda self: mesh.is_federated(self.algorithm), doc='True for "fl_fsdp", "fl_hsdp".')
+    is_federated = property(lambda self: mesh.is_federated(self.algorithm),
+                            doc='True for "fl_fsdp", "fl_hsdp" (:func:`fl_accel.mesh.is_federated`, the one test).')
 
     fragmented = property(lambda self: self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0,
                           doc="P > 1, tau > 0 or alpha > 0.")
@@ -255,32 +277,52 @@ class FLConfig:
 
     def sync_state(self, num_groups: int) -> dict[str, Any]:
         """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
-        federated = num_groups > 1
-        return {"outer_optimizer": self.outer_optimizer if federated else "avg",
-                "sync_dtype": self.sync_dtype if federated else "fp32",
-                "error_feedback": bool(self.error_feedback and self.compressed and federated),
-                "num_fragments": self.num_fragments if federated else 1}
+        syncs = num_groups > 1  # F > 1 groups exchange something (one group keeps no sync state)
+        return {"outer_optimizer": self.outer_optimizer if syncs else "avg",
+                "sync_dtype": self.sync_dtype if syncs else "fp32",
+                "error_feedback": bool(self.error_feedback and self.compressed and syncs),
+                "num_fragments": self.num_fragments if syncs else 1}
+
+    def _ignored(self) -> dict[str, tuple[str, str]]:
+        """The one rule of what is ignored: field -> (mark, why), whatever the field's value; the
+        first rule naming a field gives its reason."""
+        alg, dtype = self.algorithm, self.sync_dtype
+        rules = [  # (names, ignored when, mark, why)
+            ([n for n in self.field_names() if n not in ("algorithm", "hsdp_shard_size", "collective_timeout_s",
+                                                         "fault_tolerance")],
+             not self.is_federated, f"by {alg}", f"by algorithm {alg!r} (one group spans the world)"),
+            (["hsdp_shard_size"], not self.uses_hsdp, f"by {alg}",
+             f"by algorithm {alg!r} (it shards over the whole group)"),
+            (["outer_lr", "outer_momentum", "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps"],
+             self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
+            (["group_index", "lighthouse_addr"], self.fault_tolerance == "none", "outside torchft mode",
+             "with fault_tolerance 'none' (one world)"),
+            (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
+             f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),
+            (["error_feedback", "error_feedback_decay", "final_sync"], not self.compressed,
+             "with sync_dtype 'fp32'", "with sync_dtype 'fp32' (nothing is quantized)"),
+            (["error_feedback_decay"], self.compressed and not self.error_feedback, "without error_feedback",
+             "without error_feedback (no residual to decay)"),
+            (["outer_state_device"], not self.keeps_outer_state, "with outer_optimizer 'avg' and sync_dtype 'fp32'",
+             "with outer_optimizer 'avg' and sync_dtype 'fp32' (the sync keeps no anchor)")]
+        out: dict[str, tuple[str, str]] = {}
+        for names, when, mark, why in rules:
+            if when:
+                for name in names:
+                    out.setdefault(name, (mark, why))
+        return out
+
+    def ignored_fields(self) -> dict[str, str]:
+        """The fields the ``algorithm`` and modes do not read, whatever their value, each with a
+        short reason ("by fsdp", "outside torchft mode"): what the recipe's banner marks."""
+        return {name: mark for name, (mark, _) in self._ignored().items()}
 
     def ignored_settings(self) -> list[str]:
-        """Non-default settings the ``algorithm`` and modes ignore, one sentence each."""
-        explicit, alg = self._explicit, self.algorithm
-        rules = [  # (names, ignored when, why)
-            (sorted(explicit - {"algorithm", "hsdp_shard_size", "collective_timeout_s"}), not self.is_federated,
-             f"by algorithm {alg!r} (one group spans the world)"),
-            (["hsdp_shard_size"], not self.uses_hsdp, f"by algorithm {alg!r} (it shards over the whole group)"),
-            (["outer_lr", "outer_momentum"], self.is_federated and self.outer_optimizer == "avg",
-             "by outer_optimizer 'avg'"),
-            (["group_index", "lighthouse_addr"], self.fault_tolerance == "none",
-             "with fault_tolerance 'none' (one world)"),
-            (["sync_density", "sync_value_bits", "sparse_aggregation"], self.sync_dtype != "sparse",
-             f"with sync_dtype {self.sync_dtype!r} (only 'sparse' uses it)"),
-            (["error_feedback", "error_feedback_decay", "final_sync"], not self.compressed, "with sync_dtype 'fp32' (nothing is quantized)"),
-            (["error_feedback_decay"], self.compressed and not self.error_feedback,
-             "without error_feedback (no residual to decay)"),
-            (["outer_state_device"], self.is_federated and not self.keeps_outer_state,
-             "with outer_optimizer 'avg' and sync_dtype 'fp32' (the sync keeps no anchor)")]
-        return [f"{n}={getattr(self, n)!r} is ignored {why}" for names, when, why in rules if when
-                for n in names if n in explicit]
+        """Non-default settings the ``algorithm`` and modes ignore, one sentence each (the rule of
+        :meth:`ignored_fields`)."""
+        explicit = self._explicit
+        return [f"{n}={getattr(self, n)!r} is ignored {why}" for n, (_, why) in self._ignored().items()
+                if n in explicit]
 
     # ------------------------------------------------------------------ loading
     def to_dict(self) -> dict[str, Any]:
@@ -330,13 +372,11 @@ class FLConfig:
 
 
 def check_fields(cfg: FLConfig) -> None:
-    """Types, ranges and constraints between the fields of ``cfg``, without a world size.
-    Raises ValueError naming the field."""
+    """Types, ranges and constraints between the fields of ``cfg``, without a world size (run
+    once, by ``FLConfig.__post_init__``). Raises ValueError naming the field."""
     hints = _type_hints(type(cfg))
     for f in fields(cfg):
         check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
-    if cfg.group_sizes is not None:
-        cfg.group_sizes = list(cfg.group_sizes)
     for name, ok, what in (*((n, getattr(cfg, n) >= 1, ">= 1") for n in ("num_groups", "sync_every", "num_fragments",
                                                                           "sync_bucket_mb")),
                            ("outer_lr", cfg.outer_lr > 0, "> 0"),

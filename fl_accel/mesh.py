@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
@@ -30,6 +30,9 @@ FSDP_SHARD_DIM = "dp_shard_cp"  # "dp_shard" as accelerate 1.15 fsdp2_prepare_mo
 
 
 def is_federated(algorithm: str) -> bool:
+    """The one test of "federated": the algorithm syncs groups ("fl_fsdp", "fl_hsdp"); the
+    baselines "fsdp" and "hsdp" are one group spanning the world. (``FLConfig.is_federated``
+    and ``FLLayout.is_federated`` ask this; F > 1 is a separate question: how many groups.)"""
     return algorithm.startswith("fl_")
 
 
@@ -129,6 +132,24 @@ class FLLayout:
         else:  # unequal sizes need HSDP (check_group_fields)
             shards = sizes[0]
         return cls(sizes, shards, config.algorithm)
+
+    @classmethod
+    def for_launch(cls, config: Any, launch_world: int, ranks_per_node: int | None = None) -> "FLLayout":
+        """The federation's layout as one launch of ``launch_world`` ranks sees it: the launch's
+        world, or with ``fault_tolerance="torchft"`` (each group is its own launch) F equal groups
+        of ``launch_world`` ranks, ``launch_world x F`` in all. ``ranks_per_node`` (default
+        ``launch_world``) as in :meth:`from_config`. Raises ValueError naming the field, as
+        :meth:`from_config`."""
+        ranks_per_node = ranks_per_node or launch_world
+        world = launch_world * config.federation_size if config.fault_tolerance == "torchft" else launch_world
+        return cls.from_config(config, world, ranks_per_node=ranks_per_node)
+
+    def launch_part(self, config: Any) -> "FLLayout":
+        """The layout of one launch's own world: ``self``, or with ``fault_tolerance="torchft"``
+        one group alone (``group_sizes[group_index]`` ranks, the same S), as "hsdp" or "fsdp"."""
+        if config.fault_tolerance != "torchft":
+            return self
+        return FLLayout((self.group_sizes[config.group_index],), self.shards, "hsdp" if self.uses_hsdp else "fsdp")
 
     num_groups = property(lambda self: len(self.group_sizes), doc="F, federation groups (1 for the baselines).")
     world_size = property(lambda self: sum(self.group_sizes))
@@ -238,12 +259,30 @@ class FLLayout:
                 "shards": self.shards}
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))  # as torchrun / accelerate launch set it
+def _env_int(environ: Mapping[str, str] | None, name: str, default: int) -> int:
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be a positive integer (the launcher sets it)")
+    return value
 
 
-def ranks_per_node(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+def world_size_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """The launched world size: ``WORLD_SIZE`` of ``environ`` (default ``os.environ``), as
+    torchrun / accelerate launch set it; 1 without it (a plain process). The one reader of
+    ``WORLD_SIZE``. ValueError: not a positive integer."""
+    return _env_int(environ, "WORLD_SIZE", 1)
+
+
+def ranks_per_node(world_size: int, environ: Mapping[str, str] | None = None) -> int:
+    """``LOCAL_WORLD_SIZE`` of ``environ`` (default ``os.environ``), else ``world_size`` (one
+    node). ValueError: not a positive integer."""
+    return _env_int(environ, "LOCAL_WORLD_SIZE", world_size)
 
 
 def init_process_group(backend: str, timeout: timedelta) -> None:

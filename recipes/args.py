@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import os
 import re
 import typing
@@ -23,6 +22,7 @@ from typing import Any, Literal
 
 from fl_accel.config import (ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, check_type, read_yaml_mapping,
                              resolve_sources)
+from fl_accel.mesh import world_size_from_env
 
 
 class RecipeError(ValueError):
@@ -167,10 +167,9 @@ def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tu
     Raises:
         RecipeError: an unknown or unparsable ``FL_ACCEL_*`` variable.
     """
-    label = "yaml_source" if "yaml_source" in inspect.signature(resolve_sources).parameters else "source"
     environ = {k: v for k, v in environ.items() if not k.startswith(TEST_ENV_PREFIX)}
     try:
-        return resolve_sources(yaml_values=fl_yaml, environ=environ, cls=fl_cls, **{label: config or "yaml"})
+        return resolve_sources(fl_cls, yaml_values=fl_yaml, yaml_source=config or "yaml", environ=environ)
     except ValueError as exc:
         raise RecipeError(str(exc)) from exc
 
@@ -350,7 +349,10 @@ def _check_group_sizes_sum(flags: dict, fl_defaults: dict, fl_sources: dict, env
         value, source = fl_defaults["group_sizes"], fl_sources.get("group_sizes", "")
     else:
         return
-    world = int(environ.get("WORLD_SIZE", "1"))
+    try:
+        world = world_size_from_env(environ)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value) and sum(value) != world:
         raise RecipeError(f"{_origin('group_sizes', source, fl=True)} {','.join(map(str, value))} sums to {sum(value)} "
                           f"ranks, but {world} were launched (WORLD_SIZE): the group sizes must add up to the number "

@@ -9,46 +9,17 @@ precision policy, activation checkpointing and compile, and the batch arithmetic
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from .args import describe_sources
 from .metrics import weights_text
 
 LETTERS = ("F federation groups of G ranks each; a group is R replicas x S shards (HSDP; R=1: FSDP); "
            "H optimizer steps between syncs; P fragments; a block is seq_len tokens")
 
-FL_ONLY = ("num_groups", "group_sizes", "group_weighting", "sync_every", "num_fragments", "sync_delay",
-           "fragment_update_alpha", "sync_dtype", "error_feedback", "outer_optimizer", "outer_lr", "outer_momentum",
-           "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps", "average_optimizer_state", "on_nonfinite", "sync_bucket_mb", "data_sharding", "anchor_device",
-           "outer_state_device")
-"""FLConfig fields only a federated algorithm reads (both the old and the new name of the
-outer-state placement field, whichever this fl_accel has)."""
-
-
-def ignored_fields(fl) -> dict[str, str]:
-    """The FLConfig fields the configured algorithm and modes do not read, whatever their value,
-    each with why (a leftover ``FL_ACCEL_GROUP_INDEX`` outside torchft mode is one)."""
-    names = {f.name for f in fields(fl)}
-    out = set()
-    if not fl.is_federated:
-        out |= set(FL_ONLY)
-    if not fl.uses_hsdp:
-        out.add("hsdp_shard_size")
-    if fl.outer_optimizer == "avg":
-        out |= {"outer_lr", "outer_momentum", "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps"}
-    if fl.sync_dtype == "fp32":
-        out.add("error_feedback")
-    if fl.outer_optimizer == "avg" and fl.sync_dtype == "fp32":
-        out |= {"anchor_device", "outer_state_device"}
-    why = dict.fromkeys(out & names, f"by {fl.algorithm}")
-    if fl.fault_tolerance != "torchft":
-        why.update(dict.fromkeys({"group_index", "lighthouse_addr"} & names, "outside torchft mode"))
-    return why
-
 
 def fl_line(parsed) -> str:
-    """``FLConfig: name=value (where); ...``, a value the algorithm ignores marked as such."""
-    return f"FLConfig: {'; '.join(describe_sources(parsed, ignored_fields(parsed.fl))) or 'all defaults'}"
+    """``FLConfig: name=value (where); ...``, each value the algorithm and modes ignore marked
+    with why (``FLConfig.ignored_fields``, the library's rule), whatever its value."""
+    return f"FLConfig: {'; '.join(describe_sources(parsed, parsed.fl.ignored_fields())) or 'all defaults'}"
 
 
 def precision_text(policy: dict, mixed: str) -> str:

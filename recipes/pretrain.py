@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     from recipes.inputs import batches, build_data, steps_per_epoch
     from recipes.metrics import Clock, Meter, fl_accel_origin, peak_host_mb
     from recipes.modeling import build_model, build_optimizer, embedding_params, resolve_config
-    from recipes.run_folder import fill_outer_lr_decay, prepare_output_dir, resume
+    from recipes.run_folder import prepare_output_dir, resume, run_length_error
 
     accelerator = build_accelerator(plan)
     prepare_output_dir(accelerator, args)
@@ -120,9 +120,13 @@ def main(argv=None) -> dict:
 
     per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
     max_steps = args.max_steps or args.num_epochs * per_epoch
-    fill_outer_lr_decay(fl, max_steps)
-    if accelerator.synchronizer is not None:
-        accelerator.set_max_steps(max_steps)  # the last step's sync is the final (exact) one
+    try:  # the last step's sync is the final (exact) one; a decaying outer LR without its steps spans the run
+        accelerator.set_max_steps(max_steps)
+    except ValueError as exc:
+        raise run_length_error(exc, max_steps) from exc
+    if accelerator.fl_config is not fl:  # the run's config from here on (results, W&B): the accelerator's
+        plan = dataclasses.replace(plan, parsed=dataclasses.replace(plan.parsed, fl=accelerator.fl_config))
+        fl = plan.fl
     scheduler = accelerator.prepare(get_scheduler(  # FLAccelerator: one scheduler step per optimizer step
         args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
         num_training_steps=max_steps))
@@ -228,25 +232,20 @@ def fault_tolerance_results(accelerator, meter) -> dict:
 
 # =========================================================================== the accelerator
 def build_accelerator(plan):
-    """FLAccelerator with what the plan decided: mixed precision, the FSDP2 precision policy
-    (bf16 parameters and compute, gradients reduced in ``--reduce_dtype``, no output cast:
-    the loss stays fp32), activation checkpointing and regional compilation, all applied by
+    """FLAccelerator with what the plan decided: mixed precision, the library's FSDP2 plugin
+    (:func:`fl_accel.accelerator.fsdp2_plugin`: bf16 parameters and compute, gradients reduced
+    in ``--reduce_dtype``, no output cast: the loss stays fp32), activation checkpointing and
+    regional compilation, all applied by
     Accelerate's own FSDP2 path (``Accelerator._prepare_fsdp2``: checkpointing, then compile,
     then ``fully_shard``)."""
-    import torch
-    from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin, ProjectConfiguration, \
-        TorchDynamoPlugin
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
 
     from fl_accel import FLAccelerator
+    from fl_accel.accelerator import fsdp2_plugin
 
-    args, policy = plan.args, None
-    if plan.mixed_precision == "bf16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-                                      if args.reduce_dtype == "fp32" else torch.bfloat16)
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, activation_checkpointing=plan.activation_checkpointing, mixed_precision_policy=policy,
-        auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+    args = plan.args
+    plugin = fsdp2_plugin(mixed_precision=plan.mixed_precision, reduce_dtype=args.reduce_dtype,
+                          activation_checkpointing=plan.activation_checkpointing)
     extra = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)} \
         if args.compile else {}
     accelerator = FLAccelerator(

@@ -70,10 +70,12 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     parsed = parse_args(argv, environ=environ)
     args, fl = parsed.args, parsed.fl
     check_launcher(environ)
-    world = int(environ.get("WORLD_SIZE", "1"))
+    from fl_accel.mesh import ranks_per_node, world_size_from_env
+
     try:
-        layout = plan_layout(fl, world, int(environ.get("LOCAL_WORLD_SIZE", world)))
-    except RecipeError as exc:
+        world = world_size_from_env(environ)
+        layout = plan_layout(fl, world, ranks_per_node(world, environ))
+    except ValueError as exc:
         raise RecipeError(f"{exc}{source_hint(str(exc), parsed.sources, set(fl.field_names()))}") from exc
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
@@ -85,8 +87,12 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
 
     check_model(args.model, args.seq_len)
     identity = run_identity(args, fl)
-    if args.max_steps:
-        fill_outer_lr_decay(fl, args.max_steps)
+    if args.max_steps:  # a replaced copy: the decay it may fill stays out of the identity, like max_steps
+        try:
+            parsed = dataclasses.replace(parsed, fl=fl.with_max_steps(args.max_steps))
+        except ValueError as exc:
+            raise run_length_error(exc, args.max_steps) from exc
+        fl = parsed.fl
     resume_path = preflight(args, fl, layout, identity)
     mixed = resolve_mixed_precision(args.mixed_precision, environ)
     ac, ac_source = resolve_activation_checkpointing(args, environ)
@@ -95,19 +101,11 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
                    {"activation_checkpointing": ac_source, "compile": compile_source}, t0)
 
 
-def fill_outer_lr_decay(fl, max_steps: int) -> None:
-    """A decaying outer-LR schedule without ``outer_lr_decay_steps`` spans the run's
-    ``max_steps`` (like the inner LR scheduler; left out of the run identity like it).
-
-    Raises:
-        RecipeError: the outer-LR warmup is not shorter than the run.
-    """
-    if fl.outer_lr_schedule != "constant" and fl.outer_lr_decay_steps is None:
-        fl.outer_lr_decay_steps = max_steps
-        try:
-            fl.validate()
-        except ValueError as exc:
-            raise RecipeError(f"{exc}: the run has {max_steps} optimizer steps (--max_steps / --num_epochs)") from exc
+def run_length_error(exc: ValueError, max_steps: int) -> RecipeError:
+    """The RecipeError of ``FLConfig.with_max_steps`` (or ``FLAccelerator.set_max_steps``)
+    refusing a run of ``max_steps``: a decaying outer-LR schedule's warmup is not shorter than
+    the run; it names the flags that set the run's length."""
+    return RecipeError(f"{exc}: the run has {max_steps} optimizer steps (--max_steps / --num_epochs)")
 
 
 # =========================================================================== names and layout
@@ -130,20 +128,19 @@ def default_run_name(layout, fl) -> str:
 
 
 def plan_layout(fl, world: int, ranks_per_node: int | None = None):
-    """The FLLayout for ``world`` ranks, with launch hints in the error.
+    """The federation's FLLayout for a launch of ``world`` ranks
+    (:meth:`fl_accel.mesh.FLLayout.for_launch`, FLAccelerator's), with launch hints in the error.
 
     Raises:
         RecipeError: the layout does not fit the world (naming the field).
     """
     from fl_accel.mesh import FLLayout
 
-    if getattr(fl, "fault_tolerance", "none") == "torchft":  # this launch is one group: F equal groups
-        ranks_per_node, world = ranks_per_node or world, world * fl.federation_size
     try:
-        return FLLayout.from_config(fl, world, ranks_per_node=ranks_per_node or world)
+        return FLLayout.for_launch(fl, world, ranks_per_node=ranks_per_node)
     except ValueError as exc:
         hint = ""
-        if world == 1 and fl.is_federated:
+        if world == 1 and fl.is_federated and fl.fault_tolerance != "torchft":
             hint = (" In the recipe: pass --num_groups 1 or --algorithm fsdp, or "
                     "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
                     "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
@@ -227,12 +224,15 @@ def check_launcher(environ) -> None:
     if version is not None and version.strip() != "2":
         raise RecipeError(f"fl_accel needs FSDP2, got {_where('fsdp_version', 'FSDP_VERSION', environ)}: set "
                           f"fsdp_version: 2 under fsdp_config (accelerate_configs/cpu_4proc.yaml shows a complete one)")
+    from fl_accel.accelerator import refuse_whole_model_compile
+
     backend = environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
     regional = environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False").lower() in ("true", "1")
-    if backend not in ("NO", "") and not regional:
-        raise RecipeError(f"{_where('dynamo_backend', 'ACCELERATE_DYNAMO_BACKEND', environ)} compiles the whole "
-                          f"model, which bypasses FSDP2's hooks: set dynamo_use_regional_compilation: true there "
-                          f"(each decoder layer is compiled in place), or use the recipe's --compile")
+    try:
+        refuse_whole_model_compile(backend not in ("NO", ""), regional,
+                                   lambda: _where('dynamo_backend', 'ACCELERATE_DYNAMO_BACKEND', environ))
+    except ValueError as exc:
+        raise RecipeError(f"{exc}; or use the recipe's --compile") from exc
 
 
 def resolve_mixed_precision(flag: str, environ=None) -> str:
@@ -244,12 +244,14 @@ def resolve_mixed_precision(flag: str, environ=None) -> str:
         RecipeError: fp16 requested by the launcher, naming the Accelerate config key (see
             FLAccelerator: its per-rank loss scaler can skip a step in one federation group only).
     """
+    from fl_accel.accelerator import refuse_fp16
+
     environ = os.environ if environ is None else environ
     launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
-    if launcher == "fp16":
-        raise RecipeError(f"fl_accel does not support fp16, requested by "
-                          f"{_where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ)}: use bf16 or 'no' "
-                          f"there (fp16's loss scaler can skip a step in one federation group only)")
+    try:
+        refuse_fp16(launcher, lambda: _where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ))
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
     if flag != "auto":
         return flag
     if launcher == "bf16":

@@ -117,6 +117,50 @@ def test_prepared_scheduler_steps_once_per_optimizer_step(tmp_path):
         assert rec["sched_lr"] == pytest.approx(0.7)
 
 
+# ====================================================================== the run's length
+SET_MAX_STEPS = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from fl_accel import FLAccelerator, FLConfig
+
+cfg = FLConfig(num_groups=1, outer_optimizer="nesterov", outer_lr_schedule="cosine", outer_lr_warmup_steps=4)
+acc = FLAccelerator(cfg, cpu=True)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2))
+model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+try:
+    acc.set_max_steps(4)
+except ValueError as exc:
+    print("REFUSED", exc)
+assert acc.fl_config is cfg and acc.synchronizer.final_step is None
+acc.set_max_steps(10)
+sync = acc.synchronizer
+assert acc.fl_config.outer_lr_decay_steps == 10 and cfg.outer_lr_decay_steps is None
+assert sync.config is acc.fl_config and sync.outer.config is acc.fl_config and sync.final_step == 10
+print("FILLED", acc.fl_config.outer_lr_decay_steps, sync.outer.lr_at(11))
+acc.end_training()
+"""
+
+
+def test_set_max_steps_fills_the_outer_lr_decay_in_replaced_configs(tmp_path):
+    """One plain process: set_max_steps owns the fill of a decaying outer-LR schedule without
+    outer_lr_decay_steps: the accelerator's, the synchronizer's and the outer state's config
+    become one replaced copy (the caller's stays as built); a warmup as long as the run raises
+    ValueError naming the field, changing nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and not k.startswith("FL_ACCEL_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    res = subprocess.run([sys.executable, "-c", SET_MAX_STEPS], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "REFUSED FLConfig.outer_lr_warmup_steps=4 must be shorter than the run" in res.stdout, res.stdout
+    assert "FILLED 10 0.0" in res.stdout, res.stdout
+
+
 # ====================================================================== GPU-path features, on CPU
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
@@ -276,7 +320,7 @@ def test_a_new_flconfig_field_is_a_flag_a_yaml_key_and_an_env_variable(tmp_path)
     the YAML's 'fl:' section and from FL_ACCEL_<FIELD>, with the usual precedence."""
     from recipes.args import parse_args
 
-    @dataclasses.dataclass
+    @dataclasses.dataclass(frozen=True)  # FLConfig is frozen, and so is a dataclass extending it
     class Extended(FLConfig):
         gossip_rounds: int = 3
         """A new setting."""

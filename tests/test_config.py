@@ -6,6 +6,7 @@ Fast and single-process: no torch.distributed, no launches.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -180,14 +181,62 @@ def test_validate_names_the_field(kwargs, world, field):
         FLConfig(**kwargs).validate(world)
 
 
-def test_construction_validates_and_validate_rechecks_mutations():
-    """__post_init__ rejects bad values at once; a later mutation is caught by validate()."""
+def test_config_is_frozen_and_replaced_copies_are_validated():
+    """FLConfig is validated once, at construction, and frozen: assigning a field raises
+    FrozenInstanceError (the config cannot change behind a check); ``dataclasses.replace``
+    makes a changed copy, validated like a new one (ValueError naming the field)."""
     with pytest.raises(ValueError, match="sync_every"):
         FLConfig(sync_every=0)
     c = FLConfig()
-    c.sync_every = 0
-    with pytest.raises(ValueError, match="sync_every"):
-        c.validate()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.sync_every = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.outer_lr_decay_steps = 10
+    assert c.sync_every == 8
+    with pytest.raises(ValueError, match=r"FLConfig\.sync_every"):
+        dataclasses.replace(c, sync_every=0)
+    d = dataclasses.replace(c, sync_every=16)
+    assert (d.sync_every, c.sync_every) == (16, 8)
+    assert FLConfig(algorithm="fl_hsdp", group_sizes=(2, 4), hsdp_shard_size=2).group_sizes == [2, 4]
+
+
+def test_with_max_steps_fills_the_outer_lr_decay_in_a_copy():
+    """A decaying outer-LR schedule without outer_lr_decay_steps spans the run: a replaced
+    copy, the original untouched; a warmup as long as the run raises ValueError naming the
+    field; nothing to fill returns the config itself."""
+    c = FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine", outer_lr_warmup_steps=8)
+    filled = c.with_max_steps(40)
+    assert (filled.outer_lr_decay_steps, c.outer_lr_decay_steps) == (40, None)
+    assert filled.with_max_steps(100) is filled and FLConfig().with_max_steps(5) == FLConfig()
+    with pytest.raises(ValueError, match=r"outer_lr_warmup_steps=8 must be shorter than the run"):
+        c.with_max_steps(8)
+    with pytest.raises(ValueError, match="max_steps"):
+        c.with_max_steps(0)
+
+
+def test_for_launch_is_the_one_launch_rule():
+    """FLLayout.for_launch (FLAccelerator's and the recipe's): the launch's world, or with torchft
+    this launch is one group of F equal ones (world x F); launch_part is the launch's own world."""
+    plain = FLConfig()
+    layout = FLLayout.for_launch(plain, 4)
+    assert layout == FLLayout.from_config(plain, 4) and layout.launch_part(plain) is layout
+    ft = FLConfig(fault_tolerance="torchft", group_index=1, num_groups=3)
+    layout = FLLayout.for_launch(ft, 2)
+    assert layout.group_sizes == (2, 2, 2) and layout.launch_part(ft) == FLLayout((2,), 2, "fsdp")
+    hsdp = FLConfig(algorithm="fl_hsdp", fault_tolerance="torchft", group_index=0, hsdp_shard_size=2)
+    assert FLLayout.for_launch(hsdp, 4).launch_part(hsdp) == FLLayout((4,), 2, "hsdp")
+    with pytest.raises(ValueError, match="num_groups=2 does not divide the world size 3"):
+        FLLayout.for_launch(plain, 3)
+
+
+def test_world_size_from_env_is_the_one_reader():
+    from fl_accel.mesh import ranks_per_node, world_size_from_env
+
+    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "8"}) == 8
+    assert ranks_per_node(8, {}) == 8 and ranks_per_node(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    for bad in ("x", "0", "-2"):
+        with pytest.raises(ValueError, match=f"WORLD_SIZE={bad!r} must be a positive integer"):
+            world_size_from_env({"WORLD_SIZE": bad})
 
 
 def test_single_process_error_names_the_fix():
@@ -211,6 +260,20 @@ def test_ignored_settings_are_named():
     assert FLConfig(outer_state_device="cpu", outer_optimizer="nesterov").ignored_settings() == []
     assert FLConfig(algorithm="fl_hsdp", hsdp_shard_size=2, sync_dtype="int8", error_feedback=True,
                     outer_optimizer="nesterov", outer_lr=0.5).ignored_settings() == []
+
+
+def test_ignored_fields_and_ignored_settings_are_one_rule():
+    """ignored_fields (the banner's marks, whatever the value) and ignored_settings (the start
+    warnings, non-default values only) come from one rule: every warned setting is a marked field."""
+    marks = FLConfig(algorithm="fsdp").ignored_fields()
+    assert marks["num_groups"] == "by fsdp" and marks["group_index"] == "by fsdp"
+    assert "algorithm" not in marks and "collective_timeout_s" not in marks
+    marks = FLConfig().ignored_fields()
+    assert marks["group_index"] == "outside torchft mode" and marks["outer_lr"] == "by outer_optimizer 'avg'"
+    assert marks["hsdp_shard_size"] == "by fl_fsdp" and "num_groups" not in marks
+    cfg = FLConfig(algorithm="fsdp", num_groups=3, sync_density=0.5, outer_state_device="cpu")
+    notes = cfg.ignored_settings()
+    assert len(notes) == 3 and all(n.split("=")[0] in cfg.ignored_fields() for n in notes)
 
 
 # ====================================================================== YAML and environment

@@ -16,6 +16,7 @@ import os
 import pytest
 
 from _launch import REPO_ROOT, run_torchrun
+from fl_accel.mesh import is_federated
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
@@ -89,7 +90,7 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     assert wandb_runs, os.listdir(os.path.join(out, "wandb"))
     assert os.path.isfile(os.path.join(out, "curves.png"))
     comm = results["comm"]
-    federated = algorithm.startswith("fl_")
+    federated = is_federated(algorithm)
     assert (comm["fl"]["bytes"] > 0) == federated, comm
     # 4 steps, H=3: one sync at step 3 and the final one at step 4.
     assert comm["fl"]["calls"] == (2 if federated else 0), comm

@@ -41,6 +41,7 @@ Measured figures are printed (``pytest -s``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -160,7 +161,7 @@ BAD_CASES = [
     ("density_zero", {"sync_dtype": "sparse", "error_feedback": True, "sync_density": 0.0}, {}, "sync_density"),
     ("density_above_one", {"sync_density": 1.5}, {}, "sync_density"),
     ("sparse_without_error_feedback", {"sync_dtype": "sparse"}, {}, "error_feedback"),
-    # valid when built, broken afterwards: FLAccelerator's own validation must catch it
+    # valid when built, broken by a changed copy: dataclasses.replace validates it like a new one
     ("set_h_not_multiple_of_p", {"sync_every": 6}, {"num_fragments": 4}, "num_fragments"),
     ("set_tau_too_large", {"sync_every": 6, "num_fragments": 2}, {"sync_delay": 3}, "sync_delay"),
     ("set_alpha_above_one", {}, {"fragment_update_alpha": 2.0}, "fragment_update_alpha"),
@@ -879,29 +880,28 @@ def test_save_with_stateless_optimizer_keeps_the_schedule(four):
 # ====================================================================== f. bad values
 @pytest.mark.parametrize("case,fl,changes,field", BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_bad_value_raises_naming_the_field(case, fl, changes, field):
-    """No processes: FLConfig(...) raises ValueError naming the field, or, for a config
-    broken after construction, FLConfig.validate() (what FLAccelerator calls first)."""
+    """No processes: FLConfig(...) raises ValueError naming the field, and so does a copy
+    changed after construction (``dataclasses.replace``: FLConfig is frozen and validates
+    every copy)."""
     if not changes:
         with pytest.raises(ValueError, match=rf"FLConfig\.{field}"):
             FLConfig(**fl)
         return
     config = FLConfig(**fl)
-    for key, value in changes.items():
-        setattr(config, key, value)
     with pytest.raises(ValueError, match=rf"FLConfig\.{field}"):
-        config.validate(world_size=4)
+        dataclasses.replace(config, **changes)
 
 
 def test_bad_values_raise_on_every_rank_before_any_collective(four):
     """In the 4-process launch every rank raises ValueError naming the field for every
     case, before torch.distributed is initialized (so no rank can wait in a collective
-    for one that raised): in FLConfig(...) itself, or in FLAccelerator(config) for a
-    config broken after construction."""
+    for one that raised): in FLConfig(...) itself, or in ``dataclasses.replace`` for a
+    config changed after construction."""
     for case, _, changes, field in BAD_CASES:
         for rank in range(4):
             rec = json.loads((four.out / "bad" / case / f"rank{rank}.json").read_text())
             assert rec["type"] == "ValueError" and f"FLConfig.{field}" in rec["message"], (case, rec)
-            assert rec["stage"] == ("FLAccelerator" if changes else "FLConfig"), (case, rec)
+            assert rec["stage"] == ("replace" if changes else "FLConfig"), (case, rec)
             assert rec["dist_initialized"] is False, (case, rec)
 
 

@@ -40,6 +40,7 @@ Accelerate's singletons are reset, as tests/workers/sync_worker.py does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -70,8 +71,9 @@ def run_bad_cases(cases: list[dict], out: Path, rank: int) -> None:
     before any collective cannot leave another rank waiting).
 
     ``case["fl"]`` is passed to ``FLConfig(...)`` (the dataclass validates in
-    ``__post_init__``); with ``case["set"]`` a valid FLConfig is built, those fields are
-    then overwritten (as a user could) and ``FLAccelerator(config)`` must catch them."""
+    ``__post_init__``); with ``case["set"]`` a valid FLConfig is built and a copy with those
+    fields changed is made (``dataclasses.replace``, which must raise: FLConfig is frozen and
+    validates every copy); a config that passes both goes to ``FLAccelerator(config)``."""
     import torch.distributed as dist
 
     from fl_accel import FLAccelerator, FLConfig
@@ -81,8 +83,9 @@ def run_bad_cases(cases: list[dict], out: Path, rank: int) -> None:
         stage = "FLConfig"
         try:
             config = FLConfig(**case.get("fl", {}))
-            for key, value in case.get("set", {}).items():
-                setattr(config, key, value)
+            if case.get("set"):
+                stage = "replace"
+                config = dataclasses.replace(config, **case["set"])
             stage = "FLAccelerator"
             FLAccelerator(config, cpu=True)
         except Exception as exc:  # noqa: BLE001 (recorded and asserted on by the test)
