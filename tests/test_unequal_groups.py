@@ -150,7 +150,7 @@ def simulate(batches, weights, average, sync_all=None) -> dict:
     """The exact single-process reference: group f trains on the mean loss of its own
     ranks' batches (one SGD step, lr LR_SGD, no momentum); after every H-th step and at
     the end (``end_training``) every group becomes ``average(thetas)`` (parameter by
-    parameter), or ``sync_all(models)`` does the sync."""
+    parameter), or ``sync_all(models, final)`` does the sync (``final``: end_training's)."""
     models = []
     for _ in batches:
         torch.manual_seed(0)
@@ -160,9 +160,9 @@ def simulate(batches, weights, average, sync_all=None) -> dict:
     def params(m):
         return [p.detach().clone() for p in m.parameters()]
 
-    def sync():
+    def sync(final=False):
         if sync_all is not None:
-            return sync_all(models)
+            return sync_all(models, final)
         with torch.no_grad():
             for ps in zip(*(m.parameters() for m in models)):
                 mean = average([p.detach() for p in ps])
@@ -179,7 +179,7 @@ def simulate(batches, weights, average, sync_all=None) -> dict:
         if (t + 1) % H == 0:
             sync()
         hist[t + 1] = [params(m) for m in models]
-    sync()  # end_training: step 7 left the groups apart
+    sync(final=True)  # end_training: step 7 left the groups apart
     hist["final"] = [params(m) for m in models]
     return hist
 
@@ -276,9 +276,10 @@ def test_unequal_groups_equal_exact_simulation_at_every_step(six, scenario, weig
 def test_unequal_groups_sparse_equals_simulation(six):
     """sync_dtype "sparse" + error feedback on [2, 4] (weights 1/3, 2/3; replica 0 of each
     group sends, replica 1 of group 1 receives its chunk by a broadcast): every rank equals
-    a single-process simulation (top-k, 2-bit codes, error feedback and the weighted sum
-    of tests/test_streaming_sync.py) after every step and at the end (<= 1e-6), the groups
-    are identical after each sync, and the uniform weights (1/2, 1/2) miss it."""
+    a single-process simulation (top-k, 2-bit codes, decayed error feedback and the weighted
+    mean over the senders of tests/test_streaming_sync.py; at the end the exact fp32 sync of
+    pseudo-gradient + residual) after every step and at the end (<= 1e-6), the groups are
+    identical after each sync, and the uniform weights (1/2, 1/2) miss it."""
     from test_streaming_sync import sparse_mean
 
     recs = six("sparse")
@@ -287,13 +288,21 @@ def test_unequal_groups_sparse_equals_simulation(six):
     def run(weights):
         state = {}
 
-        def sync_all(models):
+        def sync_all(models, final):
             thetas = [list(m.parameters()) for m in models]
             state.setdefault("anchor", [p.detach().clone() for p in W_init])
             state.setdefault("residual", [[torch.zeros_like(p) for p in W_init] for _ in models])
             idx = list(range(len(W_init)))
             with torch.no_grad():
-                mean = sparse_mean(state["anchor"], thetas, state["residual"], idx, cfg, 2, list(weights))
+                if final and cfg.final_sync == "exact":
+                    res, beta = state["residual"], cfg.residual_decay
+                    mean = [sum(w * (state["anchor"][i] - th[i] + beta * res[g][i])
+                                for g, (w, th) in enumerate(zip(weights, thetas))) for i in idx]
+                    for r in res:
+                        for t in r:
+                            t.zero_()
+                else:
+                    mean = sparse_mean(state["anchor"], thetas, state["residual"], idx, cfg, 2, list(weights))
                 for i in idx:
                     state["anchor"][i] = state["anchor"][i] - mean[i]
                     for th in thetas:
