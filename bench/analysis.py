@@ -1,9 +1,11 @@
 """From run folders to figures: step times, bytes, perplexity, and the cost model's predictions.
 
 Input: the recipe's ``all_results.json`` and ``metrics.jsonl`` of every run, under
-``<root>/<run path>/`` (``bench/work/<name>`` or a results folder's ``raw/``), plus the
-launch records of :mod:`bench.launch` (wall time, background CPU, bytes on the wire).
-Missing runs and fields are skipped, so results written by older versions still read.
+``<root>/<run path>/`` (``root`` = ``bench/work/<name>``), or the same runs in the compact
+form of a committed results folder (``root`` = a :class:`bench.compact.CompactRuns`: its
+bench.json and curves.csv), plus the launch records of :mod:`bench.launch` (wall time,
+background CPU, bytes on the wire). Missing runs and fields are skipped, so results written
+by older versions still read.
 
 Every call into :mod:`fl_accel.planning.cost` is in :func:`predict`.
 """
@@ -15,10 +17,11 @@ import json
 import math
 import os
 import statistics
-from typing import Any
+from typing import Any, Sequence
 
 from fl_accel.mesh import AXES, FLLayout
 
+from bench.compact import CompactRuns
 from bench.plan import LIMIT_SYNC_EVERY, NODES, RunSpec, runs_of, tokens_per_step
 
 MIB = 2**20
@@ -39,6 +42,14 @@ def read_run(path: str) -> dict | None:
             records = [json.loads(line) for line in fh if line.strip()]
     run["records"], run["path"] = records, path
     return run
+
+
+def load_run(root, path: str) -> dict | None:
+    """The run at ``path`` (relative, e.g. ``rate-100mbit/fsdp``) of ``root``: a work folder
+    (:func:`read_run`) or a :class:`~bench.compact.CompactRuns`; None if absent."""
+    if isinstance(root, CompactRuns):
+        return root.get(path)
+    return read_run(os.path.join(root, path))
 
 
 def train_records(run: dict) -> list[dict]:
@@ -219,7 +230,7 @@ def main_row(plan: dict, spec: RunSpec, run: dict, compute_s: float | None, laun
     }
 
 
-def analyze(plan: dict, root: str, launches: dict | None = None) -> dict:
+def analyze(plan: dict, root, launches: dict | None = None) -> dict:
     """All figures of the plan's runs found under ``root``.
 
     Returns:
@@ -231,7 +242,7 @@ def analyze(plan: dict, root: str, launches: dict | None = None) -> dict:
     out: dict[str, Any] = {"calibration": {}, "main": {}, "overhead": None, "prediction_error": None}
     compute: dict[tuple, float] = {}
     for spec in (r for r in runs if r.phase == "calibration"):
-        run = read_run(os.path.join(root, spec.path))
+        run = load_run(root, spec.path)
         if run is None:
             continue
         vals = steady_step_times(run, spec.sync_steps())
@@ -240,7 +251,7 @@ def analyze(plan: dict, root: str, launches: dict | None = None) -> dict:
                                        "mean_s": statistics.fmean(vals), "n_steps": len(vals), "steps": run["steps"],
                                        "tokens_per_s": run.get("tokens_per_s")}
     for spec in (r for r in runs if r.phase == "main"):
-        run = read_run(os.path.join(root, spec.path))
+        run = load_run(root, spec.path)
         if run is None:
             continue
         row = main_row(plan, spec, run, compute.get(spec.config_key()), launches.get(spec.path, {}))
@@ -263,18 +274,18 @@ def analyze(plan: dict, root: str, launches: dict | None = None) -> dict:
         for row in rows.values():
             target = block["ppl_target"].get(row["world"])
             ok = target is not None and not row["limit_row"]
-            row["time_to_target"] = ppl_at_time(read_run(os.path.join(root, row["path"])), target) if ok else None
+            row["time_to_target"] = ppl_at_time(load_run(root, row["path"]), target) if ok else None
     out["overhead"] = overhead(runs, root)
     return out
 
 
-def overhead(runs: list[RunSpec], root: str) -> dict | None:
+def overhead(runs: list[RunSpec], root) -> dict | None:
     """FL+FSDP with sync off against two concurrent FSDP jobs: median step times per
     repetition, pooled, and the spread of the baseline between repetitions."""
     reps = []
     for rep in sorted({r.id.split("-")[0] for r in runs if r.phase == "overhead"}):
-        fl = read_run(os.path.join(root, "overhead", f"{rep}-fl_fsdp"))
-        jobs = [read_run(os.path.join(root, r.path)) for r in runs
+        fl = load_run(root, f"overhead/{rep}-fl_fsdp")
+        jobs = [load_run(root, r.path) for r in runs
                 if r.phase == "overhead" and r.id.startswith(f"{rep}-fsdp-job")]
         if fl is None or not jobs or any(j is None for j in jobs):
             continue
@@ -292,8 +303,6 @@ def overhead(runs: list[RunSpec], root: str) -> dict | None:
 
 
 # ---------------------------------------------------------------------- quality suites
-THROUGHPUT_SOURCES = ("2026-12-01-baselines", "2026-12-01-streaming")
-"""Committed throughput results (bench/results/<name>/bench.json) that time to target reads."""
 LINKS = ("1gbit", "100mbit", "10mbit")
 
 
@@ -322,13 +331,19 @@ def tokens_to_loss(curve: list[dict], target: float) -> float | None:
     """Training tokens at which the eval loss first reaches ``target`` (<=), linear between
     the evaluation before and the first one at or below it; the first evaluation's tokens
     when it is already there; None if the run never gets there."""
+    return x_to_loss(curve, target, "tokens")
+
+
+def x_to_loss(curve: list[dict], target: float, key: str) -> float | None:
+    """:func:`tokens_to_loss` on another axis: the value of ``key`` (``tokens``, ``time_s``)
+    at which the eval loss first reaches ``target``, linear between evaluations."""
     prev = None
     for e in curve:
         if e["loss"] <= target:
             if prev is None or prev["loss"] == e["loss"]:
-                return float(e["tokens"])
+                return float(e[key])
             f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
-            return prev["tokens"] + f * (e["tokens"] - prev["tokens"])
+            return prev[key] + f * (e[key] - prev[key])
         prev = e
     return None
 
@@ -364,9 +379,10 @@ def throughput_key(spec: RunSpec, exact: bool = True) -> tuple:
     return base + ((spec.sync_every, spec.outer_optimizer, tuple(spec.extra_flags)) if fl else (0, "avg", ()))
 
 
-def committed_throughput(results_root: str, sources=THROUGHPUT_SOURCES) -> dict:
-    """Measured tokens/s and calibrated compute time per configuration from committed
-    throughput results.
+def committed_throughput(results_root: str, sources: Sequence[str]) -> dict:
+    """Measured tokens/s and calibrated compute time per configuration from the committed
+    throughput results ``results_root/<source>/bench.json`` of every name in ``sources``
+    (``--throughput-sources``; in that order: the first calibration of a configuration wins).
 
     Returns:
         ``{"measured": {key: {link: [{"tokens_per_s", "source", "background_cpu_share"}]}},
@@ -426,9 +442,14 @@ def link_throughput(plan: dict, spec: RunSpec, committed: dict, links=LINKS) -> 
     return out
 
 
-def run_status(root: str, spec: RunSpec) -> dict:
+def run_status(root, spec: RunSpec) -> dict:
     """``{"state": "finished" | "running or interrupted" | "not started", "step": last
-    logged step}`` of a quality row's folder."""
+    logged step}`` of a quality row's folder (compact runs: finished if kept, else the state
+    saved with them)."""
+    if isinstance(root, CompactRuns):
+        if spec.path in root:
+            return {"state": "finished", "step": root.get(spec.path).get("steps")}
+        return dict(root.status.get(spec.id) or {"state": "not started", "step": 0})
     path = os.path.join(root, spec.path)
     if os.path.isfile(os.path.join(path, "all_results.json")):
         run = read_run(path)
@@ -443,30 +464,94 @@ def run_status(root: str, spec: RunSpec) -> dict:
     return {"state": "not started", "step": 0}
 
 
-def analyze_local(plan: dict, root: str, results_root: str | None = None) -> dict:
-    """The figures of a quality suite from the finished runs under ``root``.
+def fl_bytes(run: dict, spec: RunSpec) -> dict:
+    """Inter-group ("fl") bytes of a quality row, per model parameter.
 
-    Convergence: per row the final eval loss and perplexity, the differences from FSDP
-    and from blocking fp32 FL+FSDP (H=8 avg) in nats and in units of the seed band, the
-    tokens to reach FSDP's eval loss at half its steps (the target), and the time to
-    target on each emulated link (tokens to target / tokens/s, measured and predicted;
-    :func:`link_throughput`). Paper regime: the same per row plus FSDP/FL perplexity
-    ratios at equal tokens (final, and at every evaluation).
+    ``per_sync``: the bytes one federation group's ranks sent on "fl" during training (the
+    ``comm_sum`` counter of the last training record, over all ranks, / F; the final sync at
+    ``end_training`` comes after it and is left out), per parameter (``n_params``), per sync
+    of the whole model (steps / H: with P fragments a sync is the P fragment exchanges of one
+    H-step round). fp32 with F=2 is 4.0 (a ring all-reduce moves 2 (F-1)/F x 4 bytes per
+    value). ``run``: the same for the whole run (all_results.json's ``comm_sum``, the final
+    sync included). ``None`` where the run lacks the counters; 0 for FSDP rows.
+    """
+    if not spec.algorithm.startswith("fl_"):
+        return {"per_sync": 0.0, "run": 0.0}
+    n, steps, groups = run.get("n_params"), run.get("steps"), spec.num_groups
+    train = train_records(run)
+    last = train[-1] if train else {}
+    per_sync = None
+    if n and steps and spec.sync_every and last.get("comm_sum/fl/bytes") is not None:
+        per_sync = last["comm_sum/fl/bytes"] / groups / n / (last["step"] / spec.sync_every)
+    total = ((run.get("comm_sum") or {}).get("fl") or {}).get("bytes")
+    return {"per_sync": per_sync, "run": total / groups / n if total is not None and n else None}
+
+
+def best_fsdp(rows: dict[str, dict]) -> str | None:
+    """The id of the FSDP configuration with the lowest final eval loss (first-seed rows: a
+    second seed repeats a configuration, it is not another one); None without FSDP rows."""
+    fsdp = [r for r in rows.values() if r["algorithm"] == "fsdp" and not r["second_seed"]
+            and r["eval_loss"] is not None]
+    return min(fsdp, key=lambda r: r["eval_loss"])["id"] if fsdp else None
+
+
+def seed_pairs(rows: dict[str, dict], second: int) -> dict[str, tuple[float, float]]:
+    """``{id: (final eval loss, the same of id-seed<second>)}`` for every configuration
+    trained with both seeds (a row ``<id>-seed<second>`` beside ``<id>``)."""
+    suffix = f"-seed{second}"
+    return {r[:-len(suffix)]: (rows[r[:-len(suffix)]]["eval_loss"], rows[r]["eval_loss"]) for r in rows
+            if r.endswith(suffix) and r[:-len(suffix)] in rows}
+
+
+def grid_targets(target: dict | None) -> list[dict]:
+    """The eval-loss targets of the convergence report: FSDP's half-budget loss (when FSDP has
+    finished) and :data:`bench.plan.GRID_TARGETS`. ``[{"key", "label", "loss"}]``; key
+    ``fsdp_half_budget`` or the loss as text ("5.42")."""
+    from bench import plan as bp
+
+    out = []
+    if target and target.get("loss") is not None:
+        out.append({"key": "fsdp_half_budget", "label": f"FSDP's half-budget loss ({target['loss']:.4f})",
+                    "loss": target["loss"]})
+    out += [{"key": f"{t:.2f}", "label": f"{t:.2f}", "loss": t} for t in bp.GRID_TARGETS]
+    return out
+
+
+def analyze_local(plan: dict, root, results_root: str | None = None,
+                  throughput_sources: Sequence[str] | None = None) -> dict:
+    """The figures of a quality suite from the finished runs under ``root`` (a work folder or
+    a results folder's :class:`~bench.compact.CompactRuns`).
+
+    Convergence: per row the final eval loss and perplexity, the differences from FSDP,
+    from the best FSDP configuration (:func:`best_fsdp`) and from blocking fp32 FL+FSDP (H=8
+    avg) in nats and in units of the seed band (every configuration trained with two
+    seeds, :func:`seed_pairs`), whether each difference counts under the grid's rule
+    (``|Δ| > GRID_SIGNIFICANT_NATS``), the tokens to reach each target
+    (:func:`grid_targets`: FSDP's eval loss at half its steps and the fixed losses), the
+    "fl" bytes per parameter (:func:`fl_bytes`), and the time to FSDP's half-budget loss on
+    each emulated link (tokens to target / tokens/s, measured in the committed throughput
+    results named by ``throughput_sources`` (default: ``plan["throughput_sources"]``,
+    none if unset), else predicted; :func:`link_throughput`). Paper regime: the same per
+    row plus FSDP/FL perplexity ratios at equal tokens (final, and at every evaluation).
 
     Returns:
         ``{"suite", "rows": {id: row}, "status": {id: status}, "band": {...}, "target": {...},
-        "throughput_sources": [...], "ratios": {...} (paper regime)}``.
+        "targets": [...], "best_fsdp", "significant_nats", "throughput_sources": [...],
+        "ratios": {...} (paper regime)}``.
     """
     from bench import plan as bp
 
     suite = plan["suites"][0]
     runs = runs_of(plan)
     results_root = results_root or os.path.join(bp.REPO, "bench", "results")
-    committed = committed_throughput(results_root) if suite == "convergence" else None
+    if throughput_sources is None:
+        throughput_sources = plan.get("throughput_sources") or []
+    committed = committed_throughput(results_root, throughput_sources) if suite == "convergence" else None
     rows: dict[str, dict] = {}
     status = {r.id: run_status(root, r) for r in runs}
+    specs = {r.id: r for r in runs}
     for spec in runs:
-        run = read_run(os.path.join(root, spec.path))
+        run = load_run(root, spec.path)
         if run is None:
             continue
         curve = eval_curve(run)
@@ -481,11 +566,10 @@ def analyze_local(plan: dict, root: str, results_root: str | None = None) -> dic
                                                     "lr": r.get("lr")} for r in train],
                          "train_seconds": run.get("train_seconds"), "tokens_per_s_loopback": run.get("tokens_per_s"),
                          "wall_seconds": run.get("wall_seconds"),
-                         "background_cpu_share": (run.get("host") or {}).get("background_cpu_share")}
-    seeded = bp.CONVERGENCE_SEEDED if suite == "convergence" else bp.PAPER_REGIME_SEEDED
+                         "background_cpu_share": (run.get("host") or {}).get("background_cpu_share"),
+                         "fl_bytes_per_param": fl_bytes(run, spec), "n_params": run.get("n_params")}
     second = plan["seed"] + bp.SECOND_SEED_OFFSET
-    pairs = {i: (rows[i]["eval_loss"], rows[f"{i}-seed{second}"]["eval_loss"]) for i in seeded
-             if i in rows and f"{i}-seed{second}" in rows}
+    pairs = seed_pairs(rows, second)
     band = {"pairs": {i: abs(a - b) for i, (a, b) in pairs.items()}, "loss": seed_band(pairs)}
     out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "band": band}
     fsdp_id = bp.CONVERGENCE_FSDP if suite == "convergence" else bp.PAPER_REGIME_FSDP
@@ -496,13 +580,18 @@ def analyze_local(plan: dict, root: str, results_root: str | None = None) -> dic
         target = {"tokens": half, "loss": loss_at_tokens(fsdp["evals"], half), "of": fsdp_id}
     out["target"] = target
     blocking = rows.get(bp.CONVERGENCE_BLOCKING) if suite == "convergence" else None
-    specs = {r.id: r for r in runs}
+    best_id = best_fsdp(rows) if suite == "convergence" else None
+    best = rows.get(best_id) if best_id else None
+    out["best_fsdp"], out["significant_nats"] = best_id, bp.GRID_SIGNIFICANT_NATS
+    out["targets"] = grid_targets(target) if suite == "convergence" else []
     for row in rows.values():
-        for ref, name in ((fsdp, "fsdp"), (blocking, "blocking")):
+        for ref, name in ((fsdp, "fsdp"), (blocking, "blocking"), (best, "best_fsdp")):
             diff = row["eval_loss"] - ref["eval_loss"] if ref is not None else None
             row[f"diff_{name}"] = diff
             row[f"diff_{name}_in_band"] = in_band(diff, band["loss"])
+            row[f"diff_{name}_counts"] = abs(diff) > bp.GRID_SIGNIFICANT_NATS if diff is not None else None
         row["tokens_to_target"] = tokens_to_loss(row["evals"], target["loss"]) if target and target["loss"] else None
+        row["tokens_to"] = {t["key"]: tokens_to_loss(row["evals"], t["loss"]) for t in out["targets"]}
         if committed is not None:
             lt = link_throughput(plan, specs[row["id"]], committed)
             for link, v in lt.items():
@@ -510,7 +599,7 @@ def analyze_local(plan: dict, root: str, results_root: str | None = None) -> dic
                 v["time_to_target_predicted_s"] = time_to_target(row["tokens_to_target"], v["predicted"])
             row["links"] = lt
     if committed is not None:
-        out["throughput_sources"] = [s for s in THROUGHPUT_SOURCES if s not in committed["missing"]]
+        out["throughput_sources"] = [s for s in throughput_sources if s not in committed["missing"]]
     if suite == "paper_regime":
         out["ratios"] = paper_ratios(rows, fsdp_id, second)
     return out

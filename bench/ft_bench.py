@@ -11,7 +11,8 @@ tiny Llama, the same steps, H=4, fp32 "avg", every step logged:
    the restart is a fresh launch); it heals from group 0 at its first sync.
 
 Figures (``table.md``, ``summary.json``, ``tokens_over_time.png`` under
-``bench/results/<name>/``; the runs' all_results.json and metrics.jsonl under ``raw/``):
+``bench/results/<name>/``; every launch's logged records in ``curves.csv``: suite ``ft``, run =
+the launch's folder, e.g. ``failure/restart/group1``; :mod:`bench.compact`):
 
 * tokens/s of the federation: the sum over groups of each group's training tokens / its
   ``train_seconds`` (all_results.json; the single world's own figure);
@@ -35,7 +36,8 @@ timings are noisy (the table records the other processes' CPU share per run)::
 baseline bench (:class:`scripts.netemu.Emulator`, root needed; one group per node, the
 Lighthouse on node 0; the single world as ``torchrun --nnodes 2``), with the baseline
 bench's recipe settings (seq_len 256, micro-batch 4, H=8, fp32 "avg"), the two modes
-alternated ``--repeats`` times; it writes ``link_table.md`` and ``link_summary.json``::
+alternated ``--repeats`` times; it writes ``link_table.md`` and ``link_summary.json`` (which
+holds every run's figures)::
 
     nice -n 15 python -m bench.ft_bench --link 100mbit [--steps 48] [--repeats 3] --name <date>-ft
 """
@@ -53,6 +55,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from bench import compact  # noqa: E402
 from scripts import ft_launch
 from recipes.host_load import HostLoad  # noqa: E402
 from scripts.launch import child_env, free_port, start, terminate, torchrun_argv, wait  # noqa: E402
@@ -60,6 +63,8 @@ from scripts.launch import child_env, free_port, start, terminate, torchrun_argv
 RECIPE = ROOT / "recipes" / "pretrain.py"
 G = 2  # ranks per group
 F = 2  # federation groups
+CURVE_METRICS = ("train/loss", "eval/loss", "eval/perplexity", "unix_time")
+"""What curves.csv keeps of every record (the plot and the outage figures read ``unix_time``)."""
 
 
 def recipe_args(steps: int, out: Path, cache: Path) -> list[str]:
@@ -211,6 +216,25 @@ def plot(fail: dict, summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_curves(dest: Path, root: Path, runs=("single", "torchft", "failure")) -> Path:
+    """Every launch's metrics.jsonl under ``root/<run>/`` (``root``: the work folder) into
+    ``dest/curves.csv`` (:data:`CURVE_METRICS`; group 1's killed launch included)."""
+    rows = []
+    for run in runs:
+        for mpath in sorted((root / run).rglob("metrics.jsonl")):
+            rel = mpath.parent.relative_to(root).as_posix()
+            rows += compact.curve_rows("ft", rel, read_jsonl(mpath), CURVE_METRICS)
+    return Path(compact.write_curves(str(dest / compact.CURVES_FILE), rows))
+
+
+def _date(summary: dict) -> str:
+    """The day the runs were measured: the failure's kill time (UTC), else the recorded date, else today."""
+    kill = (summary.get("events") or {}).get("kill")
+    if kill:
+        return time.strftime("%Y-%m-%d", time.gmtime(kill))
+    return summary.get("date") or time.strftime("%Y-%m-%d")
+
+
 def table(summary: dict, args) -> str:
     s = summary
     share = s["host_other_cpu_share"]
@@ -222,7 +246,7 @@ def table(summary: dict, args) -> str:
         return "n/a" if x is None else fmt.format(x)
 
     return "\n".join([
-        f"# torchft mode: overhead and one failure ({time.strftime('%Y-%m-%d')})",
+        f"# torchft mode: overhead and one failure ({_date(summary)})",
         "",
         f"2 federation groups x 2 ranks, tiny Llama (2.9M parameters), seq_len 64, micro-batch 2, "
         f"{args.steps} steps, H=4, fp32 avg, every step logged. CPU/gloo on one machine, loopback links "
@@ -258,7 +282,8 @@ def table(summary: dict, args) -> str:
         "machines where each group has its own hardware the survivor's rate would not rise, and the federation "
         "would lose about group 1's down time times its share of the tokens/s.",
         "",
-        "Plot: tokens_over_time.png. Raw: raw/ (each launch's all_results.json and metrics.jsonl).",
+        "Plot: tokens_over_time.png. Curves: curves.csv (every launch's logged records: training loss, tokens, "
+        "training seconds, unix time; group 1's killed launch included).",
         "",
     ])
 
@@ -330,7 +355,7 @@ def link_table(summary: dict) -> str:
         return run["host"].get("background_cpu_share", 0)
 
     return "\n".join([
-        f"# torchft mode: overhead on the emulated {s['settings']['link']} link ({time.strftime('%Y-%m-%d')})",
+        f"# torchft mode: overhead on the emulated {s['settings']['link']} link ({_date(summary)})",
         "",
         f"2 emulated nodes (network namespaces, tc tbf {s['settings']['link']} per node and direction; measured "
         f"single TCP stream {s['link']['bits_per_s'] / 1e6:.0f} Mbit/s), one federation group of 2 ranks per node. "
@@ -409,12 +434,8 @@ def link_main(args) -> int:
         if any(r["tokens_per_s"] is None for rs in runs.values() for r in rs):
             raise RuntimeError(f"a run failed: {[(k, r['codes'], r['out']) for k, rs in runs.items() for r in rs]}")
         summary = link_summarize(measured, {k: v for k, v in vars(args).items() if k != "report_only"})
-        raw = dest / "raw-link"
-        raw.mkdir(parents=True, exist_ok=True)
-        for res in work.glob("link-*/**/all_results.json"):
-            rel = res.parent.relative_to(work)
-            (raw / rel).mkdir(parents=True, exist_ok=True)
-            shutil.copy(res, raw / rel / "all_results.json")
+        summary["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+        dest.mkdir(parents=True, exist_ok=True)
     (dest / "link_summary.json").write_text(json.dumps(summary, indent=1))
     (dest / "link_table.md").write_text(link_table(summary))
     print((dest / "link_table.md").read_text())
@@ -433,7 +454,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=360)
     parser.add_argument("--kill_step", type=int, default=40)
     parser.add_argument("--outage_s", type=float, default=20.0)
-    parser.add_argument("--name", default="2026-12-01-ft")
+    parser.add_argument("--name", default=f"{time.strftime('%Y-%m-%d')}-ft",
+                        help="results folder bench/results/<name> (default: <today>-ft)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     parser.add_argument("--report_only", action="store_true", help="rewrite table.md from summary.json")
     parser.add_argument("--link", default=None, help="e.g. 100mbit: the overhead alone on an emulated 2-node link")
@@ -462,20 +484,9 @@ def main(argv=None) -> int:
     summary["settings"] = vars(args)
     summary["bench_seconds"] = time.monotonic() - t0
     dest = ROOT / "bench" / "results" / args.name
-    raw = dest / "raw"
     shutil.rmtree(dest, ignore_errors=True)
-    raw.mkdir(parents=True)
-    for run in ("single", "torchft", "failure"):
-        for res in (work / run).rglob("all_results.json"):
-            rel = res.parent.relative_to(work)
-            (raw / rel).mkdir(parents=True, exist_ok=True)
-            for fname in ("all_results.json", "metrics.jsonl"):
-                if (res.parent / fname).exists():
-                    shutil.copy(res.parent / fname, raw / rel / fname)
-    # group 1's first launch of the failure run was killed: no all_results.json, keep its metrics
-    killed = work / "failure" / "group1" / "metrics.jsonl"
-    (raw / "failure" / "group1").mkdir(parents=True, exist_ok=True)
-    shutil.copy(killed, raw / "failure" / "group1" / "metrics.jsonl")
+    dest.mkdir(parents=True)
+    write_curves(dest, work)  # group 1's killed first launch has metrics.jsonl only: it is included
     (dest / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(fail, summary, dest / "tokens_over_time.png")
     (dest / "table.md").write_text(table(summary, args))

@@ -13,7 +13,7 @@ memory follows the bytes in use, as an accelerator's ``memory_allocated`` does).
 AdamW). The report lists both and the error.
 
     python -m bench.memory_validation                       # measure (about 6 min a case on 2 cores) and report
-    python -m bench.memory_validation --report-only --name 2026-12-02-memory   # re-predict from the measurements
+    python -m bench.memory_validation --report-only --name <date>-memory   # re-predict from the measurements
 
 Output: bench/results/<name>/measurements.json (the raw records), memory.json (the
 measurements with the model's prediction and error), table.md.

@@ -135,8 +135,9 @@ class RunSpec:
 
     @property
     def path(self) -> str:
-        """Folder of the run relative to the work (or raw results) folder; a quality suite's
-        rows sit at the top (its work folder holds that suite only)."""
+        """Folder of the run relative to the work folder, and its key in a results folder's
+        curves.csv and bench.json ``runs``; a quality suite's rows sit at the top (its work
+        folder holds that suite only)."""
         if self.local:
             return self.id
         where = {"calibration": "calibration", "overhead": "overhead"}.get(self.phase) or f"rate-{self.link}"
@@ -407,8 +408,27 @@ def build_parser(prog: str = "python -m bench.run_bench"):
     p.add_argument("--run-timeout", type=float, default=None, help="seconds before one launch is killed")
     p.add_argument("--dry-run", action="store_true", help="print the plan and every command, run nothing")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing; rebuild the report from bench/work/<name>, else bench/results/<name>/raw")
+                   help="run nothing; rebuild the report from bench/work/<name>, else from the committed "
+                        "bench/results/<name>/ (bench.json and curves.csv)")
+    p.add_argument("--throughput-sources", default=None,
+                   help="convergence suite: comma list of throughput results folders under --results-root (their "
+                        "bench.json) whose measured tokens/s and calibrated compute times give the time to target "
+                        "per link, e.g. <date>-baselines,<date>-streaming; none: the cost model's figures only. "
+                        "--report-only: default the folder's own")
     return p
+
+
+def parse_sources(text: str) -> list[str]:
+    """``--throughput-sources``: folder names, comma-separated.
+
+    Raises:
+        BenchError: a name that is not a plain folder name.
+    """
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if not re.fullmatch(r"[A-Za-z0-9._-]+", n) or n in (".", "..")]
+    if bad:
+        raise BenchError(f"--throughput-sources: {bad} are not results folder names")
+    return names
 
 
 def parse_suites(text: str) -> list[str]:
@@ -444,6 +464,8 @@ def make_plan(args) -> dict:
     for flag in ("eval_every", "checkpoint_every"):
         if getattr(args, flag) is not None:
             raise BenchError(f"--{flag.replace('_', '-')} applies to the quality suites (convergence, paper-regime)")
+    if args.throughput_sources is not None:
+        raise BenchError("--throughput-sources applies to the convergence suite")
     base = SMOKE if args.smoke else FULL
     s = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     for key, value in s.items():
@@ -533,6 +555,9 @@ def _make_local_plan(args, suite: str) -> dict:
              cache_dir=os.path.abspath(args.cache_dir or os.path.join(args.work_root, "cache")),
              command=" ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"] + sys.argv[1:]))
     s["run_timeout"] = args.run_timeout or (600.0 + 60.0 * (s["steps"] or 200))
+    if args.throughput_sources is not None and suite != "convergence":
+        raise BenchError("--throughput-sources applies to the convergence suite")
+    s["throughput_sources"] = parse_sources(args.throughput_sources) if args.throughput_sources else None
     runs = local_runs(s)
     only = [x.strip() for x in (args.only or "").split(",") if x.strip()]
     unknown = sorted(set(only) - {r.id for r in runs})

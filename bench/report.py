@@ -1,5 +1,6 @@
-"""The benchmark's results folder: table.md (tabulate), plots (recipes.plots), raw run files,
-machine.json, command.txt, bench.json, and an offline W&B run.
+"""The benchmark's results folder: table.md (tabulate), plots (recipes.plots), curves.csv (every
+run's curves), machine.json, command.txt, a compact bench.json (:mod:`bench.compact`), and an
+offline W&B run.
 
 The report states figures only; bench/README.md says how to read them against the goals.
 """
@@ -7,6 +8,7 @@ The report states figures only; bench/README.md says how to read them against th
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -20,7 +22,9 @@ from tabulate import tabulate
 from recipes import plots
 from fl_accel.mesh import AXES
 
+from bench import compact
 from bench.analysis import MIB, analyze
+from bench import plan as bp
 from bench.plan import REPO, runs_of
 
 BACKGROUND_LIMIT = 0.05
@@ -149,7 +153,8 @@ def write_table(plan: dict, res: dict, machine: dict, meta: dict, path: str) -> 
         launch_rows = [[k, f"{v:.0f}", _pct(cpu.get(k, {}).get("other_cpu_frac"))]
                        for k, v in (meta.get("timings") or {}).items() if k != "total"]
     L += [_md(launch_rows, ["launch", "wall s", "background CPU"]) if launch_rows else "(no launch records)", "",
-          "Plots: `ppl_vs_tokens.png`, `time_to_ppl.png`, `throughput.png`; raw per-run files under `raw/`."]
+          "Plot: `throughput.png`. Every run's curves (training and evaluation records: loss, perplexity, "
+          "training seconds) are in `curves.csv`; its whole-run figures in `bench.json` (`runs`)."]
     text = "\n".join(L) + "\n"
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -158,33 +163,15 @@ def write_table(plan: dict, res: dict, machine: dict, meta: dict, path: str) -> 
 
 # ---------------------------------------------------------------------- plots
 def make_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
-    """ppl_vs_tokens.png and time_to_ppl.png (a panel per link and world size) and
-    throughput.png (bars per link, the cost model's prediction as a tick)."""
+    """throughput.png: bars per link, the cost model's prediction as a tick. (The eval curves
+    of these 40-step runs are in curves.csv.)"""
     if not res["main"]:
         return []
     smoke = " (SMOKE RUN)" if plan.get("smoke") else ""
-    panels_tok: dict[str, list] = {}
-    panels_time: dict[str, list] = {}
-    targets: dict[str, float] = {}
-    for link, r in _main_rows(res):
-        key = f"link {link}, {r['world']} processes"
-        ev = r["evals"]
-        panels_tok.setdefault(key, []).append(plots.Series(r["label"], [e["tokens"] for e in ev],
-                                                           [e["perplexity"] for e in ev]))
-        panels_time.setdefault(key, []).append(plots.Series(r["label"], [e["time_s"] for e in ev],
-                                                            [e["perplexity"] for e in ev]))
-        if r["world"] in res["main"][link]["ppl_target"]:
-            targets[key] = res["main"][link]["ppl_target"][r["world"]]
-    paths = [plots.plot_panels(panels_tok, os.path.join(out_dir, "ppl_vs_tokens.png"), xlabel="training tokens",
-                               ylabel="eval perplexity", title=f"eval perplexity vs training tokens{smoke}"),
-             plots.plot_panels(panels_time, os.path.join(out_dir, "time_to_ppl.png"),
-                               xlabel="training time (s, evaluation excluded)", ylabel="eval perplexity",
-                               title=f"time to perplexity{smoke}", hlines=targets)]
     groups = {f"link {link}": [(r["label"], r["tokens_per_s"] or 0.0, r["pred"].get("tokens_per_s"))
                                for r in block["rows"].values()] for link, block in res["main"].items()}
-    paths.append(plots.plot_bars(groups, os.path.join(out_dir, "throughput.png"), ylabel="tokens/s (all processes)",
-                                 title=f"throughput{smoke}", reference_label="cost model prediction"))
-    return paths
+    return [plots.plot_bars(groups, os.path.join(out_dir, "throughput.png"), ylabel="tokens/s (all processes)",
+                            title=f"throughput{smoke}", reference_label="cost model prediction")]
 
 
 def log_wandb(plan: dict, res: dict, plot_paths: list[str], table_md: str) -> str:
@@ -253,31 +240,36 @@ def loadavg() -> str:
         return "?"
 
 
-def copy_raw(plan: dict, root: str, dest: str) -> None:
-    """Each planned run's all_results.json and metrics.jsonl into ``dest/raw/<run path>/``."""
+def write_compact(plan: dict, root, dest: str) -> dict:
+    """Each planned run's curves into ``dest/curves.csv`` (one file for the suite) and its
+    whole-run figures, returned for bench.json's ``runs`` (:mod:`bench.compact`). ``root``:
+    a work folder or the :class:`~bench.compact.CompactRuns` of a committed results folder."""
+    from bench.analysis import load_run
+
+    runs, rows = {}, []
     for spec in runs_of(plan):
-        src = os.path.join(root, spec.path)
-        if not os.path.isfile(os.path.join(src, "all_results.json")):
+        run = load_run(root, spec.path)
+        if run is None or spec.path in runs:
             continue
-        dst = os.path.join(dest, "raw", spec.path)
-        os.makedirs(dst, exist_ok=True)
-        for fname in ("all_results.json", "metrics.jsonl"):
-            if os.path.isfile(os.path.join(src, fname)):
-                shutil.copy2(os.path.join(src, fname), os.path.join(dst, fname))
+        runs[spec.path] = compact.compact_run(run)
+        rows += compact.curve_rows(spec.suite, spec.path, run["records"])
+    compact.write_curves(os.path.join(dest, compact.CURVES_FILE), rows)
+    return runs
 
 
 def _write_results_folder(plan: dict, root: str, machine: dict, meta: dict, write, bench: dict) -> str:
     """(Re)write ``plan["results"]`` atomically (built in ``<results>.partial``, then moved):
-    ``write(tmp)`` draws the plots and writes table.md (returns the table, printed), then raw/,
-    machine.json, command.txt (with the continue and rebuild commands when ``meta`` has them)
-    and bench.json (``{"plan": ..., **bench}``). Returns the table."""
+    ``write(tmp)`` draws the plots and writes table.md (returns the table, printed), then
+    curves.csv, machine.json, command.txt (with the continue and rebuild commands when
+    ``meta`` has them) and bench.json (``{"plan": ..., **bench, "runs": {path: whole-run
+    figures}}``, the analysis without its per-run curves). Returns the table."""
     results = plan["results"]
     tmp = results + ".partial"
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     table = write(tmp)
-    copy_raw(plan, root, tmp)
+    runs = write_compact(plan, root, tmp)
     with open(os.path.join(tmp, "machine.json"), "w", encoding="utf-8") as fh:
         json.dump(machine, fh, indent=1)
     with open(os.path.join(tmp, "command.txt"), "w", encoding="utf-8") as fh:
@@ -287,8 +279,9 @@ def _write_results_folder(plan: dict, root: str, machine: dict, meta: dict, writ
         if meta.get("report_command"):
             fh.write(f"# report rebuilt with: {meta['report_command']}\n")
     with open(os.path.join(tmp, "bench.json"), "w", encoding="utf-8") as fh:
-        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")}, **bench},
-                  fh, indent=1, default=str)
+        saved = {k: compact.strip_curves(v) if k == "results" else v for k, v in bench.items()}
+        json.dump({"plan": {k: v for k, v in plan.items() if k not in ("work", "results", "cache_dir")}, **saved,
+                   "runs": runs}, fh, indent=1, default=str)
     if os.path.isdir(results):
         shutil.rmtree(results)
     os.replace(tmp, results)
@@ -322,7 +315,7 @@ def report(plan: dict, meta: dict, root: str, wandb_log: bool = True) -> dict:
             note = f"W&B offline run: {wdir} (upload: wandb sync {wdir})"
         except Exception as exc:  # the results are on disk already; say so and go on
             note = f"W&B logging FAILED: {type(exc).__name__}: {exc}"
-    print(f"[bench] results: {results}/ (table.md, *.png, raw/, machine.json, command.txt, bench.json)\n"
+    print(f"[bench] results: {results}/ (table.md, *.png, curves.csv, machine.json, command.txt, bench.json)\n"
           f"[bench] {note}", flush=True)
     return res
 
@@ -340,11 +333,16 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
     suite = res["suite"]
     title = {"convergence": "convergence", "paper_regime": "the paper's regime at small scale"}[suite]
     L = [f"# fl_accel quality suite: {title}" + (" — SMOKE RUN" if plan.get("smoke") else ""), ""]
+    if suite == "convergence":
+        L += [f"> **Rules.** {bp.GRID_RULES}", ""]
     if plan.get("smoke"):
         L += ["> **SMOKE RUN: not a result.** A few steps only, to exercise every code path.", ""]
     runs = runs_of(plan)
     world = runs[0].world
     steps = f"{plan['steps']} steps" if plan["steps"] else "one epoch"
+    lr_rows = [r.id for r in runs if "--learning_rate" in r.extra_flags]
+    lr_note = f" (rows whose label names learning_rate: that LR; {', '.join(lr_rows)})" if lr_rows else ""
+    flags_note = " and the flags their label names" if lr_rows else ""
     L += [f"Command: `{plan['command']}`  ",
           f"Date: {meta.get('date', '-')}; machine: {machine.get('cpu_model', '?')}, {machine.get('nproc', '?')} CPUs, "
           f"torch {machine.get('versions', {}).get('torch', '?')} (details: machine.json).", "",
@@ -352,10 +350,10 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
           f"(BPE vocabulary 8,192: a loss of ln 8192 = 9.01 is a uniform guess), seq_len {plan['seq_len']}, micro-batch "
           f"{plan['micro_batch_size']} per rank, {world} processes (one torchrun on loopback: loss does not depend on "
           f"the link), {steps} per run ({world * plan['micro_batch_size'] * plan['seq_len']:,} tokens per step), AdamW "
-          f"lr 3e-4, betas (0.9, 0.95), weight decay 0.1, 10% warmup then cosine (the paper's), evaluation every "
-          f"{plan['eval_every']} steps on the first {plan['eval_blocks']} validation blocks "
+          f"lr 3e-4{lr_note}, betas (0.9, 0.95), weight decay 0.1, 10% warmup then cosine (the paper's), evaluation "
+          f"every {plan['eval_every']} steps on the first {plan['eval_blocks']} validation blocks "
           f"({plan['eval_blocks'] * plan['seq_len']:,} tokens; token-weighted loss). Every row has the same tokens, "
-          f"data order and seed ({plan['seed']}) and differs only in the federation flags; rows marked (seed "
+          f"data order and seed ({plan['seed']}) and differs only in the federation flags{flags_note}; rows marked (seed "
           f"{plan['seed'] + 1}) repeat a configuration with another seed (model init and data order). Checkpoints every "
           f"{plan['checkpoint_every']} steps; an interrupted run resumes from its last one.", ""]
     pending = {k: v for k, v in res["status"].items() if v["state"] != "finished"}
@@ -374,6 +372,63 @@ def _band_text(res: dict) -> str:
     return (f"Seed band = **{band['loss']:.4f}** nats: the largest |final eval loss, seed A − seed B| of the "
             f"configurations trained twice (" + ", ".join(f"{rows[i]['label']}: {d:.4f}" for i, d in
                                                            band["pairs"].items()) + ").")
+
+
+def _counts(flag: bool | None) -> str:
+    return "-" if flag is None else ("counts" if flag else "within noise")
+
+
+def _pending_cells(res: dict, plan: dict, width: int) -> list[list[str]]:
+    """One line per row that has not finished: its label, its state, '-' in the other cells."""
+    labels = {r.id: r.label for r in runs_of(plan)}
+    out = []
+    for rid, st in res["status"].items():
+        if st["state"] == "not started":
+            out.append([labels.get(rid, rid), "not started"] + ["-"] * (width - 2))
+        elif st["state"] != "finished":
+            state = f"not finished ({st['state']}" + (f", logged up to step {st['step']}" if st.get("step") else "") + ")"
+            out.append([labels.get(rid, rid), state] + ["-"] * (width - 2))
+    return out
+
+
+def grid_sections(plan: dict, res: dict) -> list[str]:
+    """The convergence report by the grid's rules (bench.plan.GRID_RULES): every row against
+    FSDP and the best FSDP configuration, in nats and seed bands, with the 0.04-nats decision,
+    its "fl" bytes; then its tokens to each target. Rows not finished are listed as such."""
+    rows = list(res["rows"].values())
+    sig = res.get("significant_nats", bp.GRID_SIGNIFICANT_NATS)
+    best = res["rows"].get(res.get("best_fsdp") or "")
+    L = ["## By the grid's rules: against FSDP and the best FSDP", ""]
+    table = []
+    for r in rows:
+        b = r.get("fl_bytes_per_param") or {}
+        table.append([r["label"], _f(r["eval_loss"], "{:.4f}"), _signed(r["diff_fsdp"]),
+                      _signed(r["diff_fsdp_in_band"], "{:+.1f}"), _counts(r.get("diff_fsdp_counts")),
+                      _signed(r.get("diff_best_fsdp")), _signed(r.get("diff_best_fsdp_in_band"), "{:+.1f}"),
+                      _counts(r.get("diff_best_fsdp_counts")), _f(b.get("per_sync"), "{:.3g}")])
+    table += _pending_cells(res, plan, 9)
+    L += [_md(table, ["run", "final eval loss", "Δ vs FSDP (nats)", "Δ vs FSDP (seed bands)", f"vs FSDP (|Δ| > {sig:g})",
+                      "Δ vs best FSDP (nats)", "Δ vs best FSDP (seed bands)", f"vs best FSDP (|Δ| > {sig:g})",
+                      "fl bytes / parameter / sync"]), "",
+          f"FSDP = `{bp.CONVERGENCE_FSDP}`; best FSDP = "
+          + (f"{best['label']} (`{best['id']}`, final eval loss {best['eval_loss']:.4f})" if best else "none yet")
+          + ": the FSDP configuration with the lowest final eval loss (first-seed rows: a second seed repeats a "
+          f"configuration). A difference **counts** when |Δ| > {sig:g} nats, the grid's rule; otherwise it is "
+          "**within noise**. " + _band_text(res) + " fl bytes / parameter / sync: the bytes each federation group "
+          "sent between groups during training per model parameter per sync of the whole model (every H steps; "
+          "fp32 with 2 groups: 4; FSDP: 0); plot `quality_vs_bytes.png`.", ""]
+    targets = res.get("targets") or []
+    if targets:
+        L += ["## Tokens to each target", ""]
+        table = [[r["label"]] + [_f((r.get("tokens_to") or {}).get(t["key"]), "{:,.0f}") for t in targets]
+                 for r in rows]
+        table += _pending_cells(res, plan, len(targets) + 1)
+        L += [_md(table, ["run"] + [t["label"] for t in targets]), "",
+              "Training tokens at which the eval loss first reaches each target: the first evaluation at or below "
+              "it, linear between it and the evaluation before; '-' = never reached in the budget. FSDP's "
+              "half-budget loss is FSDP's eval loss at half its steps" + (" (not finished yet)" if not any(
+                  t["key"] == "fsdp_half_budget" for t in targets) else "") + ".", ""]
+    return L
 
 
 def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: str) -> str:
@@ -405,6 +460,7 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
               "Target: FSDP has not finished yet.", "",
               "With fragments (P > 1) the groups are never fully synchronized mid-run: a mid-run evaluation scores "
               "each rank's rows with its own group's model; the final one follows the final full sync.", ""]
+        L += grid_sections(plan, res)
         L += ["## Time to target loss per link", ""]
         table, detail = [], []
         for r in rows:
@@ -472,8 +528,10 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
           if lrows else "(no launch records)", "",
           "Wall time includes start-up, evaluations and checkpoints; background CPU = share of all CPUs other "
           "processes used meanwhile (a shared machine: quality figures do not depend on it, times do).", "",
-          "Plots: `eval_loss_vs_tokens.png`, `ppl_vs_tokens.png`"
-          + (", `time_to_target.png`" if res["suite"] == "convergence" else "") + "; raw per-run files under `raw/`."]
+          "Plots: `eval_loss_vs_tokens.png`"
+          + (", `time_to_target.png`, `quality_vs_bytes.png`" if res["suite"] == "convergence" else "")
+          + ". Every run's curves (training and evaluation records) are in `curves.csv`; its whole-run figures in "
+          "`bench.json` (`runs`)."]
     text = "\n".join(L) + "\n"
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -527,8 +585,9 @@ def _ttt_spread_text(res: dict) -> str:
 
 
 def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
-    """eval_loss_vs_tokens.png (all tokens, and the second half zoomed, with the target),
-    ppl_vs_tokens.png, and for convergence time_to_target.png (bars per link)."""
+    """eval_loss_vs_tokens.png (all tokens, and the second half zoomed, with the target), and
+    for convergence time_to_target.png (bars per link) and quality_vs_bytes.png
+    (:func:`plot_quality_vs_bytes`)."""
     rows = list(res["rows"].values())
     if not rows:
         return []
@@ -541,11 +600,7 @@ def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
     hl = {"second half": tgt["loss"]} if tgt.get("loss") is not None else None
     paths = [plots.plot_panels({"all tokens": full, "second half": zoom}, os.path.join(out_dir, "eval_loss_vs_tokens.png"),
                                xlabel="training tokens", ylabel="eval loss (nats/token)", logy=False, hlines=hl,
-                               title=f"eval loss vs training tokens{smoke}"),
-             plots.plot_panels({"eval perplexity": [plots.Series(r["label"], [e["tokens"] for e in r["evals"]],
-                                                                 [e["perplexity"] for e in r["evals"]]) for r in rows]},
-                               os.path.join(out_dir, "ppl_vs_tokens.png"), xlabel="training tokens",
-                               ylabel="eval perplexity", title=f"eval perplexity vs training tokens{smoke}")]
+                               title=f"eval loss vs training tokens{smoke}")]
     if res["suite"] == "convergence" and any(r.get("tokens_to_target") for r in rows):
         groups = {}
         for link in LINKS_ORDER:
@@ -564,7 +619,72 @@ def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
                                          ylabel="minutes of training to target loss",
                                          title=f"time to target loss (bar: measured tokens/s, or the model's where "
                                                f"none){smoke}", reference_label="cost model"))
+    if res["suite"] == "convergence":
+        path = plot_quality_vs_bytes(res, os.path.join(out_dir, "quality_vs_bytes.png"), smoke)
+        if path:
+            paths.append(path)
     return paths
+
+
+def plot_quality_vs_bytes(res: dict, path: str, suffix: str = "") -> str | None:
+    """Final eval loss (y) against the "fl" bytes per parameter per sync (x, log), one labelled
+    point per federated row; FSDP rows as horizontal lines, the best FSDP with its band of
+    ± GRID_SIGNIFICANT_NATS (within noise). None when no row has both figures."""
+    rows = list(res["rows"].values())
+    points = [r for r in rows if r["algorithm"] != "fsdp" and r["eval_loss"] is not None
+              and ((r.get("fl_bytes_per_param") or {}).get("per_sync") or 0) > 0]
+    refs = [r for r in rows if r["algorithm"] == "fsdp" and r["eval_loss"] is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    best = res["rows"].get(res.get("best_fsdp") or "")
+    sig = res.get("significant_nats", bp.GRID_SIGNIFICANT_NATS)
+    if best is not None:
+        ax.axhspan(best["eval_loss"] - sig, best["eval_loss"] + sig, color="0.9", zorder=0,
+                   label=f"best FSDP ± {sig:g} nats (within noise)")
+    for i, r in enumerate(refs):
+        ax.axhline(r["eval_loss"], color="0.3" if r is best else "0.6", lw=1.6 if r is best else 1.0,
+                   ls=("-", "--", ":", "-.")[i % 4], label=f"{r['id']}: {r['eval_loss']:.4f}", zorder=1)
+    xs = [r["fl_bytes_per_param"]["per_sync"] for r in points]
+    ys = [r["eval_loss"] for r in points]
+    for i, r in enumerate(points):
+        st = plots.style(i)
+        ax.plot([xs[i]], [ys[i]], linestyle="none", marker=st["marker"], color=st["color"], markersize=7,
+                label=f"{r['id']}: {r['eval_loss']:.4f}", zorder=3)
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    lo, hi = min(ys + [r["eval_loss"] for r in refs]), max(ys + [r["eval_loss"] for r in refs])
+    pad = max(0.02, 0.08 * (hi - lo))
+    ax.set_ylim(lo - pad, hi + pad)
+    ax.set_xlim(min(0.01, min(xs) / 3), max(60.0, max(xs) * 15))  # fp32 (4), int8 (~1), sparse (~0.04); labels
+    gap = 0.035 * (hi - lo + 2 * pad)
+    placed: dict[int, float] = {}
+    for i in sorted(range(len(points)), key=lambda k: ys[k]):  # labels of points at one x never overlap
+        bucket = round(math.log10(xs[i]) * 5)
+        y = max(ys[i], placed.get(bucket, -math.inf) + gap)
+        placed[bucket] = y
+        ax.annotate(points[i]["id"], (xs[i], ys[i]), xytext=(xs[i] * 1.25, y), fontsize=7, va="center",
+                    arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5} if y != ys[i] else None)
+    ax.set_xlabel("inter-group (fl) bytes per parameter per sync (log)")
+    ax.set_ylabel("final eval loss (nats/token)")
+    ax.set_title(f"quality vs bytes: final eval loss against fl bytes per parameter per sync{suffix}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 
 
 def _resume_command(meta: dict, plan: dict, pending: dict) -> str:
@@ -579,13 +699,17 @@ def _resume_command(meta: dict, plan: dict, pending: dict) -> str:
     return " ".join(shlex.quote(a) for a in argv + ["--only", ",".join(pending)])
 
 
-def report_local(plan: dict, meta: dict, root: str, results_root: str | None = None) -> dict:
-    """Analyse a quality suite's runs under ``root`` and (re)write ``plan["results"]``
-    atomically: table.md, the plots, raw/ (all_results.json and metrics.jsonl of every
-    finished run), machine.json, command.txt, bench.json. Works on a partial suite."""
+def report_local(plan: dict, meta: dict, root, results_root: str | None = None,
+                 throughput_sources: list[str] | None = None) -> dict:
+    """Analyse a quality suite's runs under ``root`` (a work folder, or the
+    :class:`~bench.compact.CompactRuns` of a committed results folder) and (re)write
+    ``plan["results"]`` atomically: table.md, the plots, curves.csv (every finished run's
+    curves), machine.json, command.txt, bench.json (with each finished run's whole-run
+    figures). Works on a partial suite. ``throughput_sources``: the committed throughput
+    results that time to target reads (default: the plan's)."""
     from bench.analysis import analyze_local
 
-    res = analyze_local(plan, root, results_root)
+    res = analyze_local(plan, root, results_root, throughput_sources)
     machine = meta.get("machine") or machine_info()
     results = plan["results"]
 
@@ -595,5 +719,6 @@ def report_local(plan: dict, meta: dict, root: str, results_root: str | None = N
 
     _write_results_folder(plan, root, machine, meta, write,
                           {"launches": meta.get("launches"), "date": meta.get("date"), "results": res})
-    print(f"[bench] results: {results}/ (table.md, *.png, raw/, machine.json, command.txt, bench.json)", flush=True)
+    print(f"[bench] results: {results}/ (table.md, *.png, curves.csv, machine.json, command.txt, bench.json)",
+          flush=True)
     return res

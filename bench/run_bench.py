@@ -14,11 +14,14 @@ Run from the repository root (or after ``pip install -e .``). Every training run
 torchrun per emulated node; bench/plan.py lists the suites and rows, bench/launch.py
 runs them, bench/analysis.py computes the figures, bench/report.py writes them.
 
-Results go to ``bench/results/<name>/`` (table.md, plots, raw per-run files,
-machine.json, command.txt, bench.json); run folders, logs and offline W&B runs to
-``bench/work/<name>/`` (gitignored). ``--report-only`` reads ``bench/work/<name>`` if it
-exists, else the committed ``bench/results/<name>/raw``. The emulator is removed on exit,
-also on Ctrl-C or SIGTERM. Needs root (network namespaces) unless ``--dry-run``.
+Results go to ``bench/results/<name>/`` (table.md, plots, curves.csv with every run's
+curves, machine.json, command.txt, a compact bench.json with every run's whole-run figures:
+:mod:`bench.compact`); run folders, logs and offline W&B runs to ``bench/work/<name>/``
+(gitignored). ``--report-only`` reads ``bench/work/<name>`` if it exists, else the committed
+``bench/results/<name>/`` (bench.json and curves.csv; a folder of an older version with a
+``raw/`` folder of run files is read from there and rewritten in the compact form). The
+emulator is removed on exit, also on Ctrl-C or SIGTERM. Needs root (network namespaces)
+unless ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import sys
 
 from scripts import netemu
 
+from bench.compact import CompactRuns
 from bench.launch import LAUNCHES_FILE, run_all, run_local
-from bench.plan import LOCAL_SUITES, BenchError, build_parser, make_plan, runs_of
+from bench.plan import LOCAL_SUITES, BenchError, build_parser, make_plan, parse_sources, runs_of
 from bench.report import loadavg, machine_info, report, report_local
 
 
@@ -136,7 +140,8 @@ def main_local(plan: dict, dry: bool) -> int:
 
 
 def report_only(args, argv: list[str] | None) -> int:
-    """Rebuild the results folder from bench/work/<name>, or from bench/results/<name>/raw.
+    """Rebuild the results folder from bench/work/<name>, or from the committed
+    bench/results/<name>/ (compact: bench.json + curves.csv; or an older folder's raw/).
 
     Raises:
         BenchError: no --name, or neither folder holds a plan.
@@ -147,6 +152,7 @@ def report_only(args, argv: list[str] | None) -> int:
     work = os.path.join(os.path.abspath(args.work_root), name)
     results = os.path.join(os.path.abspath(args.results_root), name)
     meta: dict = {}
+    saved_sources = None
     if os.path.isfile(os.path.join(work, "plan.json")):
         root = work
         with open(os.path.join(work, "plan.json"), encoding="utf-8") as fh:
@@ -154,11 +160,17 @@ def report_only(args, argv: list[str] | None) -> int:
         if os.path.isfile(os.path.join(work, "meta.json")):
             with open(os.path.join(work, "meta.json"), encoding="utf-8") as fh:
                 meta = json.load(fh)
-    elif os.path.isfile(os.path.join(results, "bench.json")) and os.path.isdir(os.path.join(results, "raw")):
-        root = os.path.join(results, "raw")
+    elif os.path.isfile(os.path.join(results, "bench.json")):
         with open(os.path.join(results, "bench.json"), encoding="utf-8") as fh:
             saved = json.load(fh)
+        if saved.get("runs"):
+            root = CompactRuns.load(results)
+        elif os.path.isdir(os.path.join(results, "raw")):
+            root = os.path.join(results, "raw")
+        else:
+            raise BenchError(f"--report-only: {results}/bench.json has no runs (and there is no raw/ folder)")
         plan = saved["plan"]
+        saved_sources = (saved.get("results") or {}).get("throughput_sources")
         meta = {k: saved[k] for k in ("links", "launches", "timings", "cpu", "date") if saved.get(k) is not None}
         meta["resume_command"] = None
         if os.path.isfile(os.path.join(results, "machine.json")):
@@ -166,13 +178,17 @@ def report_only(args, argv: list[str] | None) -> int:
                 meta["machine"] = json.load(fh)
         meta["command"] = plan.get("command", "-")
     else:
-        raise BenchError(f"--report-only: neither {work}/plan.json nor {results}/bench.json with raw/ exists; "
+        raise BenchError(f"--report-only: neither {work}/plan.json nor {results}/bench.json exists; "
                          f"run the benchmark first")
     plan.update(name=name, work=work, results=results)
     plan.setdefault("cache_dir", os.path.join(os.path.abspath(args.work_root), "cache"))
     if plan.get("suites", [None])[0] in LOCAL_SUITES:
-        if os.path.isfile(os.path.join(work, LAUNCHES_FILE)):  # written as each run ends: newer than meta.json
-            with open(os.path.join(work, LAUNCHES_FILE), encoding="utf-8") as fh:
+        if args.throughput_sources is not None:
+            plan["throughput_sources"] = parse_sources(args.throughput_sources)
+        elif plan.get("throughput_sources") is None and saved_sources is not None:
+            plan["throughput_sources"] = saved_sources  # a results folder written before the option existed
+        if isinstance(root, str) and os.path.isfile(os.path.join(work, LAUNCHES_FILE)):
+            with open(os.path.join(work, LAUNCHES_FILE), encoding="utf-8") as fh:  # newer than meta.json
                 meta["launches"] = json.load(fh)
         meta.setdefault("command", plan.get("command", "-"))
         meta.setdefault("resume_command", plan["command"] if "--name" in plan.get("command", "")
@@ -181,6 +197,8 @@ def report_only(args, argv: list[str] | None) -> int:
                                           + list(sys.argv[1:] if argv is None else argv))
         report_local(plan, meta, root, results_root=os.path.abspath(args.results_root))
         return 0
+    if args.throughput_sources is not None:
+        raise BenchError("--throughput-sources applies to the convergence suite")
     plan.setdefault("suites", ["baselines", "overhead"])
     meta["report_command"] = " ".join(shlex.quote(a) for a in ["python", "-m", "bench.run_bench"]
                                       + list(sys.argv[1:] if argv is None else argv))

@@ -10,7 +10,10 @@ set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 NAME=${NAME:-$(date +%F)-grid}
-BENCH=(nice -n 15 python -m bench.run_bench --report-to none --suite convergence --name "$NAME")
+# time to target per link reads the measured tokens/s of these committed throughput results
+SOURCES=${SOURCES:-2026-12-01-baselines,2026-12-01-streaming}
+BENCH=(nice -n 15 python -m bench.run_bench --report-to none --suite convergence --name "$NAME"
+       --throughput-sources "$SOURCES")
 # 1. is nesterov below FSDP real or an LR effect; a second nesterov seed; the outer LR
 "${BENCH[@]}" --only fsdp-lr1e-3
 "${BENCH[@]}" --only fl_fsdp-h8-nesterov-seed43

@@ -1,4 +1,9 @@
-"""bench/: plan, layout figures, analysis and report on the committed results (no emulator, no training)."""
+"""bench/: plan, layout figures, analysis and report on small fixtures (no emulator, no training).
+
+The fixtures (tests/fixtures/results/, written by tests/fixtures/make_fixtures.py) are results
+folders in the compact form: ``baselines-100mbit`` (FSDP, FL+FSDP and the no-sync limit at
+100 Mbit/s, calibration, one overhead repetition: real runs trimmed to 16 steps) and
+``convergence-grid`` (a synthetic convergence suite of 128 steps, one row unfinished)."""
 
 import json
 import os
@@ -9,10 +14,14 @@ import types
 
 import pytest
 
-from bench import analysis, plan as bp, run_bench as rb
+from bench import analysis, compact, plan as bp, run_bench as rb
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMITTED = os.path.join(REPO, "bench", "results", "2026-11-30-cpu2")
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "results")
+BASELINES, GRID = "baselines-100mbit", "convergence-grid"
+FL_SYNC_BYTES = 5769472
+"""Bytes one rank of FL+FSDP F=2 x G=2 sends on "fl" per fp32 sync of the tiny Llama (ring all-reduce
+of its half of the 2,884,736 parameters: 2 (F-1)/F x 4 bytes x 1,442,368)."""
 
 
 def _plan(*argv):
@@ -157,38 +166,40 @@ def test_step_times_and_ppl_interpolation(tmp_path):
     assert analysis.ppl_at_time(run, 1.0) is None
 
 
-def _committed_copy(tmp_path):
-    assert os.path.isdir(COMMITTED), "the committed bench/results/2026-11-30-cpu2 is missing"
-    dst = tmp_path / "results" / "2026-11-30-cpu2"
-    shutil.copytree(COMMITTED, dst)
+def _fixture_copy(tmp_path, name=BASELINES):
+    dst = tmp_path / "results" / name
+    shutil.copytree(os.path.join(FIXTURES, name), dst)
     return dst
 
 
-def test_analysis_ratios_and_wire_bytes(tmp_path):
-    """The committed 100 Mbit/s runs, plus a limit row made from the FL+FSDP run at 1.25x its
-    throughput and launch records with veth counters."""
-    raw = _committed_copy(tmp_path) / "raw"
-    plan = _plan("--suite", "baselines", "--rates", "100mbit", "--work-root", str(tmp_path / "w"))
-    limit = raw / "rate-100mbit" / "fl_fsdp-limit"
-    shutil.copytree(raw / "rate-100mbit" / "fl_fsdp", limit)
-    res = json.loads((limit / "all_results.json").read_text())
-    res["tokens_per_s"] *= 1.25
-    (limit / "all_results.json").write_text(json.dumps(res))
+def _saved(name=BASELINES):
+    with open(os.path.join(FIXTURES, name, "bench.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def test_analysis_ratios_and_wire_bytes():
+    """The fixture's 100 Mbit/s runs (compact form) with launch records carrying veth counters."""
+    runs = compact.CompactRuns.load(os.path.join(FIXTURES, BASELINES))
+    plan = _saved()["plan"]
+    tps = {k: runs.get(f"rate-100mbit/{k}")["tokens_per_s"] for k in ("fsdp", "fl_fsdp", "fl_fsdp-limit")}
     launches = {"rate-100mbit/fl_fsdp": {"wall_s": 100.0, "host": {"background_cpu_share": 0.2},
                                          "wire": {"0": {"tx_bytes": 60 * 2**20, "rx_bytes": 1},
                                                   "1": {"tx_bytes": 62 * 2**20, "rx_bytes": 1}}}}
-    out = analysis.analyze(plan, str(raw), launches)
+    out = analysis.analyze(plan, runs, launches)
     rows = out["main"]["100mbit"]["rows"]
     fl, fsdp = rows["fl_fsdp"], rows["fsdp"]
-    assert fl["speedup"] == pytest.approx(2477.0 / 973.0, rel=1e-3)
-    assert fl["of_limit"] == pytest.approx(0.8) and rows["fl_fsdp-limit"]["of_limit"] is None
-    assert fsdp["of_limit"] == pytest.approx(973.0 / (1.25 * 2477.0), rel=1e-3)
+    assert fl["speedup"] == pytest.approx(tps["fl_fsdp"] / tps["fsdp"]) and fl["speedup"] > 4  # FSDP waits on the link
+    assert fl["of_limit"] == pytest.approx(tps["fl_fsdp"] / tps["fl_fsdp-limit"]) and 0.5 < fl["of_limit"] < 1
+    assert rows["fl_fsdp-limit"]["of_limit"] is None
+    assert fsdp["of_limit"] == pytest.approx(tps["fsdp"] / tps["fl_fsdp-limit"])
     assert fl["wire_tx_bytes_per_node"] == 61 * 2**20 and fl["background_cpu_share"] == 0.2
     assert fl["inter_axes"] == ["fl"] and fl["link_share"] == {"fl": 2}
-    assert fl["recipe_bytes_per_node"] == 2 * 28847360  # rank 0's fl bytes x 2 ranks per NIC
-    assert fl["comm"]["train"]["fl"]["bytes"] == 28847360 and fl["eval_loss"] == pytest.approx(8.1318, abs=1e-4)
+    assert fl["comm"]["train"]["fl"]["bytes"] == 2 * FL_SYNC_BYTES  # 16 steps, H=8: two syncs
+    assert fl["recipe_bytes_per_node"] == 2 * 2 * FL_SYNC_BYTES  # x 2 ranks per NIC
+    assert fl["eval_loss"] == runs.get("rate-100mbit/fl_fsdp")["eval_loss"]
     assert rows["fl_fsdp-limit"]["time_to_target"] is None and fl["time_to_target"] is not None
     assert set(out["main"]["100mbit"]["ppl_target"]) == {4}
+    assert set(out["calibration"]) == {"fsdp", "fl_fsdp"} and len(out["overhead"]["reps"]) == 1
 
 
 def test_predict_wires_the_cost_model_api(monkeypatch):
@@ -234,36 +245,81 @@ def test_predict_wires_the_cost_model_api(monkeypatch):
     assert "differs from the planned layout" in bad["error"]
 
 
-def test_predict_with_the_real_cost_model(tmp_path):
+def test_predict_with_the_real_cost_model():
     """With the real fl_accel.planning.cost, the predicted fl bytes equal the recipe's count."""
-    raw = _committed_copy(tmp_path) / "raw"
-    plan = _plan("--suite", "baselines", "--rates", "100mbit")
+    plan = _saved()["plan"]
     spec = _rows(plan, "100mbit")["fl_fsdp"]
-    run = analysis.read_run(str(raw / spec.path))
+    run = compact.CompactRuns.load(os.path.join(FIXTURES, BASELINES)).get(spec.path)
     p = analysis.predict(plan, spec, run, 1.5)
     assert "error" not in p, p
-    assert p["bytes_run"]["fl"] == analysis.split_comm(run)["train"]["fl"]["bytes"]
+    assert p["bytes_run"]["fl"] == analysis.split_comm(run)["train"]["fl"]["bytes"] == 2 * FL_SYNC_BYTES
     assert p["step_s"] > 1.5 and p["tokens_per_s"] < 4096 / 1.5
 
 
 # ---------------------------------------------------------------------- report
-def test_report_only_on_committed_results(tmp_path, monkeypatch, capsys):
-    """``run_bench --report-only`` in this process (the ``python -m bench.run_bench`` entry point
-    is exercised by the dry-run test)."""
-    dst = _committed_copy(tmp_path)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    rc = rb.main(["--report-only", "--name", "2026-11-30-cpu2", "--results-root", str(dst.parent),
+def test_report_only_rebuilds_from_the_compact_files(tmp_path, capsys):
+    """``run_bench --report-only`` of a results folder without its work folder: the report from
+    bench.json and curves.csv alone, which it writes back unchanged (in this process; the
+    ``python -m bench.run_bench`` entry point is exercised by the dry-run test)."""
+    dst = _fixture_copy(tmp_path)
+    curves, runs = (dst / "curves.csv").read_text(), _saved()["runs"]
+    rc = rb.main(["--report-only", "--name", BASELINES, "--results-root", str(dst.parent),
                   "--work-root", str(tmp_path / "work")])
     assert rc == 0, capsys.readouterr().err[-3000:]
     table = (dst / "table.md").read_text()
-    assert "| 100mbit | FL+FSDP" in table and "2.55x vs fsdp" in table
-    assert "Checks against" not in table and "**+0.8%**" in table
-    assert "| rate-100mbit/fsdp " in table  # the launches of the first version, from bench.json
-    for png in ("ppl_vs_tokens.png", "time_to_ppl.png", "throughput.png"):
-        assert (dst / png).stat().st_size > 1000
-    assert (dst / "raw" / "rate-100mbit" / "fl_fsdp" / "all_results.json").is_file()
+    speedup = runs["rate-100mbit/fl_fsdp"]["tokens_per_s"] / runs["rate-100mbit/fsdp"]["tokens_per_s"]
+    assert "| 100mbit | FL+FSDP " in table and f"{speedup:.2f}x vs fsdp" in table
+    assert "| rep1 " in table and "all (pooled steps)" in table  # the overhead table
+    assert "| rate-100mbit/fl_fsdp " in table  # the launches, from bench.json
+    assert "`curves.csv`" in table and "raw/" not in table
+    assert (dst / "throughput.png").stat().st_size > 1000
+    assert sorted(os.listdir(dst)) == ["bench.json", "command.txt", "curves.csv", "machine.json", "table.md",
+                                       "throughput.png"]
+    assert (dst / "curves.csv").read_text() == curves  # read back and written again bit for bit
+    saved = json.loads((dst / "bench.json").read_text())
+    assert saved["runs"] == runs and "evals" not in saved["results"]["main"]["100mbit"]["rows"]["fl_fsdp"]
     assert "report rebuilt with" in (dst / "command.txt").read_text()
+
+
+def test_a_folder_of_the_old_layout_is_rewritten_compact(tmp_path):
+    """A results folder written before curves.csv (bench.json without runs, each run's
+    all_results.json and metrics.jsonl under raw/) is read from raw/ and rewritten in the
+    compact form: no raw/, the same curves.csv and whole-run figures as the fixture."""
+    src = compact.CompactRuns.load(os.path.join(FIXTURES, BASELINES))
+    saved = _saved()
+    runs = saved.pop("runs")
+    old = tmp_path / "results" / "old"
+    for path in runs:
+        run = src.get(path)
+        d = old / "raw" / path
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.pop("records")))
+        run.pop("path")
+        (d / "all_results.json").write_text(json.dumps(run))
+    (old / "bench.json").write_text(json.dumps(saved))
+    assert rb.main(["--report-only", "--name", "old", "--results-root", str(old.parent),
+                    "--work-root", str(tmp_path / "work")]) == 0
+    assert not (old / "raw").exists()
+    assert (old / "curves.csv").read_text() == open(os.path.join(FIXTURES, BASELINES, "curves.csv")).read()
+    assert json.loads((old / "bench.json").read_text())["runs"] == runs
+
+
+def test_curves_csv_round_trip(tmp_path):
+    """curves.csv keeps the curve metrics of every record, the traffic counters of the last
+    training record only, and reads back bit for bit; a step logged twice stays two records."""
+    recs = [{"step": 1, "tokens": 10, "time_s": 0.1 + 0.2, "train/loss": 9.5, "lr": 1e-4, "comm/fl/bytes": 5},
+            {"step": 2, "tokens": 20, "time_s": 0.6, "train/loss": 9.25, "comm/fl/bytes": 10, "comm/fl/seconds": 0.5},
+            {"step": 2, "tokens": 20, "time_s": 0.6, "eval/loss": 9.0, "eval/perplexity": 8103.08},
+            {"step": 2, "tokens": 20, "time_s": 0.7, "eval/loss": 8.75, "eval/perplexity": 6310.69}]
+    rows = compact.curve_rows("convergence", "fsdp", recs)
+    assert {r[5] for r in rows if r[2] == 1} == {"train/loss"}  # no lr, no counters before the last record
+    path = compact.write_curves(str(tmp_path / "curves.csv"), rows)
+    back = compact.read_curves(path)["fsdp"]
+    assert back[0] == {"step": 1, "tokens": 10, "time_s": 0.1 + 0.2, "train/loss": 9.5}
+    assert back[1] == {"step": 2, "tokens": 20, "time_s": 0.6, "train/loss": 9.25, "comm/fl/bytes": 10,
+                       "comm/fl/seconds": 0.5}
+    assert [r["eval/loss"] for r in back[2:]] == [9.0, 8.75] and back[3]["time_s"] == 0.7
+    assert open(path).readline().strip() == "suite,run,step,tokens,time_s,metric,value"
 
 
 def test_report_only_without_results_is_one_error(tmp_path, capsys):
@@ -390,21 +446,29 @@ def _flag(args, name):
 
 
 def test_convergence_rows_differ_only_in_federation_flags():
+    """Every row of the suite (issue 28's grid included) has the same command line but for
+    the federation flags, its seed and the extra flags it names (``extra_flags``)."""
     plan = _plan("--suite", "convergence")
     rows = {r.id: r for r in bp.runs_of(plan)}
+    grid = ["fsdp-lr1e-3", "fl_fsdp-h8-nesterov-lr1e-3", "fl_fsdp-h8-nesterov-olr0.6", "fl_fsdp-h8-nesterov-olr0.4",
+            "fl_fsdp-h16-nesterov", "fl_fsdp-h32-nesterov", "fl_fsdp-h8-p2-tau2-nesterov", "fl_fsdp-h8-int8-ef-nesterov",
+            "fl_fsdp-h8-p2-tau2-int8-ef-nesterov"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
-                          "fsdp-seed43",
-                          "fl_fsdp-h8-seed43"]
+                          *grid, "fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43"]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
-    cosine = args.pop("fl_fsdp-h8-nesterov-cosine")
-    assert _federation_part(cosine) == _federation_part(args["fl_fsdp-h8-nesterov"])
-    extra = ["--outer_lr_schedule", "cosine", "--outer_lr_warmup_steps", "64"]
-    at = _common_part(cosine).index(extra[0])
-    assert _common_part(cosine)[at:at + 4] == extra
-    assert _common_part(cosine)[:at] + _common_part(cosine)[at + 4:] == _common_part(args["fl_fsdp-h8-nesterov"])
-    rows.pop("fl_fsdp-h8-nesterov-cosine")
-    common = {tuple(_common_part(a)) for a in args.values()}
+    assert rows["fl_fsdp-h8-nesterov-cosine"].extra_flags == ("--outer_lr_schedule", "cosine",
+                                                             "--outer_lr_warmup_steps", "64")
+    assert rows["fsdp-lr1e-3"].extra_flags == rows["fl_fsdp-h8-nesterov-lr1e-3"].extra_flags == \
+        ("--learning_rate", "1e-3")
+    common = set()
+    for k, r in rows.items():
+        c, extra = _common_part(args[k]), list(r.extra_flags)
+        if extra:  # the extra flags, together, and nothing else
+            at = c.index(extra[0])
+            assert c[at:at + len(extra)] == extra, k
+            c = c[:at] + c[at + len(extra):]
+        common.add(tuple(c))
     assert len(common) == 1  # same tokens, data, model, schedule, evaluations, checkpoints
     c = list(common.pop())
     assert _flag(c, "--max_steps") == "832" and _flag(c, "--micro_batch_size") == "4" and _flag(c, "--seq_len") == "256"
@@ -413,17 +477,25 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert _flag(c, "--checkpoint_every") == "64"
     assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: "43" if k.endswith("seed43") else "42" for k in rows}
     fed = {k: _federation_part(a) for k, a in args.items()}
-    assert fed["fsdp"] == ["--algorithm", "fsdp"] and fed["fsdp-seed43"] == fed["fsdp"]
+    nesterov = ["--outer_optimizer", "nesterov", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
+    assert fed["fsdp"] == ["--algorithm", "fsdp"] and fed["fsdp-seed43"] == fed["fsdp-lr1e-3"] == fed["fsdp"]
     assert fed["fl_fsdp-h8"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "8"]
     assert fed["fl_fsdp-h8-seed43"] == fed["fl_fsdp-h8"]
-    assert fed["fl_fsdp-h8-nesterov"] == fed["fl_fsdp-h8"] + ["--outer_optimizer", "nesterov", "--outer_lr", "0.7",
-                                                              "--outer_momentum", "0.9"]
+    assert fed["fl_fsdp-h8-nesterov"] == fed["fl_fsdp-h8"] + nesterov
+    assert fed["fl_fsdp-h8-nesterov-seed43"] == fed["fl_fsdp-h8-nesterov-lr1e-3"] == fed["fl_fsdp-h8-nesterov"]
+    assert fed["fl_fsdp-h8-nesterov-cosine"] == fed["fl_fsdp-h8-nesterov"]
+    assert fed["fl_fsdp-h8-nesterov-olr0.6"] == fed["fl_fsdp-h8"] + ["--outer_optimizer", "nesterov", "--outer_lr",
+                                                                     "0.6", "--outer_momentum", "0.9"]
     assert fed["fl_fsdp-h32"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "32"]
+    assert fed["fl_fsdp-h16-nesterov"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "16"] + \
+        nesterov
     assert fed["fl_fsdp-h8-p2-tau1"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "1"]
     assert fed["fl_fsdp-h8-p2-tau2-int8-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
                                                                      "--sync_dtype", "int8", "--error_feedback"]
     assert fed["fl_fsdp-h8-p2-tau2-sparse-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
                                                                        "--sync_dtype", "sparse", "--error_feedback"]
+    assert fed["fl_fsdp-h8-int8-ef-nesterov"] == fed["fl_fsdp-h8"] + nesterov + ["--sync_dtype", "int8",
+                                                                                 "--error_feedback"]
     assert all(r.world == 4 and r.nodes == 1 and r.path == r.id for r in rows.values())
     assert rows["fl_fsdp-h8-nesterov"].label == "FL+FSDP H=8 nesterov(0.7, 0.9)"
     assert rows["fsdp-seed43"].label == "FSDP (seed 43)"
@@ -440,7 +512,7 @@ def test_a_later_row_is_one_line(monkeypatch):
     assert a[a.index("--some_density") + 1] == "0.02"
     assert _common_part(a)[: _common_part(a).index("--some_density")] == \
         _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
-    assert list(rows)[-2:] == ["fsdp-seed43", "fl_fsdp-h8-seed43"]  # second seeds stay last
+    assert list(rows)[-3:] == ["fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43"]  # second seeds last
 
 
 def test_only_selects_throughput_rows_and_their_calibration():
@@ -505,30 +577,33 @@ def test_interpolation_seed_band_and_time_to_target():
 
 
 def test_committed_throughput_and_predictions():
-    """Measured tokens/s of the convergence rows come from the committed throughput suites;
-    nesterov and H=32 have none (not the same exchange), so their figure is the model's."""
+    """Measured tokens/s of the convergence rows come from the throughput results named as
+    sources (here the fixture); nesterov and H=32 have none (not the same exchange), so their
+    figure is the model's; no sources: the model's only."""
     plan = _plan("--suite", "convergence")
     rows = {r.id: r for r in bp.runs_of(plan)}
-    committed = analysis.committed_throughput(os.path.join(REPO, "bench", "results"))
-    assert committed["missing"] == []
+    committed = analysis.committed_throughput(FIXTURES, [BASELINES, "missing-folder"])
+    assert committed["missing"] == ["missing-folder"]
+    measured = {k: v["tokens_per_s"] for k, v in _saved()["runs"].items()}
     lt = {k: analysis.link_throughput(plan, rows[k], committed) for k in rows}
-    assert lt["fl_fsdp-h8"]["100mbit"]["measured"] == pytest.approx((6155.1296 + 6513.0758) / 2, rel=1e-6)
-    assert len(lt["fl_fsdp-h8"]["100mbit"]["sources"]) == 2
-    assert lt["fsdp"]["1gbit"]["measured"] == pytest.approx(5453.795, rel=1e-6)
-    assert lt["fsdp"]["10mbit"]["measured"] is None and lt["fsdp"]["10mbit"]["predicted"] > 0
-    assert lt["fl_fsdp-h8-p2-tau2-int8-ef"]["10mbit"]["measured"] == pytest.approx(6692.491, rel=1e-6)
-    assert lt["fl_fsdp-h8-p2-tau2-int8-ef"]["1gbit"]["measured"] is None
+    assert lt["fl_fsdp-h8"]["100mbit"]["measured"] == pytest.approx(measured["rate-100mbit/fl_fsdp"])
+    assert lt["fl_fsdp-h8"]["100mbit"]["sources"] == [f"{BASELINES}/rate-100mbit/fl_fsdp"]
+    assert lt["fsdp"]["100mbit"]["measured"] == pytest.approx(measured["rate-100mbit/fsdp"])
+    assert lt["fsdp"]["1gbit"]["measured"] is None and lt["fsdp"]["10mbit"]["predicted"] > 0
+    assert lt["fsdp"]["10mbit"]["compute_source"] == f"{BASELINES}/calibration/fsdp"
+    assert lt["fsdp-lr1e-3"] == lt["fsdp"]  # the LR does not change FSDP's throughput key
     for k in ("fl_fsdp-h8-nesterov", "fl_fsdp-h32"):
         assert all(v["measured"] is None and v["predicted"] for v in lt[k].values())
-    # the seed row is the same configuration: same figures
-    assert lt["fl_fsdp-h8-seed43"] == lt["fl_fsdp-h8"]
+    assert all(v["measured"] is None and v["predicted"] is None for v in lt["fl_fsdp-h8-p2-tau1"].values())
+    assert lt["fl_fsdp-h8-seed43"] == lt["fl_fsdp-h8"]  # the seed row is the same configuration
     # H=32 sends a quarter of H=8's sync bytes: faster on a slow link, same compute time
     assert lt["fl_fsdp-h32"]["10mbit"]["predicted"] > lt["fl_fsdp-h8"]["10mbit"]["predicted"]
     assert lt["fl_fsdp-h32"]["10mbit"]["compute_source"] == lt["fl_fsdp-h8"]["10mbit"]["compute_source"]
-    # the model within 15% of the committed FL+FSDP measurements
-    for link in ("1gbit", "100mbit", "10mbit"):
-        v = lt["fl_fsdp-h8"][link]
-        assert 0.85 < v["measured"] / v["predicted"] < 1.15, (link, v)
+    v = lt["fl_fsdp-h8"]["100mbit"]
+    assert 0.85 < v["measured"] / v["predicted"] < 1.15, v  # the model within 15% of the measured FL+FSDP
+    none = analysis.committed_throughput(FIXTURES, [])
+    assert analysis.link_throughput(plan, rows["fsdp"], none)["100mbit"] == {
+        "measured": None, "sources": [], "predicted": None, "compute_source": None}
 
 
 def _write_fake_run(root, spec, losses, tokens_per_step=16384, eval_every=32):
@@ -550,7 +625,8 @@ def _write_fake_run(root, spec, losses, tokens_per_step=16384, eval_every=32):
 def test_analyze_and_report_a_convergence_suite(tmp_path):
     """Synthetic finished runs (4 evaluations each) through analyze_local and report_local."""
     plan = _plan("--suite", "convergence", "--steps", "128", "--work-root", str(tmp_path / "w"),
-                 "--results-root", str(tmp_path / "r"))
+                 "--results-root", str(tmp_path / "r"), "--throughput-sources", BASELINES)
+    assert plan["throughput_sources"] == [BASELINES]
     rows = {r.id: r for r in bp.runs_of(plan)}
     root = tmp_path / "w" / plan["name"]
     curves = {"fsdp": [8.0, 6.0, 5.5, 5.0], "fsdp-seed43": [8.0, 6.1, 5.6, 5.1],
@@ -558,7 +634,7 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
               "fl_fsdp-h32": [8.5, 7.0, 6.5, 6.2]}  # the rest has not run yet
     for k, c in curves.items():
         _write_fake_run(root, rows[k], c)
-    res = analysis.analyze_local(plan, str(root), os.path.join(REPO, "bench", "results"))
+    res = analysis.analyze_local(plan, str(root), FIXTURES)
     assert res["band"]["loss"] == pytest.approx(0.1) and res["band"]["pairs"]["fl_fsdp-h8"] == pytest.approx(0.05)
     assert res["target"]["tokens"] == 64 * 16384 and res["target"]["loss"] == 6.0
     r = res["rows"]
@@ -572,23 +648,66 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     v = r["fl_fsdp-h8"]["links"]["100mbit"]
     assert v["time_to_target_measured_s"] == pytest.approx(80 * 16384 / v["measured"])
     assert res["status"]["fl_fsdp-h8-nesterov"]["state"] == "not started"
+    assert res["throughput_sources"] == [BASELINES]
     from bench import report as br
 
-    br.report_local(plan, {"command": plan["command"], "resume_command": "RESUME"}, str(root),
-                    os.path.join(REPO, "bench", "results"))
+    br.report_local(plan, {"command": plan["command"], "resume_command": "RESUME"}, str(root), FIXTURES)
     out = tmp_path / "r" / plan["name"]
     table = (out / "table.md").read_text()
     assert "Not finished yet" in table and "RESUME" in table and "Seed band = **0.1000**" in table
-    assert "| FL+FSDP H=8 " in table and "(model)" in table
+    assert "| FL+FSDP H=8 " in table and "(model)" in table and f"`bench/results/{BASELINES}`" in table
     guide = {g[0]: g[1:] for g in br.guide_rows(res)}
-    # 100 Mbit/s: FL+FSDP (6,334 tokens/s measured) needs 80/64 of FSDP's tokens at 5.2x its speed
+    # 100 Mbit/s: FL+FSDP (measured in the fixture) needs 80/64 of FSDP's tokens at 5x its speed
     assert guide["100mbit"][0].startswith("FL+FSDP H=8: ") and guide["100mbit"][1].startswith("FSDP: ")
     # seed 43 of FSDP crosses 6.0 at 64 + 32 x 0.1/0.5 = 70.4 steps: +10% tokens
     assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (+10.0%)" in table
     assert "(+2.9%)" in table and "the larger of these shares (10.0%)" in table  # FL's seeds: 80 vs 82.3 steps
-    for png in ("eval_loss_vs_tokens.png", "ppl_vs_tokens.png", "time_to_target.png"):
+    for png in ("eval_loss_vs_tokens.png", "time_to_target.png"):
         assert (out / png).stat().st_size > 1000
-    assert (out / "raw" / "fsdp" / "metrics.jsonl").is_file() and not (out / "raw" / "fl_fsdp-h8-nesterov").exists()
+    assert not (out / "quality_vs_bytes.png").exists()  # these fake runs carry no fl counters
+    saved = compact.CompactRuns.load(str(out))
+    assert "fsdp" in saved and "fl_fsdp-h8-nesterov" not in saved and len(saved.get("fsdp")["records"]) == 8
+    assert not (out / "raw").exists()
+
+
+def test_grid_report_on_the_synthetic_fixture(tmp_path):
+    """The convergence report by the grid's rules, rebuilt from the committed compact fixture
+    (tests/fixtures/make_fixtures.py: CURVES, evaluations every 32 steps of 4,096 tokens)."""
+    dst = _fixture_copy(tmp_path, GRID)
+    shutil.copytree(os.path.join(FIXTURES, BASELINES), dst.parent / BASELINES)
+    assert rb.main(["--report-only", "--name", GRID, "--results-root", str(dst.parent),
+                    "--work-root", str(tmp_path / "work")]) == 0
+    table = (dst / "table.md").read_text()
+    lines = table.splitlines()
+    assert lines[2] == f"> **Rules.** {bp.GRID_RULES}"  # the rules head the report
+    res = json.loads((dst / "bench.json").read_text())["results"]
+    # the seed band: every configuration trained twice (fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48)
+    assert res["band"]["pairs"] == pytest.approx({"fsdp": 0.02, "fl_fsdp-h8": 0.03})
+    assert res["band"]["loss"] == pytest.approx(0.03)
+    assert res["best_fsdp"] == "fsdp-lr1e-3"  # 5.25 < fsdp's 5.30; fsdp-seed43 is not a configuration
+    nes = res["rows"]["fl_fsdp-h8-nesterov"]  # 5.22
+    assert nes["diff_fsdp"] == pytest.approx(-0.08) and nes["diff_fsdp_in_band"] == pytest.approx(-0.08 / 0.03)
+    assert nes["diff_fsdp_counts"] is True
+    assert nes["diff_best_fsdp"] == pytest.approx(-0.03) and nes["diff_best_fsdp_counts"] is False
+    row = next(ln for ln in lines if ln.startswith("| FL+FSDP H=8 nesterov(0.7, 0.9) ") and "counts" in ln)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1:9] == ["5.2200", "-0.0800", "-2.7", "counts", "-0.0300", "-1.0", "within noise", "4"]
+    # targets: FSDP's loss at 64 steps (5.70), 5.42, 5.50, 5.60; nesterov 5.62 at 64 steps, 5.32 at 96
+    assert [t["key"] for t in res["targets"]] == ["fsdp_half_budget", "5.42", "5.50", "5.60"]
+    assert res["targets"][0]["loss"] == pytest.approx(5.70)
+    to = nes["tokens_to"]
+    assert to["5.42"] == pytest.approx((64 + 32 * (5.62 - 5.42) / 0.30) * 4096)
+    assert to["5.60"] == pytest.approx((64 + 32 * (5.62 - 5.60) / 0.30) * 4096)
+    assert to["fsdp_half_budget"] == pytest.approx((32 + 32 * (7.10 - 5.70) / (7.10 - 5.62)) * 4096)
+    assert res["rows"]["fl_fsdp-h8"]["tokens_to"]["5.42"] is None  # 5.45 at the end: never
+    section = table.split("## Tokens to each target", 1)[1].split("\n## ", 1)[0].splitlines()
+    cells = [c.strip() for c in next(ln for ln in section if ln.startswith("| FL+FSDP H=8 nesterov(0.7, 0.9) "))
+             .split("|")[1:-1]]
+    assert cells[2] == f"{(64 + 32 * 0.2 / 0.3) * 4096:,.0f}"  # the 5.42 column
+    assert any("int8+EF" in ln and "not finished (running or interrupted, logged up to step 64)" in ln
+               for ln in section)
+    assert res["rows"]["fl_fsdp-h8"]["fl_bytes_per_param"] == {"per_sync": 4.0, "run": 64.0}  # 16 syncs
+    assert (dst / "quality_vs_bytes.png").stat().st_size > 1000
 
 
 def test_paper_regime_ratios(tmp_path):
@@ -618,8 +737,8 @@ def test_report_only_of_a_local_suite_lists_the_launches_of_launches_json(tmp_pa
     for k, c in {"fsdp": [8.0, 6.0, 5.5, 5.0], "fl_fsdp-h8": [8.2, 6.4, 5.6, 5.2]}.items():
         _write_fake_run(root, rows[k], c)
     (root / "plan.json").write_text(json.dumps(plan))
-    old = {"sessions": [{"started": "2026-01-01T00:00:00", "rc": 0, "wall_s": 10.0, "resumed_from_step": 0}]}
-    new = {"sessions": [{"started": "2026-01-02T00:00:00", "rc": 0, "wall_s": 4002.0, "resumed_from_step": 0}]}
+    old = {"sessions": [{"started": "2030-01-01T00:00:00", "rc": 0, "wall_s": 10.0, "resumed_from_step": 0}]}
+    new = {"sessions": [{"started": "2030-01-02T00:00:00", "rc": 0, "wall_s": 4002.0, "resumed_from_step": 0}]}
     (root / "meta.json").write_text(json.dumps({"launches": {"fsdp": old}}))
     (root / bl.LAUNCHES_FILE).write_text(json.dumps({"fsdp": old, "fl_fsdp-h8": new}))
     assert rb.main(["--report-only", "--name", "conv", "--work-root", str(tmp_path / "w"),
@@ -662,3 +781,67 @@ def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatc
     assert out["failed"] == ["fl_fsdp-h32", "fl_fsdp-h8-p2-tau1"]
     assert out["launches"]["fl_fsdp-h32"]["sessions"][-1]["rc"] == 3
     assert "failing on purpose" in (tmp_path / plan["name"] / "fl_fsdp-h32" / "launch.log").read_text()
+
+
+# ---------------------------------------------------------------------- time to target on emulated links
+def _timed_run(root, name, evals, tokens_per_s, wall_s, wall_clock=False):
+    """A finished run folder whose evaluations (training seconds, loss) are ``evals``."""
+    import math
+
+    d = root / name
+    d.mkdir(parents=True)
+    recs = []
+    for i, (t, loss) in enumerate(evals, 1):
+        ev = {"step": 32 * i, "tokens": 32 * i * 4096, "time_s": t, "eval/perplexity": math.exp(loss),
+              "eval/loss": loss}
+        if wall_clock:
+            ev["wall_s"] = 2 * t
+        recs += [{"step": 32 * i, "tokens": 32 * i * 4096, "time_s": t, "train/loss": loss + 0.1}, ev]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "all_results.json").write_text(json.dumps({"steps": 32 * len(evals), "tokens_per_s": tokens_per_s,
+                                                    "eval_loss": evals[-1][1], "wall_seconds": wall_s}))
+    return str(d)
+
+
+def test_time_to_target_json_on_emulated_links(tmp_path):
+    """bench.time_to_target: seconds to each target (linear in eval loss between evaluations),
+    of_limit against the limit's tokens/s, the schema of time_to_target.json, the plot."""
+    from bench import time_to_target as ttt
+
+    runs = tmp_path / "runs"
+    nes = _timed_run(runs, "nesterov", [(100.0, 6.00), (200.0, 5.55), (300.0, 5.40)], 5000.0, 400.0)
+    fsdp = _timed_run(runs, "fsdp", [(1000.0, 6.20), (2000.0, 5.80), (3000.0, 5.52)], 200.0, 3500.0)
+    limit = _timed_run(runs, "limit", [(50.0, 6.0)], 6000.0, 60.0)
+    res = tmp_path / "results" / "links"
+    out = ttt.write_time_to_target(str(res), [
+        {"run": "fl_fsdp-h8-nesterov", "link": "10mbit", "path": nes, "limit_path": limit},
+        {"run": "fsdp", "link": "100mbit", "path": fsdp, "limit_tokens_per_s": 1000.0}],
+        seed_band=0.0178, fsdp_half_budget_loss=5.70)
+    saved = json.loads((res / ttt.FILE).read_text())
+    assert saved == out and saved["seed_band"] == 0.0178 and saved["fsdp_half_budget_loss"] == 5.70
+    assert "training seconds" in saved["clock"]  # no wall-clock time per evaluation in these records
+    a, b = saved["rows"]
+    assert set(a) == {"run", "link", "measured", "of_limit", "final_eval_loss", "wall_s_total", "to_target"}
+    assert (a["run"], a["link"], a["measured"], a["final_eval_loss"], a["wall_s_total"]) == \
+        ("fl_fsdp-h8-nesterov", "10mbit", True, 5.40, 400.0)
+    assert a["of_limit"] == pytest.approx(5000 / 6000) and b["of_limit"] == pytest.approx(0.2)
+    assert list(a["to_target"]) == ["fsdp_half_budget", "5.42", "5.50", "5.60"]
+    assert a["to_target"]["fsdp_half_budget"] == pytest.approx(100 + 100 * 0.30 / 0.45)
+    assert a["to_target"]["5.60"] == pytest.approx(100 + 100 * 0.40 / 0.45)
+    assert a["to_target"]["5.42"] == pytest.approx(200 + 100 * 0.13 / 0.15)
+    assert b["to_target"]["5.60"] == pytest.approx(2000 + 1000 * 0.20 / 0.28)
+    assert b["to_target"]["5.50"] is None and b["to_target"]["5.42"] is None  # 5.52 at the end
+    assert (res / ttt.PLOT).stat().st_size > 1000
+    # evaluations that carry a wall-clock time are measured on it
+    wall = _timed_run(runs, "wall", [(100.0, 6.00), (200.0, 5.40)], 5000.0, 500.0, wall_clock=True)
+    out = ttt.write_time_to_target(str(tmp_path / "w"), [{"run": "x", "link": "10mbit", "path": wall}], None, None,
+                                   plot=False)
+    assert out["rows"][0]["to_target"] == {"5.42": pytest.approx(2 * (100 + 100 * 0.58 / 0.60)),
+                                           "5.50": pytest.approx(2 * (100 + 100 * 0.50 / 0.60)),
+                                           "5.60": pytest.approx(2 * (100 + 100 * 0.40 / 0.60))}
+    assert out["rows"][0]["of_limit"] is None and "wall-clock" in out["clock"]
+    with pytest.raises(ValueError, match="no all_results.json"):
+        ttt.write_time_to_target(str(tmp_path / "w"), [{"run": "y", "link": "10mbit", "path": str(tmp_path)}],
+                                 None, None)
+    # the seed band and FSDP's half-budget loss of a convergence results folder
+    assert ttt.from_convergence(os.path.join(FIXTURES, GRID)) == (pytest.approx(0.03), pytest.approx(5.70))
