@@ -9,6 +9,8 @@ precision policy, activation checkpointing and compile, and the batch arithmetic
 
 from __future__ import annotations
 
+from fl_accel.codecs import SPARSE_BLOCK, sparse_k
+
 from .args import describe_sources
 from .metrics import weights_text
 
@@ -20,6 +22,15 @@ def fl_line(parsed) -> str:
     """``FLConfig: name=value (where); ...``, each value the algorithm and modes ignore marked
     with why (``FLConfig.ignored_fields``, the library's rule), whatever its value."""
     return f"FLConfig: {'; '.join(describe_sources(parsed, parsed.fl.ignored_fields())) or 'all defaults'}"
+
+
+def sparse_text(fl) -> str:
+    """The effective top-k of "sparse": k of every 4096 values (``sync_density`` rounded up to
+    whole bytes of codes), the bits, the aggregation, the error-feedback decay, the final sync."""
+    k = sparse_k(fl.sync_density, fl.sync_value_bits)
+    return (f"k={k} of every {SPARSE_BLOCK} values = density {k / SPARSE_BLOCK:.4g} (asked {fl.sync_density:.4g}), "
+            f"{fl.sync_value_bits}-bit values, mean over the {fl.sparse_aggregation}, error feedback decay "
+            f"{fl.residual_decay:g}, final sync {fl.final_sync}")
 
 
 def precision_text(policy: dict, mixed: str) -> str:
@@ -39,6 +50,8 @@ def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str
     if streaming_fl:
         layout_line += (f", fragments P={fl.num_fragments} sync delay={fl.sync_delay} alpha={fl.fragment_update_alpha}"
                         f" exchange={fl.sync_dtype}{' +error feedback' if fl.error_feedback else ''}")
+        if fl.sync_dtype == "sparse":
+            layout_line += f" ({sparse_text(fl)})"
     if layout.num_groups > 1:
         layout_line += f", group weights {weights_text(layout.weights(fl.group_weighting))} ({fl.group_weighting})"
     sources = plan.sources

@@ -114,13 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("seq-len", int, 2048, "tokens per sequence"), ("micro-batch", int, 2, "sequences per forward"),
             ("sync-bucket-mb", int, 256, "FLConfig.sync_bucket_mb"), ("num-fragments", int, 1, "P"),
             ("sync-delay", int, 0, "tau"), ("gradient-accumulation-steps", int, 1, ""),
+            ("sync-density", float, 1 / 64, "FLConfig.sync_density (sparse)"),
+            ("sync-value-bits", int, 2, "FLConfig.sync_value_bits (sparse)"),
             ("gpu-memory-gib", float, 64.0, "GPU memory (A100-64GB)"),
             ("headroom", float, ALLOCATOR_HEADROOM, "share kept free for the allocator")]:
         p.add_argument("--" + flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     for flag, choices in [("param-dtype", ("bf16", "fp32")), ("reduce-dtype", ("fp32", "bf16")),
                           ("activation-checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer-optimizer", ("avg", "nesterov")),
-                          ("sync-dtype", ("fp32", "bf16", "int8")), ("outer-state-device", ("same", "cpu")),
+                          ("sync-dtype", ("fp32", "bf16", "int8", "sparse")), ("outer-state-device", ("same", "cpu")),
                           ("accelerator", ("cuda", "cpu"))]:
         p.add_argument("--" + flag, choices=choices, default=choices[0], help="(default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true")
@@ -136,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   attention=a.attention, optimizer=a.optimizer, sync_dtype=a.sync_dtype,
                   error_feedback=a.error_feedback, sync_bucket_mb=a.sync_bucket_mb, num_fragments=a.num_fragments,
                   sync_delay=a.sync_delay, gradient_accumulation_steps=a.gradient_accumulation_steps,
+                  sync_density=a.sync_density, sync_value_bits=a.sync_value_bits,
                   accelerator=a.accelerator)
         if a.matrix:
             rows = matrix(config, kw, gpu, a.headroom)

@@ -134,6 +134,31 @@ def test_outer_state_and_sync_buffers_follow_the_synchronizer():
     assert "sync" not in mm.estimate(SMALL, seq_len=64, micro_batch=1, shards=2).phases  # one group
 
 
+def test_every_sync_dtype_has_its_sync_buffers(capsys):
+    """The model covers every FLConfig.sync_dtype, "sparse" included (refused before): its
+    exchange holds the fp32 bucket, 12 bytes per chunk value (|x| for top-k, the dense values
+    sent, the residual's difference) and F + 1 payloads of fl_accel.codecs.sparse_bytes; the
+    CLI takes it and its density."""
+    from fl_accel.codecs import sparse_bytes
+
+    two = FLLayout.equal(2, 1, 2)
+
+    def sync(**kw):
+        return mm.estimate(SMALL, seq_len=64, micro_batch=1, layout=two, buckets_in_flight=None,
+                           **kw).phases["sync"]["sync_buffers"]
+
+    n = mm.estimate(SMALL, seq_len=64, micro_batch=1, layout=two).inputs["local_shard_elements"]
+    sizes = {d: sync(sync_dtype=d, error_feedback=d != "fp32") for d in ("fp32", "bf16", "int8", "sparse")}
+    assert sizes["fp32"] == 4 * n and sizes["bf16"] == 4 * n + 3 * 2 * n
+    padded = math.ceil(n / 4096) * 4096
+    assert sizes["sparse"] == 4 * n + 12 * n + 3 * sparse_bytes(padded, 1 / 64, 2)
+    assert sync(sync_dtype="sparse", error_feedback=True, sync_density=1 / 16) > sizes["sparse"]
+    from scripts import memory_model as cli
+
+    assert cli.main(["--sync-dtype", "sparse", "--error-feedback", "--sync-density", "0.0625"]) == 0
+    assert "sync_buffers" in capsys.readouterr().out
+
+
 def test_sync_buffers_are_what_a_blocking_exchange_holds(tmp_path):
     """The model's sync buffers (fp32, C = 1, two buckets in flight) equal the peak bytes a real
     blocking Exchange holds over a real gloo group, and a delayed exchange holds the whole

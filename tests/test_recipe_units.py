@@ -600,3 +600,17 @@ def test_one_line_messages_start_on_a_new_line_while_a_progress_bar_is_drawn(cap
         bar.close()
     _say("[fl_accel] after")
     assert capsys.readouterr().err == "[fl_accel] before\n\n[fl_accel] rank 0: during\n[fl_accel] after\n"
+
+
+def test_banner_prints_the_effective_sparse_density():
+    """"sparse" rounds the density up to whole bytes of codes (at least 16 of 4096 values at 2
+    bits): the banner says the k actually sent beside the density asked for, and the recipe's
+    settings of the exchange (aggregation, decay, final sync)."""
+    from fl_accel import FLConfig
+    from recipes.banner import sparse_text
+
+    text = sparse_text(FLConfig(sync_dtype="sparse", error_feedback=True, sync_density=0.001))
+    assert text.startswith("k=16 of every 4096 values = density 0.003906 (asked 0.001)")
+    assert "mean over the senders" in text and "decay 0.95" in text and "final sync exact" in text
+    assert sparse_text(FLConfig(sync_dtype="sparse", error_feedback=True, sync_value_bits=8,
+                                sync_density=0.5)).startswith("k=2048 of every 4096")

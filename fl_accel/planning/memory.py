@@ -35,7 +35,9 @@ dim. Components:
 - sync (per fragment of n_k local elements, C = R_min chunks): the exchange's fp32 buffer
   4 n_k (``sync_bucket_mb`` buckets, all packed at once; ``buckets_in_flight`` bounds it),
   a chunk copy 4 n_k / C (fp32, C > 1) or the quantized copies 3 b n_k / C (b = 2 bf16,
-  1 + 4/256 int8), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
+  1 + 4/256 int8; "sparse": 12 n_k / C for |x|, the dense sent values and the residual's
+  difference, plus F + 1 payloads of :func:`fl_accel.codecs.sparse_bytes`, the gathered
+  ones and this rank's), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
   state on the host: one anchor tensor at a time instead). With ``sync_delay`` > 0 a
   fragment's exchange stays in flight during training;
 - CUDA context and NCCL: :data:`CUDA_CONTEXT_BYTES` (not in ``max_memory_allocated``).
@@ -55,8 +57,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fl_accel.planning.cost import _int
+import math
+
+from fl_accel.codecs import SPARSE_BLOCK, sparse_bytes
 from fl_accel.mesh import FLLayout
+from fl_accel.planning.cost import _int
 from fl_accel.planning.units import config_value as _get, llama_units
 
 CUDA_CONTEXT_BYTES = 2 * 2**30
@@ -115,6 +120,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
              attention: str = "sdpa", optimizer: str = "foreach", outer_optimizer: str = "avg",
              sync_dtype: str = "fp32", error_feedback: bool = False, outer_state_device: str = "same",
              sync_bucket_mb: int = 256, num_fragments: int = 1, sync_delay: int = 0,
+             sync_density: float = 1 / 64, sync_value_bits: int = 2,
              gradient_accumulation_steps: int = 1, accelerator: str = "cuda", units: Any = None,
              buckets_in_flight: int | None = SYNC_BUCKETS_IN_FLIGHT) -> MemoryEstimate:
     """Peak accelerator memory of one rank, in bytes, by component and moment (module docstring).
@@ -130,7 +136,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         activation_checkpointing: "none" | "full". attention: "sdpa" | "eager".
         optimizer: AdamW's implementation: "foreach" | "fused" | "for-loop".
         outer_optimizer, sync_dtype, error_feedback, outer_state_device, sync_bucket_mb,
-            num_fragments, sync_delay: as :class:`fl_accel.config.FLConfig`.
+            num_fragments, sync_delay, sync_density, sync_value_bits: as :class:`fl_accel.config.FLConfig`.
         gradient_accumulation_steps: > 1 keeps gradients alive through the next forward.
         accelerator: "cuda" (adds :data:`CUDA_CONTEXT_BYTES`) | "cpu".
         units: :class:`fl_accel.planning.cost.ShardUnit` list (default ``llama_units(config)``).
@@ -148,7 +154,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
     for name, allowed in (("param_dtype", _BYTES), ("reduce_dtype", _BYTES),
                           ("activation_checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer_optimizer", ("avg", "nesterov")),
-                          ("sync_dtype", ("fp32", "bf16", "int8")), ("outer_state_device", ("same", "cpu")),
+                          ("sync_dtype", ("fp32", "bf16", "int8", "sparse")), ("outer_state_device", ("same", "cpu")),
                           ("accelerator", ("cuda", "cpu"))):
         if inputs[name] not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, got {inputs[name]!r}")
@@ -193,6 +199,9 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
             min(nk, _int("buckets_in_flight", buckets_in_flight) * _int("sync_bucket_mb", sync_bucket_mb) * 2**18)
         q = {"bf16": 2.0, "int8": 1 + 4 / 256}.get(sync_dtype, 0.0)
         inflight = 4 * held * (1 + 1 / C if C > 1 and not compressed else 1) + 3 * q * held / C
+        if sync_dtype == "sparse":  # held / C values per chunk, padded to whole 4096-value blocks
+            chunk = math.ceil(held / C / SPARSE_BLOCK) * SPARSE_BLOCK
+            inflight += 12 * held / C + (F + 1) * sparse_bytes(chunk, sync_density, sync_value_bits)
         host = outer_state_device == "cpu" and (outer_optimizer == "nesterov" or compressed)
         sync = inflight + 4 * nk * (outer_optimizer == "nesterov" and not compressed and not host) \
             + 4 * biggest * host * (1 + bool(error_feedback))  # one anchor (residual) tensor copied at a time
@@ -227,7 +236,8 @@ def estimate_for_run(model_config: Any, fl: Any, world_size: int, **kw: Any) -> 
             (``FLLayout.from_config``).
     """
 
-    names = ("outer_optimizer", "sync_dtype", "error_feedback", "sync_bucket_mb", "num_fragments", "sync_delay")
+    names = ("outer_optimizer", "sync_dtype", "error_feedback", "sync_bucket_mb", "num_fragments", "sync_delay",
+             "sync_density", "sync_value_bits")
     fields = {n: getattr(fl, n) for n in names}
     fields["outer_state_device"] = getattr(fl, "outer_state_device", getattr(fl, "anchor_device", "same"))
     return estimate(model_config, layout=FLLayout.from_config(fl, world_size), **{**fields, **kw})
