@@ -48,6 +48,8 @@ class RunPlan:
     """Where ``activation_checkpointing`` and ``compile`` came from (a flag or the Accelerate config)."""
     t0: float
     """``time.perf_counter()`` at the start of ``main``: the start of this session's wall time."""
+    lock: Any = None
+    """The :class:`recipes.run_lock.RunLock` of the output folder (held by rank 0 until the end)."""
 
     @property
     def args(self) -> RecipeArguments:
@@ -87,6 +89,7 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
 
     check_model(args.model, args.seq_len)
     identity = run_identity(args, fl)
+    lock = take_lock(args.output_dir, run_name, environ)  # before anything reads the folder's contents
     if args.max_steps:  # a replaced copy: the decay it may fill stays out of the identity, like max_steps
         try:
             parsed = dataclasses.replace(parsed, fl=fl.with_max_steps(args.max_steps))
@@ -98,7 +101,22 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     ac, ac_source = resolve_activation_checkpointing(args, environ)
     compiled, compile_source = resolve_compile(args, environ)
     return RunPlan(parsed, layout, run_name, identity, resume_path, mixed, ac, compiled,
-                   {"activation_checkpointing": ac_source, "compile": compile_source}, t0)
+                   {"activation_checkpointing": ac_source, "compile": compile_source}, t0, lock)
+
+
+def take_lock(output_dir: str, run_name: str, environ):
+    """The output-folder lock (:mod:`recipes.run_lock`), taken by the global rank 0 and
+    checked by every other rank, before any process group exists.
+
+    Raises:
+        RecipeError: the folder is in use by another live run (named), on every rank.
+    """
+    from .run_lock import RunLock, RunLockError
+
+    try:
+        return RunLock(output_dir, run_name, rank=int(environ.get("RANK", 0) or 0), environ=environ).acquire()
+    except RunLockError as exc:
+        raise RecipeError(str(exc)) from exc
 
 
 def run_length_error(exc: ValueError, max_steps: int) -> RecipeError:
