@@ -71,6 +71,11 @@ class Clock:
     def total(self, part: str) -> float:
         return self.before[part] + self.session[part]
 
+    def wall_now(self) -> float:
+        """Wall-clock seconds of the whole run up to now: earlier sessions' and this one's since
+        its start (start-up, training, evaluations and checkpoints alike)."""
+        return self.before["wall_seconds"] + time.perf_counter() - self.t0
+
     def totals(self) -> dict[str, float]:
         """Whole-run figures (all sessions); ``wall_seconds`` is the sum of the three parts."""
         out = {k: self.total(k) for k in self.session}

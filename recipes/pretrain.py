@@ -360,7 +360,7 @@ class Run:
             groups = evaluate(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size, True)
         what = scored(fl, final, self.groups_in_last_sync())
         record = {"step": step, "tokens": self.meter.tokens, "time_s": self.meter.clock.total("train_seconds"),
-                  "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
+                  "wall_s": self.meter.clock.wall_now(), "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
         if groups:
             record.update({f"eval/perplexity_group{f}": r[0] for f, r in enumerate(groups)})
             record.update({f"eval/loss_group{f}": r[1] for f, r in enumerate(groups)})
