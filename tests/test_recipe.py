@@ -99,6 +99,8 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     evals = [r for r in read_metrics(out) if "eval/perplexity" in r]
     assert [r["step"] for r in evals] == [3, 4]
     assert {r["eval/scored"] for r in evals} == {"synchronized" if federated else "single group"}
+    # wall-clock so far: everything (start-up included) counts, so it is ahead of the training seconds
+    assert all(r["wall_s"] > r["time_s"] > 0 for r in evals) and evals[0]["wall_s"] < evals[1]["wall_s"]
     assert "[fl_accel] micro-batch 2 blocks/rank" in proc.stdout
     assert "[fl_accel] step 3: eval perplexity " in proc.stdout
     # traffic covers every rank: the busiest rank, the sum over ranks (equal layouts: all ranks alike)
