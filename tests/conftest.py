@@ -166,11 +166,19 @@ def _order(item) -> tuple[int, int]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection, which reads the tier markers
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(session, config, items):
     outside = sorted({_relpath(item) for item in items if _tier(item) is None})
     if outside:
         raise pytest.UsageError(f"tests outside the tier folders of tests/ ({', '.join(TIERS)}): "
                                 f"{', '.join(outside)}: move each into the folder of its kind (tests/conftest.py)")
+    whole = not session.testsfailed and any(
+        os.path.realpath(config.invocation_params.dir / arg.split("::")[0]) == os.path.realpath(TESTS)
+        for arg in config.args)
+    empty = [t for t in TIERS if whole and any(n.startswith("test_") for n in os.listdir(os.path.join(TESTS, t)))
+             and not any(_tier(item) == t for item in items)]
+    if empty:  # a folder pytest did not enter (tests/dist once fell under the default norecursedirs)
+        raise pytest.UsageError(f"no test collected from {', '.join('tests/' + t for t in empty)}: check "
+                                f"norecursedirs in pyproject.toml")
     for item in items:
         item.add_marker(_tier(item))
     items.sort(key=_order)

@@ -112,7 +112,7 @@ def test_sync_on_cuda_streams_events_and_bounded_buckets():
     nesterov run give the CPU run's parameters (fp32 bitwise, int8 within a quantization step);
     a blocking sync of 16 MiB in 1 MiB buckets raises the allocator's peak by at most about two
     buckets (plus the quantized copies), not the whole model."""
-    from test_schedule import FakeTransport, _synchronizer, _train
+    from unit.test_schedule import FakeTransport, _synchronizer, _train
 
     for fields, exact in (({"sync_every": 2}, True),
                           ({"sync_every": 2, "sync_dtype": "int8", "outer_optimizer": "nesterov"}, False)):
