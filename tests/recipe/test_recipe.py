@@ -16,6 +16,7 @@ import os
 import pytest
 
 from _launch import REPO_ROOT, run_torchrun
+from recipes.run_folder import read_metrics
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
@@ -29,11 +30,6 @@ PEAK_TFLOPS = 0.5
 def launch(args: list[str], launcher: str | None = None):
     """The recipe on 4 gloo processes; W&B offline, as a user gets it by default."""
     return run_torchrun(4, RECIPE, *args, timeout=600, env={"WANDB_MODE": "offline"}, launcher=launcher)
-
-
-def read_metrics(out_dir: str) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
 
 
 def on(run: str):
@@ -95,7 +91,7 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     assert comm["fl"]["calls"] == (2 if federated else 0), comm
     assert (comm["dp_replicate"]["bytes"] > 0) == (algorithm == "hsdp"), comm
     assert comm["dp_shard"]["bytes"] > 0
-    evals = [r for r in read_metrics(out) if "eval/perplexity" in r]
+    evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "eval/perplexity" in r]
     assert [r["step"] for r in evals] == [3, 4]
     assert {r["eval/scored"] for r in evals} == {"synchronized" if federated else "single group"}
     assert "[fl_accel] micro-batch 2 blocks/rank" in proc.stdout
@@ -136,7 +132,7 @@ def test_results_record_what_ran_time_memory_and_mfu(runs):
     assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s_per_process"] / (PEAK_TFLOPS * 1e12),
                                      rel=1e-9)
     assert r["tokens_per_s_per_process"] == pytest.approx(r["tokens_per_s"] / 4)
-    for rec in (x for x in read_metrics(out) if "train/loss" in x):
+    for rec in (x for x in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in x):
         assert rec["mfu"] == pytest.approx(rec["model_flops_per_token"] * rec["tokens_per_s_per_process"]
                                            / (PEAK_TFLOPS * 1e12), rel=1e-9)
         assert rec["peak_host_mb"] > 0 and rec["peak_accelerator_mb"] is None and "sync_time_share" in rec
@@ -222,8 +218,9 @@ def test_activation_checkpointing_resumes_across_the_switch(runs, resumed_ac):
     out, _ = runs("fl_fsdp")
     resumed, proc2 = resumed_ac
     assert "activation checkpointing full (--activation_checkpointing)" in proc2.stdout
-    full = {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
-    again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
+    full = {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
+    again = {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(resumed, "metrics.jsonl"))
+             if "train/loss" in r}
     assert sorted(again) == [3, 4] and all(abs(again[k] - full[k]) <= 1e-5 for k in again), (again, full)
     results = json.loads(open(os.path.join(resumed, "all_results.json"), encoding="utf-8").read())
     assert results["activation_checkpointing"] is True
@@ -272,8 +269,8 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, resumed_ac):
     out, _ = runs("fl_fsdp")
     resumed_out, proc2 = resumed_ac
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
-    full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}
-    resumed = {r["step"]: r for r in read_metrics(resumed_out) if "train/loss" in r}
+    full = {r["step"]: r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
+    resumed = {r["step"]: r for r in read_metrics(os.path.join(resumed_out, "metrics.jsonl")) if "train/loss" in r}
     assert sorted(resumed) == [3, 4], sorted(resumed)
     for step in (3, 4):
         assert abs(resumed[step]["train/loss"] - full[step]["train/loss"]) <= 1e-6, (step, resumed[step], full[step])
@@ -304,7 +301,8 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     out, proc = runs(algorithm)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
-    record = next(r for r in read_metrics(out) if r.get("step") == 3 and "train/loss" in r)
+    record = next(r for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+                  if r.get("step") == 3 and "train/loss" in r)
     from recipes.modeling import PRESETS
 
     with torch.device("meta"):
@@ -324,7 +322,7 @@ GOLDEN = REPO_ROOT / "tests" / "golden" / "fl_fsdp_tiny_losses.json"
 
 
 def _train_losses(out: str) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
 
 
 @on("fl_fsdp")

@@ -30,7 +30,7 @@ import sys
 import torch
 
 import _scenario
-from _scenario import local
+from fl_accel.fsdp import local
 
 STEPS, H, SEQ, VOCAB, SEED = 4, 2, 32, 512, 42
 

@@ -100,6 +100,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
+    from fl_accel.fsdp import local
 
     acc = FLAccelerator(FLConfig(**sc["fl"]), cpu=True)
     torch.manual_seed(0)
@@ -132,7 +133,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             with torch.no_grad():
                 rec["launches"].append({
                     "step": schedule.global_step, "indices": indices,
-                    "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
+                    "theta": [local(params[i]).detach().clone() for i in indices],
                     "anchor": None if outer.anchor is None else [outer.anchor[i].detach().clone() for i in indices],
                     "residual_before": None if outer.residuals is None else
                     [outer.residuals[i].clone() for i in indices], "exact": exact})
