@@ -12,8 +12,8 @@
   ranks without checkpointing take about 16 GB here.)
 
 Three launches of several minutes each on 2 CPU cores, so the test is opt-in:
-``FL_ACCEL_TEST_HEAVY=1 python -m pytest tests/test_activation_checkpointing.py``. The
-always-on suite covers the same switch on ``tiny`` (tests/test_recipe.py).
+``FL_ACCEL_TEST_HEAVY=1 python -m pytest tests/dist/test_activation_checkpointing.py``. The
+always-on suite covers the same switch on ``tiny`` (tests/recipe/test_recipe.py).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ def test_unequal_groups_sparse_equals_simulation(six):
     """sync_dtype "sparse" + error feedback on [2, 4] (weights 1/3, 2/3; replica 0 of each
     group sends, replica 1 of group 1 receives its chunk by a broadcast): every rank equals
     a single-process simulation (top-k, 2-bit codes, error feedback and the weighted sum
-    of tests/test_streaming_sync.py) after every step and at the end (<= 1e-6), the groups
+    of tests/dist/test_streaming_sync.py) after every step and at the end (<= 1e-6), the groups
     are identical after each sync, and the uniform weights (1/2, 1/2) miss it."""
     from test_streaming_sync import sparse_mean
 

@@ -203,7 +203,7 @@ def resumed_ac(runs, tmp_path_factory, data_cache):
     resumed = str(tmp_path_factory.mktemp("resumed_ac"))
     proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed, "--cache_dir", data_cache,
                     "--resume_from_checkpoint", ckpt, "--activation_checkpointing", "full",
-                    "--save_final_model", "false"])  # torchrun + resume: tests/test_failures.py
+                    "--save_final_model", "false"])  # torchrun + resume: tests/recipe/test_failures.py
     assert proc2.returncode == 0, proc2.tail()
     return resumed, proc2
 
@@ -226,10 +226,10 @@ def test_activation_checkpointing_resumes_across_the_switch(runs, resumed_ac):
     assert results["activation_checkpointing"] is True
 
 
-@pytest.mark.parametrize("family", ["qwen2"])  # Mistral: tests/test_accelerator_api.py (features worker)
+@pytest.mark.parametrize("family", ["qwen2"])  # Mistral: tests/dist/test_accelerator_api.py (features worker)
 def test_other_model_families_train_sync_checkpoint_and_export(family, tmp_path, data_cache):
     """A tiny Qwen2 config (any causal LM whose class declares _no_split_modules; Mistral trains,
-    syncs and checkpoints in tests/test_accelerator_api.py):
+    syncs and checkpoints in tests/dist/test_accelerator_api.py):
     FL+FSDP on 4 ranks with a sync, a checkpoint and final_model/, which transformers loads
     back as the same family."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
@@ -330,7 +330,7 @@ def test_golden_losses_of_fl_fsdp(runs):
     """Regression guard (torchtitan style): the train losses of every step and the final eval
     loss of the tiny FL+FSDP run (4 ranks, F=2, H=3, seed 42, the embedded corpus) equal the
     committed values within 1e-5. A change that moves the numerics on purpose regenerates
-    the file: ``FL_ACCEL_TEST_REGEN_GOLDEN=1 python -m pytest tests/test_recipe.py -k golden``."""
+    the file: ``FL_ACCEL_TEST_REGEN_GOLDEN=1 python -m pytest tests/recipe/test_recipe.py -k golden``."""
     out, proc = runs("fl_fsdp")
     assert proc.returncode == 0, proc.tail()
     got = {"train_loss": {str(k): v for k, v in sorted(_train_losses(out).items())},

@@ -161,7 +161,7 @@ def test_wandb_offline_resume_keeps_the_run_id(full):
 ], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length", "finished_run"])
 def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
     """A new run into a folder holding a finished run's checkpoints (an unfinished run's:
-    tests/test_recipe_units.py), a checkpoint of another run
+    tests/unit/test_recipe_units.py), a checkpoint of another run
     (run identity: seed, data, model, optimizer, FLConfig), one past --max_steps, or a resume
     that would rebuild the LR schedule for another length: refused on every rank before any
     collective, with a message naming the fix; nothing is written."""

@@ -57,7 +57,7 @@ def test_teardown_after_exception():
 
 # gloo across the emulator (2 nodes x 2 processes, a 1 MiB all-reduce: right on every rank,
 # each node's ranks on its own interface, the bytes through both shaped links): asserted on the
-# launch of tests/test_bench.py::test_runner_meters_a_launch_over_the_emulator, which goes through
+# launch of tests/tools/test_bench_runs.py::test_runner_meters_a_launch_over_the_emulator, which goes through
 # Emulator.run_torchrun too (one launch of 4 torch processes for both).
 
 

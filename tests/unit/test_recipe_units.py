@@ -3,7 +3,7 @@ checks, the accounting of figures, the banner and the test hooks.
 
 Everything here runs before (or without) a process group, so no launch is needed: a bad
 input that these functions reject is rejected identically on every rank before any
-collective. Launched runs (tests/test_recipe*.py) check the same code end to end.
+collective. Launched runs (tests/recipe/test_recipe*.py) check the same code end to end.
 """
 
 from __future__ import annotations
@@ -465,7 +465,7 @@ def test_resume_refusal_names_the_flconfig_field_that_differs():
 def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_path):
     """An unfinished run's checkpoints: continue it with --resume_from_checkpoint latest; a
     finished run's: only --overwrite_output_dir or another folder (resuming it would be
-    refused as "the end of a finished run"; the launched case: tests/test_recipe_lifecycle.py)."""
+    refused as "the end of a finished run"; the launched case: tests/recipe/test_recipe_lifecycle.py)."""
     from fl_accel.checkpoint import FORMAT_VERSION, META_FILE
 
     def folder(name, steps):

@@ -1,4 +1,4 @@
-"""Worker of tests/test_accelerator_api.py: the GPU-path features of FLAccelerator on gloo (CPU).
+"""Worker of tests/dist/test_accelerator_api.py: the GPU-path features of FLAccelerator on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node 4 tests/workers/features_worker.py MODE OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_ft.py: one federation group (or the single world), under torchrun on gloo.
+"""Worker of tests/ft/test_ft.py: one federation group (or the single world), under torchrun on gloo.
 
     python -m torch.distributed.run --nproc_per_node G tests/workers/ft_worker.py SPEC.json OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_scale.py (torchrun, gloo, 4 ranks = 2 federation groups x 2 shards).
+"""Worker of tests/dist/test_scale.py (torchrun, gloo, 4 ranks = 2 federation groups x 2 shards).
 
     scale_worker.py init OUT_DIR      # scenarios "meta", "per_rank_seed", "tied_avg", "tied_nesterov"
     scale_worker.py resume OUT_DIR    # "tied_avg" again, resumed from OUT_DIR/step_3

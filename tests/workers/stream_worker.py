@@ -1,4 +1,4 @@
-"""Worker of tests/test_streaming_sync.py, run under torchrun on gloo (CPU).
+"""Worker of tests/dist/test_streaming_sync.py, run under torchrun on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/stream_worker.py SPEC.json OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_sync_gloo.py, run under torchrun on gloo (CPU).
+"""Worker of tests/dist/test_sync_gloo.py, run under torchrun on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/sync_worker.py SPEC.json OUT_DIR
 
