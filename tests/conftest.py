@@ -14,8 +14,12 @@ Tiers: each test lives in one folder of tests/, which gives it a marker of the s
 * ``tools``: scripts/ and bench/ run as commands, the network emulator, fresh interpreters;
 * ``gpu``: CUDA-only (skipped without a GPU).
 
-The helpers shared by the tiers stay in tests/ (tests/_launch.py, tests/_forkserver.py,
-tests/workers/, tests/golden/); tests/ is on ``sys.path`` so that every tier imports them.
+A test file outside these folders is refused at collection, and so is a ``norecursedirs``
+that would skip one of them (pytest's default holds ``dist``). The helpers shared by the tiers stay in tests/
+(tests/_launch.py, tests/_forkserver.py, tests/workers/, tests/golden/); tests/ is on
+``sys.path`` so that every tier imports them, and a tier may import another's test helpers as
+``unit.test_data``. Test file names are unique across the folders (pytest imports each by its
+base name).
 
 CPU of a test = this process's user+system time, plus that of every child it reaped
 (subprocesses, torchrun and its ranks), plus that of the ranks the fork launcher's server
@@ -30,7 +34,7 @@ read) get one ``xdist_group`` mark per set of connected fixtures, so the launch 
 once, on one worker; every other test is scheduled on its own. The work units (a group, or
 a test on its own) are handed out in collection order (xdist's reordering of units by
 their number of tests is switched off): the units of :data:`LONG_FIRST` first, longest
-first, then the tests of :data:`HEAVY_FIRST` modules, then the rest, so that the long
+first, then the tests of :data:`HEAVY_FIRST` files, then the rest, so that the long
 launches and the long chains start at once and do not form the tail of the run.
 """
 
@@ -106,9 +110,10 @@ def _shared_fixture_groups(items) -> dict[str, str]:
     """nodeid -> group name for tests that use a non-cheap module/session fixture; tests
     whose fixtures are connected (one uses another, or a test uses both) share a group.
 
-    The only pytest internal read here: ``item._fixtureinfo.name2fixturedefs``, the fixture
-    definitions that pytest resolved for the item (pytest has no public API for a fixture's
-    scope and where it was defined; ``item.fixturenames``, the names, is public)."""
+    The pytest internals read here: ``item._fixtureinfo.name2fixturedefs``, the fixture
+    definitions pytest resolved for the item, and their ``scope`` and ``baseid`` (where the
+    fixture was defined: "" for pytest's and plugins' own); pytest has no public API for a
+    fixture's scope or origin (``item.fixturenames``, the names, is public)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -136,6 +141,12 @@ def _shared_fixture_groups(items) -> dict[str, str]:
 
 
 def pytest_configure(config):
+    import fnmatch
+
+    skipped = [t for t in TIERS if any(fnmatch.fnmatch(t, pattern) for pattern in config.getini("norecursedirs"))]
+    if skipped:  # pytest's default norecursedirs holds "dist": tests/dist would silently not be collected
+        raise pytest.UsageError(f"norecursedirs {config.getini('norecursedirs')} would skip the test folders "
+                                f"{', '.join('tests/' + t for t in skipped)} (pyproject.toml)")
     if getattr(config.option, "dist", None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         import inspect
 
@@ -166,19 +177,11 @@ def _order(item) -> tuple[int, int]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection, which reads the tier markers
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     outside = sorted({_relpath(item) for item in items if _tier(item) is None})
     if outside:
         raise pytest.UsageError(f"tests outside the tier folders of tests/ ({', '.join(TIERS)}): "
                                 f"{', '.join(outside)}: move each into the folder of its kind (tests/conftest.py)")
-    whole = not session.testsfailed and any(
-        os.path.realpath(config.invocation_params.dir / arg.split("::")[0]) == os.path.realpath(TESTS)
-        for arg in config.args)
-    empty = [t for t in TIERS if whole and any(n.startswith("test_") for n in os.listdir(os.path.join(TESTS, t)))
-             and not any(_tier(item) == t for item in items)]
-    if empty:  # a folder pytest did not enter (tests/dist once fell under the default norecursedirs)
-        raise pytest.UsageError(f"no test collected from {', '.join('tests/' + t for t in empty)}: check "
-                                f"norecursedirs in pyproject.toml")
     for item in items:
         item.add_marker(_tier(item))
     items.sort(key=_order)
