@@ -5,7 +5,7 @@
 
 On a machine with at least one CUDA GPU it
 
-1. runs the CUDA-gated tests (``pytest tests/test_cuda.py``);
+1. runs the CUDA-gated tests (``pytest tests/gpu/test_cuda.py``);
 2. trains ``--model`` (default the Llama-3.2-1B preset, 1.24B parameters, which fits one
    80 GB GPU with room for both settings) with ``recipes/pretrain.py`` as one process on
    GPU 0 (``--algorithm fsdp``: NCCL refuses two ranks on one GPU), bf16, micro-batch 2 x
@@ -112,7 +112,7 @@ def write_results(out_dir: str, rows: list[dict], tests: dict | None, machine: d
              f"{machine.get('micro_batch', '?')} x {machine.get('seq_len', '?')}, {machine.get('steps', '?')} steps, "
              f"one process (FSDP on one GPU).", ""]
     if tests is not None:
-        lines += [f"CUDA tests (`pytest tests/test_cuda.py`): {tests.get('summary', '?')} (exit {tests.get('rc')})", ""]
+        lines += [f"CUDA tests (`pytest tests/gpu/test_cuda.py`): {tests.get('summary', '?')} (exit {tests.get('rc')})", ""]
     lines += ["| checkpointing | compile | tokens/s | MFU | peak_accelerator_mb | predicted MiB (foreach / fused) | "
               "error (foreach / fused) | status |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -132,7 +132,7 @@ def write_results(out_dir: str, rows: list[dict], tests: dict | None, machine: d
 
 
 def run_tests(timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         rc, text = proc.returncode, proc.stdout + proc.stderr

@@ -312,7 +312,7 @@ def local_runs(s: dict) -> list[RunSpec]:
 
     Every row has the same model, data, micro-batch, steps (or one epoch), learning rate
     and schedule, evaluation points and ``--seed``; rows differ only in the federation
-    flags, and the seed-band rows also in ``--seed`` (checked by tests/test_bench.py).
+    flags, and the seed-band rows also in ``--seed`` (checked by tests/unit/test_bench.py).
     """
     suite = s["suites"][0]
     world = 4 if suite == "convergence" else 8

@@ -19,7 +19,7 @@ non-zero group status.
 On a cluster the same pattern is one Lighthouse job step and one job (or step) per
 group; see docs/fault_tolerance.md (examples/torchft_two_groups.sh runs this script).
 
-The functions are used by tests/test_ft.py and the benchmark: :func:`start_lighthouse`,
+The functions are used by tests/ft/test_ft.py and the benchmark: :func:`start_lighthouse`,
 :func:`group_env`, :func:`start_group`, :func:`kill_group`.
 """
 

@@ -39,7 +39,7 @@ Not covered here (those tests keep ``launcher="torchrun"``):
   (Ctrl-C), ``accelerate launch``;
 * per-exec process state: peak memory (``ru_maxrss``/``VmHWM`` start at the server's
   footprint), environment read at import time (below), allocator/OpenMP settings;
-* CUDA (tests/test_cuda.py): the server never initializes CUDA, but those tests are the
+* CUDA (tests/gpu/test_cuda.py): the server never initializes CUDA, but those tests are the
   GPU launch path and stay real.
 
 Import-time environment: variables that a module reads when imported (the Hugging Face

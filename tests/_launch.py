@@ -11,7 +11,7 @@ launcher (tests/_forkserver.py).
   ``accelerate launch``), per-exec process state (peak memory), the CUDA tests, and a
   few recipe runs kept on the user's launch path.
 
-:func:`start_forked` starts forked ranks without waiting (tests/test_ft.py runs one
+:func:`start_forked` starts forked ranks without waiting (tests/ft/test_ft.py runs one
 launch per federation group side by side).
 
 Both use a fresh free ``--master_port`` (retried once if another suite took it),
@@ -87,7 +87,7 @@ def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: float,
 def start_forked(nproc: int, script: Path | str, *args: str, env: dict[str, str], log_dir: Path):
     """Start ``nproc`` forked ranks of ``script args`` and return at once (a
     :class:`_forkserver.ForkedLaunch`: ``poll``, ``wait``, ``kill``, ``output``), for tests
-    that run several launches side by side (tests/test_ft.py: one per federation group).
+    that run several launches side by side (tests/ft/test_ft.py: one per federation group).
     ``env`` is the ranks' whole environment (e.g. :func:`launch_env` or
     ``scripts.ft_launch.group_env``); rank r writes ``log_dir/r.out`` and ``log_dir/r.err``.
     The caller waits for or kills the launch."""

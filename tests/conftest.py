@@ -1,5 +1,25 @@
 """Make the repository root importable (fl_accel, recipes, scripts) however pytest is started,
-and, with ``FL_ACCEL_TEST_CPU=N``, report the N tests that used the most CPU seconds.
+mark each test with its tier, and, with ``FL_ACCEL_TEST_CPU=N``, report the N tests that used
+the most CPU seconds.
+
+Tiers: each test lives in one folder of tests/, which gives it a marker of the same name
+(registered in pyproject.toml), so ``pytest -m unit`` runs what ``pytest tests/unit`` runs:
+
+* ``unit``: no process at all (tests/unit/conftest.py fails a test that starts one), the
+  fast half: ``python -m pytest -q -p no:cacheprovider tests/unit``;
+* ``dist``: gloo multi-process numerics (sync, streaming, unequal groups, checkpoints, FSDP,
+  scale, the accelerator's API);
+* ``recipe``: launches of recipes/pretrain.py (and of its parts in other processes);
+* ``ft``: torchft (fault tolerance);
+* ``tools``: scripts/ and bench/ run as commands, the network emulator, fresh interpreters;
+* ``gpu``: CUDA-only (skipped without a GPU).
+
+A test file outside these folders is refused at collection, and so is a ``norecursedirs``
+that would skip one of them (pytest's default holds ``dist``). The helpers shared by the tiers stay in tests/
+(tests/_launch.py, tests/_forkserver.py, tests/workers/, tests/golden/); tests/ is on
+``sys.path`` so that every tier imports them, and a tier may import another's test helpers as
+``unit.test_data``. Test file names are unique across the folders (pytest imports each by its
+base name).
 
 CPU of a test = this process's user+system time, plus that of every child it reaped
 (subprocesses, torchrun and its ranks), plus that of the ranks the fork launcher's server
@@ -14,7 +34,7 @@ read) get one ``xdist_group`` mark per set of connected fixtures, so the launch 
 once, on one worker; every other test is scheduled on its own. The work units (a group, or
 a test on its own) are handed out in collection order (xdist's reordering of units by
 their number of tests is switched off): the units of :data:`LONG_FIRST` first, longest
-first, then the tests of :data:`HEAVY_FIRST` modules, then the rest, so that the long
+first, then the tests of :data:`HEAVY_FIRST` files, then the rest, so that the long
 launches and the long chains start at once and do not form the tail of the run.
 """
 
@@ -25,11 +45,17 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+for _path in (TESTS, ROOT):  # tests/ for _launch, _forkserver and workers; the root for fl_accel, recipes, ...
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+TIERS = ("unit", "dist", "recipe", "ft", "tools", "gpu")
+"""The folders of tests/, each a marker of its tests (registered in pyproject.toml)."""
 
 _CPU: dict[str, tuple[float, float]] = {}
+_CPU_START = pytest.StashKey[tuple[float, float]]()
 
 
 def _cpu_now() -> float:
@@ -54,28 +80,40 @@ CHEAP_FIXTURES = {"cache", "data_cache", "golden_cache", "out_dir", "group", "de
 """Module/session fixtures that only name a folder, set up in-process state or are shared
 by the workers anyway (:func:`default_corpus_cache`): they do not tie tests into one group."""
 
-LONG_FIRST = ("test_ft.py::test_group_killed_mid_round_heals_from_live_group",  # waits on kills and heals
-              "test_recipe_lifecycle.py::",  # the 'full' chain: a run, 2 resumes, 7 refused or short launches
-              "test_streaming_sync.py::",  # the 'four' chain: 19 scenarios, the resumes, the 8-rank launch
-              "test_ft.py::test_torchft_mode_equals_single_world",
-              "test_ft.py::test_recipe_trains_each_group",
-              "test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
-              "test_failures.py::test_max_restarts",
-              "test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
-              "test_recipe.py::")
+LONG_FIRST = ("ft/test_ft.py::test_group_killed_mid_round_heals_from_live_group",  # waits on kills and heals
+              "recipe/test_recipe_lifecycle.py::",  # the 'full' chain: a run, 2 resumes, 7 refused or short launches
+              "dist/test_streaming_sync.py::",  # the 'four' chain: 19 scenarios, the resumes, the 8-rank launch
+              "ft/test_ft.py::test_torchft_mode_equals_single_world",
+              "ft/test_ft.py::test_recipe_trains_each_group",
+              "dist/test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
+              "recipe/test_failures.py::test_max_restarts",
+              "dist/test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
+              "recipe/test_recipe.py::")
 """Node-id prefixes (after ``tests/``) of the units that take longest (wall seconds of the
 last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collected first."""
 
-HEAVY_FIRST = ("test_ft", "test_failures", "test_examples", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
-               "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
-               "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
-"""Modules with the longest launches, in the order their tests are collected after
-:data:`LONG_FIRST` (then the rest)."""
+HEAVY_FIRST = ("ft/test_ft.py", "recipe/test_failures.py", "dist/test_examples.py", "dist/test_unequal_groups.py", "recipe/test_recipe.py",
+               "recipe/test_recipe_lifecycle.py", "tools/test_bench.py", "dist/test_streaming_sync.py",
+               "dist/test_scale.py", "dist/test_accelerator_api.py", "recipe/test_bad_inputs.py",
+               "recipe/test_data_default_corpus.py", "tools/test_netemu.py", "dist/test_sync_gloo.py",
+               "dist/test_checkpoint_gloo.py")
+"""Files (under tests/) with the longest launches, in the order their tests are collected after
+:data:`LONG_FIRST` (then the rest, in collection order: the unit tier last)."""
+
+
+def _relpath(item) -> str:
+    """The item's file under tests/, with ``/`` separators (``dist/test_fsdp.py``)."""
+    return os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")
 
 
 def _shared_fixture_groups(items) -> dict[str, str]:
     """nodeid -> group name for tests that use a non-cheap module/session fixture; tests
-    whose fixtures are connected (one uses another, or a test uses both) share a group."""
+    whose fixtures are connected (one uses another, or a test uses both) share a group.
+
+    The pytest internals read here: ``item._fixtureinfo.name2fixturedefs``, the fixture
+    definitions pytest resolved for the item, and their ``scope`` and ``baseid`` (where the
+    fixture was defined: "" for pytest's and plugins' own); pytest has no public API for a
+    fixture's scope or origin (``item.fixturenames``, the names, is public)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -85,16 +123,16 @@ def _shared_fixture_groups(items) -> dict[str, str]:
 
     uses: dict[str, list[str]] = {}
     for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
+        defs_of = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None)
+        if defs_of is None:
             continue
         keys = []
-        for name in info.names_closure:
-            defs = info.name2fixturedefs.get(name)
+        for name in getattr(item, "fixturenames", ()):
+            defs = defs_of.get(name)
             if (not defs or name in CHEAP_FIXTURES or defs[-1].scope not in ("module", "session")
                     or not defs[-1].baseid):  # pytest's and plugins' own (tmp_path_factory, ...)
                 continue
-            keys.append(f"{item.module.__name__.rsplit('.', 1)[-1]}:{name}")
+            keys.append(f"{item.path.stem}:{name}")  # test file names are unique across the tiers
         for k in keys[1:]:
             parent[find(k)] = find(keys[0])
         if keys:
@@ -103,6 +141,12 @@ def _shared_fixture_groups(items) -> dict[str, str]:
 
 
 def pytest_configure(config):
+    import fnmatch
+
+    skipped = [t for t in TIERS if any(fnmatch.fnmatch(t, pattern) for pattern in config.getini("norecursedirs"))]
+    if skipped:  # pytest's default norecursedirs holds "dist": tests/dist would silently not be collected
+        raise pytest.UsageError(f"norecursedirs {config.getini('norecursedirs')} would skip the test folders "
+                                f"{', '.join('tests/' + t for t in skipped)} (pyproject.toml)")
     if getattr(config.option, "dist", None) == "loadgroup" and not os.environ.get("PYTEST_XDIST_WORKER"):
         import inspect
 
@@ -120,15 +164,26 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def _tier(item) -> str | None:
+    top = _relpath(item).split("/", 1)[0]
+    return top if top in TIERS else None
+
+
 def _order(item) -> tuple[int, int]:
-    nodeid = item.nodeid.split("tests/", 1)[-1]
+    path = _relpath(item)
+    nodeid = path + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else path
     first = next((i for i, prefix in enumerate(LONG_FIRST) if nodeid.startswith(prefix)), len(LONG_FIRST))
-    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-    return first, HEAVY_FIRST.index(module) if module in HEAVY_FIRST else len(HEAVY_FIRST)
+    return first, HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection, which reads the tier markers
 def pytest_collection_modifyitems(config, items):
+    outside = sorted({_relpath(item) for item in items if _tier(item) is None})
+    if outside:
+        raise pytest.UsageError(f"tests outside the tier folders of tests/ ({', '.join(TIERS)}): "
+                                f"{', '.join(outside)}: move each into the folder of its kind (tests/conftest.py)")
+    for item in items:
+        item.add_marker(_tier(item))
     items.sort(key=_order)
     if config.pluginmanager.hasplugin("xdist"):
         groups = _shared_fixture_groups(items)
@@ -187,17 +242,17 @@ def pytest_runtest_protocol(item, nextitem):
     if not os.environ.get("FL_ACCEL_TEST_CPU"):
         yield
         return
-    item._fl_accel_cpu0 = (_cpu_now(), time.monotonic())
+    item.stash[_CPU_START] = (_cpu_now(), time.monotonic())
     yield
     if item.nodeid not in _CPU:  # not filled by the teardown report (a test that was not run)
-        c0, t0 = item._fl_accel_cpu0
+        c0, t0 = item.stash[_CPU_START]
         _CPU[item.nodeid] = (_cpu_now() - c0, time.monotonic() - t0)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    start = getattr(item, "_fl_accel_cpu0", None)
+    start = item.stash.get(_CPU_START, None)
     if call.when == "teardown" and start is not None:
         outcome.get_result().user_properties.append(("fl_accel_cpu", (_cpu_now() - start[0],
                                                                       time.monotonic() - start[1])))

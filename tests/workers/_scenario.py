@@ -31,13 +31,10 @@ def reset_for_next_scenario() -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
 
 
-def local(p):
-    """This rank's local shard of a parameter (``to_local()`` of a DTensor; the tensor itself otherwise)."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def local_shards(params) -> list:
-    """Copies of this rank's local shards."""
+    """Copies of this rank's local shards (:func:`fl_accel.fsdp.local`)."""
+    from fl_accel.fsdp import local
+
     return [local(p).detach().clone() for p in params]
 
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_accelerator_api.py and tests/test_cuda.py (torchrun).
+"""Worker of tests/dist/test_accelerator_api.py and tests/gpu/test_cuda.py (torchrun).
 
     api_worker.py MODE OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_checkpoint_gloo.py (torchrun, gloo, 4 ranks = 2 groups x 2).
+"""Worker of tests/dist/test_checkpoint_gloo.py (torchrun, gloo, 4 ranks = 2 groups x 2).
 
     ckpt_worker.py MODE OUT_DIR [extra]
     ckpt_worker.py batch OUT_DIR MODE:EXTRA [MODE:EXTRA ...]

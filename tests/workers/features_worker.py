@@ -1,4 +1,4 @@
-"""Worker of tests/test_accelerator_api.py: the GPU-path features of FLAccelerator on gloo (CPU).
+"""Worker of tests/dist/test_accelerator_api.py: the GPU-path features of FLAccelerator on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node 4 tests/workers/features_worker.py MODE OUT_DIR
 
@@ -62,6 +62,7 @@ def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, fa
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from fl_accel import FLAccelerator, FLConfig
+    from fl_accel.fsdp import local
 
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, **fl), cpu=True, **(kwargs or {}))
     model = build(family)
@@ -94,7 +95,7 @@ def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, fa
         rec["saved"] = _scenario.local_shards(params)
         with torch.no_grad():
             for p in params:
-                _scenario.local(p).add_(1.0)  # the load must overwrite this
+                local(p).add_(1.0)  # the load must overwrite this
         acc.load_state(str(out / name / "roundtrip"))
         rec["after_load"] = _scenario.local_shards(params)
     rec["sync_wait_seconds"] = acc.sync_wait_seconds

@@ -1,4 +1,4 @@
-"""Worker of tests/test_ft.py: one federation group (or the single world), under torchrun on gloo.
+"""Worker of tests/ft/test_ft.py: one federation group (or the single world), under torchrun on gloo.
 
     python -m torch.distributed.run --nproc_per_node G tests/workers/ft_worker.py SPEC.json OUT_DIR
 
@@ -54,12 +54,10 @@ MODEL = dict(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_l
 SEQ_LEN = 16
 
 
-def local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def full_state(acc, optimizer, scheduler) -> dict:
     """Everything a healed group must share with its source, as plain local tensors."""
+    from fl_accel.fsdp import local
+
     sync = acc.synchronizer
     opt_state = {}
     for i, p in enumerate(sync.params):
@@ -110,6 +108,7 @@ def run_case(spec: dict, out: Path) -> None:
 
     from fl_accel import FLAccelerator, FLConfig
     from fl_accel.checkpoint import find_latest
+    from fl_accel.fsdp import local
 
     (out / "progress").mkdir(parents=True, exist_ok=True)
     acc = FLAccelerator(FLConfig.from_env(**spec["fl"]), cpu=True)

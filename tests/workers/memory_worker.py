@@ -1,4 +1,4 @@
-"""Worker of tests/test_memory_model.py: one process trains a tiny Llama for a few steps
+"""Worker of tests/tools/test_memory_measured.py: one process trains a tiny Llama for a few steps
 and reports its resident memory before and after, for the memory model's small real check.
 
     MALLOC_MMAP_THRESHOLD_=131072 python tests/workers/memory_worker.py CONFIG.json SEQ_LEN MICRO_BATCH STEPS

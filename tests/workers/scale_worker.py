@@ -1,4 +1,4 @@
-"""Worker of tests/test_scale.py (torchrun, gloo, 4 ranks = 2 federation groups x 2 shards).
+"""Worker of tests/dist/test_scale.py (torchrun, gloo, 4 ranks = 2 federation groups x 2 shards).
 
     scale_worker.py init OUT_DIR      # scenarios "meta", "per_rank_seed", "tied_avg", "tied_nesterov"
     scale_worker.py resume OUT_DIR    # "tied_avg" again, resumed from OUT_DIR/step_3
@@ -30,7 +30,7 @@ import sys
 import torch
 
 import _scenario
-from _scenario import local
+from fl_accel.fsdp import local
 
 STEPS, H, SEQ, VOCAB, SEED = 4, 2, 32, 512, 42
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_streaming_sync.py, run under torchrun on gloo (CPU).
+"""Worker of tests/dist/test_streaming_sync.py, run under torchrun on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/stream_worker.py SPEC.json OUT_DIR
 
@@ -103,6 +103,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
+    from fl_accel.fsdp import local
 
     acc = FLAccelerator(FLConfig(**sc["fl"]), cpu=True)
     torch.manual_seed(0)
@@ -135,7 +136,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             with torch.no_grad():
                 rec["launches"].append({
                     "step": schedule.global_step, "indices": indices,
-                    "theta": [_scenario.local(params[i]).detach().clone() for i in indices],
+                    "theta": [local(params[i]).detach().clone() for i in indices],
                     "anchor": None if outer.anchor is None else [outer.anchor[i].detach().clone() for i in indices],
                     "residual_before": None if outer.residuals is None else
                     [outer.residuals[i].clone() for i in indices], "exact": exact})

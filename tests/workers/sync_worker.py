@@ -1,4 +1,4 @@
-"""Worker of tests/test_sync_gloo.py, run under torchrun on gloo (CPU).
+"""Worker of tests/dist/test_sync_gloo.py, run under torchrun on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/sync_worker.py SPEC.json OUT_DIR
 
@@ -102,6 +102,7 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLAccelerator, FLConfig
+    from fl_accel.fsdp import local
 
     accum = int(sc.get("grad_accum", 1))
     acc = FLAccelerator(FLConfig(**sc["fl"]), cpu=True, gradient_accumulation_steps=accum)
@@ -128,8 +129,8 @@ def run_scenario(sc: dict, out: Path, rank: int, world: int, last: bool) -> None
 
     def meta():
         return [{"type": type(p).__name__, "placements": str(getattr(p, "placements", None)),
-                 "shape": list(p.shape), "stride": list(p.stride()), "local_shape": list(_scenario.local(p).shape),
-                 "data_ptr": _scenario.local(p).data_ptr()} for p in params]
+                 "shape": list(p.shape), "stride": list(p.stride()), "local_shape": list(local(p).shape),
+                 "data_ptr": local(p).data_ptr()} for p in params]
 
     rec = {"scenario": sc["name"], "rank": rank, "world": world,
            "coords": [acc.group_index, acc.replica_index, acc.shard_index],

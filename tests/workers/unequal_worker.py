@@ -1,4 +1,4 @@
-"""Worker of tests/test_unequal_groups.py: unequal federation groups on gloo (CPU).
+"""Worker of tests/dist/test_unequal_groups.py: unequal federation groups on gloo (CPU).
 
     python -m torch.distributed.run --nproc_per_node N tests/workers/unequal_worker.py SPEC.json OUT_DIR
 

@@ -17,6 +17,7 @@ import pytest
 
 from _launch import REPO_ROOT, launch_env, run_torchrun
 from fl_accel import FLConfig
+from recipes.run_folder import read_metrics
 from scripts import launch
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
@@ -115,8 +116,7 @@ def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
     assert "sync_every=6 exceeds the 4 training steps" in out
     results = json.loads((out_dir / "all_results.json").read_text())
     assert results["steps"] == 4 and results["comm"]["fl"]["calls"] == 1
-    steps = [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()
-             if "train/loss" in line]
+    steps = [r["step"] for r in read_metrics(out_dir / "metrics.jsonl") if "train/loss" in r]
     assert steps == [1, 2, 3, 4], steps  # the first attempt's step 3 was dropped on resume
     assert not any(p.name.endswith(".partial") for p in (out_dir / "checkpoints").iterdir())
 

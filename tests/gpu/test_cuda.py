@@ -106,13 +106,13 @@ def test_outer_state_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events, side streams and allocator peaks need a GPU")
 def test_sync_on_cuda_streams_events_and_bounded_buckets():
-    """No process group (the fake transport of tests/test_schedule.py): the synchronizer on CUDA
+    """No process group (the fake transport of tests/unit/test_schedule.py): the synchronizer on CUDA
     packs on a side stream and times its sync events with CUDA events on the compute stream.
     sync_wait_seconds is 0 before the first sync and positive after; an fp32 and an int8 +
     nesterov run give the CPU run's parameters (fp32 bitwise, int8 within a quantization step);
     a blocking sync of 16 MiB in 1 MiB buckets raises the allocator's peak by at most about two
     buckets (plus the quantized copies), not the whole model."""
-    from test_schedule import FakeTransport, _synchronizer, _train
+    from unit.test_schedule import FakeTransport, _synchronizer, _train
 
     for fields, exact in (({"sync_every": 2}, True),
                           ({"sync_every": 2, "sync_dtype": "int8", "outer_optimizer": "nesterov"}, False)):

@@ -17,6 +17,7 @@ import pytest
 
 from _launch import REPO_ROOT, run_torchrun
 from fl_accel.mesh import is_federated
+from recipes.run_folder import read_metrics
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
@@ -30,11 +31,6 @@ PEAK_TFLOPS = 0.5
 def launch(args: list[str], launcher: str | None = None):
     """The recipe on 4 gloo processes; W&B offline, as a user gets it by default."""
     return run_torchrun(4, RECIPE, *args, timeout=600, env={"WANDB_MODE": "offline"}, launcher=launcher)
-
-
-def read_metrics(out_dir: str) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
 
 
 def on(run: str):
@@ -96,7 +92,7 @@ def test_recipe_trains_each_algorithm(runs, algorithm):
     assert comm["fl"]["calls"] == (2 if federated else 0), comm
     assert (comm["dp_replicate"]["bytes"] > 0) == (algorithm == "hsdp"), comm
     assert comm["dp_shard"]["bytes"] > 0
-    evals = [r for r in read_metrics(out) if "eval/perplexity" in r]
+    evals = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "eval/perplexity" in r]
     assert [r["step"] for r in evals] == [3, 4]
     assert {r["eval/scored"] for r in evals} == {"synchronized" if federated else "single group"}
     # wall-clock so far: everything (start-up included) counts, so it is ahead of the training seconds
@@ -139,7 +135,7 @@ def test_results_record_what_ran_time_memory_and_mfu(runs):
     assert r["mfu"] == pytest.approx(r["model_flops_per_token"] * r["tokens_per_s_per_process"] / (PEAK_TFLOPS * 1e12),
                                      rel=1e-9)
     assert r["tokens_per_s_per_process"] == pytest.approx(r["tokens_per_s"] / 4)
-    for rec in (x for x in read_metrics(out) if "train/loss" in x):
+    for rec in (x for x in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in x):
         assert rec["mfu"] == pytest.approx(rec["model_flops_per_token"] * rec["tokens_per_s_per_process"]
                                            / (PEAK_TFLOPS * 1e12), rel=1e-9)
         assert rec["peak_host_mb"] > 0 and rec["peak_accelerator_mb"] is None and "sync_time_share" in rec
@@ -210,7 +206,7 @@ def resumed_ac(runs, tmp_path_factory, data_cache):
     resumed = str(tmp_path_factory.mktemp("resumed_ac"))
     proc2 = launch([*COMMON, "--algorithm", "fl_fsdp", "--output_dir", resumed, "--cache_dir", data_cache,
                     "--resume_from_checkpoint", ckpt, "--activation_checkpointing", "full",
-                    "--save_final_model", "false"])  # torchrun + resume: tests/test_failures.py
+                    "--save_final_model", "false"])  # torchrun + resume: tests/recipe/test_failures.py
     assert proc2.returncode == 0, proc2.tail()
     return resumed, proc2
 
@@ -225,17 +221,18 @@ def test_activation_checkpointing_resumes_across_the_switch(runs, resumed_ac):
     out, _ = runs("fl_fsdp")
     resumed, proc2 = resumed_ac
     assert "activation checkpointing full (--activation_checkpointing)" in proc2.stdout
-    full = {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
-    again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
+    full = {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
+    again = {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(resumed, "metrics.jsonl"))
+             if "train/loss" in r}
     assert sorted(again) == [3, 4] and all(abs(again[k] - full[k]) <= 1e-5 for k in again), (again, full)
     results = json.loads(open(os.path.join(resumed, "all_results.json"), encoding="utf-8").read())
     assert results["activation_checkpointing"] is True
 
 
-@pytest.mark.parametrize("family", ["qwen2"])  # Mistral: tests/test_accelerator_api.py (features worker)
+@pytest.mark.parametrize("family", ["qwen2"])  # Mistral: tests/dist/test_accelerator_api.py (features worker)
 def test_other_model_families_train_sync_checkpoint_and_export(family, tmp_path, data_cache):
     """A tiny Qwen2 config (any causal LM whose class declares _no_split_modules; Mistral trains,
-    syncs and checkpoints in tests/test_accelerator_api.py):
+    syncs and checkpoints in tests/dist/test_accelerator_api.py):
     FL+FSDP on 4 ranks with a sync, a checkpoint and final_model/, which transformers loads
     back as the same family."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
@@ -275,8 +272,8 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, resumed_ac):
     out, _ = runs("fl_fsdp")
     resumed_out, proc2 = resumed_ac
     assert "resumed from" in proc2.stdout and "at step 2" in proc2.stdout
-    full = {r["step"]: r for r in read_metrics(out) if "train/loss" in r}
-    resumed = {r["step"]: r for r in read_metrics(resumed_out) if "train/loss" in r}
+    full = {r["step"]: r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
+    resumed = {r["step"]: r for r in read_metrics(os.path.join(resumed_out, "metrics.jsonl")) if "train/loss" in r}
     assert sorted(resumed) == [3, 4], sorted(resumed)
     for step in (3, 4):
         assert abs(resumed[step]["train/loss"] - full[step]["train/loss"]) <= 1e-6, (step, resumed[step], full[step])
@@ -307,7 +304,8 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     out, proc = runs(algorithm)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
-    record = next(r for r in read_metrics(out) if r.get("step") == 3 and "train/loss" in r)
+    record = next(r for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+                  if r.get("step") == 3 and "train/loss" in r)
     from recipes.modeling import PRESETS
 
     with torch.device("meta"):
@@ -327,7 +325,7 @@ GOLDEN = REPO_ROOT / "tests" / "golden" / "fl_fsdp_tiny_losses.json"
 
 
 def _train_losses(out: str) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
 
 
 @on("fl_fsdp")
@@ -335,7 +333,7 @@ def test_golden_losses_of_fl_fsdp(runs):
     """Regression guard (torchtitan style): the train losses of every step and the final eval
     loss of the tiny FL+FSDP run (4 ranks, F=2, H=3, seed 42, the embedded corpus) equal the
     committed values within 1e-5. A change that moves the numerics on purpose regenerates
-    the file: ``FL_ACCEL_TEST_REGEN_GOLDEN=1 python -m pytest tests/test_recipe.py -k golden``."""
+    the file: ``FL_ACCEL_TEST_REGEN_GOLDEN=1 python -m pytest tests/recipe/test_recipe.py -k golden``."""
     out, proc = runs("fl_fsdp")
     assert proc.returncode == 0, proc.tail()
     got = {"train_loss": {str(k): v for k, v in sorted(_train_losses(out).items())},

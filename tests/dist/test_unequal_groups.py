@@ -32,6 +32,7 @@ from _launch import REPO_ROOT, WORKERS, free_port, launch_env, run_torchrun, wri
 from fl_accel import FLConfig
 from scripts.launch import run as run_cmd
 from fl_accel.mesh import DP_REPLICATE, DP_SHARD, FL, FLLayout
+from recipes.run_folder import read_metrics
 
 sys.path.insert(0, str(WORKERS))
 import unequal_worker as W  # noqa: E402  (the model and data the workers use)
@@ -277,7 +278,7 @@ def test_unequal_groups_sparse_equals_simulation(six):
     """sync_dtype "sparse" + error feedback on [2, 4] (weights 1/3, 2/3; replica 0 of each
     group sends, replica 1 of group 1 receives its chunk by a broadcast): every rank equals
     a single-process simulation (top-k, 2-bit codes, decayed error feedback and the weighted
-    mean over the senders of tests/test_streaming_sync.py; at the end the exact fp32 sync of
+    mean over the senders of tests/dist/test_streaming_sync.py; at the end the exact fp32 sync of
     pseudo-gradient + residual) after every step and at the end (<= 1e-6), the groups are
     identical after each sync, and the uniform weights (1/2, 1/2) miss it."""
     from test_streaming_sync import sparse_mean
@@ -483,7 +484,7 @@ def test_accelerate_launch_with_cpu_6proc_yaml_trains_unequal_groups_on_six_proc
     assert results["steps"] == 4 and math.isfinite(results["eval_perplexity"])
     assert 1.0 < results["eval_perplexity"] < results["vocab_size"]
     assert results["comm"]["fl"]["calls"] == 2 and results["comm"]["fl"]["bytes"] > 0, results["comm"]
-    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3, 4]
 
 

@@ -18,7 +18,7 @@ from scripts.netemu import Emulator
 _ok, _reason = netemu.check_privileges()
 needs_root = pytest.mark.skipif(not _ok, reason="needs root/CAP_NET_ADMIN to create network namespaces")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _gone(emu: Emulator) -> None:
@@ -27,33 +27,6 @@ def _gone(emu: Emulator) -> None:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert emu.id not in links  # no veth end or bridge of ours survives in the root namespace
     assert not emu.exists()
-
-
-def test_parse_rate():
-    assert netemu.parse_rate("100mbit") == 100_000_000
-    assert netemu.parse_rate("1gbit") == 1_000_000_000
-    assert netemu.parse_rate("12.5mbps") == 100_000_000  # tc: bps = bytes/s
-    assert netemu.parse_rate(5e6) == 5_000_000
-    for bad in ("fast", "-1mbit", "0", "10 furlongs", True):
-        with pytest.raises(ValueError, match="rate"):
-            netemu.parse_rate(bad)
-
-
-def test_without_privileges_fails_clearly(monkeypatch, capsys):
-    monkeypatch.setattr(netemu, "check_privileges", lambda: (False, "netemu " + netemu.NEED_PRIVILEGES))
-    with pytest.raises(PermissionError, match="CAP_NET_ADMIN"):
-        Emulator(2).up()
-    assert netemu.main(["measure"]) == 1
-    assert "needs root/CAP_NET_ADMIN" in capsys.readouterr().err
-
-
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="nodes"):
-        Emulator(0)
-    with pytest.raises(ValueError, match="subnet"):
-        Emulator(2, subnet="8.8.8.0/24")
-    with pytest.raises(ValueError, match="qdisc"):
-        Emulator(2, qdisc="netem")
 
 
 @needs_root
@@ -84,7 +57,7 @@ def test_teardown_after_exception():
 
 # gloo across the emulator (2 nodes x 2 processes, a 1 MiB all-reduce: right on every rank,
 # each node's ranks on its own interface, the bytes through both shaped links): asserted on the
-# launch of tests/test_bench.py::test_runner_meters_a_launch_over_the_emulator, which goes through
+# launch of tests/tools/test_bench_runs.py::test_runner_meters_a_launch_over_the_emulator, which goes through
 # Emulator.run_torchrun too (one launch of 4 torch processes for both).
 
 

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from _launch import REPO_ROOT, launch_env, run_torchrun
+from recipes.run_folder import read_metrics
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows outrageous fortune".split()
@@ -47,11 +48,6 @@ def _launch(args, timeout=420):
     return run_torchrun(4, RECIPE, *args, timeout=timeout, env={"WANDB_MODE": "offline"})
 
 
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
-
-
 def _results(out):
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as fh:
         return json.load(fh)
@@ -74,7 +70,8 @@ def test_epochs_count_the_forced_step_at_the_end_of_the_loader(full):
     assert "5 micro-batches per rank per epoch, 3 steps/epoch), 6 steps" in proc.stdout, proc.stdout[-3000:]
     results = _results(out)
     assert results["steps"] == 6
-    assert [r["step"] for r in _metrics(out) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+    steps = [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
     assert sorted(os.listdir(out / "checkpoints")) == [f"step_{k}" for k in range(1, 7)]
 
 
@@ -120,13 +117,14 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
     assert b["eval_and_checkpoint_seconds"] >= b["session"]["eval_and_checkpoint_seconds"]
     assert b["peak_host_mb"] >= b["peak_host_mb_after_prepare"] > 0
     assert b["wandb_id"] == a["wandb_id"]  # the resumed session logs to the same W&B run id
-    full_loss = {r["step"]: r["train/loss"] for r in _metrics(out) if "train/loss" in r}
-    records = _metrics(cut)
+    full_loss = {r["step"]: r["train/loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+                 if "train/loss" in r}
+    records = read_metrics(os.path.join(cut, "metrics.jsonl"))
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     for r in train:
         assert abs(r["train/loss"] - full_loss[r["step"]]) <= 1e-6, (r["step"], r["train/loss"])
-    full_comm = {r["step"]: r for r in _metrics(out) if "train/loss" in r}
+    full_comm = {r["step"]: r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in r}
     for r in train:
         for key in ("comm/dp_shard/bytes", "comm/dp_shard/calls", "comm/fl/bytes"):
             assert r[key] == full_comm[r["step"]][key], (r["step"], key, r[key], full_comm[r["step"]][key])
@@ -163,7 +161,7 @@ def test_wandb_offline_resume_keeps_the_run_id(full):
 ], ids=["fresh_run_into_old_folder", "other_seed", "past_max_steps", "other_schedule_length", "finished_run"])
 def test_stale_or_foreign_checkpoints_are_refused(full, extra, message):
     """A new run into a folder holding a finished run's checkpoints (an unfinished run's:
-    tests/test_recipe_units.py), a checkpoint of another run
+    tests/unit/test_recipe_units.py), a checkpoint of another run
     (run identity: seed, data, model, optimizer, FLConfig), one past --max_steps, or a resume
     that would rebuild the LR schedule for another length: refused on every rank before any
     collective, with a message naming the fix; nothing is written."""
@@ -201,7 +199,7 @@ def test_overwrite_output_dir_starts_over(full, tmp_path):
     assert proc.returncode == 0, proc.tail()
     assert not (copy / "checkpoints").exists()
     assert _results(copy)["steps"] == 2
-    assert [r["step"] for r in _metrics(copy) if "train/loss" in r] == [1, 2]
+    assert [r["step"] for r in read_metrics(os.path.join(copy, "metrics.jsonl")) if "train/loss" in r] == [1, 2]
 
 
 def _plain_python(args, tmp):

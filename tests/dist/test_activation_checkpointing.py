@@ -12,8 +12,8 @@
   ranks without checkpointing take about 16 GB here.)
 
 Three launches of several minutes each on 2 CPU cores, so the test is opt-in:
-``FL_ACCEL_TEST_HEAVY=1 python -m pytest tests/test_activation_checkpointing.py``. The
-always-on suite covers the same switch on ``tiny`` (tests/test_recipe.py).
+``FL_ACCEL_TEST_HEAVY=1 python -m pytest tests/dist/test_activation_checkpointing.py``. The
+always-on suite covers the same switch on ``tiny`` (tests/recipe/test_recipe.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import pytest
 
 from _launch import REPO_ROOT, run_torchrun
+from recipes.run_folder import read_metrics
 
 pytestmark = pytest.mark.skipif(os.environ.get("FL_ACCEL_TEST_HEAVY") != "1",
                                 reason="heavy (3 launches of minutes each): set FL_ACCEL_TEST_HEAVY=1")
@@ -59,8 +60,7 @@ def _results(path):
 
 
 def _losses(path):
-    return {r["step"]: r["train/loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
-            if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in read_metrics(path / "metrics.jsonl") if "train/loss" in r}
 
 
 def test_checkpointing_cuts_the_activation_share_and_keeps_the_losses(runs):

@@ -1,7 +1,5 @@
 """recipes.plots: real matplotlib figures (Agg), inspected before they are closed."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -37,12 +35,6 @@ def _records(scale=1.0, groups=0, scored=None):
             r.update({f"eval/perplexity_group{f}": scale * (5000 + 100 * f) / s for f in range(groups)})
             recs.append(r)
     return recs
-
-
-def test_import_is_lazy():
-    out = subprocess.run([sys.executable, "-c", "import sys, recipes.plots; print('matplotlib' in sys.modules)"],
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
 
 
 def test_styles_differ():

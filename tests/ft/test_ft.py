@@ -48,6 +48,7 @@ torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip i
 
 from scripts import ft_launch  # noqa: E402
 from scripts.launch import terminate, wait  # noqa: E402
+from recipes.run_folder import read_metrics  # noqa: E402
 
 WORKER = WORKERS / "ft_worker.py"
 SYNC_WORKER = WORKERS / "sync_worker.py"
@@ -464,8 +465,8 @@ def _recipe_launch(tmp_path, cache, out, name, *flags, started=2):
         terminate(lighthouse)
     assert codes == [0] * started, "\n".join(_log_tail(tmp_path / name / f"group{f}") for f in range(started))
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(started)]
-    evals = [{m["step"]: m["eval/loss"] for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open())
-              if "eval/loss" in m} for f in range(started)]
+    evals = [{m["step"]: m["eval/loss"] for m in read_metrics(out / f"group{f}" / "metrics.jsonl") if "eval/loss" in m}
+             for f in range(started)]
     return results, evals
 
 
@@ -561,7 +562,7 @@ def test_recipe_trains_each_group_in_its_own_folder_and_resumes(tmp_path, defaul
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
     assert sorted(evals[0]) == [2, 4] and evals[0] == evals[1], evals
     for f in range(2):  # train records carry the wall clock: the groups are separate launches
-        train = [m for m in map(json.loads, (out / f"group{f}" / "metrics.jsonl").open()) if "train/loss" in m]
+        train = [m for m in read_metrics(out / f"group{f}" / "metrics.jsonl") if "train/loss" in m]
         assert [m["step"] for m in train] == [1, 2, 3, 4] and all(m["unix_time"] > 0 for m in train)
         ckpts = out / f"group{f}" / "checkpoints"
         assert sorted(p.name for p in ckpts.iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
@@ -595,7 +596,7 @@ def test_recipe_says_when_its_last_sync_left_groups_out(tmp_path, default_corpus
     (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", started=1)
     assert result["steps"] == 4 and result["fault_tolerance"]["sync"]["num_syncs"] == 2, result["fault_tolerance"]
     assert result["eval_scored"] == "own group", result["eval_scored"]
-    records = [m for m in map(json.loads, (out / "group0" / "metrics.jsonl").open()) if "eval/scored" in m]
+    records = [m for m in read_metrics(out / "group0" / "metrics.jsonl") if "eval/scored" in m]
     assert [m["eval/scored"] for m in records] == ["own group"] * len(records) and records
     log = _log_tail(tmp_path / "alone" / "group0", 20000)
     assert "the last sync (step 4) covered 1 of the run's 2 federation groups" in log, log[-3000:]

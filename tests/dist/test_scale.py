@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from _launch import REPO_ROOT, WORKERS, run_torchrun
+from recipes.run_folder import read_metrics
 
 WORKER = WORKERS / "scale_worker.py"
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
@@ -223,10 +224,6 @@ def stream_resumed(tmp_path_factory, corpus, stream_run):
     return out, proc
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def _results(out: Path) -> dict:
     return json.loads((out / "all_results.json").read_text())
 
@@ -302,8 +299,8 @@ def test_streaming_resume_mid_epoch_is_the_same_run(stream_run, stream_resumed, 
         seen = _epoch0_text(full[r][:RESUME_STEP] + resumed[r], tokenizer)
         firsts = re.findall(r"k(\d+)x0 ", seen)
         assert firsts and len(firsts) == len(set(firsts)), (r, firsts)
-    a = {m["step"]: m for m in _metrics(out) if "train/loss" in m}
-    b = {m["step"]: m for m in _metrics(out2) if "train/loss" in m}
+    a = {m["step"]: m for m in read_metrics(out / "metrics.jsonl") if "train/loss" in m}
+    b = {m["step"]: m for m in read_metrics(out2 / "metrics.jsonl") if "train/loss" in m}
     assert sorted(b) == list(range(RESUME_STEP + 1, STEPS + 1))
     for step in b:
         assert abs(a[step]["train/loss"] - b[step]["train/loss"]) <= 1e-6, (step, a[step], b[step])
@@ -316,7 +313,7 @@ def test_eval_groups_differ_mid_round_and_agree_after_sync(stream_run):
     equal to each other and to the synchronized model's eval/perplexity (rel. 1e-6).
     Per-group gradient norms are logged at every step."""
     out, _ = stream_run
-    evals = {m["step"]: m for m in _metrics(out) if "eval/perplexity" in m}
+    evals = {m["step"]: m for m in read_metrics(out / "metrics.jsonl") if "eval/perplexity" in m}
     assert sorted(evals) == [2, 4, STEPS]
     for step in (2, 4):
         g0, g1 = evals[step]["eval/perplexity_group0"], evals[step]["eval/perplexity_group1"]
@@ -325,7 +322,7 @@ def test_eval_groups_differ_mid_round_and_agree_after_sync(stream_run):
     assert final["eval/perplexity_group0"] == final["eval/perplexity_group1"]
     assert final["eval/perplexity_group0"] == pytest.approx(final["eval/perplexity"], rel=1e-6)
     assert final["eval/perplexity"] == pytest.approx(_results(out)["eval_perplexity"], rel=1e-12)
-    train = [m for m in _metrics(out) if "train/loss" in m]
+    train = [m for m in read_metrics(out / "metrics.jsonl") if "train/loss" in m]
     assert len(train) == STEPS and all(f"train/grad_norm_group{f}" in m for m in train for f in range(F))
     assert any(m["train/grad_norm_group0"] != m["train/grad_norm_group1"] for m in train)
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench import analysis, compact, plan as bp, run_bench as rb
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "results")
 BASELINES, GRID = "baselines-100mbit", "convergence-grid"
 FL_SYNC_BYTES = 5769472

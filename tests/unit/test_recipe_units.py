@@ -3,7 +3,7 @@ checks, the accounting of figures, the banner and the test hooks.
 
 Everything here runs before (or without) a process group, so no launch is needed: a bad
 input that these functions reject is rejected identically on every rank before any
-collective. Launched runs (tests/test_recipe*.py) check the same code end to end.
+collective. Launched runs (tests/recipe/test_recipe*.py) check the same code end to end.
 """
 
 from __future__ import annotations
@@ -65,35 +65,6 @@ def test_each_concern_lives_in_one_named_module():
         assert name not in source, name
 
 
-def test_psutil_and_matplotlib_are_optional_for_the_recipe():
-    """Importing the recipe needs neither psutil nor matplotlib (made unimportable here);
-    without psutil the host-load meter raises ModuleNotFoundError at construction, which
-    main() turns into a null ``host``; without matplotlib write_results skips curves.png."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('psutil', 'matplotlib'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import recipes.pretrain, recipes.host_load, recipes.plots, recipes.metrics\n"
-        "assert 'psutil' not in sys.modules and 'matplotlib' not in sys.modules\n"
-        "assert recipes.metrics.launch_seconds() is None\n"
-        "try:\n"
-        "    recipes.host_load.HostLoad()\n"
-        "except ModuleNotFoundError:\n"
-        "    print('no psutil: no meter')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "no psutil: no meter", out.stderr[-2000:]
-    source = (REPO_ROOT / "recipes" / "pretrain.py").read_text()
-    assert 'results["host"] = host.stop() if host is not None else None' in source
-    assert "import matplotlib  # noqa: F401  (optional" in source
-
-
-# =========================================================================== arguments (issue 18 item 3)
 def test_every_bad_yaml_key_is_reported_at_once_with_did_you_mean(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("max_step: 3\nlr: 0.1\nsync_every: 4\nfl:\n  num_group: 2\n  seq_len: 64\n")
@@ -452,29 +423,6 @@ def test_hooks_act_from_the_environment_only(tmp_path):
         testing_hooks.install(model, opt, rank=0, start_step=0, environ={"FL_ACCEL_TEST_FAULT_INJECT": "boom:0:1"})
 
 
-# =========================================================================== README and scripts (issue 18 item 7)
-def test_readme_describes_the_model_families_and_the_quickstart_a_virtual_environment(tmp_path):
-    """The README says which models the recipe trains; the quickstart installs into the active
-    virtual environment or creates ./.venv (no third command for the user); the launch
-    scripts set PYTORCH_ALLOC_CONF."""
-    import subprocess
-
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert "trains `transformers.LlamaForCausalLM`" not in readme
-    assert "_no_split_modules" in readme and "Qwen2" in readme and "Mistral" in readme
-    script = str(REPO_ROOT / "scripts" / "quickstart.sh")
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
-    for extra, expected in (({}, "[quickstart] installing into ./.venv"),
-                            ({"VIRTUAL_ENV": str(tmp_path)}, f"installing into the active environment {tmp_path}"),
-                            ({"QUICKSTART_VENV": "none"}, "(QUICKSTART_VENV=none)")):
-        out = subprocess.run(["bash", script], env={**env, **extra, "QUICKSTART_DRY_RUN": "1"}, capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0 and expected in out.stdout, (out.stdout, out.stderr)
-    for name in ("quickstart.sh", "slurm_pretrain.sh"):
-        assert "PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}" in \
-            (REPO_ROOT / "scripts" / name).read_text(), name
-
-
 def test_evaluation_notes_follow_the_banner_and_round_eval_every():
     """With fragments the note on what a mid-run evaluation scores is among the notes printed
     after the banner (main prints banner + notes in one block); eval_every becomes a multiple of H."""
@@ -516,7 +464,7 @@ def test_resume_refusal_names_the_flconfig_field_that_differs():
 def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_path):
     """An unfinished run's checkpoints: continue it with --resume_from_checkpoint latest; a
     finished run's: only --overwrite_output_dir or another folder (resuming it would be
-    refused as "the end of a finished run"; the launched case: tests/test_recipe_lifecycle.py)."""
+    refused as "the end of a finished run"; the launched case: tests/recipe/test_recipe_lifecycle.py)."""
     from fl_accel.checkpoint import FORMAT_VERSION, META_FILE
 
     def folder(name, steps):

@@ -1,30 +1,12 @@
-"""bench/gpu_check.sh on a machine without a GPU, and its result writer (CPU; no training).
-
-The check itself needs a CUDA GPU (bench/README.md, "GPU check"); here its refusal path
-runs for real and the writer is fed fabricated all_results.json / metrics.jsonl files."""
+"""bench/gpu_check.py's result writer, fed fabricated all_results.json / metrics.jsonl files,
+and the recipe flags of its runs (no GPU, no process). The refusal of bench/gpu_check.sh on a
+machine without a GPU: tests/tools/test_gpu_check.py."""
 
 import json
-import os
-import subprocess
 
 import pytest
-import torch
 
 from bench import gpu_check as gc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
-def test_refuses_with_one_line_without_a_gpu(tmp_path):
-    name = f"test-nogpu-{os.getpid()}"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--name", name,
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA GPU visible"), proc.stderr
-    assert not os.path.exists(os.path.join(ROOT, "bench", "results", name)) and not (tmp_path / "work").exists()
 
 
 def _fake_run(path, peak_mb, tokens_per_s, mfu=None, metrics=True):
@@ -73,3 +55,4 @@ def test_runs_use_the_recipe_flags():
     assert argv[argv.index("--mixed_precision") + 1] == "bf16" and argv[argv.index("--algorithm") + 1] == "fsdp"
     assert "--compile" not in gc.recipe_argv("llama3.2-1b", "none", False, "/tmp/o", "/tmp/c", 15, 2048, 2)
     assert sorted(gc.RUNS) == sorted({(ac, c) for ac in ("none", "full") for c in (False, True)})
+

@@ -979,7 +979,7 @@ def test_outer_state_device_cpu_is_bitwise_the_same_run(four):
     memory (outer_state_device="cpu") has every loss and every rank's shards after every step and
     after end_training bitwise equal to the run with outer_state_device="same". On this CPU machine
     both are host memory: what differs is only how the state is allocated (never pinned
-    without CUDA); the GPU placement is checked in tests/test_cuda.py. Not vacuous: the groups
+    without CUDA); the GPU placement is checked in tests/gpu/test_cuda.py. Not vacuous: the groups
     differ between syncs, and the anchor, momentum and residuals all exist."""
     same, cpu = four("anchor_same"), four("anchor_cpu")
     _assert_same_run(same, cpu, 1)

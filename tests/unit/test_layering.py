@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("fl_accel", "recipes", "scripts", "bench")
 """The folders checked (``tests`` is a layer too, one nothing else may import)."""
 ALLOWED = {
