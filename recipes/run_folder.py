@@ -90,6 +90,15 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     check_model(args.model, args.seq_len)
     identity = run_identity(args, fl)
     lock = take_lock(args.output_dir, run_name, environ)  # before anything reads the folder's contents
+    try:
+        return _plan_rest(parsed, layout, run_name, identity, lock, environ, t0)
+    except BaseException:
+        lock.release()  # refused: the folder is left as it was (no lock, no empty folder)
+        raise
+
+
+def _plan_rest(parsed, layout, run_name, identity, lock, environ, t0) -> RunPlan:
+    args, fl = parsed.args, parsed.fl
     if args.max_steps:  # a replaced copy: the decay it may fill stays out of the identity, like max_steps
         try:
             parsed = dataclasses.replace(parsed, fl=fl.with_max_steps(args.max_steps))

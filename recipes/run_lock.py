@@ -10,8 +10,10 @@ alike from its launcher's environment (``MASTER_ADDR:MASTER_PORT`` and torchrun'
 ``TORCHELASTIC_RUN_ID``; a plain ``python`` run: its host and pid). It works on shared
 filesystems: the global rank 0 creates it with ``os.link`` of a complete temporary file
 (atomic and exclusive on POSIX filesystems, NFS included), so no rank ever reads half a lock,
-and refreshes its modification time every :data:`HEARTBEAT_S` seconds. Every other rank waits
-for the lock to appear and checks that its launch id is its own.
+and refreshes its modification time every :data:`HEARTBEAT_S` seconds. Every other rank refuses
+when the lock it finds belongs to another live launch. (Two launches started in the same
+instant: the loser's other ranks may find no lock yet; its rank 0 refuses and the launcher
+then stops them, before their first collective completes.)
 
 A lock is *stale*, and is taken over, when its holder is gone: on the same host, its pid no
 longer runs; on another host, its heartbeat is older than :data:`STALE_S`. A relaunch of the
@@ -32,8 +34,6 @@ HEARTBEAT_S = 30.0
 """Seconds between two refreshes of the lock's modification time by its holder."""
 STALE_S = 180.0
 """A lock from another host whose heartbeat is older than this is stale."""
-WAIT_S = 120.0
-"""Seconds a rank other than 0 waits for rank 0's lock (imports and data checks come first)."""
 
 
 class RunLockError(RuntimeError):
@@ -115,9 +115,11 @@ class RunLock:
                             f"end (or stop it), or choose another --output_dir / --run_name")
 
     def acquire(self) -> "RunLock":
+        if self.rank != 0:  # only rank 0 creates the folder (and removes it if the run wrote nothing)
+            return self._check()
         self._created = not os.path.isdir(self.output_dir)
         os.makedirs(self.output_dir, exist_ok=True)
-        return self._take() if self.rank == 0 else self._check()
+        return self._take()
 
     def _take(self) -> "RunLock":
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "launch": self.launch,
@@ -159,17 +161,12 @@ class RunLock:
         return self
 
     def _check(self) -> "RunLock":
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            holder = _read(self.path)
-            if holder is not None and holder.get("launch") == self.launch:
-                return self
-            if holder is not None and holder and not is_stale(holder, self.path):
-                raise self._refuse(holder)
-            if time.monotonic() > deadline:
-                raise RunLockError(f"rank 0 did not lock the output folder {self.output_dir} within {WAIT_S:.0f} s "
-                                   f"(it may have stopped with an error: see its output)")
-            time.sleep(0.2)
+        """Refuse if another live launch holds the folder; otherwise go on (rank 0 takes the lock
+        or refuses, and the launcher then ends this rank before any collective completes)."""
+        holder = _read(self.path)
+        if holder and holder.get("launch") != self.launch and not is_stale(holder, self.path):
+            raise self._refuse(holder)
+        return self
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

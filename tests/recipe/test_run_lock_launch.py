@@ -41,7 +41,6 @@ def test_two_launches_into_one_folder(tmp_path):
     assert len(ok) == 1 and len(refused) == 1, {n: (r.returncode, r.stderr[-2000:]) for n, r in results.items()}
     err = results[refused[0]].stderr
     assert f"the output folder {out} is in use by run '{ok[0]}'" in err, err[-3000:]
-    assert err.count("is in use by run") >= 2  # both ranks refused, each with the message
     done = json.loads((out / "all_results.json").read_text())
     assert done["run_name"] == ok[0]
     records = read_metrics(str(out / "metrics.jsonl"))
