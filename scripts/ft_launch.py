@@ -358,21 +358,21 @@ class Supervisor:
         g.watched = {}
 
     def _ended(self, g: Group, code: int) -> None:
-        g.proc = None
+        pid, g.proc = g.proc.pid, None
         g.statuses.append(code)
         self._end_leftovers(g)
         action = decide(code, g.restarts, self.max_restarts)
         if action == "finished":
             g.state = "finished"
-            self.say(f"group {g.index}: finished")
+            self.say(f"group {g.index}: torchrun pid {pid} finished")
         elif action == "restart":
             g.restarts += 1
             g.state, g.restart_at = "waiting", self._clock() + self.restart_delay_s
-            self.say(f"group {g.index}: torchrun {describe(code)}; restarting it ({g.restarts} of "
+            self.say(f"group {g.index}: torchrun pid {pid} {describe(code)}; restarting it ({g.restarts} of "
                      f"{self.max_restarts}) in {self.restart_delay_s:g} s")
         else:
             g.state = "failed"
-            self.say(f"group {g.index}: torchrun {describe(code)}; no restart left (--max_restarts "
+            self.say(f"group {g.index}: torchrun pid {pid} {describe(code)}; no restart left (--max_restarts "
                      f"{self.max_restarts})")
 
     def _requests(self) -> None:
