@@ -149,9 +149,12 @@ def kill_group(proc, sig: int = signal.SIGKILL) -> list[int]:
     below it, then reap the launcher. torchrun starts each worker in a session of its own
     (torch 2.13 ``elastic/multiprocessing/subprocess_handler``), so signalling the
     launcher's process group alone would leave the workers running. Returns the pids
-    signalled."""
+    signalled; ``proc.returncode`` is then the launcher's status (``-sig`` unless it had
+    ended)."""
     import psutil
 
+    if getattr(proc, "returncode", None) is not None:  # reaped already: its pid may be another process's now
+        return []
     try:
         procs = [psutil.Process(proc.pid)]
         procs += procs[0].children(recursive=True)
@@ -162,8 +165,8 @@ def kill_group(proc, sig: int = signal.SIGKILL) -> list[int]:
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=10)
-    proc.wait()
+    psutil.wait_procs([p for p in procs if p.pid != proc.pid], timeout=10)
+    proc.wait()  # reaped here, not by psutil, so that proc.returncode is the launcher's status (-sig)
     return [p.pid for p in procs]
 
 
@@ -232,7 +235,8 @@ class Group:
     """The running attempt's launch (a Popen of torchrun), None between attempts."""
     log: str = "this terminal"
     state: str = "starting"
-    """``running``, ``waiting`` (a restart is due at ``restart_at``), ``finished`` or ``failed``."""
+    """``running``, ``waiting`` (a restart is due at ``restart_at``), ``finished``, ``failed`` or
+    ``stopped`` (by :meth:`Supervisor.stop`)."""
     restarts: int = 0
     """Restarts after a failure (what ``--max_restarts`` bounds)."""
     requested: int = 0
@@ -446,11 +450,19 @@ class Supervisor:
     def stop(self) -> None:
         """End every running attempt (SIGTERM to its torchrun, which stops its workers; SIGKILL
         after 5 s; then any descendant left). For an interrupted launcher."""
+        stopped = False
         for g in self.groups:
             if g.proc is not None and g.proc.poll() is None:
+                self.say(f"group {g.index}: stopping torchrun pid {g.proc.pid} (the launcher is stopping)")
                 self._follow(g, float("inf"))
                 terminate(g.proc)
                 self._end_leftovers(g)
+                g.statuses.append(g.proc.returncode)
+                g.proc, g.state, stopped = None, "stopped", True
+            elif g.state == "waiting":
+                g.state, stopped = "stopped", True
+        if stopped:
+            self._write_state()
 
 
 def request_restart(log_dir: str | os.PathLike, group_index: int, timeout: float = 120.0,
