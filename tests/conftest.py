@@ -59,6 +59,7 @@ LONG_FIRST = ("test_ft.py::test_group_killed_mid_round_heals_from_live_group",  
               "test_streaming_sync.py::",  # the 'four' chain: 19 scenarios, the resumes, the 8-rank launch
               "test_ft.py::test_torchft_mode_equals_single_world",
               "test_ft.py::test_recipe_trains_each_group",
+              "test_ft_launch.py::test_ft_launch_restarts",  # two recipe groups, one killed and restarted
               "test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
               "test_failures.py::test_max_restarts",
               "test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
@@ -66,9 +67,9 @@ LONG_FIRST = ("test_ft.py::test_group_killed_mid_round_heals_from_live_group",  
 """Node-id prefixes (after ``tests/``) of the units that take longest (wall seconds of the
 last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collected first."""
 
-HEAVY_FIRST = ("test_ft", "test_failures", "test_examples", "test_unequal_groups", "test_recipe", "test_recipe_lifecycle",
-               "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api", "test_bad_inputs",
-               "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
+HEAVY_FIRST = ("test_ft", "test_ft_launch", "test_failures", "test_examples", "test_unequal_groups", "test_recipe",
+               "test_recipe_lifecycle", "test_bench", "test_streaming_sync", "test_scale", "test_accelerator_api",
+               "test_bad_inputs", "test_data", "test_netemu", "test_sync_gloo", "test_checkpoint_gloo")
 """Modules with the longest launches, in the order their tests are collected after
 :data:`LONG_FIRST` (then the rest)."""
 
