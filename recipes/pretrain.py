@@ -263,7 +263,8 @@ def report_heals(run: "Run", step: int) -> None:
     run.heals_reported = heals
     record = transport.heal_sources[-1] if transport.heal_sources else {}
     record["step"] = step
-    accelerator.print(heal_line(accelerator.group_index, record, step))
+    if accelerator.is_main_process:
+        _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
 
 
 # =========================================================================== the accelerator

@@ -6,6 +6,7 @@
   status is 0 when every group finished, restarted ones included, else the first failed
   group's shell-style status; a ``--restart_group`` request kills and restarts a group
   without using ``--max_restarts``; every ``[ft_launch]`` line names the group.
+* The recipe's heal line and the bytes of a heal's state, from a record (no process).
 * The real thing: 2 groups x 2 ranks of the recipe (tiny Llama, torchft mode, a
   Lighthouse whose quorums wait for both groups) through ``python -m scripts.ft_launch
   --max_restarts 1`` alone; group 1's torchrun (the pid the launcher printed for it) is
@@ -206,3 +207,21 @@ def test_ft_launch_restarts_a_killed_group_which_heals(tmp_path, default_corpus_
     assert abs(record["bytes"] / (1e6 if heal[0][2] == "MB" else 1e3) - float(heal[0][1])) < 0.06, (record, heal)
     assert results[0]["steps"] == results[1]["steps"] == 8
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
+
+
+def test_heal_line_and_heal_bytes():
+    """The recipe's heal line (recipes/pretrain.py ``heal_line``) from a heal record, and the
+    bytes of a heal's state (fl_accel/ft.py ``state_nbytes``: tensors in nested dicts,
+    lists and tuples, other values 0)."""
+    import torch
+
+    from fl_accel.ft import state_nbytes
+    from recipes.pretrain import heal_line
+
+    state = {"params": [torch.zeros(10), torch.zeros(2, 3, dtype=torch.float64)],
+             "optimizer": {"state": {0: {"exp_avg": (torch.zeros(10), True), "step": 3}}, "groups": [{"lr": 0.1}]},
+             "schedule": {"global_step": 4}}
+    assert state_nbytes(state) == 40 + 48 + 40
+    record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83}
+    assert heal_line(1, record, 12) == "[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.8 s"
+    assert heal_line(2, {**record, "bytes": 34_600}, 6).endswith("at step 6: 34.6 kB in 0.8 s")
