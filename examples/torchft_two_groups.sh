@@ -15,8 +15,10 @@
 #   MIN_REPLICAS     groups a quorum waits for (default 2: every sync waits for both groups, so
 #                    a group restarted by torchrun heals and rejoins; 1: a live group syncs on
 #                    alone while the other is down)
-#   MAX_RESTARTS     torchrun --max-restarts of each group (default 1: a group whose rank dies
-#                    restarts and heals from the live group at its first sync)
+#   MAX_RESTARTS     restarts per group by the launcher (default 1: a group whose rank dies, or
+#                    whose torchrun is killed, restarts and heals from the live group at its
+#                    first sync; python -m scripts.ft_launch --restart_group 1 --log_dir
+#                    "$LOG_DIR" restarts group 1 on demand)
 #   LOG_DIR          where lighthouse.log and group<f>.log go (default logs/torchft_two_groups)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -80,12 +80,14 @@ class _AgreedClient:
         agreed = box[0]
         self._transport.behind = quorum.replica_world_size - quorum.max_world_size
         self._transport.max_step = quorum.max_step
+        self._transport._heal_agreed = bool(agreed["heal"])
         if agreed["heal"]:
             names = [r.split(":")[0] for r in quorum.replica_ids]
             src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
             self._transport.heal_sources.append({"quorum_id": quorum.quorum_id, "max_step": quorum.max_step,
                                                  "source": names[src], "torchft_source": None if own is None
                                                  else names[own]})
+            self._transport._heal_started = time.perf_counter()  # the download starts after this returns
         return _Agreed(quorum, agreed)
 
 
@@ -97,8 +99,9 @@ class ManagedTransport:
     group) and :meth:`should_commit` closes it. F is the number of live groups, weights
     1/F (0 for groups healing in the quorum, 1/(F - H) for the others). Chunks and device
     are ``inside``'s (replica r exchanges chunk r). ``healed``: the last quorum
-    healed this group; ``heals``: how often; ``seconds``: host seconds in quorums (heals
-    included) and commit votes, and the number of quorums.
+    healed this group; ``heals``: how often; ``heal_sources``: one record per heal
+    (:meth:`begin` completes it: see :meth:`_measure_heal`); ``seconds``: host seconds in
+    quorums (heals included) and commit votes, and the number of quorums.
     """
 
     manager: object
@@ -118,6 +121,9 @@ class ManagedTransport:
         self.behind = 0  # groups of the last quorum behind its max step (they heal in it)
         self.max_step = 0  # the last quorum's max committed step
         self.seconds = {"quorum": 0.0, "commit": 0.0, "quorums": 0}
+        self._heal_agreed = False  # the last quorum told this group to heal (rank 0's word: equal on its ranks)
+        self._heal_started = 0.0  # perf_counter when that quorum returned (the download follows)
+        self._heal_loaded: tuple[int, float] | None = None  # this rank's (bytes, seconds) once the state is applied
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
@@ -138,6 +144,7 @@ class ManagedTransport:
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
             load(state)
+            transport._heal_loaded = (state_nbytes(state), time.perf_counter() - transport._heal_started)
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
         store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
@@ -157,6 +164,8 @@ class ManagedTransport:
             self.manager.start_quorum()
             self.seconds["quorum"] += time.perf_counter() - t0
             self.seconds["quorums"] += 1
+            if self._heal_agreed:
+                self._measure_heal()
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
@@ -170,6 +179,31 @@ class ManagedTransport:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
+
+    def _measure_heal(self) -> None:
+        """Complete the newest ``heal_sources`` record after a quorum that healed this group:
+        ``source_group`` (the live group it downloaded from), ``bytes`` (what the group's
+        ranks loaded, summed) and ``seconds`` (download and apply, the slowest rank).
+
+        torchft 0.2.0 reports neither the bytes nor the time of a recovery, so each rank
+        measures its own: the tensors' ``nbytes`` of the state it applied (:func:`state_nbytes`;
+        the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
+        answer to the end of the apply. The source is the replica id of the quorum's
+        ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
+        :meth:`create`), so its group index is exact. Every rank of the group runs this (the
+        heal decision is rank 0's, broadcast): one SUM and one MAX over the group's world; a
+        rank whose download failed counts 0 bytes (torchft then fails the round's commit).
+        Collective over the group's world."""
+        mine, self._heal_loaded, self._heal_agreed = self._heal_loaded or (0, 0.0), None, False
+        nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=self.device)
+        seconds = torch.tensor([mine[1]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(nbytes, op=dist.ReduceOp.SUM)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        if self.heal_sources:
+            record = self.heal_sources[-1]
+            name = str(record.get("source"))
+            record.update(source_group=int(name.rsplit("_", 1)[1]) if name.startswith("fl_accel_group_") else None,
+                          bytes=int(nbytes.item()), seconds=float(seconds.item()))
 
     def _check_identical(self, num: int, position: int) -> None:
         """Before the first commit: ValueError on every rank when the groups' ``init_sum`` differ."""
@@ -272,6 +306,18 @@ def _attempt_store(group_rank: int, group, timeout: timedelta):
     box = [server.port if server is not None else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return host, int(box[0]), server
+
+
+def state_nbytes(state) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples), as :func:`capture` builds
+    it: the payload of a heal. Other values count 0."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0
 
 
 def capture(sync, schedulers: list, extra: dict | None = None) -> dict:

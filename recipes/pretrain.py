@@ -206,6 +206,7 @@ def train(run: "Run") -> None:
         run.scheduler.step()
         step = meter.step_done()
         run.progress.update(step - run.progress.n)  # 1, or more after a heal (Meter.step_done)
+        report_heals(run, step)
         if step % args.log_every == 0 or step == run.max_steps:
             run.log_train()
         with meter.outside_training():
@@ -219,15 +220,51 @@ def train(run: "Run") -> None:
 
 def fault_tolerance_results(accelerator, meter) -> dict:
     """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
-    launch's federation group and world size, how often it healed from a live group, the
+    launch's federation group and world size, how often it healed from a live group and
+    each heal (``heal_log``: source group, step, bytes, seconds; :func:`report_heals`), the
     synchronizer's counters (``SyncSchedule.state_dict``: global_step, num_syncs, ...),
     the optimizer steps this launch trained itself (``steps`` minus those taken over in a
     heal) and rank 0's host seconds in torchft's quorums and commit votes."""
     sync = accelerator.synchronizer
+    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds")}
+           for h in getattr(sync.transport, "heal_sources", [])]
     return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
             "group_world_size": accelerator.num_processes, "heals": getattr(sync.transport, "heals", 0),
-            "sync": sync.schedule.state_dict(), "steps_trained": meter.tokens // meter.tokens_per_step,
+            "heal_log": log, "sync": sync.schedule.state_dict(),
+            "steps_trained": meter.tokens // meter.tokens_per_step,
             "torchft_seconds": dict(getattr(sync.transport, "seconds", {}))}
+
+
+def heal_line(group_index: int, record: dict, step: int) -> str:
+    """The line the recipe prints when its group healed: ``record`` is the transport's
+    ``heal_sources`` entry (fl_accel/ft.py ``ManagedTransport._measure_heal``: source group,
+    bytes over the group's ranks, seconds of the slowest rank), ``step`` the step the group
+    continues from (the live group's count, taken over)."""
+    src = record.get("source_group")
+    nbytes, seconds = record.get("bytes"), record.get("seconds")
+    size = "? MB" if nbytes is None else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+    when = "?" if seconds is None else f"{seconds:.1f}"
+    return (f"[fl_accel] group {group_index} healed from group {'?' if src is None else src} at step {step}: "
+            f"{size} in {when} s")
+
+
+def report_heals(run: "Run", step: int) -> None:
+    """In the torchft mode, after each optimizer step: if this group healed since the last
+    call, rank 0 of the group prints :func:`heal_line` (torchft's own log says "healing is
+    required"; this says it is done, from where, and what it cost) and the heal's record
+    gets its ``step``. A no-op in one world."""
+    accelerator = run.accelerator
+    if not getattr(accelerator, "fault_tolerant", False):
+        return
+    transport = accelerator.synchronizer.transport
+    heals = getattr(transport, "heals", 0)
+    if heals <= run.heals_reported:
+        return
+    run.heals_reported = heals
+    record = transport.heal_sources[-1] if transport.heal_sources else {}
+    record["step"] = step
+    if accelerator.is_main_process:
+        _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
 
 
 # =========================================================================== the accelerator
@@ -294,6 +331,7 @@ class Run:
     batches: Any = None
     progress: Any = None
     group_evals: dict = dataclasses.field(default_factory=dict)
+    heals_reported: int = 0  # torchft mode: heals already announced (report_heals)
 
     @property
     def args(self):

@@ -85,6 +85,7 @@ LONG_FIRST = ("ft/test_ft.py::test_group_killed_mid_round_heals_from_live_group"
               "dist/test_streaming_sync.py::",  # the 'four' chain: 19 scenarios, the resumes, the 8-rank launch
               "ft/test_ft.py::test_torchft_mode_equals_single_world",
               "ft/test_ft.py::test_recipe_trains_each_group",
+              "ft/test_ft_launch.py::test_ft_launch_restarts",  # two recipe groups, one killed and restarted
               "dist/test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
               "recipe/test_failures.py::test_max_restarts",
               "dist/test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
@@ -92,7 +93,7 @@ LONG_FIRST = ("ft/test_ft.py::test_group_killed_mid_round_heals_from_live_group"
 """Node-id prefixes (after ``tests/``) of the units that take longest (wall seconds of the
 last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collected first."""
 
-HEAVY_FIRST = ("ft/test_ft.py", "recipe/test_failures.py", "dist/test_examples.py", "dist/test_unequal_groups.py", "recipe/test_recipe.py",
+HEAVY_FIRST = ("ft/test_ft.py", "ft/test_ft_launch.py", "recipe/test_failures.py", "dist/test_examples.py", "dist/test_unequal_groups.py", "recipe/test_recipe.py",
                "recipe/test_recipe_lifecycle.py", "tools/test_bench.py", "dist/test_streaming_sync.py",
                "dist/test_scale.py", "dist/test_accelerator_api.py", "recipe/test_bad_inputs.py",
                "recipe/test_data_default_corpus.py", "tools/test_netemu.py", "dist/test_sync_gloo.py",

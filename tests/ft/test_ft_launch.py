@@ -1,0 +1,227 @@
+"""``python -m scripts.ft_launch`` supervises its federation groups (issue 31).
+
+* The restart policy with fake launches (no process; control flow only): a group whose
+  torchrun is killed restarts, up to ``--max_restarts`` times, with the recipe's command
+  plus ``--resume_from_checkpoint latest`` (other scripts: the same command); the exit
+  status is 0 when every group finished, restarted ones included, else the first failed
+  group's shell-style status; a ``--restart_group`` request kills and restarts a group
+  without using ``--max_restarts``; every ``[ft_launch]`` line names the group.
+* The recipe's heal line and the bytes of a heal's state, from a record (no process).
+* The real thing: 2 groups x 2 ranks of the recipe (tiny Llama, torchft mode, a
+  Lighthouse whose quorums wait for both groups) through ``python -m scripts.ft_launch
+  --max_restarts 1`` alone; group 1's torchrun (the pid the launcher printed for it) is
+  killed with SIGKILL after the first sync. The launcher restarts it with
+  ``--resume_from_checkpoint latest``, the restarted group heals from group 0 and the
+  recipe prints the heal line, both groups finish with equal eval losses and the
+  launcher exits 0, its summary naming group 1's restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _launch import REPO_ROOT, launch_env
+from scripts import ft_launch
+from scripts.ft_launch import Supervisor, decide, restart_args
+
+# ---------------------------------------------------------------------- the policy, with fake launches
+
+
+class FakeLaunch:
+    """A launch that ends with ``code`` after ``polls`` polls (never, for ``code=None``)."""
+
+    pids = iter(range(1000, 2000))
+
+    def __init__(self, code: int | None, polls: int = 2):
+        self.pid, self.code, self.polls, self.returncode = next(self.pids), code, polls, None
+
+    def poll(self):
+        if self.returncode is None and self.code is not None:
+            self.polls -= 1
+            if self.polls <= 0:
+                self.returncode = self.code
+        return self.returncode
+
+    def wait(self):
+        assert self.returncode is not None, "waited on a fake launch that never ends"
+        return self.returncode
+
+
+def _supervise(plan: dict, max_restarts: int, control_dir=None, on_poll=None):
+    """Run a Supervisor whose group f's attempt k is ``FakeLaunch(*plan[f][k])``; returns
+    (exit status, the starts as (group, attempt), the printed text)."""
+    import io
+
+    starts, out = [], io.StringIO()
+
+    def start(f, attempt):
+        starts.append((f, attempt))
+        return FakeLaunch(*plan[f][attempt]), f"group{f}.log"
+
+    def kill(proc):
+        proc.returncode = -signal.SIGKILL
+
+    polls = [0]
+
+    def sleep(_):
+        polls[0] += 1
+        assert polls[0] < 200, "the supervisor did not end"
+        if on_poll:
+            on_poll(polls[0])
+
+    sup = Supervisor(len(plan), start, max_restarts=max_restarts, restart_delay_s=0.0, control_dir=control_dir,
+                     kill=kill, watch=False, out=out, sleep=sleep)
+    return sup.run(poll_s=0), starts, out.getvalue()
+
+
+def test_restart_policy_with_fake_launches(tmp_path):
+    """Control flow only: ``decide``, the restart command and the exit status (fails on the
+    launcher without a supervisor: no ``Supervisor``, exit 247 for a killed group)."""
+    assert [decide(0, 0, 0), decide(-9, 0, 1), decide(1, 1, 1), decide(-9, 0, 0)] == \
+        ["finished", "restart", "failed", "failed"]
+    recipe = ["--fault_tolerance", "torchft", "--max_steps", "8"]
+    assert restart_args("recipes/pretrain.py", recipe) == recipe + ["--resume_from_checkpoint", "latest"]
+    assert restart_args(REPO_ROOT / "recipes" / "pretrain.py", recipe + ["--resume_from_checkpoint=x"]) == \
+        recipe + ["--resume_from_checkpoint=x"]  # the user's checkpoint stays
+    assert restart_args("examples/train_loop.py", ["--max_steps", "8"]) == ["--max_steps", "8"]
+
+    # group 1 is killed once (SIGKILL), restarts and finishes: exit 0
+    status, starts, text = _supervise({0: [(0, 5)], 1: [(-9, 2), (0, 2)]}, max_restarts=1)
+    assert status == 0 and starts == [(0, 0), (1, 0), (1, 1)], (status, starts, text)
+    assert re.search(r"group 1: torchrun pid \d+ \(log: group1\.log\)", text), text
+    assert re.search(r"group 1: torchrun pid \d+ ended by SIGKILL \(status -9\); restarting it \(1 of 1\)", text), text
+    assert re.search(r"group 1: torchrun pid \d+ \(restart 1 of 1\) \(log: group1\.log\)", text), text
+    assert re.search(r"group 0: torchrun pid \d+ finished\n", text) and "group 0: finished\n" in text, text
+    assert "group 1: finished after 1 restart (ended by SIGKILL (status -9))" in text, text
+    assert "group exit statuses: [0, 0]" in text, text
+
+    # no restart allowed (today's default): the killed group fails, the other still finishes
+    status, starts, text = _supervise({0: [(0, 5)], 1: [(-9, 2)]}, max_restarts=0)
+    assert status == 128 + signal.SIGKILL and starts == [(0, 0), (1, 0)], (status, text)
+    assert "group 1: failed with status -9 (no restart)" in text and "group 0: finished" in text, text
+
+    # it fails again after its one restart: the last status, shell style
+    status, starts, text = _supervise({0: [(0, 1)], 1: [(1, 1), (3, 1)]}, max_restarts=1)
+    assert status == 3 and starts == [(0, 0), (1, 0), (1, 1)], text
+    assert "group 1: failed with status 3 after 1 restart (exited with status 1)" in text, text
+
+    # a --restart_group request: the running group is killed and restarted, --max_restarts 0 notwithstanding
+    def ask(n):
+        if n == 3:
+            ft_launch.request_file(tmp_path, 1).write_text("{}")
+
+    status, starts, text = _supervise({0: [(0, 10)], 1: [(None,), (0, 2)]}, max_restarts=0, control_dir=tmp_path,
+                                      on_poll=ask)
+    assert status == 0 and starts == [(0, 0), (1, 0), (1, 1)], text
+    assert re.search(r"group 1: restart requested; killing torchrun pid \d+", text), text
+    assert "group 1: finished after 1 restart, 1 on request" in text, text
+    state = json.loads((tmp_path / ft_launch.STATE_FILE).read_text())
+    assert [g["state"] for g in state["groups"]] == ["finished", "finished"] and state["groups"][1]["requested"] == 1
+    assert state["groups"][1]["statuses"] == [-9, 0] and not ft_launch.request_file(tmp_path, 1).exists()
+
+
+# ---------------------------------------------------------------------- the real thing
+RECIPE_ARGS = ["--fault_tolerance", "torchft", "--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2",
+               "--max_steps", "8", "--log_every", "1", "--eval_every", "0", "--max_eval_blocks", "16",
+               "--sync_every", "2", "--num_groups", "2", "--checkpoint_every", "6", "--report_to", "none"]
+
+
+def _lines(path):
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def test_ft_launch_restarts_a_killed_group_which_heals(tmp_path, default_corpus_cache):
+    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 2 --min_replicas 2
+    --max_restarts 1 --log_dir D -- recipes/pretrain.py ...`` (8 steps, H=2, a checkpoint
+    every 6 steps). Once group 1 logged step 2 (its first sync committed, no checkpoint
+    yet) the test sends SIGKILL to group 1's torchrun, the pid the launcher printed for
+    group 1. The launcher says so, restarts group 1 with ``--resume_from_checkpoint latest``
+    (no checkpoint yet: it starts from step 0, behind group 0's torchft step), which heals
+    from group 0 at its first sync: the recipe prints ``[fl_accel] group 1 healed from
+    group 0 at step N: X MB in Y s`` and records the heal in all_results.json. Both groups
+    finish with equal final eval losses, and the launcher exits 0 with ``group 1:
+    finished after 1 restart``. (Fails on the launcher without a supervisor: torchrun's
+    own ``--max-restarts`` does not outlive a killed torchrun, and the exit status is 247.)"""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", "2",
+            "--min_replicas", "2", "--max_restarts", "1", "--log_dir", str(logs), "--",
+            "recipes/pretrain.py", *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", default_corpus_cache]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    printed: list[str] = []
+    try:
+        pid = None
+        while pid is None:  # the launcher names each group's torchrun
+            line = proc.stdout.readline()
+            assert line, "".join(printed)
+            printed.append(line)
+            m = re.match(r"\[ft_launch\] group 1: torchrun pid (\d+) \(log: (.*)\)$", line.strip())
+            if m:
+                pid = int(m.group(1))
+                assert m.group(2) == str(logs / "group1.log"), line
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 2 and "train/loss" in r for r in _lines(out / "group1" / "metrics.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(printed)
+            time.sleep(0.1)
+        assert not (out / "group1" / "checkpoints" / "step_6").exists(), "too late: group 1 has a checkpoint"
+        os.kill(pid, signal.SIGKILL)  # group 1's torchrun: its ranks follow (PR_SET_PDEATHSIG)
+        killed_at = time.monotonic() - t0
+        rest, _ = proc.communicate(timeout=420)
+        printed.append(rest)
+    finally:
+        if proc.poll() is None:
+            ft_launch.kill_group(proc)
+    text = "".join(printed)
+    group_logs = {f: (logs / f"group{f}.log").read_text(errors="replace") for f in range(2)}
+    tails = "\n".join(f"--- group{f}.log\n{t[-4000:]}" for f, t in group_logs.items())
+    print(f"\nkilled group 1 at {killed_at:.0f} s; launcher ended at {time.monotonic() - t0:.0f} s\n{text}")
+    assert proc.returncode == 0, text + tails
+    assert f"[ft_launch] group 1: torchrun pid {pid} ended by SIGKILL (status -9); restarting it (1 of 1)" in text, text
+    assert re.search(r"\[ft_launch\] group 1: torchrun pid \d+ \(restart 1 of 1\) \(log: .*group1\.log\)", text), text
+    assert "[ft_launch] group 0: finished\n" in text, text
+    assert "[ft_launch] group 1: finished after 1 restart (ended by SIGKILL (status -9))" in text, text
+    assert "group exit statuses: [0, 0]" in text, text
+    assert "--resume_from_checkpoint latest" in group_logs[1], tails  # the launcher's attempt-2 line
+    assert "no complete checkpoint in" in group_logs[1], tails  # killed before its first checkpoint
+    heal = re.findall(r"\[fl_accel\] group 1 healed from group 0 at step (\d+): ([0-9.]+) (MB|kB) in ([0-9.]+) s",
+                      group_logs[1])
+    assert len(heal) == 1, tails
+    results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
+    ft1 = results[1]["fault_tolerance"]
+    assert ft1["heals"] == 1 and results[0]["fault_tolerance"]["heals"] == 0, ft1
+    [record] = ft1["heal_log"]
+    assert record["source_group"] == 0 and record["step"] == int(heal[0][0]) and record["bytes"] > 0, record
+    assert abs(record["bytes"] / (1e6 if heal[0][2] == "MB" else 1e3) - float(heal[0][1])) < 0.06, (record, heal)
+    assert results[0]["steps"] == results[1]["steps"] == 8
+    assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
+
+
+def test_heal_line_and_heal_bytes():
+    """The recipe's heal line (recipes/pretrain.py ``heal_line``) from a heal record, and the
+    bytes of a heal's state (fl_accel/ft.py ``state_nbytes``: tensors in nested dicts,
+    lists and tuples, other values 0)."""
+    import torch
+
+    from fl_accel.ft import state_nbytes
+    from recipes.pretrain import heal_line
+
+    state = {"params": [torch.zeros(10), torch.zeros(2, 3, dtype=torch.float64)],
+             "optimizer": {"state": {0: {"exp_avg": (torch.zeros(10), True), "step": 3}}, "groups": [{"lr": 0.1}]},
+             "schedule": {"global_step": 4}}
+    assert state_nbytes(state) == 40 + 48 + 40
+    record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83}
+    assert heal_line(1, record, 12) == "[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.8 s"
+    assert heal_line(2, {**record, "bytes": 34_600}, 6).endswith("at step 6: 34.6 kB in 0.8 s")
