@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# The test suite: installs what the tests need, then runs them in parallel workers. Measured from a fresh
-# clone on 2 otherwise idle cores (FL_ACCEL_TEST_CPU=40 /usr/bin/time -v bash .ci/run, 2026-12-02 11:12 UTC,
-# commit 5790a90): 8 min 27 s wall, 568 passed, 6 skipped, 879 CPU-s summed per test. CPU seconds on a shared
-# VM depend on its host's load: compare figures from one sitting only.
+# The test suite: installs what the tests need, then runs them in parallel workers (docs/testing.md).
+# CPU seconds on a shared VM depend on its host's load: compare figures from one sitting only.
 # FL_ACCEL_TEST_CPU=30 lists the tests using the most CPU seconds. Arguments go to pytest: `bash scripts/test.sh -m unit`
 # runs one tier (tests/unit, dist, recipe, ft, tools, gpu: tests/conftest.py).
 set -euo pipefail
