@@ -59,7 +59,7 @@ def _read(path: str) -> dict | None:
         return {}  # unreadable: treated as held by an unknown run until it goes stale
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """The process runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
@@ -70,6 +70,8 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:  # gone between the two checks
+        return False
     except (OSError, IndexError):
         return True
 
@@ -78,7 +80,7 @@ def is_stale(holder: dict, path: str, now: float | None = None) -> bool:
     """True when the run that wrote ``holder`` (the lock at ``path``) is gone."""
     now = time.time() if now is None else now
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        return not _alive(holder["pid"])
+        return not process_alive(holder["pid"])
     try:
         return now - os.path.getmtime(path) > STALE_S
     except FileNotFoundError:

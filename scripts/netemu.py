@@ -60,6 +60,8 @@ from typing import Any, Mapping, Sequence
 from scripts import launch
 from scripts.launch import terminate
 
+from recipes.run_lock import process_alive
+
 NS_PREFIX = "flnetemu-"
 IF_PREFIX = "fln"
 _IF_RE = re.compile(r"^fln[0-9a-f]{5}(n\d+|h\d+|br)$")
@@ -171,23 +173,9 @@ def _kill_namespace_processes(ns: str, grace: float = 3.0) -> None:
         if not alive:
             return
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(p) for p in alive):
+        while time.monotonic() < deadline and any(process_alive(p) for p in alive):
             time.sleep(0.05)
-        pids = [p for p in alive if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child counts as gone
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+        pids = [p for p in alive if process_alive(p)]
 
 
 def down_all(emulator_id: str | None = None) -> dict[str, list[str]]:
