@@ -250,7 +250,7 @@ class FLAccelerator(Accelerator):
                 transport = _managed_transport(self, transport, [p for _, p in named])
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
-                units=fsdp.fsdp_units(model, [p for _, p in named]))
+                units=fsdp.fsdp_units(model, [p for _, p in named]), group_sizes=self.layout.group_sizes)
             self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(self._models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
             if not any(p.is_meta for p in model.parameters()):
@@ -331,7 +331,31 @@ class FLAccelerator(Accelerator):
         config = self.fl_config.with_max_steps(max_steps)
         if config is not self.fl_config:
             self.fl_config = self.synchronizer.config = self.synchronizer.outer.config = config
-        self.synchronizer.final_step = max_steps
+        if self.synchronizer.rounds is not None:  # groups of unequal speed: a budget of tokens, not of steps
+            self.synchronizer.set_token_budget(max_steps)
+        else:
+            self.synchronizer.final_step = max_steps
+
+    @property
+    def training_done(self) -> bool:
+        """With a ``sync_trigger`` other than "steps": the federation has trained the tokens of
+        :meth:`set_max_steps` (decided at a sync, so every rank of every group stops after the
+        same sync). Always False otherwise (the loop counts its own steps)."""
+        sync = self.synchronizer
+        return sync is not None and sync.rounds is not None and sync.rounds.done
+
+    @property
+    def federation_step(self) -> int:
+        """The federation's progress in optimizer steps of a "steps" run: with a ``sync_trigger``
+        other than "steps", the rank-steps of every group at the last sync over the world size,
+        plus this group's steps since (:meth:`fl_accel.trigger.RoundState.progress_steps`; exact at
+        syncs); else this rank's optimizer steps. For a schedule that follows the whole run."""
+        sync = self.synchronizer
+        if sync is None:
+            return 0
+        if sync.rounds is not None:
+            return int(sync.rounds.progress_steps())
+        return sync.schedule.global_step
 
     def get_state_dict(self, model, unwrap: bool = True):
         """Accelerate's (also behind ``save_model``), with a warning when the groups may differ

@@ -174,12 +174,17 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     after the DCP save) per rank, back as the load's ``meta["rank_state"]``."""
     output_dir = os.path.normpath(output_dir)
     tmp = output_dir + ".partial"
+    sync = io.synchronizer
+    if sync is not None and sync.rounds is not None and sync.schedule.local_step:
+        raise CheckpointError(f"with sync_trigger={io.config.sync_trigger!r} a checkpoint is taken right after a "
+                              f"sync (the groups are at different steps mid-round); this group is "
+                              f"{sync.schedule.local_step} step(s) into a round")
     if io.is_main_process:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp, exist_ok=True)
     io.barrier()
-    sync = io.synchronizer  # "shared" when all groups hold the same values (right after a full sync)
+    # "shared" when all groups hold the same values (right after a full sync)
     identical = sync is None or io.layout.num_groups == 1 or sync.schedule.in_sync
     shared_optim = identical and (io.layout.num_groups == 1 or io.config.average_optimizer_state)
     scopes = {"model": "shared" if identical else "group", "optimizer": "shared" if shared_optim else "group"}
@@ -194,7 +199,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     io.barrier()
     if io.is_main_process:
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
-                "sync": None if sync is None else sync.schedule.state_dict(), **(extra_meta or {})}
+                "sync": None if sync is None else sync.counters(), **(extra_meta or {})}
         if hasattr(getattr(sync, "transport", None), "state_dict"):  # torchft mode: the Manager's step
             meta["transport"] = sync.transport.state_dict()
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:

@@ -27,6 +27,7 @@ from typing import Any, Literal, Mapping, get_args
 import yaml
 
 from . import mesh
+from .trigger import check_trigger
 
 
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
@@ -159,13 +160,21 @@ class FLConfig:
     group_sizes: list[int] | None = None
     """Ranks per group for unequal groups, e.g. [2, 4] on 6 processes (contiguous blocks summing to the
     world size). Needs "fl_hsdp" and an ``hsdp_shard_size`` dividing each."""
-    group_weighting: Literal["size", "uniform"] = "size"
-    """Group weights: "size" (w_f = size_f / world) or "uniform" (w_f = 1/F, the paper's); equal groups: same."""
+    group_weighting: Literal["tokens", "size", "uniform"] = "tokens"
+    """Weights of the mean: "tokens", the tokens each group trained on since the last sync (ranks x steps; with
+    ``sync_trigger="steps"`` every group does H steps, so its size share); "size", w_f = size_f / world whatever
+    the steps; "uniform", w_f = 1/F (the paper's). Equal groups doing equal steps: all the same."""
     hsdp_shard_size: int | None = None
     """S, the ranks one HSDP replica shards over; divides every group size (R = G / S). None: the ranks per
     node (LOCAL_WORLD_SIZE) that divide the group."""
     sync_every: int = 8
     """H, optimizer steps (after gradient accumulation) between two syncs of the same parameters (paper: 8)."""
+    sync_trigger: Literal["steps", "time", "speed"] = "steps"
+    """What ends a round (:mod:`fl_accel.trigger`): "steps", H steps in every group (the paper's); "time", every
+    group trains ``sync_window_s`` seconds; "speed", group f trains H_f = H x t_fastest / t_f steps, t its measured
+    seconds per step, so that the groups arrive together. "time"/"speed": blocking sync only (P=1, tau=0)."""
+    sync_window_s: float | None = None
+    """"time": seconds of training per round (each group's own clock; evaluations between rounds excluded)."""
     num_fragments: int = 1
     """P: FSDP units, in forward order, are dealt round-robin into P fragments, one syncing every H/P steps."""
     sync_delay: int = 0
@@ -295,6 +304,8 @@ class FLConfig:
              f"by algorithm {alg!r} (it shards over the whole group)"),
             (["outer_lr", "outer_momentum", "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps"],
              self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
+            (["sync_window_s"], self.sync_trigger != "time", f"with sync_trigger {self.sync_trigger!r}",
+             f"with sync_trigger {self.sync_trigger!r} (only 'time' has a window)"),
             (["group_index", "lighthouse_addr"], self.fault_tolerance == "none", "outside torchft mode",
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
@@ -400,6 +411,21 @@ def check_fields(cfg: FLConfig) -> None:
         if decay is not None and not warmup < decay:
             raise ValueError(f"FLConfig.outer_lr_warmup_steps={warmup} must be shorter than the run "
                              f"(FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
+    check_trigger(cfg.sync_trigger, cfg.sync_window_s)
+    if cfg.sync_trigger != "steps":
+        if not cfg.is_federated:
+            raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} needs federation groups: algorithm "
+                             f"{cfg.algorithm!r} has one group spanning the world (use 'fl_fsdp' or 'fl_hsdp')")
+        for name, value, plain in (("num_fragments", cfg.num_fragments, 1), ("sync_delay", cfg.sync_delay, 0),
+                                   ("fragment_update_alpha", cfg.fragment_update_alpha, 0.0)):
+            if value != plain:
+                raise ValueError(f"FLConfig.{name}={value} is not supported with sync_trigger={cfg.sync_trigger!r}: "
+                                 f"rounds of unequal length run the blocking sync only (num_fragments=1, "
+                                 f"sync_delay=0, fragment_update_alpha=0)")
+        if cfg.fault_tolerance == "torchft":
+            raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} is not supported with fault_tolerance="
+                             f"'torchft' yet (a quorum may change the groups between rounds); use "
+                             f"fault_tolerance='none' (one world) or sync_trigger='steps'")
     if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
         raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
                          "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs import Codec, make_codec
-from .mesh import DP_REPLICATE, FL
+from .mesh import DP_REPLICATE, DP_SHARD, FL
 
 
 def plan_buckets(sizes: list[int], bucket_values: int) -> list[list[int]]:
@@ -76,6 +76,12 @@ class Transport(Protocol):
     def bad_groups(self, local_bad: bool, rnd: Round) -> list[int]:
         """Positions of the groups where a rank reported ``local_bad`` (a collective)."""
 
+    def group_max(self, value: float) -> float:
+        """The MAX of ``value`` over this federation group's ranks (never across groups)."""
+
+    def group_table(self, vector: list[float], rnd: Round) -> list[list[float]]:
+        """Row f: group f's ``vector`` (non-negative; the MAX over its ranks), on every rank."""
+
 
 @dataclass
 class MeshTransport:
@@ -90,6 +96,7 @@ class MeshTransport:
     replicas: int
     chunk_owners: tuple
     device: torch.device = torch.device("cpu")
+    shard_group: object = None
 
     @classmethod
     def from_mesh(cls, mesh, rank: int, weighting: str, device: torch.device) -> "MeshTransport":
@@ -99,7 +106,8 @@ class MeshTransport:
         return cls(fl_group=groups.get(FL) if r < C else None, replicate_group=groups.get(DP_REPLICATE),
                    round=Round(layout.num_groups, f, layout.weights(weighting)), num_chunks=C,
                    chunk_index=r if r < C else None, replicas=layout.replicas_of(f),
-                   chunk_owners=tuple(layout.rank(f, c, s) for c in range(C)), device=device)
+                   chunk_owners=tuple(layout.rank(f, c, s) for c in range(C)), device=device,
+                   shard_group=groups.get(DP_SHARD))
 
     def begin(self) -> Round:
         return self.round
@@ -129,6 +137,21 @@ class MeshTransport:
         flags[rnd.position] = float(local_bad)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world: every rank of every group
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
+
+    def group_max(self, value):
+        """Over "dp_shard", then "dp_replicate": the group's ranks only, so groups never wait for each other."""
+        out = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        for pg in (self.shard_group, self.replicate_group):
+            if pg is not None:
+                dist.all_reduce(out, op=dist.ReduceOp.MAX, group=pg)
+        return float(out.item())
+
+    def group_table(self, vector, rnd):
+        """One MAX over the world (the sync's only world collective besides :meth:`bad_groups`)."""
+        table = torch.zeros(rnd.num_groups, len(vector), dtype=torch.float64, device=self.device)
+        table[rnd.position] = torch.tensor(vector, dtype=torch.float64)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        return table.tolist()
 
 
 class _Bucket:

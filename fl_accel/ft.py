@@ -286,6 +286,21 @@ class ManagedTransport:
             return []
         return [g for g in range(rnd.num_groups) if flags[g] > 0]
 
+    def group_max(self, value):
+        """A MAX over the group's own world (one launch)."""
+        out = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return float(out.item())
+
+    def group_table(self, vector, rnd):
+        """A MAX over the group's world, then a SUM over the live groups (rows of the others 0)."""
+        mine = torch.tensor(vector, dtype=torch.float64, device=self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        table = torch.zeros(rnd.num_groups, len(vector), dtype=torch.float64, device=self.device)
+        table[rnd.position] = mine
+        self.all_reduce(table)
+        return table.tolist()
+
     def state_dict(self) -> dict:
         """The Manager's committed step, for this group's checkpoints."""
         return {"manager": self.manager.state_dict()}

@@ -36,6 +36,9 @@ class SyncSchedule:
     num_fragment_syncs: int = 0
     in_sync: bool = True
     inflight: int | None = None
+    round_steps: int | None = None
+    """This round's optimizer steps when a ``sync_trigger`` other than "steps" sets them
+    (:mod:`fl_accel.trigger`; blocking only); None: H."""
 
     period = property(lambda self: self.sync_every // self.num_fragments, doc="H/P.")
     blocking = property(lambda self: self.num_fragments == 1 and self.sync_delay == 0, doc="The paper's sync.")
@@ -58,13 +61,18 @@ class SyncSchedule:
             out.append((LAUNCH, k))
         elif self.inflight is not None and self.local_step == self.period - tau + 1 < self.period:
             out.append((ADVANCE, self.inflight))
-        if self.local_step >= self.period:
+        if self.local_step >= self.round_length:
             out.append((FULL, None) if self.blocking else (APPLY, k))
         return out
 
+    @property
+    def round_length(self) -> int:
+        """Steps from one event to the next: ``round_steps`` if set (blocking), else H/P."""
+        return self.round_steps if self.round_steps is not None and self.blocking else self.period
+
     def due(self) -> bool:
         """The next optimizer step ends with a sync event."""
-        return self.active and self.local_step + 1 >= self.period
+        return self.active and self.local_step + 1 >= self.round_length
 
     def applied(self) -> None:
         """A fragment sync (APPLY) completed."""

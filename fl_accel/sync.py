@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .outer import OuterState
 from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule, deal_fragments
+from .trigger import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +136,10 @@ class FederatedSynchronizer:
     the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
     ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
     unit u into fragment u mod P (ValueError: P > units). ``pre_sync_hooks``: ``hook(synchronizer,
-    full)`` before each event."""
+    full)`` before each event. ``group_sizes``: ranks per group (the "tokens" weights of a
+    ``sync_trigger`` other than "steps"; default: equal)."""
 
-    def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None):
+    def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None, group_sizes=None):
         named = list(named_params)
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
@@ -157,6 +160,17 @@ class FederatedSynchronizer:
         self.final_step: int | None = None
         """The run's last optimizer step, if known (:meth:`FLAccelerator.set_max_steps`): its sync is the final one."""
         self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
+        self.rounds: RoundState | None = None
+        """The round state of ``sync_trigger`` "time"/"speed" (:mod:`fl_accel.trigger`), else None."""
+        self.round_plan_hook = None
+        """Test hook: ``hook(round_index) -> steps per group``, replacing the trigger's plan for
+        that round (a fixed schedule for exact comparisons; documented in docs/unequal_groups.md)."""
+        if config.sync_trigger != "steps" and self.schedule.active and not elastic:
+            rnd = transport.begin()
+            sizes = tuple(group_sizes) if group_sizes is not None else (1,) * rnd.num_groups
+            self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, rnd.position,
+                                     window_s=config.sync_window_s)
+        self._mark = time.perf_counter()
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -202,6 +216,8 @@ class FederatedSynchronizer:
         """Count one optimizer step and run the actions due; True if a sync event completed."""
         if self._suspended:
             return False
+        if self.rounds is not None:
+            self._count_round_step()
         actions = self.schedule.step()
         with self.clock.measure(self.device) if actions else contextlib.nullcontext():
             if actions and getattr(self.transport, "elastic", False):
@@ -221,6 +237,41 @@ class FederatedSynchronizer:
                     final = self.final_step is not None and self.schedule.global_step >= self.final_step
                     self.sync(alpha=self.config.fragment_update_alpha, final=final)
         return any(kind in (APPLY, FULL) for kind, _ in actions)
+
+    def _count_round_step(self) -> None:
+        """Count this step into the round and set the schedule's round length: planned steps,
+        or (by time) this step ends the round when a rank of the group saw the window pass."""
+        r, now = self.rounds, time.perf_counter()
+        r.train_s += now - self._mark
+        self._mark = now
+        r.steps += 1
+        if r.steps == 1 and self.round_plan_hook is not None:  # a round starts: the injected plan
+            r.plan = [int(n) for n in self.round_plan_hook(len(r.rounds))]
+        planned = r.round_steps
+        if planned is None:  # by time: the group agrees (a MAX over its ranks, never across groups)
+            planned = r.steps if self.transport.group_max(float(r.time_up())) > 0 else r.steps + 1
+        self.schedule.round_steps = planned
+
+    def _close_round(self, rnd: Round) -> Round:
+        """Exchange the groups' round figures (:meth:`Transport.group_table`), close the round
+        and return it with the round's merge weights (``group_weighting``)."""
+        r = self.rounds
+        table = self.transport.group_table(r.vector(self.clock.seconds), rnd)
+        steps = [row[0] for row in table]
+        if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
+            table = [[0.0] + list(row[1:]) for row in table]
+            weights = r.close(table, "size")
+        else:
+            weights = r.close(table, self.config.group_weighting)
+        return Round(rnd.num_groups, rnd.position, tuple(weights))
+
+    def set_token_budget(self, max_steps: int) -> None:
+        """End the run after the rank-steps of a "steps" run of ``max_steps`` steps (``rounds``)."""
+        r = self.rounds
+        if r is not None:
+            r.budget = int(max_steps) * sum(r.sizes)
+            if not r.rounds:  # a run shorter than one round is planned as its last
+                r.plan = r._next_plan([self.config.sync_every] * len(r.sizes))
 
     @property
     def exact_final(self) -> bool:
@@ -266,7 +317,10 @@ class FederatedSynchronizer:
         :attr:`exact_final`)."""
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
-        rnd = self.last_round = self.transport.begin()
+        rnd = self.transport.begin()
+        if self.rounds is not None and full:
+            rnd = self._close_round(rnd)
+        self.last_round = rnd
         exact = final and self.exact_final
         with self.gate.event(self.schedule):
             if check_finite(self, rnd):
@@ -293,6 +347,7 @@ class FederatedSynchronizer:
         with self.clock.measure(self.device):
             self._event(True, alpha, final=final)
             self.schedule.synced(alpha)
+        self._mark = time.perf_counter()  # the next round's training starts now
 
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then
@@ -319,6 +374,14 @@ class FederatedSynchronizer:
         if self.config.average_optimizer_state and tensors:
             self._mean_into(tensors, rnd)
 
+    def counters(self) -> dict:
+        """A checkpoint's ``sync``: :meth:`SyncSchedule.state_dict`, and ``round``
+        (:meth:`RoundState.state_dict`) with a ``sync_trigger`` other than "steps"."""
+        out = self.schedule.state_dict()
+        if self.rounds is not None:
+            out["round"] = self.rounds.state_dict()
+        return out
+
     def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
         """``(shared, per_rank)`` as :meth:`OuterState.tensors`, plus "inflight" in ``shared``
         (the means of an exchange in flight, completed here: no value changes)."""
@@ -334,6 +397,12 @@ class FederatedSynchronizer:
         """Restore :meth:`SyncSchedule.state_dict` counters and :meth:`state_tensors`."""
         shared = shared or {}
         self.schedule.load_state_dict(state)
+        if self.rounds is not None:
+            if "round" not in state:
+                raise ValueError(f"the checkpoint has no round state; it was written with sync_trigger='steps', "
+                                 f"this run has {self.config.sync_trigger!r}")
+            self.rounds.load_state_dict(state["round"])
+            self.schedule.global_step = self.rounds.group_steps[self.rounds.position]  # this group's own count
         self.outer.load(shared, per_rank or {})
         for fragment in self.fragments:
             inflight = fragment.index == self.schedule.inflight

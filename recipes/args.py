@@ -399,7 +399,8 @@ def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     FLConfig fields a resumed run may change (``NOT_IDENTITY_FIELDS``). Activation
     checkpointing and compile change neither values nor parameter names, so a run may
     resume with either setting; ``reduce_dtype`` and ``resize_vocab`` are recorded only when
-    not at their default, so checkpoints written before they existed still resume."""
+    not at their default, so checkpoints written before they existed still resume (so is
+    ``group_weighting`` "tokens" under ``sync_trigger="steps"``, recorded as the equal "size")."""
     keep = ("model", "seq_len", "dataset_name", "dataset_config_name", "train_file", "text_column", "streaming",
             "tokenizer", "vocab_size", "micro_batch_size", "gradient_accumulation_steps", "learning_rate",
             "adam_beta1", "adam_beta2", "weight_decay", "warmup_ratio", "lr_scheduler_type", "max_grad_norm",
@@ -408,4 +409,6 @@ def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     defaults = {f.name: f.default for f in fields(RecipeArguments)}
     out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
     out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
+    if fl.sync_trigger == "steps" and fl.group_weighting == "tokens":  # every group does H steps: its size share,
+        out["fl"]["group_weighting"] = "size"  # as checkpoints written before "tokens" existed recorded it
     return out

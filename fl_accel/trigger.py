@@ -1,0 +1,203 @@
+"""When a round ends for groups of unequal speed: pure logic, no tensors, no processes.
+
+With ``sync_trigger="steps"`` (the paper's Alg. 1) every federation group syncs after the
+same H optimizer steps, so at every sync the fastest group waits for the slowest. The two
+other triggers end a round by time or by speed instead (cf. Async Local-SGD, arXiv
+2401.09135, which scales local steps to each worker's speed; Decoupled DiLoCo, arXiv
+2604.21428, which merges by tokens):
+
+* ``"time"``: every group trains until ``sync_window_s`` seconds of training have passed
+  since the round began, then all sync. The ranks of one group agree on "time is up" by a
+  one-value MAX over the group at each optimizer step (never across groups).
+* ``"speed"``: group f trains ``H_f = max(1, round(H * t_min / t_f))`` steps, ``t_f`` its
+  mean seconds per optimizer step in the last round, so the fastest group does H and all
+  arrive together. The first round is H for every group.
+
+At each sync the groups exchange one small vector per group (:data:`FIELDS`): steps and
+training seconds of the round, and the time spent waiting at syncs. From it every rank
+computes the same merge weights (:func:`merge_weights`), the next round's steps
+(:func:`plan_round`), and the federation's progress in tokens.
+
+Run length: a run of T optimizer steps under a non-"steps" trigger trains the tokens a
+"steps" run of T steps would, ``T x sum_f G_f`` rank-steps (every rank trains the same
+tokens per optimizer step, Accelerate's per-process batch). When the next round would
+reach that budget it is planned in steps, each group's share of what is left in
+proportion to its rate, so the run ends on the budget up to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+TRIGGERS = ("steps", "time", "speed")
+FIELDS = ("steps", "train_s", "wait_s")
+"""The per-group vector exchanged at each sync (:meth:`RoundState.vector`)."""
+
+
+def merge_weights(weighting: str, steps: Sequence[int], sizes: Sequence[int]) -> tuple[float, ...]:
+    """w_f of the round's mean; they sum to 1.
+
+    * "tokens": ``G_f * n_f / sum_g G_g * n_g`` (ranks x steps of the round: the tokens each
+      group trained on, every rank training the same tokens per step);
+    * "size": ``G_f / N`` whatever the steps; "uniform": ``1 / F``.
+
+    A group that did no step has weight 0 under "tokens". ValueError: unknown weighting,
+    lengths that differ, or no tokens at all."""
+    if len(steps) != len(sizes):
+        raise ValueError(f"steps {list(steps)} and sizes {list(sizes)} must have one entry per group")
+    if weighting == "uniform":
+        return (1.0 / len(sizes),) * len(sizes)
+    if weighting == "size":
+        return tuple(g / sum(sizes) for g in sizes)
+    if weighting != "tokens":
+        raise ValueError(f"unknown group_weighting {weighting!r}: 'tokens', 'size' or 'uniform'")
+    tokens = [g * n for g, n in zip(sizes, steps)]
+    if sum(tokens) <= 0:
+        raise ValueError(f"no group trained in this round (steps {list(steps)})")
+    return tuple(t / sum(tokens) for t in tokens)
+
+
+def speed_steps(sync_every: int, seconds_per_step: Sequence[float]) -> list[int]:
+    """H_f = max(1, round(H * t_min / t_f)) for the "speed" trigger: the fastest group does H
+    steps, a group twice as slow H/2. A group without a measurement (t <= 0) gets H."""
+    known = [t for t in seconds_per_step if t > 0]
+    if not known:
+        return [sync_every] * len(seconds_per_step)
+    fastest = min(known)
+    return [max(1, round(sync_every * fastest / t)) if t > 0 else sync_every for t in seconds_per_step]
+
+
+def last_round(remaining: float, rates: Sequence[float], sizes: Sequence[int]) -> list[int]:
+    """Steps per group for the round that ends the run: ``remaining`` rank-steps shared in
+    proportion to each group's rate (``rates[f]``: its steps in a typical round), so that
+    ``sum_f G_f n_f`` is ``remaining`` up to rounding; at least 1 step each."""
+    per_round = sum(g * r for g, r in zip(sizes, rates))
+    scale = remaining / per_round if per_round > 0 else 0.0
+    return [max(1, round(r * scale)) for r in rates]
+
+
+@dataclass
+class RoundState:
+    """The trigger's state on one rank (a checkpoint's ``sync.round``; the same on every rank
+    right after a sync, except ``train_s``/``steps`` mid-round).
+
+    ``sizes``: G_f; ``plan``: steps per group of the current round (None: by time, or H);
+    ``group_steps``: optimizer steps per group at the last sync; ``tokens``: the federation's
+    rank-steps at the last sync; ``budget``: rank-steps of the run (None: unbounded);
+    ``seconds_per_step``: per group, from the last round; ``wait_s``/``train_s_total``: per
+    group, summed over the run; ``done``: the budget is reached (the loop stops)."""
+
+    trigger: str
+    sync_every: int
+    sizes: tuple[int, ...]
+    position: int
+    window_s: float | None = None
+    plan: list[int] | None = None
+    group_steps: list[int] = field(default_factory=list)
+    tokens: int = 0
+    budget: int | None = None
+    seconds_per_step: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    train_s_total: list[float] = field(default_factory=list)
+    rounds: list[list[int]] = field(default_factory=list)
+    done: bool = False
+    steps: int = 0  # this group's steps in the current round
+    train_s: float = 0.0  # this group's training seconds in the current round
+
+    def __post_init__(self):
+        F = len(self.sizes)
+        self.group_steps = self.group_steps or [0] * F
+        self.seconds_per_step = self.seconds_per_step or [0.0] * F
+        self.wait_s = self.wait_s or [0.0] * F
+        self.train_s_total = self.train_s_total or [0.0] * F
+
+    @property
+    def round_steps(self) -> int | None:
+        """This group's steps in the current round, if known in advance (None: by time)."""
+        if self.plan is not None:
+            return self.plan[self.position]
+        return None if self.trigger == "time" else self.sync_every
+
+    def time_up(self) -> bool:
+        """This rank's view: the round's window has passed (the group agrees by a MAX)."""
+        return self.trigger == "time" and self.plan is None and self.train_s >= float(self.window_s)
+
+    def vector(self, wait_s: float) -> list[float]:
+        """This group's entry of the exchange (:data:`FIELDS`); ``wait_s``: seconds at syncs so far."""
+        return [float(self.steps), float(self.train_s), float(wait_s)]
+
+    def close(self, table: Sequence[Sequence[float]], weighting: str) -> tuple[float, ...]:
+        """End the round with every group's vector (``table[f]``, :data:`FIELDS`): update the
+        counters, plan the next round; return the round's merge weights."""
+        steps = [int(round(row[0])) for row in table]
+        weights = merge_weights(weighting, steps, self.sizes)
+        self.rounds.append(steps)
+        for f, row in enumerate(table):
+            self.group_steps[f] += steps[f]
+            self.train_s_total[f] += float(row[1])
+            self.wait_s[f] = float(row[2])
+            if steps[f] > 0 and row[1] > 0:
+                self.seconds_per_step[f] = float(row[1]) / steps[f]
+        self.tokens += sum(g * n for g, n in zip(self.sizes, steps))
+        self.steps, self.train_s = 0, 0.0
+        self.done = self.budget is not None and self.tokens >= self.budget
+        self.plan = self._next_plan(steps)
+        return weights
+
+    def _next_plan(self, last: list[int]) -> list[int] | None:
+        if self.trigger == "speed":
+            rates = speed_steps(self.sync_every, self.seconds_per_step)
+        elif self.trigger == "time":
+            rates = [max(1, n) for n in last]  # steps in one window, as measured
+        else:
+            rates = [self.sync_every] * len(self.sizes)
+        if self.budget is not None and not self.done:
+            remaining = self.budget - self.tokens
+            if sum(g * r for g, r in zip(self.sizes, rates)) >= remaining:
+                return last_round(remaining, rates, self.sizes)
+        return rates if self.trigger == "speed" else None
+
+    def progress_steps(self) -> float:
+        """The federation's progress in optimizer steps of a "steps" run (rank-steps over N),
+        with this group's steps since the last sync extrapolated to every group."""
+        return (self.tokens + self.steps * sum(self.sizes)) / sum(self.sizes)
+
+    def state_dict(self) -> dict:
+        return {"trigger": self.trigger, "plan": self.plan, "group_steps": list(self.group_steps),
+                "tokens": self.tokens, "budget": self.budget, "seconds_per_step": list(self.seconds_per_step),
+                "wait_s": list(self.wait_s), "train_s_total": list(self.train_s_total), "rounds": self.rounds,
+                "done": self.done, "steps": self.steps, "train_s": self.train_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("trigger") != self.trigger:
+            raise ValueError(f"the checkpoint's sync_trigger {state.get('trigger')!r} differs from this run's "
+                             f"{self.trigger!r}")
+        self.plan = state["plan"]
+        self.group_steps, self.tokens = [int(n) for n in state["group_steps"]], int(state["tokens"])
+        self.seconds_per_step = [float(t) for t in state["seconds_per_step"]]
+        self.wait_s = [float(t) for t in state["wait_s"]]
+        self.train_s_total = [float(t) for t in state["train_s_total"]]
+        self.rounds = [list(r) for r in state["rounds"]]
+        self.done, self.steps, self.train_s = bool(state["done"]), int(state["steps"]), float(state["train_s"])
+
+    def summary(self) -> dict:
+        """all_results.json's ``rounds``: per group, steps per round, the share of wall time spent
+        waiting at syncs, and tokens (rank-steps x tokens per rank-step is the caller's)."""
+        F = len(self.sizes)
+        wall = [self.train_s_total[f] + self.wait_s[f] for f in range(F)]
+        return {"trigger": self.trigger, "num_rounds": len(self.rounds),
+                "steps_per_round": [[r[f] for r in self.rounds] for f in range(F)],
+                "group_steps": list(self.group_steps),
+                "wait_share": [self.wait_s[f] / wall[f] if wall[f] > 0 else 0.0 for f in range(F)],
+                "seconds_per_step": list(self.seconds_per_step), "rank_steps": self.tokens}
+
+
+def check_trigger(trigger: str, window_s: float | None) -> None:
+    """ValueError naming the field: an unknown trigger, or "time" without a positive window."""
+    if trigger not in TRIGGERS:
+        raise ValueError(f"FLConfig.sync_trigger must be one of {list(TRIGGERS)}, got {trigger!r}")
+    if trigger == "time" and (window_s is None or not math.isfinite(window_s) or window_s <= 0):
+        raise ValueError(f"FLConfig.sync_window_s must be a positive number of seconds with sync_trigger='time' "
+                         f"(each round's training time), got {window_s!r}")

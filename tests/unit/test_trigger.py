@@ -1,0 +1,73 @@
+"""fl_accel.trigger: merge weights, the "speed" plan, the last round, the round state (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fl_accel.trigger import RoundState, last_round, merge_weights, speed_steps
+
+
+def test_merge_weights_by_tokens_size_and_uniform():
+    assert merge_weights("tokens", [3, 1], [2, 2]) == pytest.approx((0.75, 0.25))
+    assert merge_weights("tokens", [2, 2], [2, 4]) == pytest.approx((1 / 3, 2 / 3))  # equal steps: the size share
+    assert merge_weights("tokens", [4, 1], [2, 4]) == pytest.approx((8 / 12, 4 / 12))
+    assert merge_weights("size", [4, 1], [2, 4]) == pytest.approx((1 / 3, 2 / 3))
+    assert merge_weights("uniform", [4, 1], [2, 4]) == pytest.approx((0.5, 0.5))
+    assert merge_weights("tokens", [0, 5], [2, 2]) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="no group trained"):
+        merge_weights("tokens", [0, 0], [2, 2])
+    with pytest.raises(ValueError, match="group_weighting"):
+        merge_weights("steps", [1, 1], [2, 2])
+    with pytest.raises(ValueError, match="one entry per group"):
+        merge_weights("tokens", [1], [2, 2])
+
+
+def test_speed_steps_scale_with_step_time():
+    assert speed_steps(8, [0.1, 0.2]) == [8, 4]  # 2:1 -> the slow group does H/2
+    assert speed_steps(8, [0.3, 0.1, 0.2]) == [3, 8, 4]
+    assert speed_steps(8, [1.0, 100.0]) == [8, 1]  # at least one step
+    assert speed_steps(8, [0.0, 0.0]) == [8, 8]  # nothing measured yet: H
+    assert speed_steps(8, [0.1, 0.0]) == [8, 8]
+
+
+def test_last_round_lands_on_the_budget():
+    n = last_round(20, [8, 4], [2, 2])  # 24 rank-steps per round; 20 left
+    assert sum(2 * k for k in n) == pytest.approx(20, abs=2) and n[0] > n[1]
+    assert last_round(1, [8, 4], [2, 2]) == [1, 1]  # at least one step each
+
+
+def test_round_state_closes_plans_and_stops_on_the_budget():
+    r = RoundState("speed", 4, (2, 2), position=1)
+    r.budget = 7 * 4
+    assert r.round_steps == 4  # the first round: H
+    r.steps, r.train_s = 4, 2.0
+    w = r.close([[4, 0.4, 0.0], [4, 2.0, 1.6]], "tokens")  # group 1 is 5x slower
+    assert w == pytest.approx((0.5, 0.5)) and r.group_steps == [4, 4] and r.tokens == 16
+    assert r.plan == [4, 1] and r.round_steps == 1 and not r.done  # 10 rank-steps < 12 left
+    assert (r.steps, r.train_s) == (0, 0.0)
+    r.close([[4, 0.4, 1.6], [1, 0.5, 1.6]], "tokens")
+    assert r.tokens == 26 and not r.done
+    assert sum(2 * k for k in r.plan) <= 4  # the last round: 2 rank-steps left, at least 1 step each
+    r.close([[1, 0.1, 1.6], [1, 0.5, 1.6]], "tokens")
+    assert r.done and r.tokens == 30
+    s = r.summary()
+    assert s["steps_per_round"] == [[4, 4, 1], [4, 1, 1]] and s["num_rounds"] == 3
+    assert 0 <= s["wait_share"][0] <= 1
+    again = RoundState("speed", 4, (2, 2), position=0)
+    again.load_state_dict(json.loads(json.dumps(r.state_dict())))
+    assert {**again.state_dict(), "budget": 28} == r.state_dict()  # the budget is the resumed run's own
+    with pytest.raises(ValueError, match="sync_trigger"):
+        RoundState("time", 4, (2, 2), position=0, window_s=1.0).load_state_dict(r.state_dict())
+
+
+def test_time_trigger_by_window_and_progress():
+    r = RoundState("time", 8, (2, 4), position=0, window_s=1.5)
+    assert r.round_steps is None and not r.time_up()
+    r.steps, r.train_s = 3, 1.5
+    assert r.time_up()
+    assert r.progress_steps() == pytest.approx(3.0)  # 3 own steps extrapolated to every group
+    r.close([[3, 1.5, 0.0], [1, 1.6, 0.0]], "tokens")
+    assert r.plan is None and r.tokens == 3 * 2 + 1 * 4
+    assert r.progress_steps() == pytest.approx(10 / 6)
