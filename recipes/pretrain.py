@@ -130,6 +130,8 @@ def main(argv=None) -> dict:
     scheduler = accelerator.prepare(get_scheduler(  # FLAccelerator: one scheduler step per optimizer step
         args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
         num_training_steps=max_steps))
+    if accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None:
+        follow_federation(scheduler, accelerator)
     eval_every, notes = plan_evaluations(args, fl, max_steps)
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * layout.world_size
@@ -156,6 +158,9 @@ def main(argv=None) -> dict:
     accelerator.print("\n".join(f"[fl_accel] {line}" for line in banner + notes))
 
     completed_steps, restored = resume(accelerator, plan, data.stream)
+    rounds = accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None
+    if rounds:  # a checkpoint is named by the federation's step; each group counts its own
+        completed_steps = accelerator.synchronizer.schedule.global_step
     clock = Clock(plan.t0, restored)
     meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
@@ -171,7 +176,7 @@ def main(argv=None) -> dict:
     run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,
                           accelerator)  # this launch's own data position (torchft mode: not a healed count)
     with accelerator.meter_comm():
-        if completed_steps < max_steps:
+        if (not accelerator.training_done) if rounds else completed_steps < max_steps:
             train(run)
         run.progress.close()
         results = finish(run, {**what_ran, "peak_host_mb_after_prepare": peak_host_mb_after_prepare,
@@ -205,6 +210,10 @@ def train(run: "Run") -> None:
             continue
         run.scheduler.step()
         step = meter.step_done()
+        if run.rounds:
+            if round_events(run, step):
+                break
+            continue
         run.progress.update(step - run.progress.n)  # 1, or more after a heal (Meter.step_done)
         report_heals(run, step)
         if step % args.log_every == 0 or step == run.max_steps:
@@ -216,6 +225,55 @@ def train(run: "Run") -> None:
                 run.save_checkpoint(step)
         if step >= run.max_steps:
             break
+
+
+def follow_federation(scheduler, accelerator) -> None:
+    """Under ``sync_trigger`` "time"/"speed" the inner LR schedule follows the federation's
+    progress (``accelerator.federation_step``), not this group's own step count: a fast group
+    does more steps than ``max_steps`` and a slow one fewer, and both end the schedule together.
+    Within a round the progress extrapolates this group's steps to every group, so a fast
+    group's LR may step back slightly at a sync (exact there)."""
+    inner = scheduler.scheduler
+    inner.lr_lambdas = [(lambda fn: (lambda _: fn(accelerator.federation_step)))(fn) for fn in inner.lr_lambdas]
+
+
+def round_results(run: "Run") -> dict:
+    """all_results.json's ``rounds`` (sync_trigger "time"/"speed"): per group the steps of each
+    round, the share of its wall time spent waiting at syncs, its standalone tokens/s (its
+    tokens per second of training, no waiting), and the federation's tokens/s against their sum."""
+    summary = run.accelerator.synchronizer.rounds.summary()
+    rounds = run.accelerator.synchronizer.rounds
+    per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
+    standalone = [g * per_rank_step / t if t > 0 else None for g, t in
+                  zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.group_steps)])]
+    wall = max(t + w for t, w in zip(rounds.train_s_total, rounds.wait_s))
+    federation = summary["rank_steps"] * per_rank_step / wall if wall > 0 else None
+    known = [r for r in standalone if r is not None]
+    return {**summary, "standalone_tokens_per_s": standalone, "tokens_per_s": federation,
+            "of_standalone_sum": federation / sum(known) if federation and known else None}
+
+
+def round_events(run: "Run", step: int) -> bool:
+    """The loop's events under ``sync_trigger`` "time"/"speed", where each group counts its own
+    steps: logs (their figures are a world collective), evaluations and checkpoints right after the round that
+    crosses a multiple of their interval in federation steps (``accelerator.federation_step``,
+    agreed at the sync: the only points every group shares). True once the federation has
+    trained the run's tokens (``accelerator.training_done``)."""
+    acc, args = run.accelerator, run.args
+    if acc.synchronizer.schedule.local_step:  # mid-round
+        return False
+    fed, last = acc.federation_step, run.round_step
+    run.round_step = fed
+    run.progress.update(max(0, min(fed, run.max_steps) - run.progress.n))
+    done = acc.training_done
+    if done or fed // args.log_every > last // args.log_every:  # a world collective (Meter.gather)
+        run.log_train()
+    with run.meter.outside_training():
+        if not done and run.eval_every and fed // run.eval_every > last // run.eval_every:
+            run.evaluate(fed)
+        if not done and args.checkpoint_every and fed // args.checkpoint_every > last // args.checkpoint_every:
+            run.save_checkpoint(fed)
+    return done
 
 
 def fault_tolerance_results(accelerator, meter) -> dict:
@@ -331,11 +389,18 @@ class Run:
     batches: Any = None
     progress: Any = None
     group_evals: dict = dataclasses.field(default_factory=dict)
+    round_step: int = 0  # sync_trigger "time"/"speed": the federation step of the last round's end
     heals_reported: int = 0  # torchft mode: heals already announced (report_heals)
 
     @property
     def args(self):
         return self.plan.args
+
+    @property
+    def rounds(self) -> bool:
+        """A ``sync_trigger`` other than "steps": groups count their own steps (:func:`round_events`)."""
+        sync = self.accelerator.synchronizer
+        return sync is not None and sync.rounds is not None
 
     @property
     def metrics_path(self) -> str:
@@ -371,12 +436,16 @@ class Run:
 
     def log_train(self) -> None:
         record = self.meter.train_record(self.scheduler.get_last_lr()[0])
+        if self.rounds:  # one step axis for every group: the federation's
+            record.update(step=self.accelerator.federation_step, group_step=record["step"])
         self.log(record)
         self.progress.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
 
     def evaluate_groups_before_sync(self, synchronizer, full) -> None:
         """Pre-sync hook: each group's own model, scored right before the sync of an evaluation step."""
         step = synchronizer.schedule.global_step
+        if self.rounds:  # groups at different steps: --eval_groups scores at the end only
+            return
         if self.eval_every and step % self.eval_every == 0 and step < self.max_steps:
             self.group_evals[step] = evaluate(self.model, self.accelerator, self.data.val_blocks,
                                               self.args.micro_batch_size, per_group=True)
@@ -399,6 +468,8 @@ class Run:
         what = scored(fl, final, self.groups_in_last_sync())
         record = {"step": step, "tokens": self.meter.tokens, "time_s": self.meter.clock.total("train_seconds"),
                   "wall_s": self.meter.clock.wall_now(), "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
+        if self.rounds:  # ``step`` is the federation's: every group's tokens, not this group's own
+            record["tokens"] = step * self.meter.tokens_per_step
         if groups:
             record.update({f"eval/perplexity_group{f}": r[0] for f, r in enumerate(groups)})
             record.update({f"eval/loss_group{f}": r[1] for f, r in enumerate(groups)})
@@ -429,7 +500,7 @@ def finish(run: Run, recorded: dict) -> dict:
 
     acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
     with run.meter.outside_training():
-        step = run.meter.completed_steps
+        step = acc.federation_step if run.rounds else run.meter.completed_steps  # the same on every group
         synced = acc.sync_if_pending(final=True)
         covered = run.groups_in_last_sync()
         if scored(fl, True, covered) == "own group":
@@ -440,9 +511,9 @@ def finish(run: Run, recorded: dict) -> dict:
             acc.print(f"[fl_accel] final synchronization: the federation groups synchronized at step {step}")
         elif fl.is_federated:
             acc.print(f"[fl_accel] final synchronization: none needed (the groups synchronized at step {step})")
-        ppl, nll, n_tokens = run.evaluate(run.meter.completed_steps, final=True)
+        ppl, nll, n_tokens = run.evaluate(step, final=True)
         if args.checkpoint_every:
-            run.save_checkpoint(run.meter.completed_steps)
+            run.save_checkpoint(step)
         if args.save_final_model:
             export_final_model(run.model, run.config, run.data.tokenizer,
                                os.path.join(args.output_dir, "final_model"), acc.is_main_process)
@@ -458,8 +529,18 @@ def finish(run: Run, recorded: dict) -> dict:
         "eval_scored": scored(fl, final=True, groups_in_last_sync=covered),
         **run.meter.run_figures(), "model": args.model, **recorded, "run_name": run.plan.run_name,
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
-        "wandb_id": run.wandb_id,
+        "wandb_id": run.wandb_id, **(federation_figures(run) if run.rounds else {}),
     }
+
+
+def federation_figures(run: "Run") -> dict:
+    """all_results.json under ``sync_trigger`` "time"/"speed": ``rounds`` (:func:`round_results`),
+    and ``steps``/``train_tokens``/``tokens_per_s`` of the whole federation (the same on every
+    group), where :meth:`Meter.run_figures` counts this group's own steps."""
+    rounds = round_results(run)
+    step = run.accelerator.federation_step
+    return {"rounds": rounds, "steps": step, "train_tokens": step * run.meter.tokens_per_step,
+            "tokens_per_s": rounds["tokens_per_s"]}
 
 
 def write_results(run: Run, results: dict) -> None:
@@ -469,6 +550,11 @@ def write_results(run: Run, results: dict) -> None:
 
     acc, args, fl = run.accelerator, run.args, run.plan.fl
     curves = False
+    if results.get("rounds") and args.report_to != "none":  # the round figures on the W&B run too
+        r = results["rounds"]
+        acc.log({"rounds/num_rounds": r["num_rounds"], "rounds/tokens_per_s": r["tokens_per_s"] or 0.0,
+                 **{f"rounds/wait_share_group{f}": w for f, w in enumerate(r["wait_share"])},
+                 **{f"rounds/steps_group{f}": n for f, n in enumerate(r["group_steps"])}})
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
@@ -496,7 +582,20 @@ def write_results(run: Run, results: dict) -> None:
               + (", curves.png" if curves else "")
               + (", final_model/" if args.save_final_model else "")
               + (f"\n[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
-                 if args.report_to == "wandb" else ""))
+                 if args.report_to == "wandb" else "") + rounds_line(results.get("rounds")))
+
+
+def rounds_line(rounds: dict | None) -> str:
+    """The closing line of a ``sync_trigger`` "time"/"speed" run: per group its steps, its mean
+    steps per round and its waiting share; the federation's tokens/s against the standalone sum."""
+    if not rounds:
+        return ""
+    groups = "; ".join(f"group {f}: {n} steps ({n / max(1, rounds['num_rounds']):.1f}/round), waited "
+                       f"{100 * w:.0f}%" for f, (n, w) in enumerate(zip(rounds["group_steps"], rounds["wait_share"])))
+    share = rounds.get("of_standalone_sum")
+    return (f"\n[fl_accel] {rounds['num_rounds']} rounds by {rounds['trigger']}: {groups}"
+            + (f"; {rounds['tokens_per_s']:.0f} tokens/s = {100 * share:.0f}% of the groups' standalone sum"
+               if share else ""))
 
 
 # =========================================================================== entry point
