@@ -170,7 +170,8 @@ class FederatedSynchronizer:
             sizes = tuple(group_sizes) if group_sizes is not None else (1,) * rnd.num_groups
             self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, rnd.position,
                                      window_s=config.sync_window_s)
-        self._mark = time.perf_counter()
+        self._started = time.perf_counter()
+        self._mark: float | None = None  # the last optimizer step's end (None: the next step is not timed)
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -242,7 +243,9 @@ class FederatedSynchronizer:
         """Count this step into the round and set the schedule's round length: planned steps,
         or (by time) this step ends the round when a rank of the group saw the window pass."""
         r, now = self.rounds, time.perf_counter()
-        r.train_s += now - self._mark
+        if self._mark is not None:  # the step since the last one (not after a restart of the clock)
+            r.train_s += now - self._mark
+            r.timed += 1
         self._mark = now
         r.steps += 1
         if r.steps == 1 and self.round_plan_hook is not None:  # a round starts: the injected plan
@@ -260,10 +263,16 @@ class FederatedSynchronizer:
         steps = [row[0] for row in table]
         if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
             table = [[0.0] + list(row[1:]) for row in table]
-            weights = r.close(table, "size")
+            weights = r.close(table, "size", now_s=time.perf_counter() - self._started)
         else:
-            weights = r.close(table, self.config.group_weighting)
+            weights = r.close(table, self.config.group_weighting, now_s=time.perf_counter() - self._started)
         return Round(rnd.num_groups, rnd.position, tuple(weights))
+
+    def restart_round_clock(self) -> None:
+        """Leave out the time until the next optimizer step from the round's training time
+        (call after work between steps that is not training: evaluations, checkpoints); that
+        step counts, untimed. Also the state before the first step."""
+        self._mark = None
 
     def set_token_budget(self, max_steps: int) -> None:
         """End the run after the rank-steps of a "steps" run of ``max_steps`` steps (``rounds``)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 TRIGGERS = ("steps", "time", "speed")
-FIELDS = ("steps", "train_s", "wait_s")
+FIELDS = ("steps", "train_s", "wait_s", "timed_steps")
 """The per-group vector exchanged at each sync (:meth:`RoundState.vector`)."""
 
 
@@ -102,9 +102,12 @@ class RoundState:
     wait_s: list[float] = field(default_factory=list)
     train_s_total: list[float] = field(default_factory=list)
     rounds: list[list[int]] = field(default_factory=list)
+    ends_s: list[float] = field(default_factory=list)
+    """Seconds from the synchronizer's creation (this rank's clock) at each round's end."""
     done: bool = False
     steps: int = 0  # this group's steps in the current round
     train_s: float = 0.0  # this group's training seconds in the current round
+    timed: int = 0  # of those steps, the ones timed (a step after a restart of the clock is not)
 
     def __post_init__(self):
         F = len(self.sizes)
@@ -126,22 +129,26 @@ class RoundState:
 
     def vector(self, wait_s: float) -> list[float]:
         """This group's entry of the exchange (:data:`FIELDS`); ``wait_s``: seconds at syncs so far."""
-        return [float(self.steps), float(self.train_s), float(wait_s)]
+        return [float(self.steps), float(self.train_s), float(wait_s), float(self.timed)]
 
-    def close(self, table: Sequence[Sequence[float]], weighting: str) -> tuple[float, ...]:
+    def close(self, table: Sequence[Sequence[float]], weighting: str, now_s: float | None = None) -> tuple[float, ...]:
         """End the round with every group's vector (``table[f]``, :data:`FIELDS`): update the
-        counters, plan the next round; return the round's merge weights."""
+        counters, plan the next round; return the round's merge weights. ``now_s``: the
+        round's end in seconds from the start (for :meth:`summary`)."""
         steps = [int(round(row[0])) for row in table]
         weights = merge_weights(weighting, steps, self.sizes)
         self.rounds.append(steps)
+        if now_s is not None:
+            self.ends_s.append(float(now_s))
         for f, row in enumerate(table):
             self.group_steps[f] += steps[f]
             self.train_s_total[f] += float(row[1])
             self.wait_s[f] = float(row[2])
-            if steps[f] > 0 and row[1] > 0:
-                self.seconds_per_step[f] = float(row[1]) / steps[f]
+            timed = int(round(row[3])) if len(row) > 3 else steps[f]
+            if timed > 0 and row[1] > 0:
+                self.seconds_per_step[f] = float(row[1]) / timed
         self.tokens += sum(g * n for g, n in zip(self.sizes, steps))
-        self.steps, self.train_s = 0, 0.0
+        self.steps, self.train_s, self.timed = 0, 0.0, 0
         self.done = self.budget is not None and self.tokens >= self.budget
         self.plan = self._next_plan(steps)
         return weights
@@ -168,7 +175,7 @@ class RoundState:
         return {"trigger": self.trigger, "plan": self.plan, "group_steps": list(self.group_steps),
                 "tokens": self.tokens, "budget": self.budget, "seconds_per_step": list(self.seconds_per_step),
                 "wait_s": list(self.wait_s), "train_s_total": list(self.train_s_total), "rounds": self.rounds,
-                "done": self.done, "steps": self.steps, "train_s": self.train_s}
+                "ends_s": list(self.ends_s), "done": self.done, "steps": self.steps, "train_s": self.train_s}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("trigger") != self.trigger:
@@ -180,7 +187,9 @@ class RoundState:
         self.wait_s = [float(t) for t in state["wait_s"]]
         self.train_s_total = [float(t) for t in state["train_s_total"]]
         self.rounds = [list(r) for r in state["rounds"]]
+        self.ends_s = [float(t) for t in state.get("ends_s", [])]
         self.done, self.steps, self.train_s = bool(state["done"]), int(state["steps"]), float(state["train_s"])
+        self.timed = int(state.get("timed", self.steps))
 
     def summary(self) -> dict:
         """all_results.json's ``rounds``: per group, steps per round, the share of wall time spent
@@ -191,7 +200,8 @@ class RoundState:
                 "steps_per_round": [[r[f] for r in self.rounds] for f in range(F)],
                 "group_steps": list(self.group_steps),
                 "wait_share": [self.wait_s[f] / wall[f] if wall[f] > 0 else 0.0 for f in range(F)],
-                "seconds_per_step": list(self.seconds_per_step), "rank_steps": self.tokens}
+                "seconds_per_step": list(self.seconds_per_step), "rank_steps": self.tokens,
+                "round_end_s": list(self.ends_s)}
 
 
 def check_trigger(trigger: str, window_s: float | None) -> None:

@@ -273,6 +273,7 @@ def round_events(run: "Run", step: int) -> bool:
             run.evaluate(fed)
         if not done and args.checkpoint_every and fed // args.checkpoint_every > last // args.checkpoint_every:
             run.save_checkpoint(fed)
+    acc.synchronizer.restart_round_clock()  # the speeds measured are the training steps' own
     return done
 
 
