@@ -158,17 +158,18 @@ def run_one(work: Path, trigger: str, ratio_text: str, args, cache: Path) -> dic
 def row_of(results: dict, trigger: str, ratio_text: str) -> dict:
     """speed.json's row of one run."""
     rounds = results.get("rounds")
+    tokens_per_s = results["train_tokens"] / results["train_seconds"]  # every row alike: the federation's tokens
     if rounds is None:  # the barrier: every group did every step; its wait is the sync's share
         wait = results.get("sync_time_share")
         return {"run": results["_name"], "trigger": "barrier", "speed_ratio": ratio_text, "link": "loopback",
-                "wait_share": [wait, wait] if wait is not None else None, "tokens_per_s": results["tokens_per_s"],
+                "wait_share": [wait, wait] if wait is not None else None, "tokens_per_s": tokens_per_s,
                 "standalone_tokens_per_s": None, "slowdown_method": METHOD,
                 "steps_per_round": None, "group_steps": [results["steps"]] * F,
                 "final_eval_loss": results["eval_loss"]}
     return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": "loopback",
-            "wait_share": rounds["wait_share"], "tokens_per_s": rounds["tokens_per_s"],
+            "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
             "standalone_tokens_per_s": rounds["standalone_tokens_per_s"],
-            "of_standalone_sum": rounds["of_standalone_sum"],
+            "of_standalone_sum": tokens_per_s / sum(rounds["standalone_tokens_per_s"]),
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
             "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"]}
@@ -192,7 +193,9 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['tokens_per_s']:.0f} | "
                      f"{pct(r.get('of_standalone_sum'))} | {wait} | {', '.join(str(n) for n in r['group_steps'])} | "
                      f"{mean} | {r['final_eval_loss']:.4f} |")
-    lines += ["", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
+    lines += ["", "tokens/s: every group's tokens over the training seconds of the main process (group 0's rank 0), "
+              "syncs included, for every row. Standalone: each group's tokens over its own timed training seconds "
+              "(no waiting).", "", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
               "compute included for the fast one); standalone rates are not measured there.", "",
               "Command: see `command.txt`. Plot: `tokens_over_time.png`."]
     return "\n".join(lines) + "\n"
@@ -212,13 +215,13 @@ def plot(rows: list[dict], path: Path) -> None:
         for f, steps in enumerate(r["steps_per_round"]):
             tokens, total = [0], 0
             for n in steps:
-                total += n * G * 2 * 64
+                total += n * G * 2 * 64  # ranks x micro-batch 2 x seq_len 64 (recipe_args)
                 tokens.append(total)
-            ax.step([0.0] + r["round_end_s"], tokens, where="post", label=f"group {f}")
+            ax.plot(r["round_end_s"], tokens[1:], marker=".", label=f"group {f}")
         for t in r["round_end_s"]:
             ax.axvline(t, color="grey", lw=0.4, alpha=0.5)
         ax.set_title(f"{r['trigger']} trigger, {r['speed_ratio']}")
-        ax.set_xlabel("seconds (grey: syncs)")
+        ax.set_xlabel("seconds since the start (start-up included; grey: syncs)")
         ax.set_ylabel("tokens trained by the group")
         ax.legend()
     fig.tight_layout()

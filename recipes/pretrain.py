@@ -240,14 +240,16 @@ def follow_federation(scheduler, accelerator) -> None:
 def round_results(run: "Run") -> dict:
     """all_results.json's ``rounds`` (sync_trigger "time"/"speed"): per group the steps of each
     round, the share of its wall time spent waiting at syncs, its standalone tokens/s (its
-    tokens per second of training, no waiting), and the federation's tokens/s against their sum."""
+    tokens per second of training, no waiting), and the federation's tokens/s (every group's
+    tokens over this process's training seconds, syncs included, as a "steps" run's
+    ``tokens_per_s``) against their sum."""
     summary = run.accelerator.synchronizer.rounds.summary()
     rounds = run.accelerator.synchronizer.rounds
     per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
     standalone = [g * per_rank_step / t if t > 0 else None for g, t in
                   zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.group_steps)])]
-    wall = max(t + w for t, w in zip(rounds.train_s_total, rounds.wait_s))
-    federation = summary["rank_steps"] * per_rank_step / wall if wall > 0 else None
+    train_s = run.meter.run_figures().get("train_seconds")  # this process's training time, syncs included
+    federation = summary["rank_steps"] * per_rank_step / train_s if train_s else None
     known = [r for r in standalone if r is not None]
     return {**summary, "standalone_tokens_per_s": standalone, "tokens_per_s": federation,
             "of_standalone_sum": federation / sum(known) if federation and known else None}

@@ -18,6 +18,7 @@ Rank k's step t (its group's own count) uses the t-th batch of its one-epoch ind
 (global sharding: each rank its own slice). Each rank writes ``OUT_DIR/<scenario>/rank<k>.pt``:
 coordinates, index batches, local shards at init and after each step, the sync count and
 the round's merge weights after each step, the round summary and the final shards.
+``bad_configs`` (optional) run first, as in unequal_worker.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     rank = int(os.environ["RANK"])
+    U.run_bad_configs(spec.get("bad_configs", []), out, rank)  # before anything touches torch.distributed
     scenarios = spec["scenarios"]
     for i, sc in enumerate(scenarios):
         run_scenario(sc, out, rank, last=i == len(scenarios) - 1)
