@@ -43,6 +43,8 @@ def four(tmp_path_factory):
          "save_dir": str(out / "ckpt" / "round_1")},
         {"name": "nesterov", "fl": {**SPEED, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9},
          "max_steps": MAX_STEPS, "plan": PLAN},
+        {"name": "int8_nesterov", "fl": {**SPEED, "sync_dtype": "int8", "error_feedback": True,
+                                         "outer_optimizer": "nesterov"}, "max_steps": MAX_STEPS, "plan": PLAN},
         {"name": "speed_slowed", "fl": SPEED, "max_steps": 24, "plan": None, "delay_s": [0.0, 0.3]},
         {"name": "time_slowed", "fl": {**SPEED, "sync_trigger": "time", "sync_window_s": 1.2}, "max_steps": 16,
          "plan": None, "delay_s": [0.0, 0.3]},
@@ -238,3 +240,18 @@ def test_bad_trigger_settings_raise_on_every_rank_before_any_collective(four, ca
         rec = json.loads((four / "bad" / case / f"rank{k}.json").read_text())
         assert rec["type"] == "ValueError" and all(n in rec["message"] for n in needles), rec
         assert rec["dist_initialized"] is False, rec
+
+
+def test_compressed_exchange_with_rounds_of_unequal_length(four):
+    """int8 + error feedback + nesterov on the same plan: the merge weights are the tokens'
+    shares, the groups are equal after every sync (the decoded mean is the same everywhere),
+    and after end_training's exact final sync (residuals included) as well."""
+    recs = records(four, "int8_nesterov")
+    for rec in recs:
+        ends = sorted(rec["weights"])
+        got = [w for t in ends for w in rec["weights"][t]]
+        assert got == pytest.approx([0.75, 0.25, 1 / 3, 2 / 3, 0.25, 0.75])
+    for t0, t1 in ((3, 1), (5, 5), (6, 8)):  # the rounds' last steps of group 0 and group 1
+        assert max_diff(full(recs, t0, 0), full(recs, t1, 1)) == 0.0, (t0, t1)
+    assert max_diff(full(recs, "final", 0), full(recs, "final", 1)) == 0.0
+    assert max_diff(full(recs, 2, 0), full(recs, 1, 1)) > 1e3 * TOL  # apart mid-round
