@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
     if args.eval_groups and layout.num_groups > 1:
         accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
-    testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch)
+    testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch,
+                          group_index=accelerator.group_index)
 
     clock.start_training()
     run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,

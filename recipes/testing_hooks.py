@@ -11,6 +11,9 @@
   "epoch": the data stream's epoch after this micro-batch (None for map-style data),
   "input_ids": the blocks as lists of token ids}``. Tests read which samples each rank
   trained on (disjoint shards, nothing seen twice after a resume).
+* ``FL_ACCEL_TEST_STEP_SLEEP=<s_0>,<s_1>,...`` makes every rank of federation group f sleep
+  s_f seconds after each optimizer step: a group made slow for tests of ``sync_trigger``
+  (the bench slows groups with a CPU quota instead: bench/speed_bench.py).
 
 :func:`install` attaches them as callbacks: a forward pre-hook and a forward hook on the
 prepared model (training forwards only: grad enabled and ``model.training``) and a step
@@ -30,6 +33,7 @@ from .args import RecipeError
 
 FAULT_ENV = "FL_ACCEL_TEST_FAULT_INJECT"
 RECORD_ENV = "FL_ACCEL_TEST_RECORD_BLOCKS"
+SLEEP_ENV = "FL_ACCEL_TEST_STEP_SLEEP"
 
 
 def parse_fault(spec: str, rank: int) -> tuple[str | None, int | None]:
@@ -60,7 +64,19 @@ class _Steps:
         self.done += 1
 
 
-def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None) -> list:
+def parse_sleep(spec: str, group_index: int) -> float:
+    """Seconds group ``group_index`` sleeps after each step, from a ``FL_ACCEL_TEST_STEP_SLEEP``
+    spec (0 for a group it does not list). RecipeError: not a comma list of seconds >= 0."""
+    try:
+        values = [float(v) for v in spec.split(",")]
+    except ValueError:
+        raise RecipeError(f"{SLEEP_ENV}={spec!r} must be seconds per group, e.g. 0,0.25") from None
+    if any(v < 0 for v in values):
+        raise RecipeError(f"{SLEEP_ENV}={spec!r}: seconds must be >= 0")
+    return values[group_index] if group_index < len(values) else 0.0
+
+
+def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None, group_index: int = 0) -> list:
     """Attach the hooks the environment asks for; returns their handles (empty if none).
 
     Args:
@@ -69,6 +85,7 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
         rank: this process's rank in the world.
         start_step: optimizer steps already done (a resumed run's checkpoint step).
         epoch_fn: returns the data stream's epoch (``--streaming``), or None.
+        group_index: this rank's federation group (``FL_ACCEL_TEST_STEP_SLEEP``).
 
     Raises:
         RecipeError: a malformed ``FL_ACCEL_TEST_FAULT_INJECT``.
@@ -80,11 +97,16 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
     kind, fault_step = parse_fault(spec, rank) if spec else (None, None)
     if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         kind = None
-    if kind is None and not folder:
+    sleep = parse_sleep(environ[SLEEP_ENV], group_index) if environ.get(SLEEP_ENV) else 0.0
+    if kind is None and not folder and not sleep:
         return []
     steps = _Steps(start_step)
     inner = getattr(optimizer, "optimizer", optimizer)
     handles = [inner.register_step_post_hook(steps.count)]
+    if sleep:
+        import time
+
+        handles.append(inner.register_step_post_hook(lambda *_: time.sleep(sleep)))
 
     def training(module) -> bool:
         return torch.is_grad_enabled() and module.training

@@ -1,0 +1,82 @@
+"""The recipe with ``--sync_trigger speed``: 4 gloo processes, 2 groups of unequal speed
+(group 1 sleeps after each step: the recipe's ``FL_ACCEL_TEST_STEP_SLEEP`` hook), a token
+budget, evaluations and checkpoints at round ends, the ``rounds`` figures, and a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from _launch import REPO_ROOT, run_torchrun
+from recipes.run_folder import read_metrics
+
+RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
+ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "12", "--log_every", "2",
+        "--eval_every", "6", "--max_eval_blocks", "16", "--checkpoint_every", "6", "--sync_every", "4",
+        "--num_groups", "2", "--algorithm", "fl_fsdp", "--sync_trigger", "speed", "--report_to", "none",
+        "--save_final_model", "false"]
+SLOW = {"FL_ACCEL_TEST_STEP_SLEEP": "0,0.25"}  # seconds after each optimizer step, per group
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, default_corpus_cache):
+    out = str(tmp_path_factory.mktemp("rounds"))
+    proc = run_torchrun(4, RECIPE, *ARGS, "--output_dir", out, "--cache_dir", default_corpus_cache, timeout=600,
+                        env=SLOW)
+    assert proc.returncode == 0, proc.tail()
+    return out, proc
+
+
+def test_speed_trigger_run_ends_on_the_budget_with_round_figures(run):
+    """The run trains 12 steps' tokens (x 4 ranks): all_results.json counts the federation's
+    steps and tokens, ``rounds`` has every group's steps per round (the slowed group does
+    fewer after the first round), waiting shares and standalone rates; the closing line says
+    so; logged and evaluated steps are the federation's and increase; the checkpoints are
+    named by federation steps, the same folder for every group."""
+    out, proc = run
+    results = json.loads(open(os.path.join(out, "all_results.json")).read())
+    rounds = results["rounds"]
+    assert results["steps"] == 12 and results["train_tokens"] == 12 * 4 * 2 * 64, results["steps"]
+    assert rounds["trigger"] == "speed" and rounds["rank_steps"] == pytest.approx(48, abs=4), rounds
+    fast, slow = rounds["steps_per_round"]
+    assert fast[0] == slow[0] == 4 and sum(slow) < sum(fast), rounds
+    assert len(rounds["wait_share"]) == 2 and all(0 <= w < 1 for w in rounds["wait_share"])
+    assert all(r > 0 for r in rounds["standalone_tokens_per_s"]) and 0 < rounds["of_standalone_sum"] <= 1.5
+    assert "rounds by speed: group 0:" in proc.stdout + proc.stderr
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps) and steps[-1] == 12, steps
+    evals = [r for r in records if "eval/loss" in r]
+    assert len(evals) >= 2 and evals[-1]["tokens"] == 12 * 4 * 2 * 64
+    assert all("group_step" in r for r in records if "train/loss" in r)
+    names = sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if not n.endswith(".partial"))
+    assert names and all(n.startswith("step_") for n in names), names
+    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.endswith(".partial")]
+
+
+def test_speed_trigger_run_resumes_from_a_round_end(run, tmp_path, default_corpus_cache):
+    """A copy of the run without its final checkpoint resumes from the mid-run one (a round
+    end, named by its federation step) and trains to the same budget: the rounds before the
+    checkpoint are the first run's, and the run ends on the budget again."""
+    import shutil
+
+    out, _ = run
+    first = json.loads(open(os.path.join(out, "all_results.json")).read())["rounds"]
+    copy = str(tmp_path / "resumed")
+    shutil.copytree(out, copy)
+    ckpts = sorted((int(n.split("_")[1]), n) for n in os.listdir(os.path.join(copy, "checkpoints")))
+    assert len(ckpts) >= 2, ckpts
+    shutil.rmtree(os.path.join(copy, "checkpoints", ckpts[-1][1]))
+    meta = json.loads(open(os.path.join(copy, "checkpoints", ckpts[-2][1], "fl_accel_checkpoint.json")).read())
+    done_rounds = len(meta["sync"]["round"]["rounds"])
+    proc = run_torchrun(4, RECIPE, *ARGS, "--output_dir", copy, "--cache_dir", default_corpus_cache,
+                        "--resume_from_checkpoint", "latest", timeout=600, env=SLOW)
+    assert proc.returncode == 0, proc.tail()
+    results = json.loads(open(os.path.join(copy, "all_results.json")).read())
+    assert results["steps"] == 12 and results["rounds"]["num_rounds"] > done_rounds, results["rounds"]
+    for f in range(2):
+        assert results["rounds"]["steps_per_round"][f][:done_rounds] == first["steps_per_round"][f][:done_rounds]
+    assert results["rounds"]["group_steps"] != [0, 0]
