@@ -43,6 +43,7 @@ H, STEPS, LR_SGD = 3, 7, 1.0
 UNEQUAL = {"algorithm": "fl_hsdp", "group_sizes": [2, 4], "hsdp_shard_size": 2, "sync_every": H}
 TOL = 1e-6
 SPARSE = {**UNEQUAL, "sync_dtype": "sparse", "error_feedback": True}
+SPEED_PLAN = [[3, 1], [1, 2]]  # steps of group 0 (2 ranks) and group 1 (4 ranks) per round; budget 3 x 6 = 18 rank-steps: 2 rounds
 MEASURED: dict[str, float] = {}  # figures printed at the end of the module (pytest -s)
 
 
@@ -88,6 +89,8 @@ def six(tmp_path_factory):
         _sc("ckpt", {**UNEQUAL, "outer_optimizer": "nesterov"}, "adamw", 1e-2, save_at=[3, 4],
             save_dir=str(out / "ckpt_dir")),
         _sc("sparse", SPARSE),
+        _sc("speed_plan", {**UNEQUAL, "sync_trigger": "speed", "outer_optimizer": "nesterov"}, steps=3,
+            plan=SPEED_PLAN),
     ]}
     return _launch(WORLD, out, spec)
 
@@ -495,3 +498,47 @@ def print_measured():
     yield
     for k, v in MEASURED.items():
         print(f"[unequal] {k}: {v:.4g}" if isinstance(v, float) else f"[unequal] {k}: {v}")
+
+
+def test_unequal_sizes_and_speeds_equal_exact_simulation(six):
+    """sync_trigger "speed" on [2, 4] (FL+HSDP, S=2: group 1 has 2 replicas and sends 1/R of
+    the shard per replica) with the plan [[3, 1], [1, 2]] and nesterov: the merge weights are
+    the tokens' shares, G_f n_f / sum (2*3 : 4*1 = 0.6 : 0.4, then 2*1 : 4*2 = 0.2 : 0.8), and
+    every rank of every replica equals the single-process simulation after each of its steps."""
+    recs = six("speed_plan")
+    batches = group_batches(recs, LAYOUT)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(W.build_model())
+    opts = [torch.optim.SGD(m.parameters(), lr=LR_SGD, momentum=0.0) for m in models]
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    steps, want = [0, 0], {}
+    for n in SPEED_PLAN:
+        for f, m in enumerate(models):
+            for _ in range(n[f]):
+                b = batches[f][steps[f]]
+                (sum(m(input_ids=x, labels=x).loss for x in b) / len(b)).backward()
+                opts[f].step()
+                opts[f].zero_grad()
+                steps[f] += 1
+                want[(f, steps[f])] = [p.detach().clone() for p in m.parameters()]
+        tok = [LAYOUT.group_size_of(f) * n[f] for f in range(2)]
+        w = [t / sum(tok) for t in tok]
+        for rec in recs:
+            end = steps[rec["coords"][0]]
+            assert rec["weights"][end] == pytest.approx(w, abs=1e-12), (end, rec["weights"][end], w)
+        with torch.no_grad():
+            for a, ps in zip(anchor, zip(*(m.parameters() for m in models))):
+                a.grad = a.detach() - sum(wf * p.detach() for wf, p in zip(w, ps))
+            outer.step()
+            outer.zero_grad()
+            for a, ps in zip(anchor, zip(*(m.parameters() for m in models))):
+                for p in ps:
+                    p.copy_(a)
+        for f in range(2):
+            want[(f, steps[f])] = [p.detach().clone() for p in models[f].parameters()]
+    for (f, t), params in want.items():
+        for r in range(LAYOUT.replicas_of(f)):
+            assert max_diff(full_params(recs, t, f, r), params) <= TOL, (f, t, r)

@@ -24,7 +24,9 @@ step t uses the t-th batch of that epoch. Scenario keys: ``name``, ``fl`` (FLCon
 kwargs), ``optimizer`` ("sgd" without momentum, or "adamw"), ``lr``, ``steps``,
 ``save_at`` (steps after which ``acc.save_state(save_dir/step_<t>)`` runs), ``save_dir``,
 ``load`` (a checkpoint to ``acc.load_state`` before training; training then starts at
-the step it records), ``expect_load_error`` (record the load's error and stop).
+the step it records), ``expect_load_error`` (record the load's error and stop), ``plan``
+(``sync_trigger`` "speed": steps per group per round through ``round_plan_hook``, the loop
+runs until ``acc.training_done`` with ``steps`` as the budget; ``weights``: each round's).
 
 Each rank writes ``OUT_DIR/<scenario>/rank<k>.pt``: coordinates, the index batches,
 its local shards at init and after every step (after the hook, so after the sync at
@@ -120,7 +122,22 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                 traceback.print_exc()
     rec["start"] = start
     sync = acc.synchronizer
-    if rec["load_error"] is None:
+    if sc.get("plan") is not None:  # sync_trigger "speed" with a fixed per-round plan: rounds of unequal length
+        plan = sc["plan"]
+        sync.round_plan_hook = lambda k: plan[min(k, len(plan) - 1)]
+        acc.set_max_steps(sc["steps"])
+        t = 0
+        with acc.meter_comm():
+            while not acc.training_done:
+                x = tokens[index_batches[t]]
+                acc.backward(model(input_ids=x, labels=x).loss)
+                opt.step()
+                opt.zero_grad()
+                t += 1
+                rec["steps"][t] = snap()
+                if sync.schedule.local_step == 0:
+                    rec.setdefault("weights", {})[t] = list(sync.last_round.weights)
+    elif rec["load_error"] is None:
         with acc.meter_comm():
             for t in range(start, sc["steps"]):
                 x = tokens[index_batches[t]]
