@@ -76,7 +76,7 @@ SETTINGS = (
              ("fl_fsdp-h8-p2-tau2-int8-ef", "FL+FSDP H=8 P=2 tau=2 int8+EF"))),
     Setting("sparse 1/64+EF H=8 P=2 tau=2", "sparse", 8, 2, 2, "sparse",
             (("fl_fsdp-h8-p2-tau2-sparse-ef-nesterov", "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 sparse+EF"),
-             ("fl_fsdp-h8-p2-tau2-sparse-ef", "FL+FSDP H=8 P=2 tau=2 sparse+EF"))),
+             ("fl_fsdp-h8-p2-tau2-sparse-ef-senders", "FL+FSDP H=8 P=2 tau=2 sparse+EF"))),
 )
 """Blocking fp32 at H=8/16/32; int8 + error feedback and sparse (1/64 of the values, 2 bits,
 error feedback: the FLConfig defaults) with P=2 fragments synced tau=2 steps late."""
