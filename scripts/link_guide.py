@@ -174,8 +174,8 @@ def evaluate(model: Model, setting: Setting, *, groups: int, gpus_per_group: int
     t = predict_step_time(est, compute_s=compute_s, intra_node_bw=IN_GROUP_BW, inter_node_bw=bw)
     share = share_of_limit(t)
     need = link_for_share(est, threshold, compute_s=compute_s, intra_node_bw=IN_GROUP_BW)
-    return {"setting": setting.name, "short": setting.short, "share": share, "keeps": share >= threshold, "step_s": t.step_s,
-            "limit_step_s": t.step_s - t.exposed_sync_s, "exposed_sync_s": t.exposed_sync_s,
+    return {"setting": setting.name, "short": setting.short, "share": share, "keeps": share >= threshold,
+            "step_s": t.step_s, "limit_step_s": t.step_s - t.exposed_sync_s, "exposed_sync_s": t.exposed_sync_s,
             "exchange_s": t.comm_s_by_axis["fl"], "link_for_threshold_bits_per_s": None if need is None else 8 * need}
 
 
@@ -227,6 +227,23 @@ def table(rows: Sequence[dict], threshold: float = THRESHOLD) -> str:
              f"{r['model']} ({r['params'] / 1e6:.3g}M)", link_text(r["link_bits_per_s"]), f"{r['compute_s']:.3g}"]
             + [share_text(x["share"], x["keeps"]) for x in r["results"]] + [keeps_text(r, threshold)] for r in rows]
     return tabulate(body, headers=head, tablefmt="github", disable_numparse=True)
+
+
+def needs_table(rows: Sequence[dict], threshold: float = THRESHOLD) -> str:
+    """Per model (and compute time), the slowest link at which each setting keeps ``threshold``."""
+    from tabulate import tabulate
+
+    seen, body = set(), []
+    for r in rows:
+        if (r["model"], r["compute_s"]) in seen:
+            continue
+        seen.add((r["model"], r["compute_s"]))
+        body.append([r["model"], f"{r['compute_s']:.3g}"] + [
+            "-" if x["link_for_threshold_bits_per_s"] is None else link_text(x["link_for_threshold_bits_per_s"])
+            for x in r["results"]])
+    return tabulate(body, headers=["model", "compute s/step"] + [f"{s.name}: link for {threshold:g}"
+                                                                 for s in SETTINGS],
+                    tablefmt="github", disable_numparse=True)
 
 
 def quality_lines() -> list[str]:
@@ -297,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{key}: {assumptions[key]}")
     print()
     print(table(rows, a.threshold))
+    print()
+    print(f"The slowest link that keeps {a.threshold:g} of the limit (it scales with 1 / compute per step):")
+    print()
+    print(needs_table(rows, a.threshold))
     print()
     print("\n".join(quality_lines()))
     return 0

@@ -28,7 +28,9 @@ Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s per collectiv
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
 FSDP's collectives are not overlapped (an upper bound); the exchange overlaps tau steps:
 exposed = max(0, t_fl - tau compute_s) per fragment sync, plus chunk sharing and flags.
-CLI: ``python -m scripts.cost_model -h``.
+:func:`share_of_limit`: tokens/s over the no-sync limit's, (step_s - exposed) / step_s;
+:func:`link_for_share`: the slowest link that keeps a share.
+CLIs: ``python -m scripts.cost_model -h``, ``python -m scripts.link_guide -h``.
 """
 
 from __future__ import annotations
