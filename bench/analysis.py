@@ -379,6 +379,29 @@ def throughput_key(spec: RunSpec, exact: bool = True) -> tuple:
     return base + ((spec.sync_every, spec.outer_optimizer, tuple(spec.extra_flags)) if fl else (0, "avg", ()))
 
 
+SAME_BYTES_FLAGS = frozenset({"--outer_lr_schedule", "--outer_lr_warmup_steps", "--learning_rate"})
+"""Recipe flags (each with its value) that change neither the bytes a row sends nor its compute."""
+
+
+def same_bytes_key(spec: RunSpec) -> tuple:
+    """:func:`throughput_key` without what only changes local arithmetic: the outer optimizer
+    (``nesterov`` applies its outer step to the averaged pseudo-gradient, which goes over "fl"
+    exactly as ``avg``'s average does: equal "fl" bytes in the convergence suite's runs) and the
+    flags of :data:`SAME_BYTES_FLAGS`. Rows with equal keys send the same bytes per step from
+    the same layout with the same compute, so a measured tokens/s of one applies to the other."""
+    base = throughput_key(spec, exact=False)
+    if not spec.algorithm.startswith("fl_"):
+        return base + (0, ())
+    flags, kept, i = list(spec.extra_flags), [], 0
+    while i < len(flags):
+        if flags[i] in SAME_BYTES_FLAGS:
+            i += 2
+            continue
+        kept.append(flags[i])
+        i += 1
+    return base + (spec.sync_every, tuple(kept))
+
+
 def committed_throughput(results_root: str, sources: Sequence[str]) -> dict:
     """Measured tokens/s and calibrated compute time per configuration from the committed
     throughput results ``results_root/<source>/bench.json`` of every name in ``sources``
@@ -386,10 +409,11 @@ def committed_throughput(results_root: str, sources: Sequence[str]) -> dict:
 
     Returns:
         ``{"measured": {key: {link: [{"tokens_per_s", "source", "background_cpu_share"}]}},
-        "compute": {key(exact=False): {"compute_s", "source"}}, "missing": [source]}``;
-        keys from :func:`throughput_key`; limit rows left out.
+        "same_bytes": {same-bytes key: {link: [...]}}, "compute": {key(exact=False): {"compute_s",
+        "source"}}, "missing": [source]}``; keys from :func:`throughput_key` and
+        :func:`same_bytes_key`; limit rows left out.
     """
-    out: dict[str, Any] = {"measured": {}, "compute": {}, "missing": []}
+    out: dict[str, Any] = {"measured": {}, "same_bytes": {}, "compute": {}, "missing": []}
     for name in sources:
         path = os.path.join(results_root, name, "bench.json")
         if not os.path.isfile(path):
@@ -403,9 +427,10 @@ def committed_throughput(results_root: str, sources: Sequence[str]) -> dict:
                 spec = specs.get(("main", link, rid))
                 if spec is None or row.get("limit_row") or not row.get("tokens_per_s"):
                     continue
-                out["measured"].setdefault(throughput_key(spec), {}).setdefault(link, []).append(
-                    {"tokens_per_s": row["tokens_per_s"], "source": f"{name}/{spec.path}",
-                     "background_cpu_share": row.get("background_cpu_share")})
+                entry = {"tokens_per_s": row["tokens_per_s"], "source": f"{name}/{spec.path}",
+                         "background_cpu_share": row.get("background_cpu_share")}
+                out["measured"].setdefault(throughput_key(spec), {}).setdefault(link, []).append(entry)
+                out["same_bytes"].setdefault(same_bytes_key(spec), {}).setdefault(link, []).append(entry)
         for rid, cal in saved["results"].get("calibration", {}).items():
             spec = specs.get(("calibration", None, rid))
             if spec is not None:
@@ -424,20 +449,26 @@ def as_emulated(spec: RunSpec, link: str, steps: int) -> RunSpec:
 
 def link_throughput(plan: dict, spec: RunSpec, committed: dict, links=LINKS) -> dict:
     """Tokens/s of ``spec``'s configuration on each emulated link: measured (the mean of the
-    committed measurements, with their sources) and the cost model's prediction (compute
-    time from the committed calibration of the same configuration, H and outer optimizer
-    aside). ``{link: {"measured", "sources", "predicted", "compute_source"}}``."""
+    committed measurements, with their sources); where it was not measured, the measured
+    tokens/s of a configuration that sends the same bytes (:func:`same_bytes_key`, e.g.
+    ``avg`` for ``nesterov``: ``measured_same_bytes``, ``same_bytes_sources``); and the cost
+    model's prediction (compute time from the committed calibration of the same
+    configuration, H and outer optimizer aside). ``{link: {"measured", "sources",
+    "measured_same_bytes", "same_bytes_sources", "predicted", "compute_source"}}``."""
     key = throughput_key(spec)
     cal = committed["compute"].get(throughput_key(spec, exact=False))
     out = {}
     for link in links:
         meas = committed["measured"].get(key, {}).get(link, [])
+        same = [] if meas else committed.get("same_bytes", {}).get(same_bytes_key(spec), {}).get(link, [])
         pred = None
         if cal is not None:
             p = predict(plan, as_emulated(spec, link, spec.steps or 40), {}, cal["compute_s"])
             pred = p.get("tokens_per_s")
         out[link] = {"measured": statistics.fmean(m["tokens_per_s"] for m in meas) if meas else None,
-                     "sources": [m["source"] for m in meas], "predicted": pred,
+                     "sources": [m["source"] for m in meas],
+                     "measured_same_bytes": statistics.fmean(m["tokens_per_s"] for m in same) if same else None,
+                     "same_bytes_sources": [m["source"] for m in same], "predicted": pred,
                      "compute_source": cal["source"] if cal else None}
     return out
 
@@ -531,7 +562,8 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
     "fl" bytes per parameter (:func:`fl_bytes`), and the time to FSDP's half-budget loss on
     each emulated link (tokens to target / tokens/s, measured in the committed throughput
     results named by ``throughput_sources`` (default: ``plan["throughput_sources"]``,
-    none if unset), else predicted; :func:`link_throughput`). Paper regime: the same per
+    none if unset), else that of a measured configuration sending the same bytes, else
+    predicted; :func:`link_throughput`). Paper regime: the same per
     row plus FSDP/FL perplexity ratios at equal tokens (final, and at every evaluation).
 
     Returns:
@@ -596,6 +628,7 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
             lt = link_throughput(plan, specs[row["id"]], committed)
             for link, v in lt.items():
                 v["time_to_target_measured_s"] = time_to_target(row["tokens_to_target"], v["measured"])
+                v["time_to_target_same_bytes_s"] = time_to_target(row["tokens_to_target"], v["measured_same_bytes"])
                 v["time_to_target_predicted_s"] = time_to_target(row["tokens_to_target"], v["predicted"])
             row["links"] = lt
     if committed is not None:

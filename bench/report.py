@@ -466,33 +466,39 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
         for r in rows:
             cells = [r["label"], _f(r["tokens_to_target"], "{:,.0f}")]
             for link in LINKS_ORDER:
+                minutes, marker = link_minutes(r, link)
+                cells.append("-" if minutes is None else f"{minutes:.1f}" + (f" ({marker})" if marker else ""))
                 v = (r.get("links") or {}).get(link, {})
-                if v.get("time_to_target_measured_s") is not None:
-                    cells.append(_minutes(v["time_to_target_measured_s"]))
-                elif v.get("time_to_target_predicted_s") is not None:
-                    cells.append(_minutes(v["time_to_target_predicted_s"]) + " (model)")
-                else:
-                    cells.append("-")
-                detail.append([r["label"], link, _f(v.get("measured"), "{:,.0f}"), _f(v.get("predicted"), "{:,.0f}"),
-                               ", ".join(v.get("sources") or []) or "-", v.get("compute_source") or "-"])
+                used, how = link_tokens_per_s(v)
+                sources = v.get("sources") or (v.get("same_bytes_sources") if how == SAME_BYTES else None) or []
+                detail.append([r["label"], link, _f(used, "{:,.0f}") + (f" ({how})" if used is not None else ""),
+                               _f(v.get("measured"), "{:,.0f}"), _f(v.get("predicted"), "{:,.0f}"),
+                               ", ".join(sources) or "-", v.get("compute_source") or "-"])
             table.append(cells)
         L += [_md(table, ["run", "tokens to target"] + [f"{x} (min)" for x in LINKS_ORDER]), "",
               "Minutes of training (evaluation excluded) to reach the target on 2 emulated nodes x 2 processes "
-              "joined by the link: tokens to target (above) / tokens/s on that link. tokens/s = the committed "
-              "throughput measurement of the same configuration (" + ", ".join(
+              "joined by the link: tokens to target (above) / tokens/s on that link / 60, the tokens/s of each cell "
+              "in the column \"tokens/s used\" of the table \"tokens/s behind it\" below. Without a mark the "
+              "tokens/s is the committed throughput measurement of the same configuration (" + ", ".join(
                   f"`bench/results/{s}`" for s in res.get("throughput_sources", [])) + "; the mean where measured "
-              "twice); **(model)** = no measurement of this configuration at this link, the cost model's prediction "
-              "(`fl_accel.planning.cost`, compute time per step from the committed calibration of the same "
-              "configuration) instead. The cost model was within 2% of the measured FL+FSDP rows; for FSDP at "
+              f"twice); **({SAME_BYTES})** = this configuration was not measured at this link, but one that sends "
+              "the same bytes from the same layout with the same compute was, and its measured tokens/s is used "
+              "(the rows differ only in the outer optimizer, its schedule or the learning rate: `nesterov`'s outer "
+              "step is local arithmetic on the same averaged pseudo-gradient; `bench.analysis.same_bytes_key`); "
+              f"**({MODEL})** = neither was measured, the cost model's prediction (`fl_accel.planning.cost`, compute "
+              "time per step from the committed calibration of the same configuration) instead. The cost model was "
+              "within 2% of the measured FL+FSDP rows at 100 Mbit/s and 1 Gbit/s and 4% at 10 Mbit/s; for FSDP at "
               "100 Mbit/s the measurement was 0.73x the prediction (gloo's 4-rank ring used 63% of the link), so "
               "FSDP's predicted 10 Mbit/s time is optimistic. '-' = never reached the target.", "",
               "### Fastest to the target, per link", "",
               _md(guide_rows(res), ["link", "fastest", "then", "then", "slowest"]), "",
-              "Rows of the first seed only; each cell is the row and its minutes to target ((model): predicted "
-              "tokens/s). " + _ttt_spread_text(res), "",
+              f"Rows of the first seed only; each cell is the row and its minutes to target (marks as above: "
+              f"({SAME_BYTES}), ({MODEL})). " + _ttt_spread_text(res), "",
               "### tokens/s behind it", "",
-              _md(detail, ["run", "link", "measured tokens/s", "predicted tokens/s", "measured in",
-                           "compute time from"]), ""]
+              _md(detail, ["run", "link", "tokens/s used", "measured tokens/s (this configuration)",
+                           "predicted tokens/s", "measured in", "compute time from"]), "",
+              "tokens/s used: the figure each time-to-target cell divides by (measured; measured, same bytes: the "
+              "configuration named under \"measured in\"; model: predicted).", ""]
     else:
         ratios = res.get("ratios", {})
         L += ["## Final eval loss and the FSDP/FL perplexity ratio at equal tokens", ""]
@@ -541,26 +547,42 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
 LINKS_ORDER = ("1gbit", "100mbit", "10mbit")
 
 
-def link_minutes(row: dict, link: str) -> tuple[float | None, bool]:
-    """(minutes to target on ``link``, whether the tokens/s behind it is the model's)."""
+MEASURED, SAME_BYTES, MODEL = "measured", "measured, same bytes", "model"
+"""Where a time to target's tokens/s comes from (:func:`link_tokens_per_s`); the report marks
+the last two after the minutes."""
+
+
+def link_tokens_per_s(v: dict) -> tuple[float | None, str | None]:
+    """(tokens/s, where from) of one row's link entry (``analysis.link_throughput``): this
+    configuration's measurement, else the measurement of one sending the same bytes, else the
+    cost model's prediction; (None, None) when none."""
+    for key, how in (("measured", MEASURED), ("measured_same_bytes", SAME_BYTES), ("predicted", MODEL)):
+        if v.get(key):
+            return v[key], how
+    return None, None
+
+
+def link_minutes(row: dict, link: str) -> tuple[float | None, str]:
+    """(minutes to target on ``link``, the mark of its tokens/s: "" for this configuration's
+    measurement, :data:`SAME_BYTES` or :data:`MODEL`), as :func:`link_tokens_per_s` chooses."""
     v = (row.get("links") or {}).get(link, {})
-    if v.get("time_to_target_measured_s") is not None:
-        return v["time_to_target_measured_s"] / 60, False
-    if v.get("time_to_target_predicted_s") is not None:
-        return v["time_to_target_predicted_s"] / 60, True
-    return None, False
+    for key, mark in (("time_to_target_measured_s", ""), ("time_to_target_same_bytes_s", SAME_BYTES),
+                      ("time_to_target_predicted_s", MODEL)):
+        if v.get(key) is not None:
+            return v[key] / 60, mark
+    return None, ""
 
 
 def guide_rows(res: dict) -> list[list[str]]:
     """Per link, the first-seed rows that reach the target, fastest first: the fastest three
-    and the slowest, as "label: N min" (marked (model) where the tokens/s is predicted)."""
+    and the slowest, as "label: N min" (marked as :func:`link_minutes` marks its tokens/s)."""
     out = []
     for link in LINKS_ORDER:
         ranked = []
         for r in res["rows"].values():
-            minutes, model = link_minutes(r, link)
+            minutes, mark = link_minutes(r, link)
             if minutes is not None and not r["second_seed"]:
-                ranked.append((minutes, f"{r['label']}: {minutes:.1f} min" + (" (model)" if model else "")))
+                ranked.append((minutes, f"{r['label']}: {minutes:.1f} min" + (f" ({mark})" if mark else "")))
         ranked.sort()
         cells = [c for _, c in ranked]
         out.append([link] + (cells[:3] + ["-"] * 3)[:3] + [cells[-1] if len(cells) > 3 else "-"])
@@ -607,18 +629,19 @@ def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
             bars = []
             for r in rows:
                 v = (r.get("links") or {}).get(link, {})
-                meas, pred = v.get("time_to_target_measured_s"), v.get("time_to_target_predicted_s")
-                if meas is None and pred is None:
+                minutes, _ = link_minutes(r, link)
+                pred = v.get("time_to_target_predicted_s")
+                if minutes is None:
                     continue
-                bars.append((r["label"], (meas if meas is not None else pred) / 60,
-                             pred / 60 if pred is not None else None))
+                bars.append((r["label"], minutes, pred / 60 if pred is not None else None))
             if bars:
                 groups[f"link {link}"] = bars
         if groups:
             paths.append(plots.plot_bars(groups, os.path.join(out_dir, "time_to_target.png"),
                                          ylabel="minutes of training to target loss",
-                                         title=f"time to target loss (bar: measured tokens/s, or the model's where "
-                                               f"none){smoke}", reference_label="cost model"))
+                                         title=f"time to target loss (bar: measured tokens/s, of the same bytes "
+                                               f"where this row was not measured, or the model's){smoke}",
+                                         reference_label="cost model"))
     if res["suite"] == "convergence":
         path = plot_quality_vs_bytes(res, os.path.join(out_dir, "quality_vs_bytes.png"), smoke)
         if path:

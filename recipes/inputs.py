@@ -163,3 +163,48 @@ def steps_per_epoch(train_loader, accumulation: int) -> int:
     """Accelerate forces an optimizer step at the end of the data loader, so an epoch of B
     micro-batches per rank has ceil(B / accumulation) optimizer steps."""
     return math.ceil(len(train_loader) / accumulation)
+
+
+def data_epochs(steps: int, steps_per_epoch: int | None) -> float | None:
+    """Passes over the map-style training data that ``steps`` optimizer steps take (None for a stream)."""
+    return steps / steps_per_epoch if steps_per_epoch else None
+
+
+def repeat_note(max_steps: int, steps_per_epoch: int | None, max_steps_flag: int | None,
+                num_epochs: int) -> str | None:
+    """The banner's line when ``--max_steps`` takes more than one pass over the map-style
+    training data (the loader starts over, reshuffled; the run still ends at ``max_steps``):
+    how many epochs that is and how many are needed. None otherwise (a stream, or the run's
+    length from ``--num_epochs``)."""
+    epochs = data_epochs(max_steps, steps_per_epoch)
+    if max_steps_flag is None or epochs is None or epochs <= 1:
+        return None
+    needed = math.ceil(epochs)
+    return (f"note: --max_steps {max_steps} is {epochs:.2f} epochs of the training data ({steps_per_epoch} "
+            f"steps/epoch): the data repeat, {needed} epochs are needed" + (
+                f" (--num_epochs {num_epochs} applies only without --max_steps)" if num_epochs != needed else ""))
+
+
+def stream_note(passes: int, max_steps: int) -> str | None:
+    """The closing line when the training stream read a rank's shard to its end (``passes``
+    times, the most over the ranks) and went on from its start: the corpus holds fewer
+    tokens than ``max_steps`` took. None when no shard was read to its end."""
+    if passes < 1:
+        return None
+    times = "once" if passes == 1 else f"{passes} times"
+    return (f"note: the training stream reached the end of a rank's shard {times} and went on from its start (the "
+            f"data repeat): --max_steps {max_steps} needs more than {passes} pass{'es' if passes > 1 else ''} over "
+            f"this corpus")
+
+
+def data_record(steps: int, steps_per_epoch: int | None, stream_passes: int | None) -> dict:
+    """``all_results.json``'s ``data``: ``source`` ("map-style" or "stream"), ``steps_per_epoch``
+    and ``epochs`` (map-style: optimizer steps / steps per epoch), ``stream_passes`` (stream:
+    times the most-read rank's shard was read to its end), ``repeated`` (map-style: more than
+    one epoch; stream: a shard was read to its end, so what follows repeats)."""
+    epochs = data_epochs(steps, steps_per_epoch)
+    if steps_per_epoch is not None:
+        return {"source": "map-style", "steps_per_epoch": steps_per_epoch, "epochs": epochs, "stream_passes": None,
+                "repeated": epochs > 1}
+    return {"source": "stream", "steps_per_epoch": None, "epochs": None, "stream_passes": stream_passes,
+            "repeated": bool(stream_passes)}

@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
     from fl_accel.planning.flops import model_flops_per_token, peak_tflops
     from recipes import testing_hooks
     from recipes.banner import banner_lines
-    from recipes.inputs import batches, build_data, steps_per_epoch
+    from recipes.inputs import batches, build_data, repeat_note, steps_per_epoch
     from recipes.metrics import Clock, Meter, fl_accel_origin, peak_host_mb
     from recipes.modeling import build_model, build_optimizer, embedding_params, resolve_config
     from recipes.run_folder import prepare_output_dir, resume, run_length_error
@@ -133,6 +133,7 @@ def main(argv=None) -> dict:
     if accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None:
         follow_federation(scheduler, accelerator)
     eval_every, notes = plan_evaluations(args, fl, max_steps)
+    notes += [n for n in [repeat_note(max_steps, per_epoch, args.max_steps, args.num_epochs)] if n]
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
     tokens_per_step = tokens_per_rank_step * layout.world_size
     launch_tokens_per_step = tokens_per_rank_step * accelerator.num_processes  # torchft mode: this group's
@@ -166,7 +167,7 @@ def main(argv=None) -> dict:
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
     run = Run(plan=plan, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
               data=data, meter=meter, max_steps=max_steps, eval_every=eval_every, config=config,
-              wandb_id=restored.get("wandb_id"))
+              wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
     if args.eval_groups and layout.num_groups > 1:
         accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
@@ -395,6 +396,7 @@ class Run:
     group_evals: dict = dataclasses.field(default_factory=dict)
     round_step: int = 0  # sync_trigger "time"/"speed": the federation step of the last round's end
     heals_reported: int = 0  # torchft mode: heals already announced (report_heals)
+    steps_per_epoch: int | None = None  # map-style data (None: a stream)
 
     @property
     def args(self):
@@ -499,10 +501,23 @@ def finish(run: Run, recorded: dict) -> dict:
     """The final sync (all groups end identical), the final evaluation, checkpoint and export,
     and the whole-run figures (collective). Returns all_results.json's dict (without ``host``
     and ``session``, which the caller adds)."""
+    import torch
+    import torch.distributed as dist
+
+    from recipes.inputs import data_record, stream_note
     from recipes.metrics import scored
     from recipes.modeling import export_final_model
 
     acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
+    passes = None
+    if run.data.stream is not None:  # the most-read shard: ranks read shards of different lengths
+        passes = torch.tensor([run.data.stream.epoch], dtype=torch.int64, device=acc.device)
+        if dist.is_initialized():
+            dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        passes = int(passes.item())
+        note = stream_note(passes, run.max_steps)
+        if note:
+            acc.print(f"[fl_accel] {note}")
     with run.meter.outside_training():
         step = acc.federation_step if run.rounds else run.meter.completed_steps  # the same on every group
         synced = acc.sync_if_pending(final=True)
@@ -531,6 +546,7 @@ def finish(run: Run, recorded: dict) -> dict:
         "sync_every": fl.sync_every if fl.is_federated else None, "fl": fl.to_dict(),
         "eval_perplexity": ppl, "eval_loss": nll, "eval_tokens": n_tokens,
         "eval_scored": scored(fl, final=True, groups_in_last_sync=covered),
+        "data": data_record(run.meter.completed_steps, run.steps_per_epoch, passes),
         **run.meter.run_figures(), "model": args.model, **recorded, "run_name": run.plan.run_name,
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
         "wandb_id": run.wandb_id, **(federation_figures(run) if run.rounds else {}),

@@ -28,7 +28,9 @@ Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s per collectiv
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
 FSDP's collectives are not overlapped (an upper bound); the exchange overlaps tau steps:
 exposed = max(0, t_fl - tau compute_s) per fragment sync, plus chunk sharing and flags.
-CLI: ``python -m scripts.cost_model -h``.
+:func:`share_of_limit`: tokens/s over the no-sync limit's, (step_s - exposed) / step_s;
+:func:`link_for_share`: the slowest link that keeps a share.
+CLIs: ``python -m scripts.cost_model -h``, ``python -m scripts.link_guide -h``.
 """
 
 from __future__ import annotations
@@ -321,3 +323,34 @@ def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: flo
                 est.layout.world_size * _num("tokens_per_rank", tokens_per_rank) / step_s if step_s else math.inf
             worst = StepTime(step_s, sum(busy.values()), busy, exposed, tps)
     return worst
+
+
+def share_of_limit(t: StepTime) -> float:
+    """Tokens/s of ``t`` over the tokens/s of the same layout with no inter-group traffic
+    (the "no-sync limit"): the step without its exposed sync over the step, in (0, 1]."""
+    return (t.step_s - t.exposed_sync_s) / t.step_s if t.step_s > 0 else 1.0
+
+
+def link_for_share(est: CommEstimate, share: float, *, compute_s: float, intra_node_bw: float,
+                   ranks_per_nic: int | Mapping[str, int] | None = None, latency_s: float = 0.0,
+                   highest_bw: float = 1e15) -> float | None:
+    """The slowest ``inter_node_bw`` (bytes/s per direction) at which :func:`share_of_limit`
+    of :func:`predict_step_time` reaches ``share`` (bisection, within 0.1%), or None when
+    even ``highest_bw`` does not (latency-bound). ValueError: ``share`` not in (0, 1]."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"share must be a number in (0, 1], got {share!r}")
+
+    def ok(bw: float) -> bool:
+        return share_of_limit(predict_step_time(est, compute_s=compute_s, intra_node_bw=intra_node_bw,
+                                                inter_node_bw=bw, ranks_per_nic=ranks_per_nic,
+                                                latency_s=latency_s)) >= share
+
+    lo, hi = 1.0, _num("highest_bw", highest_bw)
+    if not ok(hi):
+        return None
+    if ok(lo):
+        return lo
+    while hi / lo > 1.001:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi

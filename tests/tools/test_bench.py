@@ -580,8 +580,9 @@ def test_interpolation_seed_band_and_time_to_target():
 
 def test_committed_throughput_and_predictions():
     """Measured tokens/s of the convergence rows come from the throughput results named as
-    sources (here the fixture); nesterov and H=32 have none (not the same exchange), so their
-    figure is the model's; no sources: the model's only."""
+    sources (here the fixture); nesterov and H=32 have none of their own; nesterov sends avg's
+    bytes, so avg's measurement stands in for it (measured_same_bytes), H=32 sends other bytes,
+    so its figure is the model's; no sources: the model's only."""
     plan = _plan("--suite", "convergence")
     rows = {r.id: r for r in bp.runs_of(plan)}
     committed = analysis.committed_throughput(FIXTURES, [BASELINES, "missing-folder"])
@@ -596,6 +597,17 @@ def test_committed_throughput_and_predictions():
     assert lt["fsdp-lr1e-3"] == lt["fsdp"]  # the LR does not change FSDP's throughput key
     for k in ("fl_fsdp-h8-nesterov", "fl_fsdp-h32"):
         assert all(v["measured"] is None and v["predicted"] for v in lt[k].values())
+    # same bytes: nesterov (and its outer-LR schedule, and the learning rate) take avg's measured rate
+    for k in ("fl_fsdp-h8-nesterov", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-nesterov-lr1e-3", "fl_fsdp-h8-lr1e-3"):
+        v = lt[k]["100mbit"]
+        assert v["measured_same_bytes"] == pytest.approx(measured["rate-100mbit/fl_fsdp"]), k
+        assert v["same_bytes_sources"] == [f"{BASELINES}/rate-100mbit/fl_fsdp"], k
+        assert lt[k]["10mbit"]["measured_same_bytes"] is None  # the fixture measured 100 Mbit/s only
+    assert lt["fl_fsdp-h8"]["100mbit"]["measured_same_bytes"] is None  # its own measurement comes first
+    assert lt["fl_fsdp-h8-nesterov-olr0.6"]["100mbit"]["measured_same_bytes"] is not None  # the outer LR: local
+    for k in ("fl_fsdp-h32", "fl_fsdp-h16-nesterov", "fl_fsdp-h8-p2-tau2-nesterov",
+              "fl_fsdp-h8-p2-tau2-sparse16-ef-nesterov"):  # another H, fragments or density: other bytes
+        assert lt[k]["100mbit"]["measured_same_bytes"] is None, k
     assert all(v["measured"] is None and v["predicted"] is None for v in lt["fl_fsdp-h8-p2-tau1"].values())
     assert lt["fl_fsdp-h8-seed43"] == lt["fl_fsdp-h8"]  # the seed row is the same configuration
     # H=32 sends a quarter of H=8's sync bytes: faster on a slow link, same compute time
@@ -605,7 +617,8 @@ def test_committed_throughput_and_predictions():
     assert 0.85 < v["measured"] / v["predicted"] < 1.15, v  # the model within 15% of the measured FL+FSDP
     none = analysis.committed_throughput(FIXTURES, [])
     assert analysis.link_throughput(plan, rows["fsdp"], none)["100mbit"] == {
-        "measured": None, "sources": [], "predicted": None, "compute_source": None}
+        "measured": None, "sources": [], "measured_same_bytes": None, "same_bytes_sources": [], "predicted": None,
+        "compute_source": None}
 
 
 def _write_fake_run(root, spec, losses, tokens_per_step=16384, eval_every=32):
@@ -710,6 +723,27 @@ def test_grid_report_on_the_synthetic_fixture(tmp_path):
                for ln in section)
     assert res["rows"]["fl_fsdp-h8"]["fl_bytes_per_param"] == {"per_sync": 4.0, "run": 64.0}  # 16 syncs
     assert (dst / "quality_vs_bytes.png").stat().st_size > 1000
+    # time to target: nesterov was not measured on a link; avg, which sends the same bytes, was (100 Mbit/s in
+    # the fixture): the cell divides nesterov's tokens to target by avg's measured tokens/s, and says so
+    link = nes["links"]["100mbit"]
+    avg_rate = res["rows"]["fl_fsdp-h8"]["links"]["100mbit"]["measured"]
+    assert link["measured"] is None and link["measured_same_bytes"] == pytest.approx(avg_rate)
+    section = table.split("## Time to target loss per link", 1)[1]
+
+    def cells_of(text, label, *more):
+        for ln in text.splitlines():
+            cells = [c.strip() for c in ln.split("|")[1:-1]]
+            if cells and cells[0] == label and all(m in cells for m in more):
+                return cells
+        raise AssertionError(f"no row {label} {more}")
+
+    minutes = nes["tokens_to"]["fsdp_half_budget"] / avg_rate / 60
+    assert cells_of(section.split("###", 1)[0], "FL+FSDP H=8 nesterov(0.7, 0.9)")[3] == \
+        f"{minutes:.1f} (measured, same bytes)"
+    behind = cells_of(section.split("### tokens/s behind it", 1)[1], "FL+FSDP H=8 nesterov(0.7, 0.9)", "100mbit")
+    assert behind[2] == f"{avg_rate:,.0f} (measured, same bytes)" and behind[3] == "-"
+    assert behind[5] == f"{BASELINES}/rate-100mbit/fl_fsdp"
+    assert cells_of(section, "FL+FSDP H=8 nesterov(0.7, 0.9)", "10mbit")[2].endswith(" (model)")
 
 
 def test_paper_regime_ratios(tmp_path):
