@@ -14,12 +14,12 @@ NAME=${NAME:-$(date +%F)-grid}
 SOURCES=${SOURCES:-2026-12-01-baselines,2026-12-01-streaming}
 BENCH=(nice -n 15 python -m bench.run_bench --report-to none --suite convergence --name "$NAME"
        --throughput-sources "$SOURCES")
-# 1. is nesterov below FSDP real or an LR effect; a second nesterov seed; the outer LR
-"${BENCH[@]}" --only fsdp-lr1e-3
-"${BENCH[@]}" --only fl_fsdp-h8-nesterov-seed43
-"${BENCH[@]}" --only fl_fsdp-h8-nesterov-lr1e-3
-"${BENCH[@]}" --only fl_fsdp-h8-nesterov-olr0.6
-# 2. fewer syncs with the outer momentum; fragments alone
-"${BENCH[@]}" --only fl_fsdp-h16-nesterov,fl_fsdp-h32-nesterov,fl_fsdp-h8-p2-tau2-nesterov
-# 3. everything else of the suite (compressed rows with nesterov, sparse, the rest)
+# finished: fsdp-lr1e-3, nesterov seed 43 and lr 1e-3, outer LR 0.6, H=16 nesterov, int8 + EF and sparse
+# with nesterov (P=2, tau=2), sparse with avg (the senders' mean). Next, most telling first:
+"${BENCH[@]}" --only fl_fsdp-h8-p2-tau2-nesterov         # fragments alone, fp32, with nesterov
+"${BENCH[@]}" --only fl_fsdp-h8-lr1e-3                   # avg at FSDP's better LR
+"${BENCH[@]}" --only fl_fsdp-h8-p2-tau2-int8-ef-nesterov-lr1e-3
+"${BENCH[@]}" --only fl_fsdp-h8-int8-ef-nesterov         # blocking int8
+"${BENCH[@]}" --only fl_fsdp-h32-nesterov,fl_fsdp-h8-nesterov-olr0.4
+# everything else of the suite (the density 1/16, sparse with nesterov at lr 1e-3, the rest)
 "${BENCH[@]}"
