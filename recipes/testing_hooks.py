@@ -12,8 +12,10 @@
   "input_ids": the blocks as lists of token ids}``. Tests read which samples each rank
   trained on (disjoint shards, nothing seen twice after a resume).
 * ``FL_ACCEL_TEST_STEP_SLEEP=<s_0>,<s_1>,...`` makes every rank of federation group f sleep
-  s_f seconds after each optimizer step: a group made slow for tests of ``sync_trigger``
-  (the bench slows groups with a CPU quota instead: bench/speed_bench.py).
+  after each optimizer step: s_f seconds, or ``x<k>`` k times the time since its previous
+  step ended (a slowdown by a factor k + 1 whatever the machine's load): a group made slow
+  for tests of ``sync_trigger`` (the bench slows groups with a CPU quota instead:
+  bench/speed_bench.py).
 
 :func:`install` attaches them as callbacks: a forward pre-hook and a forward hook on the
 prepared model (training forwards only: grad enabled and ``model.training``) and a step
@@ -64,16 +66,18 @@ class _Steps:
         self.done += 1
 
 
-def parse_sleep(spec: str, group_index: int) -> float:
-    """Seconds group ``group_index`` sleeps after each step, from a ``FL_ACCEL_TEST_STEP_SLEEP``
-    spec (0 for a group it does not list). RecipeError: not a comma list of seconds >= 0."""
+def parse_sleep(spec: str, group_index: int) -> tuple[float, bool]:
+    """``(value, relative)`` for group ``group_index`` from a ``FL_ACCEL_TEST_STEP_SLEEP`` spec:
+    seconds, or (``x<k>``) a factor of the step's own time; (0, False) for a group it does not
+    list. RecipeError: not a comma list of seconds or factors >= 0."""
     try:
-        values = [float(v) for v in spec.split(",")]
+        values = [(float(v[1:]), True) if v.startswith("x") else (float(v), False) for v in spec.split(",")]
     except ValueError:
-        raise RecipeError(f"{SLEEP_ENV}={spec!r} must be seconds per group, e.g. 0,0.25") from None
-    if any(v < 0 for v in values):
-        raise RecipeError(f"{SLEEP_ENV}={spec!r}: seconds must be >= 0")
-    return values[group_index] if group_index < len(values) else 0.0
+        raise RecipeError(f"{SLEEP_ENV}={spec!r} must be seconds or x<factor> per group, e.g. 0,0.25 or 0,x2") \
+            from None
+    if any(v < 0 for v, _ in values):
+        raise RecipeError(f"{SLEEP_ENV}={spec!r}: values must be >= 0")
+    return values[group_index] if group_index < len(values) else (0.0, False)
 
 
 def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None, group_index: int = 0) -> list:
@@ -97,7 +101,7 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
     kind, fault_step = parse_fault(spec, rank) if spec else (None, None)
     if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         kind = None
-    sleep = parse_sleep(environ[SLEEP_ENV], group_index) if environ.get(SLEEP_ENV) else 0.0
+    sleep, relative = parse_sleep(environ[SLEEP_ENV], group_index) if environ.get(SLEEP_ENV) else (0.0, False)
     if kind is None and not folder and not sleep:
         return []
     steps = _Steps(start_step)
@@ -106,7 +110,14 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
     if sleep:
         import time
 
-        handles.append(inner.register_step_post_hook(lambda *_: time.sleep(sleep)))
+        last = [time.perf_counter()]
+
+        def slow_down(*_):
+            now = time.perf_counter()
+            time.sleep(sleep * (now - last[0]) if relative else sleep)
+            last[0] = time.perf_counter()
+
+        handles.append(inner.register_step_post_hook(slow_down))
 
     def training(module) -> bool:
         return torch.is_grad_enabled() and module.training

@@ -45,9 +45,9 @@ def four(tmp_path_factory):
          "max_steps": MAX_STEPS, "plan": PLAN},
         {"name": "int8_nesterov", "fl": {**SPEED, "sync_dtype": "int8", "error_feedback": True,
                                          "outer_optimizer": "nesterov"}, "max_steps": MAX_STEPS, "plan": PLAN},
-        {"name": "speed_slowed", "fl": SPEED, "max_steps": 24, "plan": None, "delay_s": [0.0, 0.3]},
+        {"name": "speed_slowed", "fl": SPEED, "max_steps": 24, "plan": None, "slow_factor": [0.0, 2.0]},
         {"name": "time_slowed", "fl": {**SPEED, "sync_trigger": "time", "sync_window_s": 1.2}, "max_steps": 16,
-         "plan": None, "delay_s": [0.0, 0.3]},
+         "plan": None, "slow_factor": [0.0, 2.0]},
     ]}
     res = run_torchrun(WORLD, WORKER, write_json(out / "spec.json", spec), out, timeout=400)
     assert res.returncode == 0, res.tail()
@@ -203,8 +203,8 @@ def test_resume_after_a_round_continues_exactly(four, resumed):
 
 @pytest.mark.parametrize("scenario", ["speed_slowed", "time_slowed"])
 def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
-    """Group 1 sleeps 0.3 s after each step (the documented test hook of the worker; the
-    bench slows groups with a CPU quota instead). Under "speed" its H_f after the first round
+    """Group 1 sleeps twice each step's own time after it, 3x slower under any load (the
+    documented test hook of the worker; the bench slows groups with a CPU quota instead). Under "speed" its H_f after the first round
     drops below the fast group's H=4; under "time" (1.2 s windows) it does fewer steps per
     round. Every round ends with the groups equal, and the run ends on the token budget."""
     recs = records(four, scenario)
@@ -218,7 +218,7 @@ def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
         assert fast[0] == slow[0] == 4  # the first round: H for every group
     assert all(0 <= w < 1 for w in rounds["wait_share"]), rounds
     if scenario == "time_slowed":  # the fast group waits at most about one slow step per 1.2 s window
-        assert rounds["wait_share"][0] < 0.5, rounds
+        assert rounds["wait_share"][0] < 0.6, rounds
     max_steps = 24 if scenario == "speed_slowed" else 16
     assert rounds["rank_steps"] == pytest.approx(max_steps * WORLD, abs=2 * 2), rounds
     for rec in recs:

@@ -71,3 +71,16 @@ def test_time_trigger_by_window_and_progress():
     r.close([[3, 1.5, 0.0], [1, 1.6, 0.0]], "tokens")
     assert r.plan is None and r.tokens == 3 * 2 + 1 * 4
     assert r.progress_steps() == pytest.approx(10 / 6)
+
+
+def test_step_sleep_hook_spec():
+    """FL_ACCEL_TEST_STEP_SLEEP (recipes/testing_hooks.py): seconds or x<factor> per group."""
+    from recipes.args import RecipeError
+    from recipes.testing_hooks import parse_sleep
+
+    assert parse_sleep("0,0.25", 1) == (0.25, False)
+    assert parse_sleep("0,x2", 1) == (2.0, True) and parse_sleep("0,x2", 0) == (0.0, False)
+    assert parse_sleep("0.5", 3) == (0.0, False)
+    for bad in ("fast", "0,-1", "0,x-2"):
+        with pytest.raises(RecipeError, match="FL_ACCEL_TEST_STEP_SLEEP"):
+            parse_sleep(bad, 0)

@@ -4,8 +4,8 @@
 
 FL+FSDP, 2 federation groups of 2 ranks. Each scenario (keys: ``name``, ``fl`` FLConfig
 kwargs, ``max_steps`` the token budget in steps of a "steps" run, ``plan`` steps per group
-per round injected through ``synchronizer.round_plan_hook`` or None, ``delay_s`` per group:
-seconds of sleep after each optimizer step (the test hook that slows a group down),
+per round injected through ``synchronizer.round_plan_hook`` or None, ``slow_factor`` per group:
+k, sleep k times each step's own time after it (the test hook that slows a group down),
 ``save_after_round``/``save_dir``, ``load``) trains the tiny Llama of unequal_worker with SGD
 (lr 1, no momentum) in the loop a user writes::
 
@@ -59,8 +59,8 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         meta = acc.load_state(sc["load"])
         rec["start"] = int(meta["group_steps"][acc.group_index])
         rec["loaded"] = _scenario.local_shards(params)
-    delay = (sc.get("delay_s") or [0.0, 0.0])[acc.group_index]
-    t = rec["start"]
+    factor = (sc.get("slow_factor") or [0.0, 0.0])[acc.group_index]
+    t, last = rec["start"], time.perf_counter()
     while not acc.training_done:
         x = tokens[index_batches[t % len(index_batches)]]
         loss = model(input_ids=x, labels=x).loss
@@ -74,8 +74,9 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             rec["weights"][t] = list(sync.last_round.weights)
             if sc.get("save_after_round") == len(sync.rounds.rounds):
                 acc.save_state(sc["save_dir"], extra_meta={"group_steps": list(sync.rounds.group_steps)})
-        if delay:
-            time.sleep(delay)
+        if factor:  # sleep k times this step's own time: k + 1 times slower under any load
+            time.sleep(factor * (time.perf_counter() - last))
+        last = time.perf_counter()
     rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
     rec["federation_step"] = acc.federation_step
     _scenario.end_training(acc, last)
