@@ -149,7 +149,7 @@ def test_banner_explains_itself(runs):
     out, proc = runs("fl_fsdp")
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("[fl_accel] fl_accel ") and lines[0].endswith(f" from {REPO_ROOT / 'fl_accel'}")
-    assert "[fl_accel] fl_fsdp F=2 G=2 R=1 S=2 H=3, outer=avg, group weights 1/2, 1/2 (size)" in lines
+    assert "[fl_accel] fl_fsdp F=2 G=2 R=1 S=2 H=3, outer=avg, group weights 1/2, 1/2 (tokens)" in lines
     assert any(line.startswith("[fl_accel]   (F federation groups of G ranks each") for line in lines)
     assert "hsdp_shard_size=2 (flag; ignored by fl_fsdp)" in proc.stdout
     assert "UserWarning" not in proc.stderr
