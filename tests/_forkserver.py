@@ -181,31 +181,24 @@ def _base_sys_path() -> list[str]:
     return json.loads(out.stdout)
 
 
-_SERVER_LOCK = threading.Lock()
-"""Held while the server starts: two threads starting launches at once (tests/recipe/
-test_run_lock_launch.py) would otherwise each save the other's swapped-in environment and
-leave the tests' process with the launch's environment (FL_ACCEL_TEST_CPU lost among others)."""
-
-
 def _ensure_server(static_env: Mapping[str, str]) -> dict[str, Any]:
     """Start the fork server (once per process) with ``static_env`` as its environment."""
-    with _SERVER_LOCK:
-        if _server.get("ctx") is not None:
-            return _server
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        saved = dict(os.environ)
-        try:
-            os.environ.clear()
-            os.environ.update(static_env)
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _server.update(ctx=ctx, env=dict(static_env), base_path=_base_sys_path())
+    if _server.get("ctx") is not None:
         return _server
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(static_env)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _server.update(ctx=ctx, env=dict(static_env), base_path=_base_sys_path())
+    return _server
 
 
 def _kill_group(pid: int | None, sig: int, *, alive: bool = True) -> None:
