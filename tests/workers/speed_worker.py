@@ -60,7 +60,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         rec["start"] = int(meta["group_steps"][acc.group_index])
         rec["loaded"] = _scenario.local_shards(params)
     factor = (sc.get("slow_factor") or [0.0, 0.0])[acc.group_index]
-    t, last = rec["start"], time.perf_counter()
+    t, step_end = rec["start"], time.perf_counter()
     while not acc.training_done:
         x = tokens[index_batches[t % len(index_batches)]]
         loss = model(input_ids=x, labels=x).loss
@@ -75,8 +75,8 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             if sc.get("save_after_round") == len(sync.rounds.rounds):
                 acc.save_state(sc["save_dir"], extra_meta={"group_steps": list(sync.rounds.group_steps)})
         if factor:  # sleep k times this step's own time: k + 1 times slower under any load
-            time.sleep(factor * (time.perf_counter() - last))
-        last = time.perf_counter()
+            time.sleep(factor * (time.perf_counter() - step_end))
+        step_end = time.perf_counter()
     rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
     rec["federation_step"] = acc.federation_step
     _scenario.end_training(acc, last)
