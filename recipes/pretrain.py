@@ -250,7 +250,7 @@ def round_results(run: "Run") -> dict:
     per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
     standalone = [g * per_rank_step / t if t > 0 else None for g, t in
                   zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.group_steps)])]
-    train_s = run.meter.run_figures().get("train_seconds")  # this process's training time, syncs included
+    train_s = run.meter.clock.totals()["train_seconds"]  # this process's training time, syncs included
     federation = summary["rank_steps"] * per_rank_step / train_s if train_s else None
     known = [r for r in standalone if r is not None]
     return {**summary, "standalone_tokens_per_s": standalone, "tokens_per_s": federation,

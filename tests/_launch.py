@@ -109,3 +109,19 @@ def write_whole(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+SMALL_CORPUS_WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows outrageous fortune".split()
+
+
+def small_corpus(tmp) -> list[str]:
+    """A tiny text corpus under ``tmp`` and the recipe flags that read it: 52 training lines pack
+    into 21 blocks of 64 tokens with the recipe's 300-token BPE (5 per rank on 4 ranks)."""
+    import random
+
+    random.seed(0)
+    lines = [" ".join(random.choice(SMALL_CORPUS_WORDS) for _ in range(12)) for _ in range(152)]
+    (tmp / "train.txt").write_text("\n".join(lines[:52]))
+    (tmp / "val.txt").write_text("\n".join(lines[52:]))
+    return ["--train_file", str(tmp / "train.txt"), "--validation_file", str(tmp / "val.txt"), "--vocab_size", "300",
+            "--seq_len", "64", "--cache_dir", str(tmp / "cache")]

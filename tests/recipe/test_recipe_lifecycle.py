@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from _launch import REPO_ROOT, launch_env, run_torchrun
+from _launch import small_corpus, REPO_ROOT, launch_env, run_torchrun
 from recipes.run_folder import read_metrics
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows outrageous fortune".split()
 
 
-def _corpus(tmp):
-    """52 training lines pack into 21 blocks of 64 tokens with the recipe's 300-token BPE: 5 per rank."""
-    random.seed(0)
-    lines = [" ".join(random.choice(WORDS) for _ in range(12)) for _ in range(152)]
-    (tmp / "train.txt").write_text("\n".join(lines[:52]))
-    (tmp / "val.txt").write_text("\n".join(lines[52:]))
-    return ["--train_file", str(tmp / "train.txt"), "--validation_file", str(tmp / "val.txt"), "--vocab_size", "300",
-            "--seq_len", "64", "--cache_dir", str(tmp / "cache")]
+_corpus = small_corpus
 
 
 def _args(data, out, *extra):
