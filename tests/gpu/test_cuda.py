@@ -34,6 +34,7 @@ def test_every_collective_runs_on_a_one_process_nccl_group(tmp_path):
     assert rec["exchange_fp32_max_err"] == 0.0
     assert rec["exchange_bf16_max_err"] <= 2 ** -8 and rec["exchange_int8_max_err"] <= 1 / 127
     assert rec["exchange_sparse_device"].startswith("cuda") and rec["exchange_sparse_vs_cpu"] <= 1e-6
+    assert rec["group_max"] == 2.5 and rec["group_table"] == [[3.0, 1.5, 0.25, 3.0]]  # float64 on NCCL
 
 
 def test_recipe_on_one_gpu_in_bf16(tmp_path):

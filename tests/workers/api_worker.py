@@ -81,6 +81,9 @@ def collectives(out_dir: str) -> None:
     got = mean(t, [x.to(acc.device)], sync_dtype="sparse")[0]
     rec["exchange_sparse_device"], rec["exchange_sparse_vs_cpu"] = str(got.device), (got.cpu() - want).abs().max().item()
     t.bad_groups(False, t.begin())  # the sync's world all-reduce of per-group flags
+    t.shard_group = world  # sync_trigger's collectives: float64 MAX in the group, then the [F, 4] table
+    rec["group_max"] = t.group_max(2.5)
+    rec["group_table"] = t.group_table([3.0, 1.5, 0.25, 3.0], t.begin())
     acc.save_state(f"{out_dir}/ckpt")
     acc.load_state(f"{out_dir}/ckpt")
     rec["ok"] = True
