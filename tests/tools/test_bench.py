@@ -881,3 +881,72 @@ def test_time_to_target_json_on_emulated_links(tmp_path):
                                  None, None)
     # the seed band and FSDP's half-budget loss of a convergence results folder
     assert ttt.from_convergence(os.path.join(FIXTURES, GRID)) == (pytest.approx(0.03), pytest.approx(5.70))
+
+
+def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
+    """bench.ttt_bench: the chosen convergence rows move onto 2 nodes x 2 processes at each link
+    with a no-sync limit first; bad options name themselves; a resumed run's repeated records
+    count once (the later session's); a row stopped at the wall-clock cap is reported from its
+    evaluations with status "stopped"; rows not run yet are listed with the command to go on."""
+    from bench import ttt_bench as tb
+
+    def plan(*argv):
+        return tb.make_plan(tb.build_parser().parse_args(
+            ["--name", "t-ttt", "--work-root", str(tmp_path / "work"), "--results-root", str(tmp_path / "res"),
+             "--grid", os.path.join(FIXTURES, GRID), *argv]))
+
+    for argv, msg in ((["--rows", "fsdp,nope"], "unknown row"), (["--links", "fast"], "--links"),
+                      (["--cap_minutes", "0"], "cap_minutes"), (["--name", "a b"], "--name")):
+        with pytest.raises(tb.TTTError, match=msg):
+            plan(*argv)
+    p = plan("--links", "10mbit,100mbit", "--rows", "fl_fsdp-h8-nesterov,fsdp", "--cap_minutes", "1.5")
+    specs = bp.runs_of(p)
+    assert [(s.link, s.id) for s in specs] == [(l, r) for l in ("10mbit", "100mbit")
+                                               for r in (tb.LIMIT_ID, "fl_fsdp-h8-nesterov", "fsdp")]
+    assert all((s.nodes, s.nproc_per_node, s.world) == (2, 2, 4) for s in specs) and p["cap_s"] == 90.0
+    limit, nes = specs[0], specs[1]
+    assert (limit.sync_every, limit.eval_every, limit.checkpoint_every) == (bp.LIMIT_SYNC_EVERY, 0, 0)
+    assert nes.checkpoint_every == p["eval_every"] == 32 and nes.steps == 832
+    args = bp.recipe_args(p, nes, "/out")
+    assert args[args.index("--outer_optimizer") + 1] == "nesterov" and "--resume_from_checkpoint" in args
+
+    p = plan("--rows", "fl_fsdp-h8-nesterov,fsdp")
+    link = tmp_path / "work" / "t-ttt" / "10mbit"
+    _timed_run(link, tb.LIMIT_ID, [(10.0, 8.0)], 8000.0, 60.0)
+    nes_dir = _timed_run(link, "fl_fsdp-h8-nesterov", [(100.0, 6.0), (200.0, 5.45), (300.0, 5.30)], 6000.0, 400.0,
+                         wall_clock=True)
+    metrics = os.path.join(nes_dir, "metrics.jsonl")
+    lost = {"step": 32, "tokens": 131072, "eval/perplexity": 1e4, "eval/loss": 9.2, "wall_s": 5.0}
+    with open(metrics, encoding="utf-8") as fh:  # a first session's part that its resume redid
+        text = fh.read()
+    with open(metrics, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(lost) + "\n" + text)
+    recs = tb._records(nes_dir)
+    assert [r["eval/loss"] for r in recs if "eval/perplexity" in r and r["step"] == 32] == [6.0]
+    fsdp = link / "fsdp"
+    fsdp.mkdir()
+    (fsdp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 32, "tokens": 131072, "time_s": 900.0, "train/loss": 7.0},
+        {"step": 32, "tokens": 131072, "eval/perplexity": 900.0, "eval/loss": 6.8, "wall_s": 1000.0})))
+    assert tb._wall_so_far(str(fsdp)) == 1000.0
+    (fsdp / tb.STOPPED).write_text(json.dumps({"reason": "wall-clock cap of 90 min", "wall_s": 5400.0}))
+    out = tb.report(p)
+    saved = json.loads((tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text())
+    assert saved == out and saved["fsdp_half_budget_loss"] == pytest.approx(5.70)
+    rows = {r["run"]: r for r in saved["rows"]}
+    assert rows["fl_fsdp-h8-nesterov"]["status"] == "finished"
+    assert rows["fl_fsdp-h8-nesterov"]["of_limit"] == pytest.approx(0.75)
+    assert rows["fl_fsdp-h8-nesterov"]["to_target"]["5.60"] == pytest.approx(2 * (100 + 100 * 0.40 / 0.55))
+    assert rows["fsdp"]["status"].startswith("stopped: wall-clock cap")
+    assert (rows["fsdp"]["final_eval_loss"], rows["fsdp"]["wall_s_total"]) == (6.8, 5400.0)
+    assert rows["fsdp"]["of_limit"] == pytest.approx(131072 / 900 / 8000)
+    assert set(rows["fsdp"]["to_target"].values()) == {None}
+    table = (tmp_path / "res" / "t-ttt" / "table.md").read_text()
+    assert "stopped: wall-clock cap of 90 min" in table and "Not run yet" not in table
+    shutil.rmtree(fsdp)
+    tb.report(p)
+    assert "Not run yet: 10mbit/fsdp" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
+    # without root the bench says how to run it and starts nothing
+    monkeypatch.setattr(tb.netemu, "check_privileges", lambda: (False, "this process is not root"))
+    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2")]) == 1
+    assert not (tmp_path / "w2").exists()
