@@ -1,36 +1,48 @@
 """Bench of federation groups of unequal speed (``FLConfig.sync_trigger``): issue 30's ``--suite speed``.
 
 Runs of ``recipes/pretrain.py`` on this machine, 2 federation groups x 2 ranks (FL+FSDP),
-the tiny Llama, the same token budget, on loopback (no emulated link: the point is compute
-speed, not bytes). For each speed ratio (``1:1``, ``2:1``) and trigger (``steps``, today's
-barrier; ``time``; ``speed``) one run. The speeds are set by a real compute limit: each
-group's ranks run in a cgroup-v1 cgroup with a CPU quota (``cpu.cfs_quota_us``; group 0
-``--fast_cpus`` CPUs, group 1 that over the ratio) and a high ``cpu.shares``, so the ratio
-holds while the machine has their sum free (root and the cgroup "cpu" controller needed;
-without them the bench says so and stops). The table says which method set each run's speeds.
+the tiny Llama, the same token budget, on loopback or, with ``--link RATE``, across 2
+emulated nodes (``scripts/netemu.py``; group f on node f, every node's link shaped to RATE).
+For each speed ratio (``1:1``, ``2:1``) and trigger (``steps``, today's barrier; ``time``;
+``speed``) one run. The speeds are set by a real compute limit: each group's ranks run in a
+cgroup-v1 cgroup with a CPU quota (``cpu.cfs_quota_us``; group 0 ``--fast_cpus`` CPUs, group
+1 that over the ratio) and a high ``cpu.shares``, so the ratio holds while the machine has
+their sum free (root and the cgroup "cpu" controller needed; without them the bench says so
+and stops). The table says which method set each run's speeds.
+
+Two settings (``--setting``): ``quick`` measures throughput and waiting (short sequences, no
+evaluations); ``convergence`` repeats the convergence grid's ``fl_fsdp-h8-nesterov`` row
+(832 steps' tokens, evaluations every 32 federation steps, checkpoints) at unequal speed and
+checks its quality against the grid (``--grid``): the final eval loss against the 1:1 run in
+seed bands, and the wall clock to FSDP's half-budget loss against the barrier run's.
 
 Figures (from each run's ``all_results.json`` ``rounds``; the barrier run has none, so its
 figures come from its own step time and sync wait), written to ``bench/results/<name>/``:
 
 * ``speed.json``: ``rows``, one per run: ``trigger``, ``speed_ratio``, ``link``
-  ("loopback"), ``wait_share`` per group, ``tokens_per_s``, ``standalone_tokens_per_s`` per
-  group, ``slowdown_method``, steps per round per group, final eval loss;
+  ("loopback" or the rate), ``wait_share`` per group, ``tokens_per_s``,
+  ``standalone_tokens_per_s`` per group, ``slowdown_method``, steps per round per group,
+  final eval loss, wall seconds; with ``convergence`` also ``quality`` (:func:`quality`);
 * ``table.md`` and ``command.txt``; ``tokens_over_time.png``: tokens per group against wall
   seconds with a mark at each sync (the 2:1 runs).
 
-Resumable: a run whose ``all_results.json`` exists is not run again (``--force`` reruns)::
+Resumable: a run whose ``all_results.json`` exists is not run again (``--force`` reruns); a
+``convergence`` run resumes from its last checkpoint::
 
-    sudo nice -n 5 python -m bench.speed_bench --name <date>-speed [--max_steps 96] [--ratios 1:1,2:1]
+    sudo nice -n 5 python -m bench.speed_bench --name <date>-speed [--max_steps 96] [--ratios 1:1,2:1] [--link 100mbit]
+    sudo python -m bench.speed_bench --name <date>-speed-quality --setting convergence --ratios 2:1 --triggers steps,speed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,11 +73,31 @@ def quotas(ratio: float, fast_cpus: float) -> list[float]:
     return [fast_cpus, fast_cpus / ratio]
 
 
-def recipe_args(trigger: str, steps: int, window_s: float, out: Path, cache: Path) -> list[str]:
-    args = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", str(steps),
-            "--log_every", "4", "--eval_every", "0", "--max_eval_blocks", "32", "--sync_every", "8",
-            "--algorithm", "fl_fsdp", "--num_groups", str(F), "--report_to", "none", "--save_final_model", "false",
-            "--output_dir", str(out), "--cache_dir", str(cache), "--sync_trigger", trigger]
+SETTINGS = {
+    "quick": {"seq_len": 64, "micro_batch_size": 2, "steps": 96, "eval_every": 0, "eval_blocks": 32, "log_every": 4,
+              "flags": []},
+    # the convergence grid's row fl_fsdp-h8-nesterov (bench/plan.py), checkpointed so a run resumes
+    "convergence": {"seq_len": 256, "micro_batch_size": 4, "steps": 832, "eval_every": 32, "eval_blocks": 128,
+                    "log_every": 8, "flags": ["--mixed_precision", "no", "--seed", "42", "--outer_optimizer", "nesterov",
+                                              "--outer_lr", "0.7", "--outer_momentum", "0.9", "--checkpoint_every",
+                                              "64", "--checkpoints_total_limit", "2", "--resume_from_checkpoint",
+                                              "latest"]},
+}
+"""Run settings: ``quick`` (throughput: short sequences, no evaluations) and ``convergence``
+(issue 30's quality check: the convergence grid's ``fl_fsdp-h8-nesterov`` row, 832 steps' tokens,
+evaluations every 32 federation steps)."""
+REFERENCE_ROW = "fl_fsdp-h8-nesterov"
+"""The grid row a ``convergence`` run repeats at unequal speed (at 1:1 with H=8 the barrier run is
+that row: same flags, same data, same steps)."""
+
+
+def recipe_args(trigger: str, setting: dict, steps: int, window_s: float, out: Path, cache: Path) -> list[str]:
+    args = ["--model", "tiny", "--seq_len", str(setting["seq_len"]), "--micro_batch_size",
+            str(setting["micro_batch_size"]), "--max_steps", str(steps), "--log_every", str(setting["log_every"]),
+            "--eval_every", str(setting["eval_every"]), "--max_eval_blocks", str(setting["eval_blocks"]),
+            "--sync_every", "8", "--algorithm", "fl_fsdp", "--num_groups", str(F), "--report_to", "none",
+            "--save_final_model", "false", "--output_dir", str(out), "--cache_dir", str(cache), "--sync_trigger",
+            trigger, *setting["flags"]]
     return args + (["--sync_window_s", str(window_s)] if trigger == "time" else [])
 
 
@@ -127,52 +159,90 @@ def run_one(work: Path, trigger: str, ratio_text: str, args, cache: Path) -> dic
     name = f"{trigger}-{ratio_text.replace(':', 'to')}"
     out = work / name
     if (out / "all_results.json").exists() and not args.force:
-        return json.loads((out / "all_results.json").read_text()) | {"_name": name}
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = open(work / f"{name}.log", "w")
-    proc = start(torchrun_argv(F * G, RECIPE, *recipe_args(trigger, args.max_steps, args.window_s, out, cache),
-                               port=free_port()), env=child_env(pythonpath=[str(ROOT)]), cwd=ROOT, stdout=log,
-                 stderr=log)
+        return _finished(out, name)
+    resumable = "--resume_from_checkpoint" in args.setting["flags"]
+    if args.force or not resumable:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(work / f"{name}.log", "a")
+    rargs = [str(RECIPE), *recipe_args(trigger, args.setting, args.max_steps, args.window_s, out, cache)]
+    env = child_env(pythonpath=[str(ROOT)])
+    if args.emulator is None:  # one torchrun of F x G ranks on loopback
+        procs = [start(torchrun_argv(F * G, *rargs, port=free_port()), env=env, cwd=ROOT, stdout=log, stderr=log)]
+    else:  # one torchrun per emulated node, group f on node f
+        port = free_port()
+        procs = [args.emulator.popen(k, args.emulator.torchrun_argv(k, rargs, nproc_per_node=G, master_port=port),
+                                     env=env, cwd=ROOT, stdout=log, stderr=log) for k in range(F)]
     limits = [GroupLimit(f"{name}_g{f}", cpus) for f, cpus in enumerate(quotas(ratio, args.fast_cpus))]
     try:  # group f = ranks fG..(f+1)G-1, placed as soon as they exist
         deadline, placed = time.monotonic() + 120, set()
-        while len(placed) < F * G and time.monotonic() < deadline and proc.poll() is None:
-            for rank, pid in rank_pids(proc.pid).items():
-                if pid not in placed:
-                    limits[rank // G].add(pid)
-                    placed.add(pid)
+        while len(placed) < F * G and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            for proc in procs:
+                for rank, pid in rank_pids(proc.pid).items():
+                    if pid not in placed:
+                        limits[rank // G].add(pid)
+                        placed.add(pid)
             time.sleep(0.2)
         if len(placed) < F * G:
             raise RuntimeError(f"could not place every rank in its group's cgroup (placed {sorted(placed)})")
-        res = wait(proc, args.timeout)
+        codes = [wait(proc, args.timeout).returncode for proc in procs]
     finally:
-        terminate(proc)
+        for proc in procs:
+            terminate(proc)
         for limit in limits:
             limit.remove()
+    res = types.SimpleNamespace(returncode=max((c if c is not None else 124) for c in codes))
     if res.returncode != 0:
         raise RuntimeError(f"{name} failed ({res.returncode}); see {work / f'{name}.log'}")
-    return json.loads((out / "all_results.json").read_text()) | {"_name": name}
+    return _finished(out, name)
 
 
-def row_of(results: dict, trigger: str, ratio_text: str) -> dict:
+def _finished(out: Path, name: str) -> dict:
+    """all_results.json plus ``_evals``: the evaluations (federation step, eval loss, the run's
+    wall-clock seconds) of metrics.jsonl, the last of each step (a resume logs redone steps again)."""
+    evals = {}
+    metrics = out / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        r = json.loads(line) if line.strip() else {}
+        if "eval/loss" in r:
+            evals[r["step"]] = (r["step"], r["eval/loss"], r.get("wall_s"))
+    return json.loads((out / "all_results.json").read_text()) | {"_name": name, "_evals": sorted(evals.values())}
+
+
+def wall_to_loss(evals: list, target: float) -> float | None:
+    """The run's wall-clock seconds at which the eval loss first reaches ``target``, linear
+    between evaluations; None if it never does (or the records carry no wall clock)."""
+    prev = None
+    for step, loss, wall in evals:
+        if wall is None:
+            return None
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return wall
+            return prev[2] + (prev[1] - target) / (prev[1] - loss) * (wall - prev[2])
+        prev = (step, loss, wall)
+    return None
+
+
+def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback") -> dict:
     """speed.json's row of one run."""
     rounds = results.get("rounds")
     tokens_per_s = results["train_tokens"] / results["train_seconds"]  # every row alike: the federation's tokens
     if rounds is None:  # the barrier: every group did every step; its wait is the sync's share
         wait = results.get("sync_time_share")
-        return {"run": results["_name"], "trigger": "barrier", "speed_ratio": ratio_text, "link": "loopback",
+        return {"run": results["_name"], "trigger": "barrier", "speed_ratio": ratio_text, "link": link,
                 "wait_share": [wait, wait] if wait is not None else None, "tokens_per_s": tokens_per_s,
                 "standalone_tokens_per_s": None, "slowdown_method": METHOD,
                 "steps_per_round": None, "group_steps": [results["steps"]] * F,
-                "final_eval_loss": results["eval_loss"]}
-    return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": "loopback",
+                "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"], "evals": results["_evals"]}
+    return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": link,
             "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
             "standalone_tokens_per_s": rounds["standalone_tokens_per_s"],
             "of_standalone_sum": tokens_per_s / sum(rounds["standalone_tokens_per_s"]),
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
-            "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"]}
+            "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"],
+            "wall_s": results["wall_seconds"], "evals": results["_evals"]}
 
 
 def table(rows: list[dict], args) -> str:
@@ -180,9 +250,12 @@ def table(rows: list[dict], args) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
 
     lines = [f"# Federation groups of unequal speed ({args.name})", "",
-             f"2 groups x 2 ranks (FL+FSDP), tiny Llama, seq_len 64, micro-batch 2, {args.max_steps} steps' tokens, "
-             f"H=8 (\"steps\", and the first round of \"speed\"), \"time\" windows of {args.window_s} s, fp32 avg, "
-             f"loopback. Slow group: {METHOD}.", "",
+             f"2 groups x 2 ranks (FL+FSDP), tiny Llama, seq_len {args.setting['seq_len']}, micro-batch "
+             f"{args.setting['micro_batch_size']}, {args.max_steps} steps' tokens, H=8 (\"steps\", and the first round "
+             f"of \"speed\"), \"time\" windows of {args.window_s} s, fp32 "
+             + ("nesterov(0.7, 0.9), the convergence grid's fl_fsdp-h8-nesterov row" if args.quality else "avg")
+             + (f", loopback" if args.link is None else f", 2 emulated nodes (group f on node f) with links shaped to "
+                f"{args.link} (scripts/netemu.py)") + f". Slow group: {METHOD}, group 0 {args.fast_cpus:g} CPUs.", "",
              "| ratio | trigger | tokens/s | of the groups' standalone sum | waiting at syncs (group 0, 1) | "
              "steps (group 0, 1) | mean steps per round (group 0, 1) | final eval loss |",
              "|---|---|---|---|---|---|---|---|"]
@@ -193,6 +266,8 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['tokens_per_s']:.0f} | "
                      f"{pct(r.get('of_standalone_sum'))} | {wait} | {', '.join(str(n) for n in r['group_steps'])} | "
                      f"{mean} | {r['final_eval_loss']:.4f} |")
+    if args.quality:
+        lines += quality_lines(rows, args.quality)
     lines += ["", "tokens/s: every group's tokens over the training seconds of the main process (group 0's rank 0), "
               "syncs included, for every row. Standalone: each group's tokens over its own timed training seconds "
               "(no waiting).", "", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
@@ -201,7 +276,7 @@ def table(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, tokens_per_rank_step: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,7 +290,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for f, steps in enumerate(r["steps_per_round"]):
             tokens, total = [0], 0
             for n in steps:
-                total += n * G * 2 * 64  # ranks x micro-batch 2 x seq_len 64 (recipe_args)
+                total += n * G * tokens_per_rank_step
                 tokens.append(total)
             ax.plot(r["round_end_s"], tokens[1:], marker=".", label=f"group {f}")
         for t in r["round_end_s"]:
@@ -229,17 +304,82 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def reference(grid: Path) -> dict:
+    """From a convergence grid's bench.json: the seed band, FSDP's half-budget loss and the final
+    eval loss of :data:`REFERENCE_ROW` (the 1:1 run)."""
+    bench = json.loads((grid / "bench.json").read_text())
+    return {"grid": grid.name, "seed_band": bench["results"]["band"]["loss"],
+            "fsdp_half_budget_loss": bench["results"]["target"]["loss"],
+            "reference_final_eval_loss": bench["runs"][REFERENCE_ROW]["eval_loss"]}
+
+
+def quality(rows: list[dict], ref: dict) -> dict:
+    """Issue 30's quality check on the ``convergence`` rows: per 2:1 row the final eval loss
+    against the 1:1 run (nats and seed bands) and the wall-clock seconds to FSDP's half-budget
+    loss; per non-barrier row that time over the barrier row's at the same ratio."""
+    out = dict(ref)
+    barrier = {r["speed_ratio"]: wall_to_loss(r["evals"], ref["fsdp_half_budget_loss"]) for r in rows
+               if r["trigger"] == "barrier"}
+    out["rows"] = []
+    for r in rows:
+        d = r["final_eval_loss"] - ref["reference_final_eval_loss"]
+        t = wall_to_loss(r["evals"], ref["fsdp_half_budget_loss"])
+        b = barrier.get(r["speed_ratio"])
+        out["rows"].append({"run": r["run"], "trigger": r["trigger"], "speed_ratio": r["speed_ratio"],
+                            "final_eval_loss": r["final_eval_loss"], "delta_vs_1to1": d,
+                            "delta_seed_bands": d / ref["seed_band"], "wall_s_to_fsdp_half_budget": t,
+                            "of_barrier": t / b if t is not None and b else None})
+    return out
+
+
+def quality_lines(rows: list[dict], q: dict) -> list[str]:
+    def m(s):
+        return "-" if s is None else f"{s / 60:.1f}"
+
+    lines = ["", f"## Quality at unequal speed (against the grid `{q['grid']}`)", "",
+             f"1:1 = the grid's `{REFERENCE_ROW}` row (final eval loss {q['reference_final_eval_loss']:.4f}; at 1:1 the "
+             f"barrier run is that row). Seed band {q['seed_band']:.4f} nats; FSDP's half-budget loss "
+             f"{q['fsdp_half_budget_loss']:.4f}. Minutes: the run's wall clock (start-up, training, evaluations, "
+             "checkpoints) at the first evaluation at or below it, linear between evaluations.", "",
+             "| ratio | trigger | final eval loss | Δ vs 1:1 (nats) | Δ (seed bands) | min to FSDP's half-budget loss | "
+             "of the barrier's |", "|---|---|---|---|---|---|---|"]
+    for r in q["rows"]:
+        lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['final_eval_loss']:.4f} | {r['delta_vs_1to1']:+.4f} | "
+                     f"{r['delta_seed_bands']:+.1f} | {m(r['wall_s_to_fsdp_half_budget'])} | "
+                     + ("-" if r["of_barrier"] is None else f"{r['of_barrier']:.2f}") + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speed_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default=time.strftime("%Y-%m-%d") + "-speed")
-    p.add_argument("--max_steps", type=int, default=96)
+    p.add_argument("--setting", default="quick", choices=sorted(SETTINGS),
+                   help="quick: throughput (seq_len 64, no evaluations); convergence: the grid's nesterov row, 832 "
+                        "steps, evaluations, checkpoints (resumable), and the quality check against --grid")
+    p.add_argument("--grid", default="2026-12-03-grid", help="convergence results folder under bench/results "
+                   "(--setting convergence: the seed band, FSDP's half-budget loss and the 1:1 row)")
+    p.add_argument("--max_steps", type=int, default=None, help="steps' tokens of each run (default: the setting's)")
     p.add_argument("--window_s", type=float, default=4.0)
     p.add_argument("--ratios", default="1:1,2:1")
     p.add_argument("--fast_cpus", type=float, default=0.8, help="CPUs of group 0's cgroup (group 1: that / ratio)")
     p.add_argument("--triggers", default=",".join(TRIGGERS))
-    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--link", default=None, help="tc rate of an emulated 2-node network (scripts/netemu.py; group f on "
+                   "node f), e.g. 100mbit; default: loopback")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 1800; convergence 4 h)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
+    name = args.setting
+    args.setting = SETTINGS[name]
+    args.max_steps = args.max_steps or args.setting["steps"]
+    args.timeout = args.timeout or (14400.0 if name == "convergence" else 1800.0)
+    args.quality = None
+    if name == "convergence":
+        try:
+            args.quality = reference(ROOT / "bench" / "results" / args.grid)
+        except (OSError, KeyError, ValueError) as exc:
+            print(f"error: --grid {args.grid}: no convergence bench.json with the row {REFERENCE_ROW} ({exc})",
+                  file=sys.stderr)
+            return 2
     ratios = [r.strip() for r in args.ratios.split(",") if r.strip()]
     try:
         for r in ratios:
@@ -254,16 +394,25 @@ def main(argv=None) -> int:
     work, dest = ROOT / "bench" / "work" / args.name, ROOT / "bench" / "results" / args.name
     cache = ROOT / "bench" / "work" / "cache"
     rows = []
-    for ratio in ratios:
-        for trigger in [t.strip() for t in args.triggers.split(",")]:
-            print(f"[speed] {ratio} {trigger} ...", flush=True)
-            rows.append(row_of(run_one(work, trigger, ratio, args, cache), trigger, ratio))
+    with contextlib.ExitStack() as stack:
+        args.emulator = None
+        if args.link is not None:
+            from scripts import netemu
+
+            args.emulator = stack.enter_context(netemu.Emulator(F, args.link))
+        for ratio in ratios:
+            for trigger in [t.strip() for t in args.triggers.split(",")]:
+                print(f"[speed] {ratio} {trigger}" + (f" at {args.link}" if args.link else "") + " ...", flush=True)
+                rows.append(row_of(run_one(work, trigger, ratio, args, cache), trigger, ratio, args.link or "loopback"))
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "speed.json").write_text(json.dumps({"rows": rows}, indent=1))
+    out = {"rows": [{k: v for k, v in r.items() if k != "evals"} for r in rows]}
+    if args.quality:
+        args.quality = out["quality"] = quality(rows, args.quality)
+    (dest / "speed.json").write_text(json.dumps(out, indent=1))
     (dest / "table.md").write_text(table(rows, args))
     (dest / "command.txt").write_text("sudo nice -n 5 python -m bench.speed_bench " + " ".join(
         argv if argv is not None else sys.argv[1:]) + "\n")
-    plot(rows, dest / "tokens_over_time.png")
+    plot(rows, dest / "tokens_over_time.png", args.setting["seq_len"] * args.setting["micro_batch_size"])
     print((dest / "table.md").read_text())
     return 0
 

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -950,3 +951,46 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(tb.netemu, "check_privileges", lambda: (False, "this process is not root"))
     assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2")]) == 1
     assert not (tmp_path / "w2").exists()
+
+
+def test_speed_bench_settings_and_quality_check(tmp_path):
+    """bench.speed_bench: the convergence setting repeats the grid's nesterov row (its flags,
+    checkpoints to resume), the wall clock to a loss is linear between evaluations, and the
+    quality check states each run against the 1:1 row in seed bands and against the barrier's
+    wall clock; a grid without the row is refused with exit 2 before anything runs."""
+    from bench import speed_bench as sb
+
+    conv = sb.recipe_args("speed", sb.SETTINGS["convergence"], 832, 4.0, tmp_path / "o", tmp_path / "c")
+    rows = {r["id"]: r for r in bp.CONVERGENCE_ROWS}
+    ref = rows[sb.REFERENCE_ROW]
+    for flag, value in (("--outer_optimizer", ref["outer_optimizer"]), ("--outer_lr", f"{ref['outer_lr']:g}"),
+                        ("--outer_momentum", f"{ref['outer_momentum']:g}"), ("--sync_every", str(ref["sync_every"])),
+                        ("--seq_len", "256"), ("--micro_batch_size", "4"), ("--eval_every", "32"),
+                        ("--max_eval_blocks", "128"), ("--sync_trigger", "speed"),
+                        ("--resume_from_checkpoint", "latest")):
+        assert conv[conv.index(flag) + 1] == value, flag
+    quick = sb.recipe_args("time", sb.SETTINGS["quick"], 96, 4.0, tmp_path / "o", tmp_path / "c")
+    assert quick[quick.index("--sync_window_s") + 1] == "4.0" and "--outer_optimizer" not in quick
+    assert sb.quotas(sb.parse_ratio("2:1"), 0.8) == [0.8, 0.4]
+    evals = [(32, 6.0, 100.0), (64, 5.5, 200.0), (96, 5.3, 300.0)]
+    assert sb.wall_to_loss(evals, 5.6) == pytest.approx(100 + 100 * 0.4 / 0.5)
+    assert sb.wall_to_loss(evals, 6.5) == 100.0 and sb.wall_to_loss(evals, 5.0) is None
+    assert sb.wall_to_loss([(32, 5.0, None)], 5.6) is None
+    q = sb.reference(Path(FIXTURES) / GRID)
+    assert (q["seed_band"], q["fsdp_half_budget_loss"]) == (pytest.approx(0.03), pytest.approx(5.7))
+    runs = [{"run": "steps-2to1", "trigger": "barrier", "speed_ratio": "2:1", "final_eval_loss": q[
+                "reference_final_eval_loss"] + 0.03, "evals": [(32, 6.0, 400.0), (64, 5.6, 800.0)]},
+            {"run": "speed-2to1", "trigger": "speed", "speed_ratio": "2:1", "final_eval_loss": q[
+                "reference_final_eval_loss"] - 0.06, "evals": [(32, 6.0, 200.0), (64, 5.6, 400.0)]}]
+    out = sb.quality(runs, q)
+    barrier, speed = out["rows"]
+    assert barrier["delta_seed_bands"] == pytest.approx(1.0) and barrier["of_barrier"] == pytest.approx(1.0)
+    assert speed["delta_vs_1to1"] == pytest.approx(-0.06) and speed["of_barrier"] == pytest.approx(0.5)
+    assert speed["wall_s_to_fsdp_half_budget"] == pytest.approx(200 + 200 * 0.3 / 0.4)
+    assert "| 2:1 | speed |" in "\n".join(sb.quality_lines([], out))
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "bench.json").write_text(json.dumps({"results": {}, "runs": {}}))
+    with pytest.raises(KeyError):
+        sb.reference(tmp_path / "grid")
+    assert sb.main(["--setting", "convergence", "--grid", "no-such-grid", "--name", "t"]) == 2
+    assert not (Path(sb.ROOT) / "bench" / "work" / "t").exists()
