@@ -234,7 +234,8 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
                 "wait_share": [wait, wait] if wait is not None else None, "tokens_per_s": tokens_per_s,
                 "standalone_tokens_per_s": None, "slowdown_method": METHOD,
                 "steps_per_round": None, "group_steps": [results["steps"]] * F,
-                "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"], "evals": results["_evals"]}
+                "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"], "evals": results["_evals"],
+                "arrival_share": results.get("sync_arrival_share_by_group")}
     return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": link,
             "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
             "standalone_tokens_per_s": rounds["standalone_tokens_per_s"],
@@ -242,7 +243,8 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
             "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"],
-            "wall_s": results["wall_seconds"], "evals": results["_evals"]}
+            "wall_s": results["wall_seconds"], "evals": results["_evals"],
+            "arrival_share": results.get("sync_arrival_share_by_group")}
 
 
 def table(rows: list[dict], args) -> str:
@@ -256,21 +258,26 @@ def table(rows: list[dict], args) -> str:
              + ("nesterov(0.7, 0.9), the convergence grid's fl_fsdp-h8-nesterov row" if args.quality else "avg")
              + (f", loopback" if args.link is None else f", 2 emulated nodes (group f on node f) with links shaped to "
                 f"{args.link} (scripts/netemu.py)") + f". Slow group: {METHOD}, group 0 {args.fast_cpus:g} CPUs.", "",
-             "| ratio | trigger | tokens/s | of the groups' standalone sum | waiting at syncs (group 0, 1) | "
-             "steps (group 0, 1) | mean steps per round (group 0, 1) | final eval loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| ratio | trigger | tokens/s | of the groups' standalone sum | at syncs (group 0, 1) | "
+             "of which waiting for the other group (group 0, 1) | steps (group 0, 1) | mean steps per round "
+             "(group 0, 1) | final eval loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spr = r.get("steps_per_round")
         mean = "-" if not spr else ", ".join(f"{sum(s) / len(s):.1f}" for s in spr)
         wait = "-" if r["wait_share"] is None else ", ".join(pct(w) for w in r["wait_share"])
+        arrival = "-" if not r.get("arrival_share") else ", ".join(pct(a) for a in r["arrival_share"])
         lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['tokens_per_s']:.0f} | "
-                     f"{pct(r.get('of_standalone_sum'))} | {wait} | {', '.join(str(n) for n in r['group_steps'])} | "
+                     f"{pct(r.get('of_standalone_sum'))} | {wait} | {arrival} | "
+                     f"{', '.join(str(n) for n in r['group_steps'])} | "
                      f"{mean} | {r['final_eval_loss']:.4f} |")
     if args.quality:
         lines += quality_lines(rows, args.quality)
     lines += ["", "tokens/s: every group's tokens over the training seconds of the main process (group 0's rank 0), "
               "syncs included, for every row. Standalone: each group's tokens over its own timed training seconds "
-              "(no waiting).", "", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
+              "(no waiting). At syncs: each group's seconds in sync events over its wall time; of which waiting: "
+              "the seconds in each sync's first world collective, where a group waits for the other to arrive "
+              "(`sync_arrival_share_by_group` of all_results.json: the exchange itself excluded).", "", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
               "compute included for the fast one); standalone rates are not measured there.", "",
               "Command: see `command.txt`. Plot: `tokens_over_time.png`."]
     return "\n".join(lines) + "\n"

@@ -212,6 +212,13 @@ class FLAccelerator(Accelerator):
         """Seconds the training stream spent in sync events (:class:`fl_accel.comm.WaitClock`)."""
         return self.synchronizer.clock.seconds if self.synchronizer is not None else 0.0
 
+    @property
+    def sync_arrival_seconds(self) -> float:
+        """Of :attr:`sync_wait_seconds`, the seconds spent waiting for the other ranks to arrive at
+        each sync (the event's first world collective), without the exchange: what a faster
+        federation group loses to a slower one."""
+        return self.synchronizer.arrival.seconds if self.synchronizer is not None else 0.0
+
     def meter_comm(self) -> CommMeter:
         """``with accelerator.meter_comm():`` counts collectives into ``comm_stats`` (:mod:`fl_accel.comm`)."""
         return self._comm_meter

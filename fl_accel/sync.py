@@ -74,7 +74,8 @@ def check_finite(sync: "FederatedSynchronizer", rnd: Round) -> bool:
     s, loss = sync.schedule, sync.last_loss
     local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
         (loss is not None and not math.isfinite(loss))
-    bad = sync.transport.bad_groups(local_bad, rnd)
+    with sync.arriving():  # the first world collective of a "steps" event: every rank waits for the last
+        bad = sync.transport.bad_groups(local_bad, rnd)
     if bad and (sync.config.on_nonfinite == "abort" or len(bad) == rnd.num_groups):
         raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
                              f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
@@ -153,6 +154,10 @@ class FederatedSynchronizer:
         self.outer = OuterState(self.params, config)
         self.last_round: Round | None = None  # the membership of the last sync event (torchft: it may be partial)
         self.clock = WaitClock()
+        self.arrival = WaitClock()
+        """Seconds in the first world collective of each sync event: the wait for the last rank
+        (the slowest group) to arrive, without the exchange itself (a subset of :attr:`clock`)."""
+        self._arrived = True  # the current event's first world collective is done (timed)
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
@@ -259,7 +264,8 @@ class FederatedSynchronizer:
         """Exchange the groups' round figures (:meth:`Transport.group_table`), close the round
         and return it with the round's merge weights (``group_weighting``)."""
         r = self.rounds
-        table = self.transport.group_table(r.vector(self.clock.seconds), rnd)
+        with self.arriving():
+            table = self.transport.group_table(r.vector(self.clock.seconds), rnd)
         steps = [row[0] for row in table]
         if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
             table = [[0.0] + list(row[1:]) for row in table]
@@ -267,6 +273,16 @@ class FederatedSynchronizer:
         else:
             weights = r.close(table, self.config.group_weighting, now_s=time.perf_counter() - self._started)
         return Round(rnd.num_groups, rnd.position, tuple(weights))
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Time the event's first world collective into :attr:`arrival` (later ones pass)."""
+        if self._arrived:
+            yield
+            return
+        self._arrived = True
+        with self.arrival.measure(self.device):
+            yield
 
     def restart_round_clock(self) -> None:
         """Leave out the time until the next optimizer step from the round's training time
@@ -326,6 +342,7 @@ class FederatedSynchronizer:
         :attr:`exact_final`)."""
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
+        self._arrived = False
         rnd = self.transport.begin()
         if self.rounds is not None and full:
             rnd = self._close_round(rnd)

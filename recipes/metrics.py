@@ -25,7 +25,10 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   largest figure of any rank, ``comm_sum`` the sum over all ranks and ``comm_by_group[f]``
   the largest of group f's ranks (unequal groups: the groups' ranks differ).
   ``sync_time_share`` = the training thread's wait for inter-group communication
-  (``accelerator.sync_wait_seconds``, largest rank) / ``train_seconds``.
+  (``accelerator.sync_wait_seconds``, largest rank) / ``train_seconds``. Of that wait,
+  ``sync_arrival_share_by_group[f]`` is the part group f spent waiting for the other ranks
+  to arrive at the syncs (``accelerator.sync_arrival_seconds``, the largest of its ranks, over
+  ``train_seconds``): what a faster group loses to a slower one, the exchange excluded.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
 
 With ``--fault_tolerance torchft`` each federation group is its own launch: every figure
@@ -43,7 +46,7 @@ from fractions import Fraction
 from typing import Any
 
 FIGURES = ("bytes", "calls", "seconds")
-PER_RANK = 3  # host MiB, accelerator MiB, sync wait seconds; then FIGURES per comm bucket
+PER_RANK = 4  # host MiB, accelerator MiB, sync wait seconds, sync arrival seconds; then FIGURES per comm bucket
 
 
 # =========================================================================== time
@@ -120,7 +123,8 @@ def _max_or_none(*values):
 def aggregate(per_rank, layout, buckets) -> dict:
     """Per-rank figures ``[world, PER_RANK + 3 * len(buckets)]`` (a float64 tensor or nested
     list) into the run's figures: ``host_mb``/``accelerator_mb``/``sync_wait_seconds`` (largest
-    rank; accelerator None when every rank reported a negative value, i.e. no CUDA), and
+    rank; accelerator None when every rank reported a negative value, i.e. no CUDA),
+    ``sync_arrival_by_group`` (the largest arrival wait of each group's ranks), and
     ``comm`` / ``comm_sum`` / ``comm_by_group`` (see the module docstring)."""
     rows = [list(map(float, r)) for r in (per_rank.tolist() if hasattr(per_rank, "tolist") else per_rank)]
     acc = max(r[1] for r in rows)
@@ -136,6 +140,7 @@ def aggregate(per_rank, layout, buckets) -> dict:
     world = range(len(rows))
     return {"host_mb": max(r[0] for r in rows), "accelerator_mb": acc if acc >= 0 else None,
             "sync_wait_seconds": max(r[2] for r in rows),
+            "sync_arrival_by_group": [max(rows[k][3] for k in layout.group_ranks(f)) for f in range(layout.num_groups)],
             "comm": figures(world, max), "comm_sum": figures(world, sum),
             "comm_by_group": [figures(layout.group_ranks(f), max) for f in range(layout.num_groups)]}
 
@@ -256,6 +261,7 @@ class Meter:
         self.window_n = self.window_tokens = 0
         self.window_train_s = 0.0
         self.sync_wait_before = float(restored.get("rank_sync_wait_seconds", 0.0))
+        self.sync_arrival_before = float(restored.get("rank_sync_arrival_seconds", 0.0))
 
     # ---------------------------------------------------------------- loop callbacks
     def micro_batch(self, loss) -> None:
@@ -296,6 +302,10 @@ class Meter:
         """This rank's wait for inter-group communication over the whole run (seconds)."""
         return self.sync_wait_before + float(self.accelerator.sync_wait_seconds)
 
+    def sync_arrival_seconds(self) -> float:
+        """Of :meth:`sync_wait_seconds`, this rank's wait for the others to arrive at syncs (seconds)."""
+        return self.sync_arrival_before + float(self.accelerator.sync_arrival_seconds)
+
     def gather(self, head: list[float]):
         """All-reduce ``head`` (summed over ranks) and every rank's own figures in one
         collective on ``accelerator.device``; returns (head summed, :func:`aggregate`)."""
@@ -308,7 +318,8 @@ class Meter:
         buf[:len(head)] = torch.tensor(head, dtype=torch.float64)
         stats = acc.comm_stats.as_dict()
         acc_mb = peak_accelerator_mb(acc.device)
-        mine = [peak_host_mb(), -1.0 if acc_mb is None else acc_mb, self.sync_wait_seconds()]
+        mine = [peak_host_mb(), -1.0 if acc_mb is None else acc_mb, self.sync_wait_seconds(),
+                self.sync_arrival_seconds()]
         mine += [float(stats[b][f]) for b in self.buckets for f in FIGURES]
         start = len(head) + acc.process_index * width
         buf[start:start + width] = torch.tensor(mine, dtype=torch.float64)
@@ -366,7 +377,8 @@ class Meter:
     def rank_state(self) -> dict:
         """Per-rank figures a checkpoint stores: the wait for inter-group communication and the
         data position (``data_steps``, this rank's own optimizer steps of data)."""
-        return {"rank_sync_wait_seconds": self.sync_wait_seconds(), "data_steps": self.data_steps}
+        return {"rank_sync_wait_seconds": self.sync_wait_seconds(),
+                "rank_sync_arrival_seconds": self.sync_arrival_seconds(), "data_steps": self.data_steps}
 
     def run_figures(self) -> dict:
         """Whole-run time, throughput, MFU, memory and traffic figures of ``all_results.json``
@@ -384,6 +396,8 @@ class Meter:
                 "peak_accelerator_mb": _max_or_none(self.restored.get("peak_accelerator_mb"), run["accelerator_mb"]),
                 "sync_wait_seconds": run["sync_wait_seconds"],
                 "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
+                "sync_arrival_share_by_group": [a / train_s if train_s > 0 else None
+                                                for a in run["sync_arrival_by_group"]],
                 "comm": run["comm"], "comm_sum": run["comm_sum"], "comm_by_group": run["comm_by_group"]}
 
 

@@ -574,6 +574,8 @@ def write_results(run: Run, results: dict) -> None:
         r = results["rounds"]
         acc.log({"rounds/num_rounds": r["num_rounds"], "rounds/tokens_per_s": r["tokens_per_s"] or 0.0,
                  **{f"rounds/wait_share_group{f}": w for f, w in enumerate(r["wait_share"])},
+                 **{f"rounds/arrival_share_group{f}": a for f, a in
+                    enumerate(results.get("sync_arrival_share_by_group") or []) if a is not None},
                  **{f"rounds/steps_group{f}": n for f, n in enumerate(r["group_steps"])}})
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
@@ -602,7 +604,18 @@ def write_results(run: Run, results: dict) -> None:
               + (", curves.png" if curves else "")
               + (", final_model/" if args.save_final_model else "")
               + (f"\n[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
-                 if args.report_to == "wandb" else "") + rounds_line(results.get("rounds")))
+                 if args.report_to == "wandb" else "") + arrival_line(results, fl.is_federated)
+              + rounds_line(results.get("rounds")))
+
+
+def arrival_line(results: dict, federated: bool) -> str:
+    """The closing line of a federated run: the share of each group's training time spent waiting
+    for the other groups to arrive at the syncs (the exchange itself excluded)."""
+    shares = results.get("sync_arrival_share_by_group") or []
+    if not federated or len(shares) < 2 or any(a is None for a in shares):
+        return ""
+    return ("\n[fl_accel] waiting for the other groups at syncs (exchange excluded): "
+            + ", ".join(f"group {f} {100 * a:.0f}%" for f, a in enumerate(shares)) + " of training time")
 
 
 def rounds_line(rounds: dict | None) -> str:

@@ -48,6 +48,8 @@ def four(tmp_path_factory):
         {"name": "speed_slowed", "fl": SPEED, "max_steps": 24, "plan": None, "slow_factor": [0.0, 2.0]},
         {"name": "time_slowed", "fl": {**SPEED, "sync_trigger": "time", "sync_window_s": 1.2}, "max_steps": 16,
          "plan": None, "slow_factor": [0.0, 2.0]},
+        {"name": "barrier_slowed", "fl": {**SPEED, "sync_trigger": "steps"}, "max_steps": 8, "plan": None,
+         "slow_factor": [0.0, 2.0]},
     ]}
     res = run_torchrun(WORLD, WORKER, write_json(out / "spec.json", spec), out, timeout=400)
     assert res.returncode == 0, res.tail()
@@ -219,6 +221,8 @@ def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
     assert all(0 <= w < 1 for w in rounds["wait_share"]), rounds
     if scenario == "time_slowed":  # the fast group waits at most about one slow step per 1.2 s window
         assert rounds["wait_share"][0] < 0.6, rounds
+    for r in recs:  # the wait for the others to arrive is part of the time in syncs
+        assert 0 < r["arrival_s"] <= r["sync_s"] + 1e-9, r["arrival_s"]
     max_steps = 24 if scenario == "speed_slowed" else 16
     assert rounds["rank_steps"] == pytest.approx(max_steps * WORLD, abs=2 * 2), rounds
     for rec in recs:
@@ -228,6 +232,20 @@ def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
     g1 = [r for r in recs if r["coords"][0] == 1][0]
     for e0, e1 in zip(sorted(g0["weights"]), sorted(g1["weights"])):
         assert all(torch.equal(a, b) for a, b in zip(g0["steps"][e0], g1["steps"][e1])), (e0, e1)
+
+
+def test_arrival_wait_is_what_the_fast_group_loses_at_a_barrier(four):
+    """``sync_trigger="steps"`` with group 1 three times slower (the sleep hook): every sync's
+    first world collective is where the fast group waits for the slow one, so the fast group's
+    ranks spend most of their loop there (2 of every 3 seconds, less the exchange) and the
+    slow group's hardly any; both are part of the time in syncs."""
+    recs = records(four, "barrier_slowed")
+    assert recs[0]["rounds"] is None  # the barrier: no rounds
+    share = {r["coords"][0]: r["arrival_s"] / r["loop_s"] for r in recs}
+    fast = [r["arrival_s"] / r["loop_s"] for r in recs if r["coords"][0] == 0]
+    slow = [r["arrival_s"] / r["loop_s"] for r in recs if r["coords"][0] == 1]
+    assert min(fast) > 0.3 and max(slow) < 0.5 * min(fast), share
+    assert all(0 < r["arrival_s"] <= r["sync_s"] + 1e-9 for r in recs)
 
 
 @pytest.mark.parametrize("case,fl,needles", BAD_CONFIGS)

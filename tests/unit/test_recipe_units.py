@@ -318,7 +318,7 @@ def test_traffic_covers_every_group_not_rank_0_alone():
     rows = []
     for rank in range(6):
         replicate = 0.0 if layout.group_of(rank) == 0 else 1000.0
-        rows.append([500.0 + rank, -1.0, 0.1 * rank,
+        rows.append([500.0 + rank, -1.0, 0.1 * rank, 0.01 * rank,
                      64.0, 2, 0.01, replicate, 3 if replicate else 0, 0.02, 200.0, 6, 0.03, 8.0, 1, 0.0])
     run = metrics.aggregate(rows, layout, buckets)
     assert run["comm"]["dp_replicate"]["bytes"] == 1000 and run["comm_sum"]["dp_replicate"]["bytes"] == 4000
@@ -326,6 +326,7 @@ def test_traffic_covers_every_group_not_rank_0_alone():
     assert run["comm"]["dp_replicate"]["calls"] == 3 and run["comm_sum"]["dp_shard"]["calls"] == 36
     assert run["host_mb"] == 505.0 and run["accelerator_mb"] is None
     assert run["sync_wait_seconds"] == pytest.approx(0.5)
+    assert run["sync_arrival_by_group"] == [pytest.approx(0.01), pytest.approx(0.05)]  # the busiest rank of each
 
 
 def test_evaluations_say_what_they_scored():
