@@ -171,8 +171,8 @@ class FLConfig:
     """H, optimizer steps (after gradient accumulation) between two syncs of the same parameters (paper: 8)."""
     sync_trigger: Literal["steps", "time", "speed"] = "steps"
     """What ends a round (:mod:`fl_accel.trigger`): "steps", H steps in every group (the paper's); "time", every
-    group trains ``sync_window_s`` seconds; "speed", group f trains H_f = H x t_fastest / t_f steps, t its measured
-    seconds per step, so that the groups arrive together. "time"/"speed": blocking sync only (P=1, tau=0)."""
+    group trains ``sync_window_s`` seconds; "speed", group f trains H_f = H x t_slowest / t_f steps, t its measured
+    seconds per step, so that the groups arrive together (the slowest group does H). "time"/"speed": blocking sync only (P=1, tau=0)."""
     sync_window_s: float | None = None
     """"time": seconds of training per round (each group's own clock; evaluations between rounds excluded)."""
     num_fragments: int = 1

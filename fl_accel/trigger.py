@@ -9,9 +9,13 @@ other triggers end a round by time or by speed instead (cf. Async Local-SGD, arX
 * ``"time"``: every group trains until ``sync_window_s`` seconds of training have passed
   since the round began, then all sync. The ranks of one group agree on "time is up" by a
   one-value MAX over the group at each optimizer step (never across groups).
-* ``"speed"``: group f trains ``H_f = max(1, round(H * t_min / t_f))`` steps, ``t_f`` its
-  mean seconds per optimizer step in the last round, so the fastest group does H and all
-  arrive together. The first round is H for every group.
+* ``"speed"``: group f trains ``H_f = max(1, round(H * t_max / t_f))`` steps, ``t_f`` its
+  mean seconds per optimizer step in the last round: the slowest group does H, a group k
+  times faster k H, and all arrive together. A round lasts H of the slowest group's steps,
+  as under ``"steps"`` (the same syncs per hour as the barrier), and the fast groups train
+  where they would have waited. Rounding to whole steps misses the common arrival by at most
+  half of a fast group's step (with the fastest group doing H, it would be half of a *slow*
+  group's step: 6% of the round at H=8 and 2:1). The first round is H for every group.
 
 At each sync the groups exchange one small vector per group (:data:`FIELDS`): steps and
 training seconds of the round, and the time spent waiting at syncs. From it every rank
@@ -60,13 +64,13 @@ def merge_weights(weighting: str, steps: Sequence[int], sizes: Sequence[int]) ->
 
 
 def speed_steps(sync_every: int, seconds_per_step: Sequence[float]) -> list[int]:
-    """H_f = max(1, round(H * t_min / t_f)) for the "speed" trigger: the fastest group does H
-    steps, a group twice as slow H/2. A group without a measurement (t <= 0) gets H."""
+    """H_f = max(1, round(H * t_max / t_f)) for the "speed" trigger: the slowest group does H
+    steps, a group twice as fast 2H. A group without a measurement (t <= 0) gets H."""
     known = [t for t in seconds_per_step if t > 0]
     if not known:
         return [sync_every] * len(seconds_per_step)
-    fastest = min(known)
-    return [max(1, round(sync_every * fastest / t)) if t > 0 else sync_every for t in seconds_per_step]
+    slowest = max(known)
+    return [max(1, round(sync_every * slowest / t)) if t > 0 else sync_every for t in seconds_per_step]
 
 
 def last_round(remaining: float, rates: Sequence[float], sizes: Sequence[int]) -> list[int]:

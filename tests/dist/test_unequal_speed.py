@@ -206,8 +206,8 @@ def test_resume_after_a_round_continues_exactly(four, resumed):
 @pytest.mark.parametrize("scenario", ["speed_slowed", "time_slowed"])
 def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
     """Group 1 sleeps twice each step's own time after it, 3x slower under any load (the
-    documented test hook of the worker; the bench slows groups with a CPU quota instead). Under "speed" its H_f after the first round
-    drops below the fast group's H=4; under "time" (1.2 s windows) it does fewer steps per
+    documented test hook of the worker; the bench slows groups with a CPU quota instead). Under "speed" the fast group's H_f after the first
+    round rises above the slow group's H=4; under "time" (1.2 s windows) it does fewer steps per
     round. Every round ends with the groups equal, and the run ends on the token budget."""
     recs = records(four, scenario)
     rounds = recs[0]["rounds"]
@@ -218,6 +218,7 @@ def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
     assert sum(slow[k] for k in later) < sum(fast[k] for k in later), rounds  # summed: one round may be noisy
     if scenario == "speed_slowed":
         assert fast[0] == slow[0] == 4  # the first round: H for every group
+        assert all(slow[k] == 4 for k in later), rounds  # then the slow group does H, the fast one more
     assert all(0 <= w < 1 for w in rounds["wait_share"]), rounds
     if scenario == "time_slowed":  # the fast group waits at most about one slow step per 1.2 s window
         assert rounds["wait_share"][0] < 0.6, rounds

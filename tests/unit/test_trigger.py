@@ -25,9 +25,10 @@ def test_merge_weights_by_tokens_size_and_uniform():
 
 
 def test_speed_steps_scale_with_step_time():
-    assert speed_steps(8, [0.1, 0.2]) == [8, 4]  # 2:1 -> the slow group does H/2
-    assert speed_steps(8, [0.3, 0.1, 0.2]) == [3, 8, 4]
-    assert speed_steps(8, [1.0, 100.0]) == [8, 1]  # at least one step
+    assert speed_steps(8, [0.1, 0.2]) == [16, 8]  # 2:1 -> the slow group does H, the fast one 2H
+    assert speed_steps(8, [0.3, 0.1, 0.2]) == [8, 24, 12]
+    assert speed_steps(8, [0.1, 0.22]) == [18, 8]  # 2.2:1: the arrival misses by 0.4 fast steps of 17.6
+    assert speed_steps(1, [100.0, 1.0]) == [1, 100]
     assert speed_steps(8, [0.0, 0.0]) == [8, 8]  # nothing measured yet: H
     assert speed_steps(8, [0.1, 0.0]) == [8, 8]
 
@@ -40,24 +41,24 @@ def test_last_round_lands_on_the_budget():
 
 def test_round_state_closes_plans_and_stops_on_the_budget():
     r = RoundState("speed", 4, (2, 2), position=1)
-    r.budget = 7 * 4
+    r.budget = 20 * 4
     assert r.round_steps == 4  # the first round: H
     r.steps, r.train_s = 4, 2.0
     w = r.close([[4, 0.4, 0.0], [4, 2.0, 1.6]], "tokens")  # group 1 is 5x slower
     assert w == pytest.approx((0.5, 0.5)) and r.group_steps == [4, 4] and r.tokens == 16
-    assert r.plan == [4, 1] and r.round_steps == 1 and not r.done  # 10 rank-steps < 12 left
+    assert r.plan == [20, 4] and r.round_steps == 4 and not r.done  # the slowest does H; 48 rank-steps < 64 left
     assert (r.steps, r.train_s) == (0, 0.0)
-    r.close([[4, 0.4, 1.6], [1, 0.5, 1.6]], "tokens")
-    assert r.tokens == 26 and not r.done
-    assert sum(2 * k for k in r.plan) <= 4  # the last round: 2 rank-steps left, at least 1 step each
-    r.close([[1, 0.1, 1.6], [1, 0.5, 1.6]], "tokens")
-    assert r.done and r.tokens == 30
+    w = r.close([[20, 2.0, 1.6], [4, 2.0, 1.6]], "tokens")
+    assert w == pytest.approx((20 / 24, 4 / 24)) and r.tokens == 64 and not r.done
+    assert r.plan == [7, 1]  # the last round: 16 rank-steps left, shared 20:4 (2 x 7 + 2 x 1)
+    r.close([[7, 0.7, 1.6], [1, 0.5, 1.6]], "tokens")
+    assert r.done and r.tokens == 80
     s = r.summary()
-    assert s["steps_per_round"] == [[4, 4, 1], [4, 1, 1]] and s["num_rounds"] == 3
+    assert s["steps_per_round"] == [[4, 20, 7], [4, 4, 1]] and s["num_rounds"] == 3
     assert 0 <= s["wait_share"][0] <= 1
     again = RoundState("speed", 4, (2, 2), position=0)
     again.load_state_dict(json.loads(json.dumps(r.state_dict())))
-    assert {**again.state_dict(), "budget": 28} == r.state_dict()  # the budget is the resumed run's own
+    assert {**again.state_dict(), "budget": 80} == r.state_dict()  # the budget is the resumed run's own
     with pytest.raises(ValueError, match="sync_trigger"):
         RoundState("time", 4, (2, 2), position=0, window_s=1.0).load_state_dict(r.state_dict())
 
