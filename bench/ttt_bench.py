@@ -309,17 +309,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{plan['work']}\n[ttt] to continue after an interruption: sudo {plan['command']}", flush=True)
     failed = []
     port = 29600
-    for link in plan["links"]:
-        with netemu.Emulator(2, link) as emu:
-            machine.setdefault("links", {})[link] = measure_link(emu, 2.0)
-            for spec in (s for s in bp.runs_of(plan) if s.link == link):
-                port += 1
-                try:
-                    run_row(plan, emu, spec, port)
-                except TTTError as exc:
-                    failed.append(str(exc))
-                    print(f"[ttt] {exc}", flush=True)
-                report(plan, machine)
+    netemu._install_signal_handlers()  # SIGTERM/SIGHUP unwind the emulator: no namespace or rank left behind
+    try:
+        for link in plan["links"]:
+            with netemu.Emulator(2, link) as emu:
+                machine.setdefault("links", {})[link] = measure_link(emu, 2.0)
+                for spec in (s for s in bp.runs_of(plan) if s.link == link):
+                    port += 1
+                    try:
+                        run_row(plan, emu, spec, port)
+                    except TTTError as exc:
+                        failed.append(str(exc))
+                        print(f"[ttt] {exc}", flush=True)
+                    report(plan, machine)
+    except KeyboardInterrupt:
+        report(plan, machine)
+        print(f"[ttt] interrupted; the emulator is down. Continue with: sudo {plan['command']}", file=sys.stderr)
+        return 130
     machine["loadavg_end"] = loadavg()
     report(plan, machine)
     print(f"[ttt] results: {plan['results']}", flush=True)
