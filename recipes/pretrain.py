@@ -620,10 +620,11 @@ def arrival_line(results: dict, federated: bool) -> str:
 
 def rounds_line(rounds: dict | None) -> str:
     """The closing line of a ``sync_trigger`` "time"/"speed" run: per group its steps, its mean
-    steps per round and its waiting share; the federation's tokens/s against the standalone sum."""
+    steps per round and its share of wall time in syncs (exchange included); the federation's
+    tokens/s against the standalone sum."""
     if not rounds:
         return ""
-    groups = "; ".join(f"group {f}: {n} steps ({n / max(1, rounds['num_rounds']):.1f}/round), waited "
+    groups = "; ".join(f"group {f}: {n} steps ({n / max(1, rounds['num_rounds']):.1f}/round), in syncs "
                        f"{100 * w:.0f}%" for f, (n, w) in enumerate(zip(rounds["group_steps"], rounds["wait_share"])))
     share = rounds.get("of_standalone_sum")
     return (f"\n[fl_accel] {rounds['num_rounds']} rounds by {rounds['trigger']}: {groups}"

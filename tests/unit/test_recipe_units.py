@@ -563,3 +563,22 @@ def test_banner_prints_the_effective_sparse_density():
     assert "mean over the senders" in text and "decay 0.95" in text and "final sync exact" in text
     assert sparse_text(FLConfig(sync_dtype="sparse", error_feedback=True, sync_value_bits=8,
                                 sync_density=0.5)).startswith("k=2048 of every 4096")
+
+
+def test_closing_lines_of_rounds_and_arrival():
+    """The closing lines: each group's wait for the others to arrive (federated runs with 2+
+    groups only) and, under a trigger, each group's steps, steps per round and time at syncs
+    with the federation's share of the standalone sum."""
+    from recipes.pretrain import arrival_line, rounds_line
+
+    res = {"sync_arrival_share_by_group": [0.31, 0.012]}
+    assert arrival_line(res, True) == ("\n[fl_accel] waiting for the other groups at syncs (exchange excluded): "
+                                       "group 0 31%, group 1 1% of training time")
+    assert arrival_line(res, False) == "" and arrival_line({"sync_arrival_share_by_group": [0.5]}, True) == ""
+    assert arrival_line({"sync_arrival_share_by_group": [0.1, None]}, True) == ""
+    rounds = {"trigger": "speed", "num_rounds": 4, "group_steps": [40, 20], "wait_share": [0.05, 0.02],
+              "tokens_per_s": 900.0, "of_standalone_sum": 0.93}
+    assert rounds_line(rounds) == ("\n[fl_accel] 4 rounds by speed: group 0: 40 steps (10.0/round), in syncs 5%; "
+                                   "group 1: 20 steps (5.0/round), in syncs 2%; 900 tokens/s = 93% of the groups' "
+                                   "standalone sum")
+    assert rounds_line(None) == ""
