@@ -15,9 +15,9 @@ are every ``--checkpoint_every`` steps, the run is killed at the cap, and the ro
 
 Outputs in ``bench/results/<name>/``: ``time_to_target.json`` (schema in
 :mod:`bench.time_to_target`; the seed band and FSDP's half-budget loss come from the
-committed convergence grid ``--grid``), ``eval_loss_vs_seconds.png`` (eval loss against the
-run's wall-clock seconds, one line per run, a panel per link), ``table.md``, ``command.txt``,
-``machine.json``. Run folders go to ``bench/work/<name>/<link>/<row>``.
+committed convergence grid ``--grid``; ``machine`` adds the CPUs, versions and each link's
+measured TCP rate), ``eval_loss_vs_seconds.png`` (eval loss against the run's wall-clock
+seconds, one line per run, a panel per link), ``table.md``, ``command.txt``. Run folders go to ``bench/work/<name>/<link>/<row>``.
 
 Resumable: rerun the same command. A finished or stopped row is not run again; an
 interrupted one resumes from its last checkpoint (the recipe sums wall and training
@@ -238,14 +238,12 @@ def report(plan: dict, machine: dict | None = None) -> dict:
     out = write_time_to_target(plan["results"], entries, band, half)
     for row in out["rows"]:
         row["status"] = status[(row["run"], row["link"])]
+    out["machine"] = machine  # CPUs, versions, the TCP rate measured on each emulated link
     with open(os.path.join(plan["results"], "time_to_target.json"), "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
     _write_table(plan, out, status, machine)
     with open(os.path.join(plan["results"], "command.txt"), "w", encoding="utf-8") as fh:
         fh.write(f"sudo {plan['command']}\n")
-    if machine is not None:
-        with open(os.path.join(plan["results"], "machine.json"), "w", encoding="utf-8") as fh:
-            json.dump(machine, fh, indent=1)
     return out
 
 
@@ -263,7 +261,11 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
              *[f"min to FSDP's half-budget loss ({out['targets'][k]:.4f})" if k == "fsdp_half_budget" else f"min to {k}" for k in keys]]
     lines = ["# Time to target on an emulated slow link, measured", "",
              f"Command: `sudo {plan['command']}`  ",
-             f"Machine: {(machine or {}).get('cpu_model', '?')}, {(machine or {}).get('nproc', '?')} CPUs.", "",
+             f"Machine: {(machine or {}).get('cpu_model', '?')}, {(machine or {}).get('nproc', '?')} CPUs; measured "
+             "single TCP stream node 0 -> node 1: " + (", ".join(
+                 f"{link}: {m['achieved_bits_per_s'] / 1e6:.1f} Mbit/s" if "achieved_bits_per_s" in m else f"{link}: -"
+                 for link, m in ((machine or {}).get("links") or {}).items()) or "-")
+             + " (details: time_to_target.json `machine`).", "",
              f"Rows of the convergence grid `{plan['grid']}` (same flags, data, evaluations every "
              f"{plan['eval_every']} steps on {plan['eval_blocks']} blocks, {plan['steps']} steps), trained across 2 "
              "emulated nodes (one federation group per node; FSDP spans both), every node's link shaped with tc tbf. "
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.report_only:
         saved = _read_json(os.path.join(plan["work"], "plan.json"), None)
-        report(saved or plan, _read_json(os.path.join(plan["results"], "machine.json"), None))
+        report(saved or plan, (_read_json(os.path.join(plan["results"], "time_to_target.json"), {}) or {}).get("machine"))
         print(f"[ttt] results: {plan['results']}")
         return 0
     ok, reason = netemu.check_privileges()
