@@ -255,7 +255,8 @@ def table(rows: list[dict], args) -> str:
              f"2 groups x 2 ranks (FL+FSDP), tiny Llama, seq_len {args.setting['seq_len']}, micro-batch "
              f"{args.setting['micro_batch_size']}, {args.max_steps} steps' tokens, H=8 (\"steps\", and the first round "
              f"of \"speed\"), \"time\" windows of {args.window_s} s, fp32 "
-             + ("nesterov(0.7, 0.9), the convergence grid's fl_fsdp-h8-nesterov row" if args.quality else "avg")
+             + ("nesterov(0.7, 0.9) (the convergence grid's fl_fsdp-h8-nesterov row)"
+                if "--outer_optimizer" in args.setting["flags"] else "avg")
              + (f", loopback" if args.link is None else f", 2 emulated nodes (group f on node f) with links shaped to "
                 f"{args.link} (scripts/netemu.py)") + f". Slow group: {METHOD}, group 0 {args.fast_cpus:g} CPUs.", "",
              "| ratio | trigger | tokens/s | of the groups' standalone sum | at syncs (group 0, 1) | "
