@@ -73,7 +73,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         rec["syncs"][t] = sync.schedule.num_syncs
         if sync.schedule.local_step == 0:  # this step ended a round
             rec["weights"][t] = list(sync.last_round.weights)
-            if sc.get("save_after_round") == len(sync.rounds.rounds):
+            if sync.rounds is not None and sc.get("save_after_round") == len(sync.rounds.rounds):
                 acc.save_state(sc["save_dir"], extra_meta={"group_steps": list(sync.rounds.group_steps)})
         if factor:  # sleep k times this step's own time: k + 1 times slower under any load
             time.sleep(factor * (time.perf_counter() - step_end))
