@@ -211,17 +211,13 @@ def _finished(out: Path, name: str) -> dict:
 
 def wall_to_loss(evals: list, target: float) -> float | None:
     """The run's wall-clock seconds at which the eval loss first reaches ``target``, linear
-    between evaluations; None if it never does (or the records carry no wall clock)."""
-    prev = None
-    for step, loss, wall in evals:
-        if wall is None:
-            return None
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return wall
-            return prev[2] + (prev[1] - target) / (prev[1] - loss) * (wall - prev[2])
-        prev = (step, loss, wall)
-    return None
+    between evaluations (:func:`bench.analysis.x_to_loss`); None if it never does (or the
+    records carry no wall clock)."""
+    from bench.analysis import x_to_loss
+
+    if any(wall is None for _, _, wall in evals):
+        return None
+    return x_to_loss([{"loss": loss, "wall_s": wall} for _, loss, wall in evals], target, "wall_s")
 
 
 def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback") -> dict:
