@@ -284,6 +284,12 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     dict(id="fl_fsdp-h8-p2-tau2-sparse16-ef-nesterov", sync_every=8, num_fragments=2, sync_delay=2,
          sync_dtype="sparse", error_feedback=True, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
          extra_flags=("--sync_density", "0.0625")),
+    # at FSDP's better LR the plain average beat nesterov(0.7) (fl_fsdp-h8-lr1e-3 vs fl_fsdp-h8-nesterov-lr1e-3):
+    # the fast exchange with that outer step, and the outer momentum at the scaling-law table's smaller outer LR
+    dict(id="fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", sync_every=8, num_fragments=2, sync_delay=2, sync_dtype="int8",
+         error_feedback=True, extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h8-nesterov-olr0.4-lr1e-3", sync_every=8, outer_optimizer="nesterov", outer_lr=0.4,
+         outer_momentum=0.9, extra_flags=("--learning_rate", "1e-3")),
 )
 GRID_RULES = (
     "Decision rules, fixed before the grid's runs (issue 28): a difference between two rows counts only above "
