@@ -238,6 +238,7 @@ def report(plan: dict, machine: dict | None = None) -> dict:
     out = write_time_to_target(plan["results"], entries, band, half)
     for row in out["rows"]:
         row["status"] = status[(row["run"], row["link"])]
+    _extrapolate_stopped(plan, grid, out)
     out["machine"] = machine  # CPUs, versions, the TCP rate measured on each emulated link
     with open(os.path.join(plan["results"], "time_to_target.json"), "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
@@ -245,6 +246,40 @@ def report(plan: dict, machine: dict | None = None) -> dict:
     with open(os.path.join(plan["results"], "command.txt"), "w", encoding="utf-8") as fh:
         fh.write(f"sudo {plan['command']}\n")
     return out
+
+
+EXTRAPOLATION = (
+    "not measured: the wall clock at the stop plus the tokens the grid's loopback run of the same row still "
+    "needed to the target, at this row's own measured training tokens/s (evaluations and checkpoints after the "
+    "stop not counted, so it errs short); a row's losses on the link equal its loopback losses (same flags, data "
+    "and seed)")
+
+
+def _extrapolate_stopped(plan: dict, grid: str, out: dict) -> None:
+    """For each stopped row, ``extrapolated_to_target`` (seconds, labelled: :data:`EXTRAPOLATION`)
+    beside its measured ``to_target`` (null where the stop came first), and ``stopped_at``:
+    tokens, step and training tokens/s reached."""
+    try:
+        with open(os.path.join(grid, "bench.json"), encoding="utf-8") as fh:
+            grid_rows = json.load(fh)["results"]["rows"]
+    except (OSError, KeyError, ValueError):
+        grid_rows = {}
+    for row in out["rows"]:
+        if not str(row.get("status", "")).startswith("stopped"):
+            continue
+        run = _run_dict(_dir(plan, next(s for s in bp.runs_of(plan) if s.id == row["run"] and s.link == row["link"])))
+        train = [r for r in run["records"] if "train/loss" in r and r.get("time_s")]
+        if not train:
+            continue
+        last = train[-1]
+        rate = last["tokens"] / last["time_s"]
+        row["stopped_at"] = {"step": last["step"], "tokens": last["tokens"], "train_tokens_per_s": rate}
+        need = (grid_rows.get(row["run"]) or {}).get("tokens_to") or {}
+        row["extrapolated_to_target"] = {
+            k: (row["to_target"].get(k) if row["to_target"].get(k) is not None else
+                None if need.get(k) is None else row["wall_s_total"] + max(0.0, need[k] - last["tokens"]) / rate)
+            for k in row["to_target"]}
+        row["extrapolation"] = EXTRAPOLATION
 
 
 def _min(s: float | None) -> str:
@@ -276,6 +311,17 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
              f"{LIMIT_STEPS} steps) on the same link in the same sitting. Seed band {out['seed_band']:.4f} nats and "
              f"FSDP's half-budget loss {out['fsdp_half_budget_loss']:.4f} from the grid.", "",
              _md(rows, heads), ""]
+    stopped = [r for r in out["rows"] if "extrapolated_to_target" in r]
+    if stopped:
+        lines += ["Stopped rows: where they stood at the stop, and the minutes to each target **extrapolated** ("
+                  + EXTRAPOLATION + ").", "",
+                  _md([[r["link"], r["run"], f"{r['stopped_at']['step']}", f"{r['stopped_at']['tokens']:,}",
+                        f"{r['stopped_at']['train_tokens_per_s']:.0f}",
+                        *[_min(r["extrapolated_to_target"].get(k)) + " (extrapolated)"
+                          if r["to_target"].get(k) is None and r["extrapolated_to_target"].get(k) is not None
+                          else _min(r["extrapolated_to_target"].get(k)) for k in keys]] for r in stopped],
+                      ["link", "run", "step at stop", "tokens at stop", "training tokens/s",
+                       *[h for h in heads[6:]]]), ""]
     if missing:
         lines.append(f"Not run yet: {', '.join(missing)}. Continue with `sudo {plan['command']}`.")
     lines.append("Plot: `eval_loss_vs_seconds.png`. Figures for programs: `time_to_target.json`.")

@@ -943,8 +943,15 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
     assert (rows["fsdp"]["final_eval_loss"], rows["fsdp"]["wall_s_total"]) == (6.8, 5400.0)
     assert rows["fsdp"]["of_limit"] == pytest.approx(131072 / 900 / 8000)
     assert set(rows["fsdp"]["to_target"].values()) == {None}
+    # a stopped row's extrapolation: the stop's wall clock + the grid's remaining tokens at its own rate
+    assert rows["fsdp"]["stopped_at"] == {"step": 32, "tokens": 131072, "train_tokens_per_s": 131072 / 900.0}
+    need = json.loads(open(os.path.join(FIXTURES, GRID, "bench.json")).read())["results"]["rows"]["fsdp"]["tokens_to"]
+    assert rows["fsdp"]["extrapolated_to_target"]["5.60"] == pytest.approx(
+        5400.0 + (need["5.60"] - 131072) * 900.0 / 131072)
+    assert "not measured" in rows["fsdp"]["extrapolation"]
     table = (tmp_path / "res" / "t-ttt" / "table.md").read_text()
     assert "stopped: wall-clock cap of 90 min" in table and "Not run yet" not in table
+    assert f"{(5400.0 + (need['5.60'] - 131072) * 900.0 / 131072) / 60:.1f} (extrapolated)" in table
     shutil.rmtree(fsdp)
     tb.report(p)
     assert "Not run yet: 10mbit/fsdp" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
