@@ -2,7 +2,8 @@
 # The main job, end to end, on a fresh machine: install, then train FL+FSDP and the FSDP
 # baseline (4 CPU processes, tiny Llama, embedded Shakespeare corpus, same everything
 # else), then print the side-by-side table and where the results and W&B runs are.
-# About 2 minutes on 2 quiet CPU cores (measured from a fresh clone). Extra arguments go to both recipe runs.
+# The two runs take 2 to 5 minutes on 2 idle CPU cores (longer on a loaded machine), the first
+# install several more. Extra arguments go to both recipe runs.
 #
 # Where it installs: into the active virtual environment (VIRTUAL_ENV or CONDA_PREFIX set), else
 # into ./.venv, which it creates once (scripts/test.sh then uses it too). QUICKSTART_VENV=none
