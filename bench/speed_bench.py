@@ -220,6 +220,18 @@ def wall_to_loss(evals: list, target: float) -> float | None:
     return x_to_loss([{"loss": loss, "wall_s": wall} for _, loss, wall in evals], target, "wall_s")
 
 
+def standalone_rates(rounds: dict) -> list[float]:
+    """Each group's standalone tokens/s (all_results.json ``rounds``). Results written before
+    ``timed_steps`` existed divided the timed seconds by every step although each round's first
+    step was not timed (the round clock restarted unset at every round end): their rates are
+    scaled by (steps - rounds) / steps, the steps those seconds timed."""
+    rates = rounds["standalone_tokens_per_s"]
+    if "timed_steps" in rounds:
+        return list(rates)
+    n = rounds["num_rounds"]
+    return [r * (s - n) / s if s > n else r for r, s in zip(rates, rounds["group_steps"])]
+
+
 def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback") -> dict:
     """speed.json's row of one run."""
     rounds = results.get("rounds")
@@ -234,8 +246,8 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
                 "arrival_share": results.get("sync_arrival_share_by_group")}
     return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": link,
             "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
-            "standalone_tokens_per_s": rounds["standalone_tokens_per_s"],
-            "of_standalone_sum": tokens_per_s / sum(rounds["standalone_tokens_per_s"]),
+            "standalone_tokens_per_s": standalone_rates(rounds),
+            "of_standalone_sum": tokens_per_s / sum(standalone_rates(rounds)),
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
             "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"],
@@ -271,8 +283,9 @@ def table(rows: list[dict], args) -> str:
     if args.quality:
         lines += quality_lines(rows, args.quality)
     lines += ["", "tokens/s: every group's tokens over the training seconds of the main process (group 0's rank 0), "
-              "syncs included, for every row. Standalone: each group's tokens over its own timed training seconds "
-              "(no waiting). At syncs: each group's seconds in sync events over its wall time; of which waiting: "
+              "syncs included, for every row. Standalone: each group's tokens per second of its own timed training "
+              "steps (no waiting; runs from before all_results.json had `timed_steps` are corrected for the "
+              "untimed first step of each round, `standalone_rates`). At syncs: each group's seconds in sync events over its wall time; of which waiting: "
               "the seconds in each sync's first world collective, where a group waits for the other to arrive "
               "(`sync_arrival_share_by_group` of all_results.json: the exchange itself excluded).", "", "Barrier rows: waiting = the run's `sync_time_share` (every group's sync wait, the slow group's "
               "compute included for the fast one); standalone rates are not measured there.", "",

@@ -285,10 +285,11 @@ class FederatedSynchronizer:
             yield
 
     def restart_round_clock(self) -> None:
-        """Leave out the time until the next optimizer step from the round's training time
-        (call after work between steps that is not training: evaluations, checkpoints); that
-        step counts, untimed. Also the state before the first step."""
-        self._mark = None
+        """Leave out the time since the last optimizer step (or sync) from the round's training
+        time: call right after work between steps that is not training (logs, evaluations,
+        checkpoints); the next step is timed from here. (Before a run's first step, and after a
+        resume, the clock is unset: that step counts, untimed.)"""
+        self._mark = time.perf_counter()
 
     def set_token_budget(self, max_steps: int) -> None:
         """End the run after the rank-steps of a "steps" run of ``max_steps`` steps (``rounds``)."""

@@ -91,7 +91,9 @@ class RoundState:
     ``group_steps``: optimizer steps per group at the last sync; ``tokens``: the federation's
     rank-steps at the last sync; ``budget``: rank-steps of the run (None: unbounded);
     ``seconds_per_step``: per group, from the last round; ``wait_s``/``train_s_total``: per
-    group, summed over the run; ``done``: the budget is reached (the loop stops)."""
+    group, summed over the run; ``timed_total``: per group, the steps ``train_s_total`` timed
+    (a run's first step and the first after a resume are not); ``done``: the budget is
+    reached (the loop stops)."""
 
     trigger: str
     sync_every: int
@@ -105,6 +107,7 @@ class RoundState:
     seconds_per_step: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     train_s_total: list[float] = field(default_factory=list)
+    timed_total: list[int] = field(default_factory=list)
     rounds: list[list[int]] = field(default_factory=list)
     ends_s: list[float] = field(default_factory=list)
     """Seconds from the synchronizer's creation (this rank's clock) at each round's end."""
@@ -119,6 +122,7 @@ class RoundState:
         self.seconds_per_step = self.seconds_per_step or [0.0] * F
         self.wait_s = self.wait_s or [0.0] * F
         self.train_s_total = self.train_s_total or [0.0] * F
+        self.timed_total = self.timed_total or [0] * F
 
     @property
     def round_steps(self) -> int | None:
@@ -149,6 +153,7 @@ class RoundState:
             self.train_s_total[f] += float(row[1])
             self.wait_s[f] = float(row[2])
             timed = int(round(row[3])) if len(row) > 3 else steps[f]
+            self.timed_total[f] += timed
             if timed > 0 and row[1] > 0:
                 self.seconds_per_step[f] = float(row[1]) / timed
         self.tokens += sum(g * n for g, n in zip(self.sizes, steps))
@@ -178,8 +183,9 @@ class RoundState:
     def state_dict(self) -> dict:
         return {"trigger": self.trigger, "plan": self.plan, "group_steps": list(self.group_steps),
                 "tokens": self.tokens, "budget": self.budget, "seconds_per_step": list(self.seconds_per_step),
-                "wait_s": list(self.wait_s), "train_s_total": list(self.train_s_total), "rounds": self.rounds,
-                "ends_s": list(self.ends_s), "done": self.done, "steps": self.steps, "train_s": self.train_s}
+                "wait_s": list(self.wait_s), "train_s_total": list(self.train_s_total),
+                "timed_total": list(self.timed_total), "rounds": self.rounds, "ends_s": list(self.ends_s),
+                "done": self.done, "steps": self.steps, "train_s": self.train_s, "timed": self.timed}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("trigger") != self.trigger:
@@ -190,6 +196,7 @@ class RoundState:
         self.seconds_per_step = [float(t) for t in state["seconds_per_step"]]
         self.wait_s = [float(t) for t in state["wait_s"]]
         self.train_s_total = [float(t) for t in state["train_s_total"]]
+        self.timed_total = [int(n) for n in state.get("timed_total", self.group_steps)]  # older: all timed
         self.rounds = [list(r) for r in state["rounds"]]
         self.ends_s = [float(t) for t in state.get("ends_s", [])]
         self.done, self.steps, self.train_s = bool(state["done"]), int(state["steps"]), float(state["train_s"])
@@ -204,7 +211,8 @@ class RoundState:
                 "steps_per_round": [[r[f] for r in self.rounds] for f in range(F)],
                 "group_steps": list(self.group_steps),
                 "wait_share": [self.wait_s[f] / wall[f] if wall[f] > 0 else 0.0 for f in range(F)],
-                "seconds_per_step": list(self.seconds_per_step), "rank_steps": self.tokens,
+                "seconds_per_step": list(self.seconds_per_step), "timed_steps": list(self.timed_total),
+                "rank_steps": self.tokens,
                 "round_end_s": list(self.ends_s)}
 
 

@@ -242,14 +242,14 @@ def follow_federation(scheduler, accelerator) -> None:
 def round_results(run: "Run") -> dict:
     """all_results.json's ``rounds`` (sync_trigger "time"/"speed"): per group the steps of each
     round, the share of its wall time spent waiting at syncs, its standalone tokens/s (its
-    tokens per second of training, no waiting), and the federation's tokens/s (every group's
-    tokens over this process's training seconds, syncs included, as a "steps" run's
-    ``tokens_per_s``) against their sum."""
+    tokens per second of training, no waiting: its timed steps' mean), and the federation's
+    tokens/s (every group's tokens over this process's training seconds, syncs included, as
+    a "steps" run's ``tokens_per_s``) against their sum."""
     summary = run.accelerator.synchronizer.rounds.summary()
     rounds = run.accelerator.synchronizer.rounds
     per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
     standalone = [g * per_rank_step / t if t > 0 else None for g, t in
-                  zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.group_steps)])]
+                  zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.timed_total)])]
     train_s = run.meter.clock.totals()["train_seconds"]  # this process's training time, syncs included
     federation = summary["rank_steps"] * per_rank_step / train_s if train_s else None
     known = [r for r in standalone if r is not None]

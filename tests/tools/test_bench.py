@@ -1004,3 +1004,9 @@ def test_speed_bench_settings_and_quality_check(tmp_path):
         sb.reference(tmp_path / "grid")
     assert sb.main(["--setting", "convergence", "--grid", "no-such-grid", "--name", "t"]) == 2
     assert not (Path(sb.ROOT) / "bench" / "work" / "t").exists()
+    # standalone rates: as written, or, for results from before `timed_steps`, over the timed steps only
+    new = {"standalone_tokens_per_s": [1000.0, 500.0], "timed_steps": [99, 49], "num_rounds": 10,
+           "group_steps": [100, 50]}
+    assert sb.standalone_rates(new) == [1000.0, 500.0]
+    old = {k: v for k, v in new.items() if k != "timed_steps"}
+    assert sb.standalone_rates(old) == pytest.approx([1000.0 * 90 / 100, 500.0 * 40 / 50])

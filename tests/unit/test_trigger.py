@@ -63,6 +63,22 @@ def test_round_state_closes_plans_and_stops_on_the_budget():
         RoundState("time", 4, (2, 2), position=0, window_s=1.0).load_state_dict(r.state_dict())
 
 
+def test_round_state_counts_the_timed_steps_the_standalone_rates_divide_by():
+    """A step the clock did not time (a run's first, the first after a resume) adds no
+    seconds, so per-step times and the standalone rates divide by the timed steps only."""
+    r = RoundState("speed", 4, (2, 2), position=0)
+    r.close([[4, 0.3, 0.0, 3], [4, 1.5, 0.0, 3]], "tokens")  # the first step of the run: untimed
+    assert r.timed_total == [3, 3] and r.seconds_per_step == pytest.approx([0.1, 0.5])
+    r.close([[20, 2.0, 0.1, 20], [4, 2.0, 0.0, 4]], "tokens")
+    assert r.timed_total == [23, 7] and r.summary()["timed_steps"] == [23, 7]
+    again = RoundState("speed", 4, (2, 2), position=0)
+    again.load_state_dict(json.loads(json.dumps(r.state_dict())))
+    assert again.timed_total == [23, 7]
+    old = {k: v for k, v in r.state_dict().items() if k not in ("timed_total", "timed")}  # an older checkpoint
+    again.load_state_dict(old)
+    assert again.timed_total == again.group_steps == [24, 8]
+
+
 def test_time_trigger_by_window_and_progress():
     r = RoundState("time", 8, (2, 4), position=0, window_s=1.5)
     assert r.round_steps is None and not r.time_up()
