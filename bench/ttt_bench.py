@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="results folder name (default: <today>-ttt)")
     p.add_argument("--links", default="10mbit", help="tc rates, comma-separated, e.g. 10mbit,100mbit")
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
-                   help="convergence-suite row ids, comma-separated, run in this order")
+                   help="convergence-suite row ids, comma-separated, run in this order at every link; "
+                        "LINK:ID runs a row at that link only (e.g. 10mbit:fl_fsdp-h8-nesterov)")
     p.add_argument("--cap_minutes", type=float, default=90.0,
                    help=f"wall-clock cap of the rows {', '.join(CAPPED)} (minutes; they stop there)")
     p.add_argument("--grid", default="2026-12-03-grid",
@@ -109,17 +110,21 @@ def make_plan(args) -> dict:
     if args.cap_minutes <= 0:
         raise TTTError(f"--cap_minutes must be > 0, got {args.cap_minutes}")
     by_id = {r.id: r for r in bp.runs_of(plan)}
-    rows = [x.strip() for x in args.rows.split(",") if x.strip()]
+    entries = [x.strip().split(":", 1) if ":" in x else [None, x.strip()] for x in args.rows.split(",") if x.strip()]
+    rows = list(dict.fromkeys(r for _, r in entries))
     unknown = [r for r in rows if r not in by_id]
     if unknown:
         raise TTTError(f"--rows: unknown row(s) {unknown}; the convergence rows are {sorted(by_id)}")
+    elsewhere = sorted({at for at, _ in entries if at is not None and at not in links})
+    if elsewhere:
+        raise TTTError(f"--rows: link(s) {elsewhere} are not in --links {links}")
     ckpt = plan["eval_every"]  # a capped row loses at most one evaluation's steps on a resume
     specs = []
     for link in links:
         base = by_id["fl_fsdp-h8"]
         limit = dataclasses.replace(base, id=LIMIT_ID, sync_every=bp.LIMIT_SYNC_EVERY, steps=LIMIT_STEPS, eval_every=0,
                                     checkpoint_every=0, baseline=None)
-        for spec in [limit] + [by_id[r] for r in rows]:
+        for spec in [limit] + [by_id[r] for at, r in entries if at in (None, link)]:
             specs.append(dataclasses.replace(spec, link=link, nodes=2, nproc_per_node=2, checkpoint_every=(
                 ckpt if spec.checkpoint_every else 0)))
     plan.update(name=name, links=links, rows=rows, cap_s=60.0 * args.cap_minutes, grid=args.grid,

@@ -908,6 +908,12 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
     assert [(s.link, s.id) for s in specs] == [(l, r) for l in ("10mbit", "100mbit")
                                                for r in (tb.LIMIT_ID, "fl_fsdp-h8-nesterov", "fsdp")]
     assert all((s.nodes, s.nproc_per_node, s.world) == (2, 2, 4) for s in specs) and p["cap_s"] == 90.0
+    p2 = plan("--links", "10mbit,100mbit", "--rows", "fsdp,10mbit:fl_fsdp-h8-nesterov")  # a row at one link only
+    assert [(s.link, s.id) for s in bp.runs_of(p2)] == [("10mbit", tb.LIMIT_ID), ("10mbit", "fsdp"),
+                                                        ("10mbit", "fl_fsdp-h8-nesterov"),
+                                                        ("100mbit", tb.LIMIT_ID), ("100mbit", "fsdp")]
+    with pytest.raises(tb.TTTError, match="not in --links"):
+        plan("--rows", "1gbit:fsdp")
     limit, nes = specs[0], specs[1]
     assert (limit.sync_every, limit.eval_every, limit.checkpoint_every) == (bp.LIMIT_SYNC_EVERY, 0, 0)
     assert nes.checkpoint_every == p["eval_every"] == 32 and nes.steps == 832
