@@ -311,8 +311,8 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
              "emulated nodes (one federation group per node; FSDP spans both), every node's link shaped with tc tbf. "
              "Minutes are the run's wall clock (start-up, training, evaluations and checkpoints; summed over sessions "
              "of a resumed run) at the first evaluation at or below each target, linear in eval loss between "
-             f"evaluations; '-' = not reached. Rows {', '.join(CAPPED)} stop after {plan['cap_s'] / 60:g} min of wall "
-             "clock (status says so). `of limit` = training tokens/s over the no-sync limit's (FL+FSDP, H = 10^6, "
+             f"evaluations; '-' = not reached. Rows {', '.join(CAPPED)} stop at a wall-clock cap ({plan['cap_s'] / 60:g} "
+             "min in this command; the status gives each stopped row's own). `of limit` = training tokens/s over the no-sync limit's (FL+FSDP, H = 10^6, "
              f"{LIMIT_STEPS} steps) on the same link in the same sitting. Seed band {out['seed_band']:.4f} nats and "
              f"FSDP's half-budget loss {out['fsdp_half_budget_loss']:.4f} from the grid.", "",
              _md(rows, heads), ""]
