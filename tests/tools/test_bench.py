@@ -460,7 +460,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, "fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                          "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-seed43"]
+                          "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
     assert rows["fl_fsdp-h8-nesterov-cosine"].extra_flags == ("--outer_lr_schedule", "cosine",
                                                              "--outer_lr_warmup_steps", "64")
@@ -518,7 +518,7 @@ def test_a_later_row_is_one_line(monkeypatch):
     assert _common_part(a)[: _common_part(a).index("--some_density")] == \
         _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
     assert list(rows)[-4:] == ["fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                               "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-seed43"]  # second seeds last
+                               "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]  # second seeds last
 
 
 def test_only_selects_throughput_rows_and_their_calibration():
