@@ -244,10 +244,10 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
                 "steps_per_round": None, "group_steps": [results["steps"]] * F,
                 "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"], "evals": results["_evals"],
                 "arrival_share": results.get("sync_arrival_share_by_group")}
+    standalone = standalone_rates(rounds)
     return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": link,
             "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
-            "standalone_tokens_per_s": standalone_rates(rounds),
-            "of_standalone_sum": tokens_per_s / sum(standalone_rates(rounds)),
+            "standalone_tokens_per_s": standalone, "of_standalone_sum": tokens_per_s / sum(standalone),
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
             "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"],

@@ -228,7 +228,7 @@ def report(plan: dict, machine: dict | None = None) -> dict:
     """time_to_target.json, the plot, table.md and command.txt from whatever has run."""
     grid = plan["grid"] if os.path.isdir(plan["grid"]) else os.path.join(bp.REPO, "bench", "results", plan["grid"])
     band, half = from_convergence(grid)
-    entries, status = [], {}
+    entries, status, runs = [], {}, {}
     for spec in bp.runs_of(plan):
         if spec.id == LIMIT_ID:
             continue
@@ -237,13 +237,14 @@ def report(plan: dict, machine: dict | None = None) -> dict:
         status[(spec.id, spec.link)] = "finished" if run and "stopped" not in run else (
             f"stopped: {run['stopped']}" if run else "not run yet")
         if run is not None:
+            runs[(spec.id, spec.link)] = run
             entries.append({"run": spec.id, "link": spec.link, "path": run,
                             "limit_tokens_per_s": (limit or {}).get("tokens_per_s")})
     os.makedirs(plan["results"], exist_ok=True)
     out = write_time_to_target(plan["results"], entries, band, half)
     for row in out["rows"]:
         row["status"] = status[(row["run"], row["link"])]
-    _extrapolate_stopped(plan, grid, out)
+    _extrapolate_stopped(runs, grid, out)
     out["machine"] = machine  # CPUs, versions, the TCP rate measured on each emulated link
     with open(os.path.join(plan["results"], "time_to_target.json"), "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
@@ -260,10 +261,10 @@ EXTRAPOLATION = (
     "and seed)")
 
 
-def _extrapolate_stopped(plan: dict, grid: str, out: dict) -> None:
+def _extrapolate_stopped(runs: dict, grid: str, out: dict) -> None:
     """For each stopped row, ``extrapolated_to_target`` (seconds, labelled: :data:`EXTRAPOLATION`)
     beside its measured ``to_target`` (null where the stop came first), and ``stopped_at``:
-    tokens, step and training tokens/s reached."""
+    tokens, step and training tokens/s reached. ``runs``: {(row id, link): :func:`_run_dict`}."""
     try:
         with open(os.path.join(grid, "bench.json"), encoding="utf-8") as fh:
             grid_rows = json.load(fh)["results"]["rows"]
@@ -272,8 +273,7 @@ def _extrapolate_stopped(plan: dict, grid: str, out: dict) -> None:
     for row in out["rows"]:
         if not str(row.get("status", "")).startswith("stopped"):
             continue
-        run = _run_dict(_dir(plan, next(s for s in bp.runs_of(plan) if s.id == row["run"] and s.link == row["link"])))
-        train = [r for r in run["records"] if "train/loss" in r and r.get("time_s")]
+        train = [r for r in runs[(row["run"], row["link"])]["records"] if "train/loss" in r and r.get("time_s")]
         if not train:
             continue
         last = train[-1]
