@@ -422,10 +422,6 @@ def check_fields(cfg: FLConfig) -> None:
                 raise ValueError(f"FLConfig.{name}={value} is not supported with sync_trigger={cfg.sync_trigger!r}: "
                                  f"rounds of unequal length run the blocking sync only (num_fragments=1, "
                                  f"sync_delay=0, fragment_update_alpha=0)")
-        if cfg.fault_tolerance == "torchft":
-            raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} is not supported with fault_tolerance="
-                             f"'torchft' yet (a quorum may change the groups between rounds); use "
-                             f"fault_tolerance='none' (one world) or sync_trigger='steps'")
     if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
         raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
                          "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")

@@ -109,6 +109,7 @@ class ManagedTransport:
     inside: MeshTransport
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
     init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
+    group_index: int = 0  # this launch's federation group (FLConfig.group_index): its row in the round's table
     elastic = True  # membership is decided at every sync
     num_chunks = property(lambda self: self.inside.num_chunks)
     chunk_index = property(lambda self: self.inside.chunk_index)
@@ -139,7 +140,7 @@ class ManagedTransport:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum)
+        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum, group_index=group_index)
 
         def on_heal(state):
             transport.healed, transport.heals = True, transport.heals + 1
@@ -293,12 +294,18 @@ class ManagedTransport:
         return float(out.item())
 
     def group_table(self, vector, rnd):
-        """A MAX over the group's world, then a SUM over the live groups (rows of the others 0)."""
+        """A MAX over the group's world, then a SUM over the live groups. If that SUM failed
+        (a peer group died: the round will not commit) only this group's row is filled in
+        (the others' last field, the group index, is -1), so that the round state records
+        what this group knows; the next quorum heals it from a live group if it fell behind."""
         mine = torch.tensor(vector, dtype=torch.float64, device=self.device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         table = torch.zeros(rnd.num_groups, len(vector), dtype=torch.float64, device=self.device)
         table[rnd.position] = mine
         self.all_reduce(table)
+        if self.manager.errored() is not None:
+            unknown = [0.0] * (len(vector) - 1) + [-1.0]  # trigger.FIELDS: a negative "group" is a row not filled in
+            return [mine.tolist() if p == rnd.position else unknown for p in range(rnd.num_groups)]
         return table.tolist()
 
     def state_dict(self) -> dict:
@@ -338,7 +345,8 @@ def state_nbytes(state) -> int:
 def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
     """What a group healing from this live one takes over (the Manager's ``state_dict``, on its
     quorum thread): cloned ``params``, ``optimizer`` (state, hyperparameters), ``outer`` (anchor,
-    momentum), ``schedule``, ``schedulers``, ``extra``; not the residuals or data position."""
+    momentum), ``schedule``, ``round`` (the trigger's round state, or None), ``schedulers``,
+    ``extra``; not the residuals or data position."""
     opt = sync.optimizer
     state = {}
     for i, p in enumerate(sync.params):
@@ -352,6 +360,7 @@ def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
                                                      for g in opt.param_groups]},
             "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
             "schedule": sync.schedule.state_dict(),
+            "round": sync.rounds.state_dict() if sync.rounds is not None else None,
             "schedulers": [s.state_dict() for s in schedulers],
             "extra": dict(extra or {})}
 
@@ -392,6 +401,8 @@ def restore(sync, schedulers: list, state: dict) -> None:
     sync.outer.load(state["outer"], residuals)
     sync.outer.zero_residuals()
     sync.schedule.load_state_dict(state["schedule"])
+    if sync.rounds is not None and state.get("round") is not None:  # sync_trigger "time"/"speed"
+        sync.rounds.take_over(state["round"])
     for fragment in sync.fragments:
         fragment.pending = None
     for scheduler, saved in zip(schedulers, state["schedulers"]):

@@ -170,10 +170,15 @@ class FederatedSynchronizer:
         self.round_plan_hook = None
         """Test hook: ``hook(round_index) -> steps per group``, replacing the trigger's plan for
         that round (a fixed schedule for exact comparisons; documented in docs/unequal_groups.md)."""
-        if config.sync_trigger != "steps" and self.schedule.active and not elastic:
-            rnd = transport.begin()
-            sizes = tuple(group_sizes) if group_sizes is not None else (1,) * rnd.num_groups
-            self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, rnd.position,
+        if config.sync_trigger != "steps" and self.schedule.active:
+            if elastic:  # torchft: the configured groups, each known by its index (positions change per quorum)
+                sizes = tuple(group_sizes) if group_sizes is not None else (1,) * config.num_groups
+                position = int(transport.group_index)
+            else:
+                rnd = transport.begin()
+                sizes = tuple(group_sizes) if group_sizes is not None else (1,) * rnd.num_groups
+                position = rnd.position
+            self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, position,
                                      window_s=config.sync_window_s)
         self._started = time.perf_counter()
         self._mark: float | None = None  # the last optimizer step's end (None: the next step is not timed)
@@ -229,6 +234,8 @@ class FederatedSynchronizer:
             if actions and getattr(self.transport, "elastic", False):
                 self.transport.begin()  # the quorum of this event; a heal replaces the counters
                 if self.transport.healed:
+                    if self.rounds is not None:  # it came to sync, and syncs now whatever its source's count
+                        self.schedule.round_steps = self.schedule.local_step
                     actions = self.schedule.actions()
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
@@ -272,6 +279,10 @@ class FederatedSynchronizer:
             weights = r.close(table, "size", now_s=time.perf_counter() - self._started)
         else:
             weights = r.close(table, self.config.group_weighting, now_s=time.perf_counter() - self._started)
+        if 0.0 in rnd.weights and sum(w for w, v in zip(weights, rnd.weights) if v > 0) > 0:
+            # torchft: a group that healed in this quorum is a copy of its source and keeps weight 0
+            kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
+            weights = [w / sum(kept) for w in kept]
         return Round(rnd.num_groups, rnd.position, tuple(weights))
 
     @contextlib.contextmanager

@@ -18,9 +18,17 @@ other triggers end a round by time or by speed instead (cf. Async Local-SGD, arX
   group's step: 6% of the round at H=8 and 2:1). The first round is H for every group.
 
 At each sync the groups exchange one small vector per group (:data:`FIELDS`): steps and
-training seconds of the round, and the time spent waiting at syncs. From it every rank
-computes the same merge weights (:func:`merge_weights`), the next round's steps
-(:func:`plan_round`), and the federation's progress in tokens.
+training seconds of the round, the time spent waiting at syncs, and the group's index. From
+it every rank computes the same merge weights (:func:`merge_weights`), the next round's
+steps, and the federation's progress in tokens.
+
+With ``fault_tolerance="torchft"`` the table has one row per group of the sync's quorum
+(torchft's ``participating_rank`` order, which may change between quorums), so the rows
+carry the group index and the per-group counters are kept by index. A group missing from
+a quorum trained nothing the federation counts in that round; the next round is planned
+from the groups present. A group that heals takes over a live group's state
+(:meth:`RoundState.take_over`) and enters the round with no steps of its own, so its merge
+weight is 0, as torchft's healed groups have in the "steps" mode.
 
 Run length: a run of T optimizer steps under a non-"steps" trigger trains the tokens a
 "steps" run of T steps would, ``T x sum_f G_f`` rank-steps (every rank trains the same
@@ -36,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 TRIGGERS = ("steps", "time", "speed")
-FIELDS = ("steps", "train_s", "wait_s", "timed_steps")
+FIELDS = ("steps", "train_s", "wait_s", "timed_steps", "group")
 """The per-group vector exchanged at each sync (:meth:`RoundState.vector`)."""
 
 
@@ -137,43 +145,68 @@ class RoundState:
 
     def vector(self, wait_s: float) -> list[float]:
         """This group's entry of the exchange (:data:`FIELDS`); ``wait_s``: seconds at syncs so far."""
-        return [float(self.steps), float(self.train_s), float(wait_s), float(self.timed)]
+        return [float(self.steps), float(self.train_s), float(wait_s), float(self.timed), float(self.position)]
 
     def close(self, table: Sequence[Sequence[float]], weighting: str, now_s: float | None = None) -> tuple[float, ...]:
-        """End the round with every group's vector (``table[f]``, :data:`FIELDS`): update the
-        counters, plan the next round; return the round's merge weights. ``now_s``: the
-        round's end in seconds from the start (for :meth:`summary`)."""
-        steps = [int(round(row[0])) for row in table]
-        weights = merge_weights(weighting, steps, self.sizes)
+        """End the round with the groups' vectors (``table[p]``, :data:`FIELDS`: row p of the
+        round's membership, its ``group`` field the group's index; a table without that field
+        has row f for group f): update the per-group counters, plan the next round from the
+        groups present; return the round's merge weights, one per row. ``now_s``: the round's
+        end in seconds from the start (for :meth:`summary`). A row whose ``group`` is negative
+        was not filled in (a failed torchft exchange): weight 0, nothing counted. ValueError: a
+        group index out of range or twice, or no row filled in."""
+        F = len(self.sizes)
+        every = [int(round(row[4])) if len(row) > 4 else p for p, row in enumerate(table)]
+        rows = [p for p, g in enumerate(every) if g >= 0]  # a negative index: a row nobody filled in
+        groups = [every[p] for p in rows]
+        if not rows or len(set(groups)) != len(groups) or not all(g < F for g in groups):
+            raise ValueError(f"the round's table names groups {every}; expected distinct indices below {F}")
+        row_steps = [int(round(table[p][0])) for p in rows]
+        kept = dict(zip(rows, merge_weights(weighting, row_steps, [self.sizes[g] for g in groups])))
+        weights = tuple(kept.get(p, 0.0) for p in range(len(table)))
+        steps = [0] * F  # a group outside the round's membership trained nothing the federation counts
+        for g, n in zip(groups, row_steps):
+            steps[g] = n
         self.rounds.append(steps)
         if now_s is not None:
             self.ends_s.append(float(now_s))
-        for f, row in enumerate(table):
-            self.group_steps[f] += steps[f]
-            self.train_s_total[f] += float(row[1])
-            self.wait_s[f] = float(row[2])
-            timed = int(round(row[3])) if len(row) > 3 else steps[f]
-            self.timed_total[f] += timed
+        for g, n, row in zip(groups, row_steps, [table[p] for p in rows]):
+            self.group_steps[g] += n
+            self.train_s_total[g] += float(row[1])
+            self.wait_s[g] = float(row[2])
+            timed = int(round(row[3])) if len(row) > 3 else n
+            self.timed_total[g] += timed
             if timed > 0 and row[1] > 0:
-                self.seconds_per_step[f] = float(row[1]) / timed
+                self.seconds_per_step[g] = float(row[1]) / timed
         self.tokens += sum(g * n for g, n in zip(self.sizes, steps))
         self.steps, self.train_s, self.timed = 0, 0.0, 0
         self.done = self.budget is not None and self.tokens >= self.budget
-        self.plan = self._next_plan(steps)
+        self.plan = self._next_plan(steps, groups)
         return weights
 
-    def _next_plan(self, last: list[int]) -> list[int] | None:
-        if self.trigger == "speed":
-            rates = speed_steps(self.sync_every, self.seconds_per_step)
+    def _next_plan(self, last: list[int], present: Sequence[int] | None = None) -> list[int] | None:
+        present = set(range(len(self.sizes)) if present is None else present)
+        if self.trigger == "speed":  # from the groups present; the others (no fresh measurement) do H
+            timed = [t if f in present else 0.0 for f, t in enumerate(self.seconds_per_step)]
+            rates = speed_steps(self.sync_every, timed)
         elif self.trigger == "time":
             rates = [max(1, n) for n in last]  # steps in one window, as measured
         else:
             rates = [self.sync_every] * len(self.sizes)
         if self.budget is not None and not self.done:
             remaining = self.budget - self.tokens
-            if sum(g * r for g, r in zip(self.sizes, rates)) >= remaining:
-                return last_round(remaining, rates, self.sizes)
+            share = [r if f in present else 0 for f, r in enumerate(rates)]  # what the groups present will train
+            if sum(g * r for g, r in zip(self.sizes, share)) >= remaining:
+                return last_round(remaining, share, self.sizes)
         return rates if self.trigger == "speed" else None
+
+    def take_over(self, state: dict) -> None:
+        """A torchft heal: this group becomes a copy of a live group, whose round state
+        (:meth:`state_dict`) it loads, keeping its own index (``position``). It enters the
+        current round with no steps of its own: it trained nothing the federation counts since
+        the last sync, so the round's "tokens" weight is 0 (a copy would weigh twice)."""
+        self.load_state_dict(state)
+        self.steps, self.train_s, self.timed = 0, 0.0, 0
 
     def progress_steps(self) -> float:
         """The federation's progress in optimizer steps of a "steps" run (rank-steps over N),

@@ -131,6 +131,10 @@ PARITY = {  # case -> (FLConfig fields over H=4, optimizer, largest allowed |dif
 }
 
 
+SPEED_PLAN = [[5, 3], [2, 6]]
+"""The speed trigger's rounds in the parity test: steps of groups 0 and 1 per round (8 x 4 rank-steps in all)."""
+
+
 def _assert_steps_match(got, want, tol, what, steps=range(1, 9)) -> float:
     """``got``/``want``: worker records; every recorded step in ``steps`` and the final
     shards agree within ``tol`` (0: bitwise). Returns the largest difference."""
@@ -184,6 +188,10 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
       for fragments (P=2, tau=1) with int8 + error feedback; every quorum had both groups,
       none healed; for fp32 "avg" the groups differ before each sync and are equal after it
       (both runs forked: tests/_forkserver.py);
+    * the "speed" trigger with a fixed schedule of unequal rounds (group 0: 5 then 2 steps,
+      group 1: 3 then 6; AdamW, "nesterov"): every step of every rank equals the single
+      world within 1e-6, each round's mean is weighted by the tokens of the quorum's
+      groups, and the run ends on its token budget;
     * per-group checkpoints (fp32 "avg"; each group saves its own state at steps 3 and 6,
       mid-round): everything is stopped, and both groups restart from their own step-3
       checkpoints (a new Lighthouse, no live peer). Group 1 runs under ``torchrun
@@ -199,6 +207,8 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
              for name, (fl, opt, _) in PARITY.items()}
     cases["fp32_avg"].update(scheduler=True, checkpoint_every=3)
     cases["seeded_apart"] = {"optimizer": "sgd", "lr": 0.05, "seed_by_group": True, "expect_error": True}
+    cases["speed_trigger"] = {"optimizer": "adamw", "lr": 1e-3, "plan": SPEED_PLAN,
+                              "fl": {"sync_trigger": "speed", "outer_optimizer": "nesterov"}}
     base = {"fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4}, "max_steps": 8, "record_steps": True}
     spec = write_json(tmp_path / "spec.json", {**base, "cases": cases})
     single = run_torchrun(2 * G, WORKER, spec, tmp_path / "single", timeout=420)
@@ -217,6 +227,23 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
                 assert [q["num_groups"] for q in ft_rec["quorums"]] == [2] * events
                 assert not any(q["healed"] for q in ft_rec["quorums"])
         print(f"\n[{case}] largest |torchft - single world| over every step and shard: {worst:.3g}")
+    # unequal rounds (the speed trigger, a fixed schedule): group 0 trains 5 + 2 steps, group 1 3 + 6, each
+    # round's mean weighted by tokens; torchft's table of the quorum's groups equals the single world's
+    for f, own in enumerate(zip(*SPEED_PLAN)):
+        for k in range(G):
+            ft_rec = _load(tmp_path / "ft" / "speed_trigger" / f"g{f}_r{k}_a0.pt")
+            ref = _load(tmp_path / "single" / "speed_trigger" / f"g{f}_r{f * G + k}_a0.pt")
+            worst = _assert_steps_match(ft_rec, ref, 1e-6, f"[speed_trigger] group {f} rank {k}",
+                                        steps=range(1, sum(own) + 1))
+            assert [q["num_groups"] for q in ft_rec["quorums"]] == [2, 2] and not ft_rec["heals"]
+            ends = [sum(own[:r + 1]) for r in range(2)]
+            weights = [[a / sum(r) for a in r] for r in SPEED_PLAN]
+            for got in (ft_rec, ref):
+                assert [s for s, _ in got["weights"]] == ends, got["weights"]
+                assert all(w == pytest.approx(want) for (_, w), want in zip(got["weights"], weights))
+                assert got["rounds"]["steps_per_round"] == [list(r) for r in zip(*SPEED_PLAN)]
+                assert got["rounds"]["rank_steps"] == 8 * 2 * G
+        print(f"\n[speed_trigger] group {f}: largest |torchft - single world| {worst:.3g}")
     for f in range(2):  # the start-up identity check: at prepare (single world), at the first quorum (torchft)
         for k in range(G):
             err = json.loads((tmp_path / "single" / "seeded_apart" / f"error_g{f}_r{f * G + k}.json").read_text())

@@ -51,6 +51,21 @@ def _no_processes(nodeid: str, phase: str):
                     pytrace=False)
 
 
+def _build_font_cache() -> None:
+    """matplotlib builds its font cache at its first import on a machine, asking ``fc-list``
+    (a process): build it when this file loads, before any test, so a fresh machine's first
+    plot test does not trip the guard."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401
+
+
+_build_font_cache()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     with _no_processes(item.nodeid, "setup"):

@@ -162,7 +162,6 @@ def test_describe():
     ({"sync_trigger": "speed", "num_fragments": 2}, None, "num_fragments"),
     ({"sync_trigger": "time", "sync_window_s": 1.0, "sync_delay": 1}, None, "sync_delay"),
     ({"sync_trigger": "speed", "fragment_update_alpha": 0.5}, None, "fragment_update_alpha"),
-    ({"sync_trigger": "speed", "fault_tolerance": "torchft", "group_index": 0}, None, "sync_trigger"),
     ({"outer_state_device": "cuda"}, None, r"outer_state_device must be one of \['same', 'cpu'\]"),
     ({"outer_state_device": None}, None, "outer_state_device"),
     ({"collective_timeout_s": 0}, None, "collective_timeout_s"),

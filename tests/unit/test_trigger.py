@@ -79,6 +79,45 @@ def test_round_state_counts_the_timed_steps_the_standalone_rates_divide_by():
     assert again.timed_total == again.group_steps == [24, 8]
 
 
+def test_round_state_of_a_torchft_quorum_rows_by_group_index():
+    """torchft: the table has one row per group of the quorum, in the quorum's order, each
+    naming its group; the counters are kept by group index, a group missing from the quorum
+    counts nothing and the next round is planned from the groups present."""
+    r = RoundState("speed", 4, (2, 2, 2), position=2)
+    r.budget = 100 * 6
+    assert r.vector(0.5)[-1] == 2.0  # this group's index travels with its row
+    w = r.close([[8, 0.8, 0.0, 8, 2], [4, 0.8, 0.0, 4, 0]], "tokens")  # group 1 is down; rows in quorum order
+    assert w == pytest.approx((2 / 3, 1 / 3))  # per row: group 2 trained 8 steps, group 0 4
+    assert r.group_steps == [4, 0, 8] and r.rounds == [[4, 0, 8]] and r.tokens == 24
+    assert r.seconds_per_step == pytest.approx([0.2, 0.0, 0.1])
+    assert r.plan == [4, 4, 8] and r.round_steps == 8  # from the groups present; group 1 (no measurement): H
+    # a failed exchange: only this group's row is filled in (the others' group index is -1)
+    w = r.close([[0, 0, 0, 0, -1], [8, 0.8, 0.1, 8, 2], [0, 0, 0, 0, -1]], "tokens")
+    assert w == (0.0, 1.0, 0.0) and r.group_steps == [4, 0, 16] and r.tokens == 40
+    r.budget = 40 + 24 + 20  # after the next round 20 rank-steps are left: the last round, shared by the two
+    r.close([[4, 0.8, 0.0, 4, 0], [8, 0.8, 0.0, 8, 2]], "tokens")  # groups present (group 1: nothing)
+    assert not r.done and r.plan[0] < r.plan[2] and sum(2 * n for f, n in enumerate(r.plan) if f != 1) == pytest.approx(20, abs=2)
+    for bad in ([[1, 0, 0, 1, 0], [1, 0, 0, 1, 0]], [[1, 0, 0, 1, 3]], [[0, 0, 0, 0, -1]]):
+        with pytest.raises(ValueError, match="names groups"):
+            r.close(bad, "tokens")
+
+
+def test_round_state_take_over_of_a_healing_group():
+    """A heal loads the live group's round state but keeps this group's index and enters the
+    round with no steps of its own (its "tokens" weight is 0)."""
+    live = RoundState("speed", 4, (2, 2), position=0)
+    live.close([[4, 0.4, 0.0, 4, 0], [4, 0.8, 0.0, 4, 1]], "tokens")
+    live.steps, live.train_s, live.timed = 8, 0.8, 8
+    healing = RoundState("speed", 4, (2, 2), position=1)
+    healing.steps, healing.train_s = 3, 0.6
+    healing.take_over(json.loads(json.dumps(live.state_dict())))
+    assert healing.position == 1 and healing.plan == live.plan == [8, 4] and healing.round_steps == 4
+    assert healing.tokens == live.tokens and healing.group_steps == live.group_steps
+    assert (healing.steps, healing.train_s, healing.timed) == (0, 0.0, 0)
+    w = healing.close([[8, 0.8, 0.0, 8, 0], healing.vector(0.0)], "tokens")
+    assert w == (1.0, 0.0)
+
+
 def test_time_trigger_by_window_and_progress():
     r = RoundState("time", 8, (2, 4), position=0, window_s=1.5)
     assert r.round_steps is None and not r.time_up()

@@ -14,7 +14,10 @@ ends a run with a kill and restart once the restarted group healed). Checkpoints
 group, ``FLAccelerator.save_state``): ``checkpoint_every`` (save
 ``<checkpoint_dir>/g<f>/step_<n>`` after every n-th step, with this rank's data position,
 the batches it consumed, as ``rank_state``), ``checkpoint_dir`` (default OUT_DIR/ckpt),
-``checkpoint_groups`` (only these groups save), ``resume`` (load the newest complete
+``checkpoint_groups`` (only these groups save), ``plan`` (with an ``fl.sync_trigger``
+other than "steps": the steps per group of each round, injected through
+``synchronizer.round_plan_hook``; the loop then runs until ``training_done``, the token
+budget of ``max_steps``), ``resume`` (load the newest complete
 checkpoint of this group first, if any, and skip the batches it had consumed),
 ``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
 case's ValueError is recorded in ``<case>/error_g<f>_r<k>.json`` with the step), ``crash`` (``{"group": f, "step": n}``: on the first attempt
@@ -174,7 +177,16 @@ def run_case(spec: dict, out: Path) -> None:
         stop = out / "stop_at"
         return int(stop.read_text()) if spec.get("stop_file") and stop.exists() else steps
 
-    while sync.schedule.global_step < target():
+    if sync.rounds is not None:  # a sync_trigger: a budget of tokens, this group's plan per round injected
+        plan = spec["plan"]
+        sync.round_plan_hook = lambda k: plan[min(k, len(plan) - 1)]
+        acc.set_max_steps(steps)
+        rec["weights"] = []
+
+    def more() -> bool:
+        return not acc.training_done if sync.rounds is not None else sync.schedule.global_step < target()
+
+    while more():
         skip = consumed % len(loader)
         for batch in acc.skip_first_batches(loader, skip) if skip else loader:
             consumed += 1
@@ -198,13 +210,16 @@ def run_case(spec: dict, out: Path) -> None:
             write_whole(progress, f"{step} {now} {attempt}")  # the test reads it mid-run: never torn
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
-            if step >= target():
+            if sync.rounds is not None and sync.schedule.local_step == 0:  # this step ended a round
+                rec["weights"].append((step, list(sync.last_round.weights)))
+            if not more():
                 break
     acc.end_training()
     rec["final"] = full_state(acc, torch_opt, scheduler)
     rec["batches"] = consumed
     rec["heals"] = getattr(transport, "heals", 0)
     rec["heal_sources"] = list(getattr(transport, "heal_sources", []))
+    rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
     torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.pt")
 
 
