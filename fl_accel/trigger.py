@@ -204,7 +204,8 @@ class RoundState:
         """A torchft heal: this group becomes a copy of a live group, whose round state
         (:meth:`state_dict`) it loads, keeping its own index (``position``). It enters the
         current round with no steps of its own: it trained nothing the federation counts since
-        the last sync, so the round's "tokens" weight is 0 (a copy would weigh twice)."""
+        the last sync, so the round's "tokens" weight is 0 (a copy would weigh twice). The
+        rounds' end times (``ends_s``) up to the heal are the source's clock."""
         self.load_state_dict(state)
         self.steps, self.train_s, self.timed = 0, 0.0, 0
 
@@ -214,10 +215,11 @@ class RoundState:
         return (self.tokens + self.steps * sum(self.sizes)) / sum(self.sizes)
 
     def state_dict(self) -> dict:
-        return {"trigger": self.trigger, "plan": self.plan, "group_steps": list(self.group_steps),
+        return {"trigger": self.trigger, "plan": None if self.plan is None else list(self.plan), "group_steps": list(self.group_steps),
                 "tokens": self.tokens, "budget": self.budget, "seconds_per_step": list(self.seconds_per_step),
                 "wait_s": list(self.wait_s), "train_s_total": list(self.train_s_total),
-                "timed_total": list(self.timed_total), "rounds": self.rounds, "ends_s": list(self.ends_s),
+                "timed_total": list(self.timed_total), "rounds": [list(r) for r in self.rounds],
+                "ends_s": list(self.ends_s),
                 "done": self.done, "steps": self.steps, "train_s": self.train_s, "timed": self.timed}
 
     def load_state_dict(self, state: dict) -> None:

@@ -461,6 +461,67 @@ def test_three_groups_recovering_ranks_heal_from_one_source(tmp_path):
                 _assert_state_equal(finals[f][name], finals[0][name], f"rank {k} group {f} final {name}")
 
 
+def test_group_joining_under_the_speed_trigger_heals_and_the_run_ends_on_its_budget(tmp_path):
+    """``sync_trigger="speed"`` in the torchft mode, 2 groups x 2 ranks, AdamW, a fixed
+    schedule (group 0: 4 steps per round, group 1: 2; a token budget of 24 steps of the
+    whole federation, 96 rank-steps). Group 0 starts alone and trains rounds by itself;
+    group 1 starts later (no checkpoint: torchft's step 0, as after a crash) and heals from
+    group 0 at its first sync. Then:
+
+    * group 1's parameters, AdamW state, anchor, counters and LR right after the heal are
+      bitwise group 0's at that quorum, and it took over group 0's round state (rounds,
+      tokens, plan) with no steps of its own in the round: that round's merge weights are
+      1 and 0, and the federation's per-round steps record 0 for group 1 in every round
+      before it joined and in the heal's round;
+    * both groups end with the same round summary, on the token budget (the rounds that
+      group 0 trained alone count its tokens only), and bitwise equal parameters; group
+      1's data position is its own (the batches it trained)."""
+    out = tmp_path / "out"
+    spec = write_json(tmp_path / "spec.json", {
+        "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "sync_trigger": "speed"},
+        "optimizer": "adamw", "lr": 1e-3, "max_steps": 24, "plan": [[4, 2]], "step_sleep": 0.3})
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
+                                                 join_timeout_ms=10000)
+    logs = {name: tmp_path / name for name in ("g0", "g1")}
+    procs = []
+    try:
+        procs.append(_forked_group(0, WORKER, spec, out, lighthouse=addr, log_dir=logs["g0"]))
+        _wait_for(lambda: _progress(out, 0)[0] >= 9, 240, "group 0 alone past two rounds", procs)
+        procs.append(_forked_group(1, WORKER, spec, out, lighthouse=addr, log_dir=logs["g1"]))
+        codes = [_wait_code(p, 300) for p in procs]
+    finally:
+        for p in procs:
+            _kill(p)
+        terminate(lighthouse)
+    assert codes == [0, 0], "\n".join(f"--- {n}\n{_log_tail(p)}" for n, p in logs.items())
+
+    for k in range(G):
+        src, joined = _load(out / f"g0_r{k}_a0.pt"), _load(out / f"g1_r{k}_a0.pt")
+        heal = [q for q in joined["quorums"] if q["healed"]]
+        assert len(heal) == 1 and joined["heals"] == 1, [(q["manager_step"], q["healed"]) for q in joined["quorums"]]
+        peer = [q for q in src["quorums"] if q["manager_step"] == heal[0]["manager_step"]]
+        assert len(peer) == 1 and peer[0]["num_groups"] == 2
+        _assert_state_equal(heal[0]["state"], peer[0]["state"], f"rank {k} after the heal")
+        mine, theirs = heal[0]["round"], peer[0]["round"]
+        own = ("steps", "train_s", "timed")  # this round's own figures: the source's, 0 for the healed group
+        assert {k_: v for k_, v in mine.items() if k_ not in own} == {k_: v for k_, v in theirs.items()
+                                                                      if k_ not in own}
+        assert (mine["steps"], mine["timed"]) == (0, 0) and theirs["steps"] == 4
+        alone = len(theirs["rounds"])  # rounds group 0 closed before group 1 came
+        assert alone >= 2 and all(r == [4, 0] for r in theirs["rounds"]), theirs["rounds"]
+        clocks = ("round_end_s",)  # each rank's own clock (the healed group's starts with its source's)
+        assert {k_: v for k_, v in src["rounds"].items() if k_ not in clocks} == \
+            {k_: v for k_, v in joined["rounds"].items() if k_ not in clocks}, (src["rounds"], joined["rounds"])
+        per_group = src["rounds"]["steps_per_round"]
+        assert per_group[1][alone] == 0 and per_group[0][alone] == 4  # the heal's round: group 1 counts nothing
+        assert all(n == 2 for n in per_group[1][alone + 1:-1]) and per_group[1][alone + 1:], per_group
+        assert src["rounds"]["rank_steps"] == pytest.approx(24 * 2 * G, abs=2 * G), src["rounds"]
+        heal_weights = [w for s_, w in src["weights"]][alone]
+        assert sorted(heal_weights) == [0.0, 1.0], src["weights"]
+        _assert_state_equal(joined["final"]["params"], src["final"]["params"], f"rank {k} final params")
+        assert joined["batches"] == len(joined["times"])  # its own data position: the steps it trained
+
+
 # ---------------------------------------------------------------------- the recipe
 RECIPE_ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps", "4", "--log_every",
                "1", "--eval_every", "2", "--max_eval_blocks", "16", "--sync_every", "2", "--num_groups", "2",

@@ -150,7 +150,8 @@ def run_case(spec: dict, out: Path) -> None:
             if opened and rnd.num_groups > 1:
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
-                                       "state": full_state(acc, torch_opt, scheduler)})
+                                       "state": full_state(acc, torch_opt, scheduler),
+                                       "round": sync.rounds.state_dict() if sync.rounds is not None else None})
             if opened and transport.healed:  # the records so far (a later kill loses the final ones), then the mark
                 rec["heals"], rec["heal_sources"] = transport.heals, list(transport.heal_sources)
                 torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.heal.pt")
