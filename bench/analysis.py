@@ -480,6 +480,8 @@ def run_status(root, spec: RunSpec) -> dict:
     if isinstance(root, CompactRuns):
         if spec.path in root:
             return {"state": "finished", "step": root.get(spec.path).get("steps")}
+        if root.work and os.path.isdir(os.path.join(root.work, spec.path)):  # continued in the work folder
+            return run_status(root.work, spec)
         return dict(root.status.get(spec.id) or {"state": "not started", "step": 0})
     path = os.path.join(root, spec.path)
     if os.path.isfile(os.path.join(path, "all_results.json")):

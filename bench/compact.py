@@ -121,20 +121,33 @@ class CompactRuns:
     ``status`` holds the saved state of the rows that had not finished (quality suites)."""
 
     def __init__(self, runs: Mapping[str, dict], curves: Mapping[str, list[dict]], where: str = "",
-                 status: Mapping[str, dict] | None = None):
+                 status: Mapping[str, dict] | None = None, work: str | None = None):
         self.runs, self.curves, self.where, self.status = dict(runs), dict(curves), where, dict(status or {})
+        self.work = work
+        """A work folder laid over the committed runs: a run finished there (its
+        ``all_results.json``) replaces the committed one, and its unfinished runs' state
+        replaces the saved one (a suite continued on another machine or checkout)."""
 
     @classmethod
-    def load(cls, results_dir: str) -> "CompactRuns":
-        """From ``results_dir``/bench.json and curves.csv (a missing curves.csv: no records)."""
+    def load(cls, results_dir: str, work: str | None = None) -> "CompactRuns":
+        """From ``results_dir``/bench.json and curves.csv (a missing curves.csv: no records),
+        with ``work`` laid over them (see :attr:`work`)."""
         with open(os.path.join(results_dir, "bench.json"), encoding="utf-8") as fh:
             saved = json.load(fh)
         curves_path = os.path.join(results_dir, CURVES_FILE)
         curves = read_curves(curves_path) if os.path.isfile(curves_path) else {}
         status = (saved.get("results") or {}).get("status") or {}
-        return cls(saved.get("runs") or {}, curves, results_dir, status)
+        return cls(saved.get("runs") or {}, curves, results_dir, status, work=work)
+
+    def in_work(self, path: str) -> bool:
+        """The run finished in the work folder laid over these runs."""
+        return bool(self.work) and os.path.isfile(os.path.join(self.work, path, "all_results.json"))
 
     def get(self, path: str) -> dict | None:
+        if self.in_work(path):
+            from bench.analysis import read_run
+
+            return read_run(os.path.join(self.work, path))
         if path not in self.runs:
             return None
         run = dict(self.runs[path])
@@ -143,7 +156,7 @@ class CompactRuns:
         return run
 
     def __contains__(self, path: str) -> bool:
-        return path in self.runs
+        return path in self.runs or self.in_work(path)
 
 
 def has_compact(results_dir: str) -> bool:

@@ -231,7 +231,9 @@ def run_local(plan: dict, dry: bool) -> dict:
     """Every row of a quality suite, one after the other: a single-node torchrun on
     loopback (no emulator, no root), in the order of the plan.
 
-    A row whose ``all_results.json`` exists is skipped. Every other row is launched with
+    A row whose ``all_results.json`` exists is skipped, and so is a row the committed results
+    folder (``plan["results"]``, compact) holds: a suite continues on a fresh checkout. Every
+    other row is launched with
     ``--resume_from_checkpoint latest``, so an interrupted suite continues each run from its
     last checkpoint (or from step 0 when it has none); its ``launch.log`` is appended to,
     one header per session. A failed row is recorded and the suite goes on with the next
@@ -247,8 +249,11 @@ def run_local(plan: dict, dry: bool) -> dict:
     """
     import datetime
 
+    from bench.compact import CompactRuns, has_compact
+
     runner = Runner(plan, dry)
     only = set(plan.get("only") or ())
+    committed = CompactRuns.load(plan["results"]) if has_compact(plan["results"]) else None
     records_path = os.path.join(plan["work"], LAUNCHES_FILE)
     records = {} if dry else _read_json(records_path, {})
     failed: list[str] = []
@@ -264,6 +269,9 @@ def run_local(plan: dict, dry: bool) -> dict:
             continue
         if os.path.isfile(os.path.join(out_dir, "all_results.json")):
             print(f"[bench] {spec.path}: finished earlier (all_results.json), skipped", flush=True)
+            continue
+        if committed is not None and spec.path in committed.runs:
+            print(f"[bench] {spec.path}: finished in the committed {plan['results']}, skipped", flush=True)
             continue
         os.makedirs(out_dir, exist_ok=True)
         log_path = os.path.join(out_dir, "launch.log")

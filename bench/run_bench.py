@@ -35,7 +35,7 @@ import sys
 
 from scripts import netemu
 
-from bench.compact import CompactRuns
+from bench.compact import CompactRuns, has_compact
 from bench.launch import LAUNCHES_FILE, run_all, run_local
 from bench.plan import LOCAL_SUITES, BenchError, build_parser, make_plan, parse_sources, runs_of
 from bench.report import loadavg, machine_info, report, report_local
@@ -131,12 +131,25 @@ def main_local(plan: dict, dry: bool) -> int:
     meta["machine"] = machine
     with open(os.path.join(plan["work"], "meta.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=1)
-    report_local(plan, meta, plan["work"])
+    report_local(plan, meta, _local_root(plan, meta, plan["work"]))
     if meta["failed"]:
         print(f"error: {len(meta['failed'])} run(s) failed: {', '.join(meta['failed'])} (their launch.log under "
               f"{plan['work']}); rerun to continue them: {resume}", file=sys.stderr)
         return 1
     return 0
+
+
+def _local_root(plan: dict, meta: dict, work: str):
+    """What a quality suite's report reads: the work folder, laid over the committed results
+    folder's runs when it has them (:class:`CompactRuns` ``work``), so rows finished on
+    another checkout stay in the report; their launch records join ``meta["launches"]``."""
+    if not has_compact(plan["results"]):
+        return work
+    root = CompactRuns.load(plan["results"], work=work)
+    with open(os.path.join(plan["results"], "bench.json"), encoding="utf-8") as fh:
+        saved = json.load(fh).get("launches") or {}
+    meta["launches"] = {**saved, **(meta.get("launches") or {})}
+    return root
 
 
 def report_only(args, argv: list[str] | None) -> int:
@@ -190,6 +203,8 @@ def report_only(args, argv: list[str] | None) -> int:
         if isinstance(root, str) and os.path.isfile(os.path.join(work, LAUNCHES_FILE)):
             with open(os.path.join(work, LAUNCHES_FILE), encoding="utf-8") as fh:  # newer than meta.json
                 meta["launches"] = json.load(fh)
+        if isinstance(root, str):  # a work folder: with the committed rows it does not hold
+            root = _local_root(plan, meta, root)
         meta.setdefault("command", plan.get("command", "-"))
         meta.setdefault("resume_command", plan["command"] if "--name" in plan.get("command", "")
                         else f"{plan.get('command')} --name {name}")

@@ -823,6 +823,48 @@ def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatc
     assert "failing on purpose" in (tmp_path / plan["name"] / "fl_fsdp-h32" / "launch.log").read_text()
 
 
+def test_a_suite_continued_on_a_fresh_checkout_keeps_the_committed_rows(tmp_path, monkeypatch):
+    """The committed results folder of a quality suite (compact: the grid fixture, with
+    ``fl_fsdp-h8-int8-ef-nesterov`` unfinished) and an empty work folder, as on a fresh
+    checkout: run_local launches only the row the committed folder lacks, and the report
+    (after the run, and with --report-only) holds the committed rows and the new one."""
+    from bench import launch as bl
+
+    dst = _fixture_copy(tmp_path, GRID)
+    shutil.copytree(os.path.join(FIXTURES, BASELINES), dst.parent / BASELINES)
+    bench = json.loads((dst / "bench.json").read_text())
+    committed, saved_plan = set(bench["runs"]), bench["plan"]
+    bench["launches"] = {"fsdp": {"sessions": [{"started": "2030-01-01T00:00:00", "rc": 0, "wall_s": 10.0,
+                                                "resumed_from_step": 0}]}}  # a launch of the earlier checkout
+    (dst / "bench.json").write_text(json.dumps(bench))
+    work = tmp_path / "work" / GRID
+    launched = []
+
+    def fake_start(argv, **kw):  # the unfinished row trains (a finished fake run), nothing else may start
+        out = argv[argv.index("--output_dir") + 1]
+        launched.append(os.path.basename(out))
+        spec = {r.id: r for r in bp.runs_of(saved_plan)}[os.path.basename(out)]
+        _write_fake_run(tmp_path / "fake", spec, [7.0, 6.2, 5.6, 5.25], tokens_per_step=4096)
+        for name in ("metrics.jsonl", "all_results.json"):
+            shutil.copy(tmp_path / "fake" / spec.path / name, out)
+        return subprocess.Popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(bl.launch, "start", fake_start)
+    plan = {**saved_plan, "name": GRID, "work": str(work), "results": str(dst),
+            "cache_dir": str(tmp_path / "cache"), "only": None}
+    out = bl.run_local(plan, dry=False)
+    assert launched == ["fl_fsdp-h8-int8-ef-nesterov"] and out["failed"] == []
+    (work / "plan.json").write_text(json.dumps(plan))
+    assert rb.main(["--report-only", "--name", GRID, "--results-root", str(dst.parent),
+                    "--work-root", str(tmp_path / "work")]) == 0
+    saved = json.loads((dst / "bench.json").read_text())
+    assert set(saved["runs"]) == committed | {"fl_fsdp-h8-int8-ef-nesterov"}
+    assert saved["runs"]["fl_fsdp-h8-int8-ef-nesterov"]["eval_loss"] == 5.25
+    assert saved["results"]["status"]["fl_fsdp-h8-int8-ef-nesterov"]["state"] == "finished"
+    assert "fl_fsdp-h8-int8-ef-nesterov" in saved["launches"] and "fsdp" in saved["launches"]
+    assert "Not finished yet" not in (dst / "table.md").read_text()
+
+
 # ---------------------------------------------------------------------- time to target on emulated links
 def _timed_run(root, name, evals, tokens_per_s, wall_s, wall_clock=False):
     """A finished run folder whose evaluations (training seconds, loss) are ``evals``."""
