@@ -27,10 +27,26 @@ def test_cli_prints_the_paper_setting():
     assert float(rows["fragmented fp32"][8]) < float(rows["FL+FSDP fp32, blocking"][8])  # exposed sync s
 
 
-@pytest.mark.parametrize("args", [["--group-size", "3"], ["--shard-size", "3"], ["--compute-s", "1"],
-                                  ["--world-size", "x"], ["--llama-config", "/nonexistent.json"]])
-def test_cli_bad_input_one_line_exit_2(args):
-    proc = _cli(*args)
+BAD = [["--group-size", "3"], ["--shard-size", "3"], ["--compute-s", "1"], ["--world-size", "x"],
+       ["--llama-config", "/nonexistent.json"]]
+
+
+def test_cli_bad_input_as_a_command_is_one_line_and_exit_2():
+    proc = _cli(*BAD[-1])
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("args", BAD)
+def test_cli_bad_input_one_line_exit_2(args, capsys):
+    """The command's ``main`` in this process (the command line itself: the test above)."""
+    from scripts import cost_model
+
+    try:
+        code = cost_model.main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
 

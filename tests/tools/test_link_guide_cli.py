@@ -62,10 +62,26 @@ def test_default_compute_is_stated_and_tiny_blocking_h32_is_near_the_limit_at_1g
     assert [s["quality_rows"][0]["id"] for s in out["settings"]][-1] == "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov"
 
 
-@pytest.mark.parametrize("args", [[], ["--params", "llama-70b"], ["--params", "8e9", "--link", "fast"],
-                                  ["--params", "8e9", "--groups", "1"], ["--params", "8e9", "--compute-s", "0"],
-                                  ["--params", "8e9", "--mfu", "2"], ["--params", "8e9", "--gpus-per-group", "x"]])
-def test_bad_input_one_line_exit_2(args):
-    proc = _cli(*args)
+BAD = [[], ["--params", "llama-70b"], ["--params", "8e9", "--link", "fast"], ["--params", "8e9", "--groups", "1"],
+       ["--params", "8e9", "--compute-s", "0"], ["--params", "8e9", "--mfu", "2"],
+       ["--params", "8e9", "--gpus-per-group", "x"]]
+
+
+def test_bad_input_as_a_command_is_one_line_and_exit_2():
+    proc = _cli(*BAD[2])
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+
+
+@pytest.mark.parametrize("args", BAD)
+def test_bad_input_one_line_exit_2(args, capsys):
+    """The command's ``main`` in this process (the command line itself: the test above)."""
+    from scripts import link_guide
+
+    try:
+        code = link_guide.main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err

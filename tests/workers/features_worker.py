@@ -149,6 +149,9 @@ def main() -> None:
             ("mistral", dict(steps=2, fl=nesterov, family="mistral", roundtrip=True)),
         ]
     elif mode == "compile":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1  # no pool of compile workers per rank (each would import torch)
         regional = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
         scenarios = [("eager", dict(steps=3, fl={"sync_every": 3})),
                      ("compiled", dict(steps=3, fl={"sync_every": 3}, kwargs={"dynamo_plugin": regional},
