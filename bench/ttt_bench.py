@@ -334,10 +334,23 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
         fh.write("\n".join(lines) + "\n")
 
 
+def check_committed(plan: dict) -> None:
+    """TTTError naming them when ``plan["results"]``'s time_to_target.json holds rows this
+    work folder has no run of (a fresh checkout, another machine): the report is rebuilt from
+    the work folder alone and would drop them. Nothing is run or written before."""
+    saved = _read_json(os.path.join(plan["results"], "time_to_target.json"), None) or {}
+    lost = [f"{r['link']}/{r['run']}" for r in saved.get("rows") or []
+            if not os.path.isdir(os.path.join(plan["work"], r["link"], r["run"]))]
+    if lost:
+        raise TTTError(f"{plan['results']} holds rows with no run under {plan['work']} ({', '.join(lost)}); its "
+                       f"report would lose them: give this measurement another --name")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         plan = make_plan(args)
+        check_committed(plan)
     except TTTError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -929,7 +929,7 @@ def test_time_to_target_json_on_emulated_links(tmp_path):
     assert ttt.from_convergence(os.path.join(FIXTURES, GRID)) == (pytest.approx(0.03), pytest.approx(5.70))
 
 
-def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
+def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
     """bench.ttt_bench: the chosen convergence rows move onto 2 nodes x 2 processes at each link
     with a no-sync limit first; bad options name themselves; a resumed run's repeated records
     count once (the later session's); a row stopped at the wall-clock cap is reported from its
@@ -1005,6 +1005,12 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch):
     shutil.rmtree(fsdp)
     tb.report(p)
     assert "Not run yet: 10mbit/fsdp" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
+    # the same --name from a fresh work folder would rebuild the results from nothing: refused, nothing written
+    before = (tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text()
+    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w3"), "--results-root",
+                    str(tmp_path / "res"), "--report-only"]) == 2
+    assert "10mbit/fl_fsdp-h8-nesterov" in capsys.readouterr().err
+    assert (tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text() == before
     # without root the bench says how to run it and starts nothing
     monkeypatch.setattr(tb.netemu, "check_privileges", lambda: (False, "this process is not root"))
     assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2")]) == 1
