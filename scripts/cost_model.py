@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, Sequence
 
@@ -26,11 +27,14 @@ def _fail(message: Any):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Defaults: the paper's setting. Rows: FSDP (HSDP if S < G), blocking FL, fragmented fp32 and int8."""
+    """Defaults: the paper's setting (Llama-3.1-8B, 512 GPUs in groups of 4). Rows: FSDP (HSDP if S < G), blocking
+    FL, fragmented fp32, int8 and sparse. Sparse is an all-gather: its bytes per rank grow with the number of
+    groups N/G, so with many groups it can send more than int8 (scripts/link_guide.py compares settings per link)."""
     p = argparse.ArgumentParser(prog="python -m scripts.cost_model", description=main.__doc__)
     p.error = _fail
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--params", type=float, help="a parameter count (P equal resharded units), not Llama-3.1-8B")
+    src.add_argument("--params", help="a parameter count such as 1.24e9 (P equal resharded units) or a recipe "
+                                      "preset (tiny, llama-1b, llama-8b, ...), not Llama-3.1-8B")
     src.add_argument("--llama-config", metavar="JSON", help="a Llama config.json, not Llama-3.1-8B")
     for flag, kind, default, text in [
             ("world-size", int, 512, "N"), ("ranks-per-node", int, 4, ""), ("group-size", int, 4, "G"),
@@ -45,7 +49,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.params is not None:
-            units, model = units_from_param_count(a.params, max(1, a.num_fragments)), f"{a.params:.4g} parameters"
+            try:
+                count = float(a.params)
+            except ValueError:  # a preset's exact shapes, as the link guide reads them
+                from scripts.link_guide import resolve_model  # it imports this module
+
+                units, model = list(resolve_model(a.params).units), a.params
+            else:
+                if not math.isfinite(count) or count < 1:
+                    raise ValueError(f"--params must be a parameter count such as 8e9 or a preset, got {a.params!r}")
+                units, model = units_from_param_count(count, max(1, a.num_fragments)), f"{count:.4g} parameters"
         elif a.llama_config:
             with open(a.llama_config, encoding="utf-8") as fh:
                 units, model = llama_units(json.load(fh)), a.llama_config

@@ -2,6 +2,7 @@
 setting's table and the one-line errors with exit code 2. The in-process parts of the CLI
 (``--json``) and the model itself: tests/unit/test_cost_model.py."""
 
+import json
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def test_cli_prints_the_paper_setting():
 
 
 BAD = [["--group-size", "3"], ["--shard-size", "3"], ["--compute-s", "1"], ["--world-size", "x"],
-       ["--llama-config", "/nonexistent.json"]]
+       ["--llama-config", "/nonexistent.json"], ["--params", "nope"], ["--params", "0"]]
 
 
 def test_cli_bad_input_as_a_command_is_one_line_and_exit_2():
@@ -50,3 +51,17 @@ def test_cli_bad_input_one_line_exit_2(args, capsys):
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
 
+
+
+def test_params_takes_the_link_guides_presets(capsys):
+    """``--params llama-8b`` (a recipe preset, as scripts.link_guide takes it) models the same
+    Llama-3.1-8B shapes as the default; a number stays a parameter count."""
+    from scripts import cost_model
+
+    tables = []
+    for args in ([], ["--params", "llama-8b"], ["--params", "8.03e9"]):
+        assert cost_model.main([*args, "--json"]) == 0
+        tables.append(capsys.readouterr().out)
+    default, preset, count = (json.loads(t) for t in tables)
+    assert preset == default and [r["params"] for r in preset] == [8030261248] * len(preset)
+    assert count != default  # equal units of a bare count, not the 8B's shapes
