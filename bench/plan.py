@@ -293,6 +293,9 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     # the fast exchange with half the syncs (each fragment every 8 steps): half the bytes on the slow link
     dict(id="fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", sync_every=16, num_fragments=2, sync_delay=2, sync_dtype="int8",
          error_feedback=True, extra_flags=("--learning_rate", "1e-3")),
+    # the same with the exchange overlapped over 4 of a fragment's 8 steps (hides more of a slow link)
+    dict(id="fl_fsdp-h16-p2-tau4-int8-ef-lr1e-3", sync_every=16, num_fragments=2, sync_delay=4, sync_dtype="int8",
+         error_feedback=True, extra_flags=("--learning_rate", "1e-3")),
     # the sparse aggregation alone: the zero-filled sum with the other defaults (residual decay 0.95, exact
     # final sync, avg), against fl_fsdp-h8-p2-tau2-sparse-ef-senders
     dict(id="fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill", sync_every=8, num_fragments=2, sync_delay=2,
