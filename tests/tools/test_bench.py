@@ -456,7 +456,9 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "fl_fsdp-h8-p2-tau2-sparse-ef-senders",
             "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov", "fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-lr1e-3",
             "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov-lr1e-3", "fl_fsdp-h8-p2-tau2-sparse16-ef-nesterov",
-            "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-nesterov-olr0.4-lr1e-3"]
+            "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-nesterov-olr0.4-lr1e-3",
+            "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h16-p2-tau4-int8-ef-lr1e-3",
+            "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, "fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
