@@ -125,3 +125,16 @@ def small_corpus(tmp) -> list[str]:
     (tmp / "val.txt").write_text("\n".join(lines[52:]))
     return ["--train_file", str(tmp / "train.txt"), "--validation_file", str(tmp / "val.txt"), "--vocab_size", "300",
             "--seq_len", "64", "--cache_dir", str(tmp / "cache")]
+
+
+def assert_one_line_error(main, args, capsys) -> None:
+    """A command's ``main(args)`` in this process (``capsys``: pytest's) exits with status 2,
+    prints nothing on stdout and one ``error: ...`` line on stderr: how every CLI of scripts/
+    answers bad input."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from _launch import assert_one_line_error
+
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "scripts.cost_model", *args], capture_output=True, text=True,
@@ -43,13 +45,7 @@ def test_cli_bad_input_one_line_exit_2(args, capsys):
     """The command's ``main`` in this process (the command line itself: the test above)."""
     from scripts import cost_model
 
-    try:
-        code = cost_model.main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert_one_line_error(cost_model.main, args, capsys)
 
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from _launch import REPO_ROOT, launch_env
+from _launch import REPO_ROOT, assert_one_line_error, launch_env
 
 
 def _cli(*args):
@@ -78,10 +78,4 @@ def test_bad_input_one_line_exit_2(args, capsys):
     """The command's ``main`` in this process (the command line itself: the test above)."""
     from scripts import link_guide
 
-    try:
-        code = link_guide.main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert_one_line_error(link_guide.main, args, capsys)
