@@ -172,12 +172,11 @@ class FederatedSynchronizer:
         that round (a fixed schedule for exact comparisons; documented in docs/unequal_groups.md)."""
         if config.sync_trigger != "steps" and self.schedule.active:
             if elastic:  # torchft: the configured groups, each known by its index (positions change per quorum)
-                sizes = tuple(group_sizes) if group_sizes is not None else (1,) * config.num_groups
-                position = int(transport.group_index)
+                num, position = config.num_groups, int(transport.group_index)
             else:
                 rnd = transport.begin()
-                sizes = tuple(group_sizes) if group_sizes is not None else (1,) * rnd.num_groups
-                position = rnd.position
+                num, position = rnd.num_groups, rnd.position
+            sizes = tuple(group_sizes) if group_sizes is not None else (1,) * num
             self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, position,
                                      window_s=config.sync_window_s)
         self._started = time.perf_counter()
@@ -279,9 +278,9 @@ class FederatedSynchronizer:
             weights = r.close(table, "size", now_s=time.perf_counter() - self._started)
         else:
             weights = r.close(table, self.config.group_weighting, now_s=time.perf_counter() - self._started)
-        if 0.0 in rnd.weights and sum(w for w, v in zip(weights, rnd.weights) if v > 0) > 0:
+        kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
+        if kept != list(weights) and sum(kept) > 0:
             # torchft: a group that healed in this quorum is a copy of its source and keeps weight 0
-            kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
             weights = [w / sum(kept) for w in kept]
         return Round(rnd.num_groups, rnd.position, tuple(weights))
 
