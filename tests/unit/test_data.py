@@ -317,6 +317,36 @@ def test_packed_cache_hits_and_misses_on_its_key(corpus, tmp_path):
     assert len(os.listdir(os.path.join(cache, "packed"))) == 4
 
 
+def test_corpus_digest_is_kept_per_datasets_fingerprint(corpus, tmp_path):
+    """The cache keys' SHA-256 over a column is computed once per ``datasets`` fingerprint and
+    read back after that (the other ranks, later runs); a rewritten file (new modification
+    time, so a new fingerprint) is hashed again; a plain list is never kept."""
+    import datasets
+
+    path = tmp_path / "train.jsonl"
+    _write_jsonl(path, [(i, _doc(i)) for i in range(30)])
+    cache = str(tmp_path / "cache")
+    ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
+    texts = ds["text"]
+    want = D._digest(texts)
+    assert D._digest(D._Column(ds, "text"), cache) == want
+    [memo] = os.listdir(os.path.join(cache, "digests"))
+    assert memo.startswith(ds._fingerprint)
+    # read back, not recomputed: a planted value comes out
+    with open(os.path.join(cache, "digests", memo), "w") as fh:
+        fh.write("0123456789abcdef")
+    assert D._digest(D._Column(ds, "text"), cache) == "0123456789abcdef"
+    # the file rewritten with other text: datasets gives it a new fingerprint, so it is hashed again
+    _write_jsonl(path, [(i, _doc(i + 1)) for i in range(30)])
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    ds2 = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
+    assert ds2._fingerprint != ds._fingerprint
+    assert D._digest(D._Column(ds2, "text"), cache) == D._digest(ds2["text"]) != want
+    assert len(os.listdir(os.path.join(cache, "digests"))) == 2
+    D._digest(texts, str(tmp_path / "other"))  # a list: no fingerprint, nothing kept
+    assert not os.path.exists(tmp_path / "other")
+
+
 def test_a_split_shorter_than_a_block_packs_to_zero_blocks(corpus, tmp_path):
     """The recipe reports "validation split has 0 blocks" from an empty input_ids column."""
     import datasets
