@@ -7,23 +7,20 @@
   group's shell-style status; a ``--restart_group`` request kills and restarts a group
   without using ``--max_restarts``; every ``[ft_launch]`` line names the group.
 * The recipe's heal line and the bytes of a heal's state, from a record (no process).
-* The real thing: 2 groups of the recipe (tiny Llama, torchft mode, a Lighthouse whose
-  quorums wait for both groups) through ``python -m scripts.ft_launch --max_restarts 1``
-  alone; group 1's torchrun (the pid the launcher printed for it) is killed with SIGKILL
-  after the first sync. The launcher restarts it with
-  ``--resume_from_checkpoint latest``, the restarted group heals from group 0 and the
-  recipe prints the heal line, both groups finish with equal eval losses and the
-  launcher exits 0, its summary naming group 1's restart.
+* The supervisor with real processes: 2 groups of the recipe (tiny Llama, torchft mode, a
+  Lighthouse whose quorums wait for both groups), each one rank forked from the tests' server;
+  group 1 is killed with SIGKILL after the first sync. The supervisor restarts it with
+  ``--resume_from_checkpoint latest``, the restarted group heals from group 0 and the recipe
+  prints the heal line, both groups finish with equal eval losses and the exit status is 0,
+  the summary naming group 1's restart. The command line, whose groups are real torchruns,
+  runs in tests/dist/test_examples.py (the torchft example) and tests/ft/test_ft.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -31,6 +28,7 @@ import pytest
 from _launch import REPO_ROOT, launch_env
 from scripts import ft_launch
 from scripts.ft_launch import Supervisor, decide, restart_args
+from scripts.launch import terminate
 
 # ---------------------------------------------------------------------- the policy, with fake launches
 
@@ -142,63 +140,88 @@ def _lines(path):
         return []
 
 
-def test_ft_launch_restarts_a_killed_group_which_heals(tmp_path, default_corpus_cache):
-    """``python -m scripts.ft_launch --num_groups 2 --nproc_per_group 1 --min_replicas 2
-    --max_restarts 1 --log_dir D -- recipes/pretrain.py ...`` (8 steps, H=2, a checkpoint
-    every 6 steps; one rank per group: every rank of a real torchrun imports torch,
-    transformers and fl_accel, about 10 CPU-s, and the heal of a group of 2 ranks, each its
-    own shard, is tested on forked ranks in tests/ft/test_ft.py). Once group 1 logged step
-    2 (its first sync committed, no checkpoint yet) the test sends SIGKILL to group 1's
-    torchrun, the pid the launcher printed for group 1. The launcher says so, restarts
-    group 1 with ``--resume_from_checkpoint latest`` (no checkpoint yet: it starts from
-    step 0, behind group 0's torchft step), which heals from group 0 at its first sync:
-    the recipe prints ``[fl_accel] group 1 healed from group 0 at step N: X MB in Y s`` and
-    records the heal in all_results.json. Both groups finish with equal final eval losses,
-    and the launcher exits 0 with ``group 1: finished after 1 restart``. (Fails on the
-    launcher without a supervisor: torchrun's own ``--max-restarts`` does not outlive a
-    killed torchrun, and the exit status is 247.)"""
+class _Forked:
+    """A forked launch (tests/_forkserver.py) as the Supervisor sees a torchrun: ``pid``
+    (rank 0's), ``poll()`` and ``wait()``."""
+
+    def __init__(self, launch):
+        self.launch, self.pid = launch, launch.pids[0]
+
+    def poll(self):
+        return self.launch.poll()
+
+    def wait(self):
+        return self.launch.wait()
+
+
+def test_supervisor_restarts_a_killed_recipe_group_which_heals(tmp_path, default_corpus_cache):
+    """The launcher's :class:`Supervisor` (``--max_restarts 1``, the CLI's restart delay and
+    its command for a restart, :func:`restart_args`) over 2 groups of the recipe (tiny
+    Llama, torchft mode, a Lighthouse whose quorums wait for both groups; 8 steps, H=2, a
+    checkpoint every 6 steps), each group one rank forked from the tests' server with
+    ``ft_launch.group_env``'s environment (the command line itself, a Lighthouse and a real
+    torchrun per group, runs in tests/dist/test_examples.py and
+    :func:`test_ft.test_ft_launch_cli_starts_a_lighthouse_and_one_torchrun_per_group`).
+
+    Once group 1 logged step 2 (its first sync committed, no checkpoint yet) every process of
+    group 1 gets SIGKILL. The supervisor says so and restarts group 1 with
+    ``--resume_from_checkpoint latest`` (no checkpoint yet: it starts from step 0, behind
+    group 0's torchft step), which heals from group 0 at its first sync: the recipe prints
+    ``[fl_accel] group 1 healed from group 0 at step N: X MB in Y s`` and records the heal in
+    all_results.json. Both groups finish with equal final eval losses, and the exit status
+    is 0 with ``group 1: finished after 1 restart``."""
+    import io
+
     pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    from _launch import start_forked
+
     out, logs = tmp_path / "out", tmp_path / "logs"
-    argv = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", "1",
-            "--min_replicas", "2", "--max_restarts", "1", "--log_dir", str(logs), "--",
-            "recipes/pretrain.py", *RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", default_corpus_cache]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    printed: list[str] = []
+    recipe = REPO_ROOT / "recipes" / "pretrain.py"
+    args = [*RECIPE_ARGS, "--output_dir", str(out), "--cache_dir", default_corpus_cache]
+    lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=2)
+    hf = {k: v for k, v in launch_env().items() if k.startswith("HF_")}  # as the fork server imported with
+    argvs, launches = {}, {}
+
+    def start(f, attempt):
+        argv = args if attempt == 0 else restart_args(recipe, args)
+        argvs[f, attempt] = argv
+        env = ft_launch.group_env(f, addr, {"FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60", **hf}, pythonpath=[str(REPO_ROOT)])
+        launch = start_forked(1, recipe, *argv, env=env, log_dir=logs / f"group{f}_a{attempt}")
+        launches[f, attempt] = launch
+        return _Forked(launch), str(logs / f"group{f}_a{attempt}")
+
+    killed, deadline = [], time.monotonic() + 420
+
+    def sleep(seconds):  # between the supervisor's polls: kill group 1 once it is past its first sync
+        assert time.monotonic() < deadline, "the run did not end in 420 s"
+        group1 = sup.groups[1]
+        if not killed and group1.proc is not None and \
+                any(r.get("step", 0) >= 2 and "train/loss" in r for r in _lines(out / "group1" / "metrics.jsonl")):
+            assert not (out / "group1" / "checkpoints" / "step_6").exists(), "too late: group 1 has a checkpoint"
+            killed.append(group1.proc.pid)
+            group1.proc.launch.kill()  # SIGKILL to every process of group 1
+        time.sleep(seconds)
+
+    text = io.StringIO()
+    sup = Supervisor(2, start, max_restarts=1, restart_delay_s=ft_launch.LIGHTHOUSE_DEFAULTS["heartbeat_timeout_ms"] / 1000,
+                     kill=lambda p: p.launch.kill(), watch=False, out=text, sleep=sleep)
     try:
-        pid = None
-        while pid is None:  # the launcher names each group's torchrun
-            line = proc.stdout.readline()
-            assert line, "".join(printed)
-            printed.append(line)
-            m = re.match(r"\[ft_launch\] group 1: torchrun pid (\d+) \(log: (.*)\)$", line.strip())
-            if m:
-                pid = int(m.group(1))
-                assert m.group(2) == str(logs / "group1.log"), line
-        deadline = time.monotonic() + 240
-        while not any(r.get("step", 0) >= 2 and "train/loss" in r for r in _lines(out / "group1" / "metrics.jsonl")):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(printed)
-            time.sleep(0.1)
-        assert not (out / "group1" / "checkpoints" / "step_6").exists(), "too late: group 1 has a checkpoint"
-        os.kill(pid, signal.SIGKILL)  # group 1's torchrun: its ranks follow (PR_SET_PDEATHSIG)
-        killed_at = time.monotonic() - t0
-        rest, _ = proc.communicate(timeout=420)
-        printed.append(rest)
+        status = sup.run(poll_s=0.1)
     finally:
-        if proc.poll() is None:
-            ft_launch.kill_group(proc)
-    text = "".join(printed)
-    group_logs = {f: (logs / f"group{f}.log").read_text(errors="replace") for f in range(2)}
-    tails = "\n".join(f"--- group{f}.log\n{t[-4000:]}" for f, t in group_logs.items())
-    print(f"\nkilled group 1 at {killed_at:.0f} s; launcher ended at {time.monotonic() - t0:.0f} s\n{text}")
-    assert proc.returncode == 0, text + tails
+        for launch in launches.values():
+            launch.kill()
+        terminate(lighthouse)
+    text = text.getvalue()
+    group_logs = {f: "".join("".join(launches[g, a].output()) for g, a in sorted(launches) if g == f) for f in range(2)}
+    tails = "\n".join(f"--- group{f}\n{t[-4000:]}" for f, t in group_logs.items())
+    assert status == 0 and killed, text + tails
+    pid = killed[0]
     assert f"[ft_launch] group 1: torchrun pid {pid} ended by SIGKILL (status -9); restarting it (1 of 1)" in text, text
-    assert re.search(r"\[ft_launch\] group 1: torchrun pid \d+ \(restart 1 of 1\) \(log: .*group1\.log\)", text), text
+    assert re.search(r"\[ft_launch\] group 1: torchrun pid \d+ \(restart 1 of 1\) \(log: .*group1_a1\)", text), text
     assert "[ft_launch] group 0: finished\n" in text, text
     assert "[ft_launch] group 1: finished after 1 restart (ended by SIGKILL (status -9))" in text, text
     assert "group exit statuses: [0, 0]" in text, text
-    assert "--resume_from_checkpoint latest" in group_logs[1], tails  # the launcher's attempt-2 line
+    assert argvs[1, 1][-2:] == ["--resume_from_checkpoint", "latest"] and (0, 1) not in argvs, argvs
     assert "no complete checkpoint in" in group_logs[1], tails  # killed before its first checkpoint
     heal = re.findall(r"\[fl_accel\] group 1 healed from group 0 at step (\d+): ([0-9.]+) (MB|kB) in ([0-9.]+) s",
                       group_logs[1])
