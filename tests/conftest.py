@@ -86,7 +86,7 @@ LONG_FIRST = ("ft/test_ft.py::test_group_killed_mid_round_heals_from_live_group"
               "ft/test_ft.py::test_torchft_mode_equals_single_world",
               "ft/test_ft.py::test_recipe_trains_each_group",
               "ft/test_ft_launch.py::test_supervisor_restarts",  # two recipe groups, one killed and restarted
-              "dist/test_unequal_groups.py::test_accelerate_launch",  # 6 processes of accelerate launch
+              "dist/test_unequal_groups.py::test_accelerate_launch",  # 3 processes of accelerate launch
               "recipe/test_failures.py::test_max_restarts",
               "dist/test_unequal_groups.py::",  # the 'resumed' chain: 6-, 6- and 4-rank launches
               "recipe/test_recipe.py::")

@@ -15,7 +15,8 @@ Launches (each costs ~10-15 s of start-up on a 2-core box, so scenarios are batc
   resume from steps 4 and 3 in [2, 4] (must be bitwise the same run);
 * ``four`` (4 processes): the equal layout [2, 2] with the same S, for the bytes
   comparison, and a load of the [2, 4] checkpoint (must fail);
-* the recipe through ``accelerate launch`` with cpu_6proc.yaml (6 real processes).
+* the recipe through ``accelerate launch`` (3 real processes, groups of 1 and 2), and the CPU launch
+  files as Accelerate reads them.
 """
 
 from __future__ import annotations
@@ -465,25 +466,42 @@ def test_unequal_recipe_yaml_parses_to_the_2_4_layout():
     assert FLLayout.from_config(fl.validate(world_size=WORLD), WORLD) == LAYOUT
 
 
-def test_accelerate_launch_with_cpu_6proc_yaml_trains_unequal_groups_on_six_processes(tmp_path, data_cache):
-    """``accelerate launch --config_file accelerate_configs/cpu_6proc.yaml recipes/pretrain.py
-    --config recipes/configs/cpu_fl_hsdp_unequal.yaml`` (shortened to 4 steps, H=3 by flag)
-    on this CPU-only machine runs 6 processes, not one, in the YAML's layout: the results say
-    world size 6, groups [2, 4] of S=2 shards, run name ``fl_hsdp-F2-G2_4-S2-H3`` (the flag
-    overrides the YAML's sync_every: 8); 4 steps logged, a finite perplexity below the
-    vocabulary, and rank 0 (replica 0 of group 0) sent "fl" bytes at 2 syncs (step 3, final)."""
+@pytest.mark.parametrize("name,processes", [("cpu_4proc", 4), ("cpu_6proc", 6), ("cpu_8proc", 8)])
+def test_cpu_accelerate_configs_are_fsdp2_launches_of_their_process_count(name, processes):
+    """Accelerate's own reader (``load_config_from_file``, what ``accelerate launch
+    --config_file`` reads) takes each CPU launch file as one machine of ``processes``
+    processes under FSDP2."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(REPO_ROOT / "accelerate_configs" / f"{name}.yaml"))
+    assert (cfg.num_processes, cfg.num_machines, cfg.distributed_type.value) == (processes, 1, "FSDP"), cfg
+    assert str(cfg.fsdp_config["fsdp_version"]) == "2" and cfg.mixed_precision == "no", cfg.fsdp_config
+
+
+def test_accelerate_launch_trains_unequal_groups_on_three_processes(tmp_path, data_cache):
+    """``accelerate launch --config_file accelerate_configs/cpu_4proc.yaml --num_processes 3
+    recipes/pretrain.py --algorithm fl_hsdp --group_sizes 1,2 --hsdp_shard_size 1
+    --sync_every 3`` (4 steps) on this CPU-only machine runs 3 processes, not one, in that
+    layout: the results say world size 3, groups [1, 2] of one shard, run name
+    ``fl_hsdp-F2-G1_2-S1-H3``; 4 steps logged, a finite perplexity below the vocabulary, and
+    rank 0 (group 0) sent "fl" bytes at 2 syncs (step 3, final). 3 processes, not the 6 of cpu_6proc.yaml: each real process imports torch,
+    transformers and fl_accel (about 7 CPU-s); the 6-rank layout of
+    recipes/configs/cpu_fl_hsdp_unequal.yaml is checked above, and trained on 6 ranks by the
+    tests of sections 1-5."""
     out = str(tmp_path / "run")
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO_ROOT / "accelerate_configs" / "cpu_6proc.yaml"), "--main_process_port", str(free_port()),
-            str(RECIPE), "--config", str(UNEQUAL_YAML), "--max_steps", "4", "--sync_every", "3", "--seq_len", "64",
-            "--micro_batch_size", "2", "--max_eval_blocks", "48", "--log_every", "1", "--report_to", "none",
-            "--save_final_model", "false", "--output_dir", out, "--cache_dir", data_cache]
+            str(REPO_ROOT / "accelerate_configs" / "cpu_4proc.yaml"), "--num_processes", "3", "--main_process_port",
+            str(free_port()), str(RECIPE), "--algorithm", "fl_hsdp", "--group_sizes", "1,2", "--hsdp_shard_size", "1",
+            "--model", "tiny",
+            "--max_steps", "4", "--sync_every", "3", "--seq_len", "64", "--micro_batch_size", "2",
+            "--max_eval_blocks", "48", "--log_every", "1", "--report_to", "none", "--save_final_model", "false",
+            "--output_dir", out, "--cache_dir", data_cache]
     res = run_cmd(argv, timeout=600, env=launch_env(), cwd=REPO_ROOT)
     assert res.returncode == 0, res.tail()
     MEASURED["recipe accelerate launch s"] = res.seconds
     results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
-    assert results["run_name"] == "fl_hsdp-F2-G2_4-S2-H3", results["run_name"]
-    assert results["world_size"] == WORLD and results["group_sizes"] == [2, 4] and results["shards"] == 2, results
+    assert results["run_name"] == "fl_hsdp-F2-G1_2-S1-H3", results["run_name"]
+    assert results["world_size"] == 3 and results["group_sizes"] == [1, 2] and results["shards"] == 1, results
     assert results["steps"] == 4 and math.isfinite(results["eval_perplexity"])
     assert 1.0 < results["eval_perplexity"] < results["vocab_size"]
     assert results["comm"]["fl"]["calls"] == 2 and results["comm"]["fl"]["bytes"] > 0, results["comm"]
