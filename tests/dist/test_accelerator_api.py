@@ -143,20 +143,15 @@ acc.end_training()
 
 
 def test_set_max_steps_fills_the_outer_lr_decay_in_replaced_configs(tmp_path):
-    """One plain process: set_max_steps owns the fill of a decaying outer-LR schedule without
-    outer_lr_decay_steps: the accelerator's, the synchronizer's and the outer state's config
-    become one replaced copy (the caller's stays as built); a warmup as long as the run raises
-    ValueError naming the field, changing nothing."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and not k.startswith("FL_ACCEL_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    res = subprocess.run([sys.executable, "-c", SET_MAX_STEPS], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    """One process (a world of 1, forked: tests/_forkserver.py): set_max_steps owns the fill
+    of a decaying outer-LR schedule without outer_lr_decay_steps: the accelerator's, the
+    synchronizer's and the outer state's config become one replaced copy (the caller's stays
+    as built); a warmup as long as the run raises ValueError naming the field, changing
+    nothing."""
+    script = tmp_path / "set_max_steps.py"
+    script.write_text(SET_MAX_STEPS)
+    res = run_torchrun(1, script, timeout=300)
+    assert res.returncode == 0, res.tail()
     assert "REFUSED FLConfig.outer_lr_warmup_steps=4 must be shorter than the run" in res.stdout, res.stdout
     assert "FILLED 10 0.0" in res.stdout, res.stdout
 
