@@ -25,7 +25,6 @@ import os
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -37,40 +36,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
-from .config import FLConfig, lighthouse_addr, start_notes
+from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
 from .exchange import MeshTransport
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .sync import FederatedSynchronizer
-
-
-FP16_REASON = ("fp16 needs a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one "
-               "federation group only: the groups' step counters then diverge and the sync's collectives mismatch "
-               "until they time out")
-
-
-def _said(requested_by: str | Callable[[], str]) -> str:
-    return requested_by() if callable(requested_by) else requested_by
-
-
-def refuse_fp16(precision: str | None, requested_by: str | Callable[[], str]) -> None:
-    """The one fp16 refusal (FLAccelerator's and the recipe's). Raises ValueError when
-    ``precision`` is "fp16", naming ``requested_by`` (where the setting came from, or a function
-    saying it, called only then) and the fix."""
-    if str(precision or "no").lower() == "fp16":
-        raise ValueError(f"fl_accel does not support fp16, requested by {_said(requested_by)}: use bf16 or 'no' "
-                         f"there ({FP16_REASON})")
-
-
-def refuse_whole_model_compile(compiles: bool, regional: bool, requested_by: str | Callable[[], str]) -> None:
-    """The one whole-model-compile refusal (FLAccelerator's and the recipe's). Raises
-    ValueError when ``compiles`` without ``regional`` compilation, naming ``requested_by`` (as
-    :func:`refuse_fp16`): a whole-model ``torch.compile`` returns an OptimizedModule that
-    bypasses FSDP2's hooks."""
-    if compiles and not regional:
-        raise ValueError(f"{_said(requested_by)} compiles the whole model, but fl_accel compiles regionally only (a "
-                         f"whole-model torch.compile returns an OptimizedModule that bypasses FSDP2's hooks): set "
-                         f"use_regional_compilation=True (TorchDynamoPlugin; in the Accelerate config "
-                         f"dynamo_use_regional_compilation: true, each decoder layer is compiled in place)")
 
 
 def mixed_precision_policy(mixed_precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy | None:

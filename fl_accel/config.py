@@ -22,7 +22,7 @@ import os
 import textwrap
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import yaml
 
@@ -477,3 +477,35 @@ def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_
     if device_type == "cpu" and mixed_precision != "no":
         notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
     return notes
+
+
+# ---------------------------------------------------------------------- refusals of launcher settings
+FP16_REASON = ("fp16 needs a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one "
+               "federation group only: the groups' step counters then diverge and the sync's collectives mismatch "
+               "until they time out")
+
+
+def _said(requested_by: str | Callable[[], str]) -> str:
+    return requested_by() if callable(requested_by) else requested_by
+
+
+def refuse_fp16(precision: str | None, requested_by: str | Callable[[], str]) -> None:
+    """The one fp16 refusal (FLAccelerator's and the recipe's; in this module, which imports no
+    torch, so that the recipe's planning refuses before importing it). Raises ValueError when
+    ``precision`` is "fp16", naming ``requested_by`` (where the setting came from, or a function
+    saying it, called only then) and the fix."""
+    if str(precision or "no").lower() == "fp16":
+        raise ValueError(f"fl_accel does not support fp16, requested by {_said(requested_by)}: use bf16 or 'no' "
+                         f"there ({FP16_REASON})")
+
+
+def refuse_whole_model_compile(compiles: bool, regional: bool, requested_by: str | Callable[[], str]) -> None:
+    """The one whole-model-compile refusal (FLAccelerator's and the recipe's). Raises
+    ValueError when ``compiles`` without ``regional`` compilation, naming ``requested_by`` (as
+    :func:`refuse_fp16`): a whole-model ``torch.compile`` returns an OptimizedModule that
+    bypasses FSDP2's hooks."""
+    if compiles and not regional:
+        raise ValueError(f"{_said(requested_by)} compiles the whole model, but fl_accel compiles regionally only (a "
+                         f"whole-model torch.compile returns an OptimizedModule that bypasses FSDP2's hooks): set "
+                         f"use_regional_compilation=True (TorchDynamoPlugin; in the Accelerate config "
+                         f"dynamo_use_regional_compilation: true, each decoder layer is compiled in place)")

@@ -241,17 +241,20 @@ def _where(key: str, variable: str, environ) -> str:
 def check_launcher(environ) -> None:
     """Settings of an Accelerate config that fl_accel cannot honour, refused with the key to change.
 
+    Imports no torch: planning refuses these before anything heavy is imported.
+
     Raises:
-        RecipeError: ``fsdp_version`` other than 2 (fl_accel shards with FSDP2), or a
-            whole-model ``torch.compile`` (``dynamo_backend`` without
-            ``dynamo_use_regional_compilation: true``: an ``OptimizedModule`` around the
-            model bypasses FSDP2's hooks).
+        RecipeError: ``fsdp_version`` other than 2 (fl_accel shards with FSDP2), fp16
+            (:func:`resolve_mixed_precision`), or a whole-model ``torch.compile``
+            (``dynamo_backend`` without ``dynamo_use_regional_compilation: true``: an
+            ``OptimizedModule`` around the model bypasses FSDP2's hooks).
     """
     version = environ.get("FSDP_VERSION")
     if version is not None and version.strip() != "2":
         raise RecipeError(f"fl_accel needs FSDP2, got {_where('fsdp_version', 'FSDP_VERSION', environ)}: set "
                           f"fsdp_version: 2 under fsdp_config (accelerate_configs/cpu_4proc.yaml shows a complete one)")
-    from fl_accel.accelerator import refuse_whole_model_compile
+    _refuse_launcher_fp16(environ)
+    from fl_accel.config import refuse_whole_model_compile
 
     backend = environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
     regional = environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False").lower() in ("true", "1")
@@ -260,6 +263,19 @@ def check_launcher(environ) -> None:
                                    lambda: _where('dynamo_backend', 'ACCELERATE_DYNAMO_BACKEND', environ))
     except ValueError as exc:
         raise RecipeError(f"{exc}; or use the recipe's --compile") from exc
+
+
+def _refuse_launcher_fp16(environ) -> str:
+    """``ACCELERATE_MIXED_PRECISION`` in lower case; RecipeError when it is fp16, naming the
+    Accelerate config key (fl_accel.config ``refuse_fp16``)."""
+    from fl_accel.config import refuse_fp16
+
+    launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
+    try:
+        refuse_fp16(launcher, lambda: _where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ))
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from exc
+    return launcher
 
 
 def resolve_mixed_precision(flag: str, environ=None) -> str:
@@ -271,14 +287,8 @@ def resolve_mixed_precision(flag: str, environ=None) -> str:
         RecipeError: fp16 requested by the launcher, naming the Accelerate config key (see
             FLAccelerator: its per-rank loss scaler can skip a step in one federation group only).
     """
-    from fl_accel.accelerator import refuse_fp16
-
     environ = os.environ if environ is None else environ
-    launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
-    try:
-        refuse_fp16(launcher, lambda: _where('mixed_precision', 'ACCELERATE_MIXED_PRECISION', environ))
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from exc
+    launcher = _refuse_launcher_fp16(environ)
     if flag != "auto":
         return flag
     if launcher == "bf16":

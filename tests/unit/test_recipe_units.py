@@ -197,11 +197,19 @@ def test_fsdp_version_1_is_one_line_naming_fsdp2(tmp_path):
 
 
 def test_fp16_from_the_accelerate_config_names_the_config_key():
-    with pytest.raises(RecipeError) as err:
-        resolve_mixed_precision("auto", {"ACCELERATE_MIXED_PRECISION": "fp16"})
-    text = str(err.value)
+    """Refused by the launcher check, which planning runs first (before it imports torch), and
+    by resolve_mixed_precision, with the same message."""
+    env = {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    texts = []
+    for check in (lambda: check_launcher(env), lambda: resolve_mixed_precision("auto", env)):
+        with pytest.raises(RecipeError) as err:
+            check()
+        texts.append(str(err.value))
+    text = texts[0]
+    assert texts[1] == text
     assert "does not support fp16" in text and "its config's mixed_precision" in text
     assert "ACCELERATE_MIXED_PRECISION=fp16" in text
+    check_launcher({"ACCELERATE_MIXED_PRECISION": "bf16"})
 
 
 def test_whole_model_compile_from_the_accelerate_config_is_refused():
