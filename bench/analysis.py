@@ -21,29 +21,13 @@ from typing import Any, Sequence
 
 from fl_accel.mesh import AXES, FLLayout
 
-from bench.compact import CompactRuns
+from bench.compact import CompactRuns, read_run  # noqa: F401  (read_run: re-exported for bench/ and tests)
 from bench.plan import LIMIT_SYNC_EVERY, NODES, RunSpec, runs_of, tokens_per_step
 
 MIB = 2**20
 
 
 # ---------------------------------------------------------------------- one run
-def read_run(path: str) -> dict | None:
-    """``all_results.json`` of the run folder plus ``records`` (metrics.jsonl) and ``path``; None if absent."""
-    res_path = os.path.join(path, "all_results.json")
-    if not os.path.isfile(res_path):
-        return None
-    with open(res_path, encoding="utf-8") as fh:
-        run = json.load(fh)
-    records = []
-    mpath = os.path.join(path, "metrics.jsonl")
-    if os.path.isfile(mpath):
-        with open(mpath, encoding="utf-8") as fh:
-            records = [json.loads(line) for line in fh if line.strip()]
-    run["records"], run["path"] = records, path
-    return run
-
-
 def load_run(root, path: str) -> dict | None:
     """The run at ``path`` (relative, e.g. ``rate-100mbit/fsdp``) of ``root``: a work folder
     (:func:`read_run`) or a :class:`~bench.compact.CompactRuns`; None if absent."""

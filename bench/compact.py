@@ -15,7 +15,7 @@ and ``metrics.jsonl``. Instead:
   Values are written with ``repr``, so they read back bit for bit.
 
 :class:`CompactRuns` turns both back into run dicts of the shape
-:func:`bench.analysis.read_run` returns, so the analysis and the report run unchanged on a
+:func:`read_run` returns, so the analysis and the report run unchanged on a
 work folder or on a committed results folder.
 """
 
@@ -114,9 +114,26 @@ def read_curves(path: str) -> dict[str, list[dict]]:
     return out
 
 
+def read_run(path: str) -> dict | None:
+    """``all_results.json`` of a run folder (under bench/work/) plus ``records`` (its
+    metrics.jsonl) and ``path``; None if absent."""
+    res_path = os.path.join(path, "all_results.json")
+    if not os.path.isfile(res_path):
+        return None
+    with open(res_path, encoding="utf-8") as fh:
+        run = json.load(fh)
+    records = []
+    mpath = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(mpath):
+        with open(mpath, encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+    run["records"], run["path"] = records, path
+    return run
+
+
 class CompactRuns:
     """The runs of a committed results folder (bench.json ``runs`` + curves.csv), read like run
-    folders: :meth:`get` returns what :func:`bench.analysis.read_run` returns for a folder
+    folders: :meth:`get` returns what :func:`read_run` returns for a folder
     (``all_results.json``'s kept keys, ``records``, ``path``), None for a run not kept.
     ``status`` holds the saved state of the rows that had not finished (quality suites)."""
 
@@ -145,8 +162,6 @@ class CompactRuns:
 
     def get(self, path: str) -> dict | None:
         if self.in_work(path):
-            from bench.analysis import read_run
-
             return read_run(os.path.join(self.work, path))
         if path not in self.runs:
             return None

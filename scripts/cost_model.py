@@ -14,16 +14,13 @@ import argparse
 import json
 import math
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from fl_accel.planning.cost import GB, _int, estimate, predict_step_time, units_from_param_count
 from fl_accel.mesh import FLLayout
 from fl_accel.planning.units import LLAMA_3_1_8B, llama_units
+from scripts.cli import fail
 
-
-def _fail(message: Any):
-    print(f"error: {message}", file=sys.stderr)  # bad input: one line, exit status 2
-    raise SystemExit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     FL, fragmented fp32, int8 and sparse. Sparse is an all-gather: its bytes per rank grow with the number of
     groups N/G, so with many groups it can send more than int8 (scripts/link_guide.py compares settings per link)."""
     p = argparse.ArgumentParser(prog="python -m scripts.cost_model", description=main.__doc__)
-    p.error = _fail
+    p.error = fail
     src = p.add_mutually_exclusive_group()
     src.add_argument("--params", help="a parameter count such as 1.24e9 (P equal resharded units) or a recipe "
                                       "preset (tiny, llama-1b, llama-8b, ...), not Llama-3.1-8B")
@@ -86,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ranks_per_nic=a.ranks_per_nic, latency_s=a.latency_us * 1e-6, tokens_per_rank=a.tokens_per_rank)
             out.append((label, e, t))
     except (ValueError, OSError) as exc:
-        _fail(exc)
+        fail(exc)
     if a.json:
         print(json.dumps([{"setting": lb, **e.as_dict(), "time": t and t.__dict__} for lb, e, t in out], indent=1))
         return 0

@@ -36,7 +36,7 @@ from fl_accel.planning.flops import PEAK_BF16_TFLOPS, model_flops_per_token
 from fl_accel.planning.units import llama_units
 from recipes.args import RecipeArguments
 from recipes.modeling import PRESETS
-from scripts.cost_model import _fail
+from scripts.cli import fail
 
 QUALITY_TABLE = "bench/results/2026-12-03-grid/table.md"
 """The convergence grid whose rows measured each setting's quality (tiny model, 3.4M tokens)."""
@@ -258,7 +258,7 @@ def quality_lines() -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Share of the no-sync limit per exchange setting, for a model size, F groups of G GPUs and a link."""
     p = argparse.ArgumentParser(prog="python -m scripts.link_guide", description=main.__doc__)
-    p.error = _fail
+    p.error = fail
     p.add_argument("--params", nargs="+", required=True, metavar="MODEL",
                    help=f"parameter counts (8e9) or presets {sorted([*PRESETS, *ALIASES])}")
     p.add_argument("--groups", type=int, default=2, help="F, federation groups (sites) (default: %(default)s)")
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = guide(models, links, groups=a.groups, gpus_per_group=a.gpus_per_group, compute_s=a.compute_s,
                      tokens_per_gpu=a.tokens_per_gpu, peak_tflops=a.peak_tflops, mfu=a.mfu, threshold=a.threshold)
     except ValueError as exc:
-        _fail(exc)
+        fail(exc)
     if a.compute_s is not None:
         compute = f"{a.compute_s:g} s per optimizer step (--compute-s) for every model"
     else:

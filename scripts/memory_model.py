@@ -26,16 +26,12 @@ from fl_accel.planning.cost import _int
 from fl_accel.mesh import FLLayout
 from fl_accel.planning.memory import ALLOCATOR_HEADROOM, estimate
 from fl_accel.planning.units import LLAMA_3_1_8B
+from scripts.cli import fail
 
 GIB = 2**30
 PAPER_LAYOUTS = {"FL+FSDP G=4": (512, 4, 4), "FL+HSDP G=32 S=4": (512, 32, 4)}
 """The paper's layouts (Sec. 4): (world size, group size G, shard size S) on 128 nodes x 4 GPUs."""
 
-
-def _fail(message: Any):
-    """Print ``error: message`` on stderr and exit with status 2 (bad input)."""
-    print(f"error: {message}", file=sys.stderr)  # bad input: one line, exit status 2
-    raise SystemExit(2)
 
 
 def model_config(name: str | None) -> tuple[Any, str]:
@@ -106,7 +102,7 @@ def matrix_markdown(rows: list[dict], gpu_gib: float, headroom: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Defaults: the paper's setting (FL+FSDP G=4 on A100-64GB)."""
     p = argparse.ArgumentParser(prog="python -m scripts.memory_model", description=__doc__.split("\n\n")[0])
-    p.error = _fail
+    p.error = fail
     p.add_argument("--model", default=None, help="preset (llama3.1-8b, llama3.2-1b) or config.json "
                                                  "(default: Llama-3.1-8B)")
     for flag, kind, default, text in [
@@ -150,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = estimate(config, layout=layout, activation_checkpointing=a.activation_checkpointing,
                        outer_optimizer=a.outer_optimizer, outer_state_device=a.outer_state_device, **kw)
     except ValueError as exc:
-        _fail(exc)
+        fail(exc)
     answer = verdict(est.total, gpu, a.headroom)
     if a.json:
         print(json.dumps({"model": name, "layout": layout.as_dict(), **est.as_dict(), "gpu_memory_bytes": gpu,
