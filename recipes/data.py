@@ -278,7 +278,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str):
     """The recipe's byte-level BPE of ``vocab_size`` tokens trained on ``texts``, or reused.
 
     ``texts`` is read twice (a list or another re-iterable): for the cache key, a SHA-256
-    over the texts (:func:`_digest`; kept once computed for a ``datasets`` column), then to train (about 1 s for 8k tokens on the Shakespeare corpus).
+    over the texts (:func:`_digest`; kept once computed for a ``datasets`` column), then to train
+    (about 1 s for 8k tokens on the Shakespeare corpus).
     ``tokenizers``' BPE with byte-level pre-tokenizer and decoder and one special token,
     ``EOS`` (also BOS, UNK and PAD), wrapped in ``PreTrainedTokenizerFast`` and saved to
     ``<cache_dir>/bpe<vocab_size>-<key>/`` (temporary folder + rename).
@@ -418,7 +419,8 @@ def tokenize_and_pack_cached(raw, tokenizer, text_column: str, seq_len: int, cac
 
     t0 = time.perf_counter()
     parts = [f"v{PACK_VERSION}", str(PACK_BATCH), text_column, tokenizer_fingerprint(tokenizer)]
-    parts += [f"{split}:{len(raw[split])}:{_digest(_Column(raw[split], text_column), cache_dir)}" for split in sorted(raw)]
+    parts += [f"{split}:{len(raw[split])}:{_digest(_Column(raw[split], text_column), cache_dir)}"
+              for split in sorted(raw)]
     key = f"L{seq_len}-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     path = os.path.join(cache_dir, "packed", key)
     before = set(os.listdir(path)) if os.path.isdir(path) else set()

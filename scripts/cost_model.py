@@ -22,7 +22,6 @@ from fl_accel.planning.units import LLAMA_3_1_8B, llama_units
 from scripts.cli import fail
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Defaults: the paper's setting (Llama-3.1-8B, 512 GPUs in groups of 4). Rows: FSDP (HSDP if S < G), blocking
     FL, fragmented fp32, int8 and sparse. Sparse is an all-gather: its bytes per rank grow with the number of

@@ -33,7 +33,6 @@ PAPER_LAYOUTS = {"FL+FSDP G=4": (512, 4, 4), "FL+HSDP G=32 S=4": (512, 32, 4)}
 """The paper's layouts (Sec. 4): (world size, group size G, shard size S) on 128 nodes x 4 GPUs."""
 
 
-
 def model_config(name: str | None) -> tuple[Any, str]:
     """``(config, display name)``: Llama-3.1-8B by default; a preset of recipes/modeling.py
     (not ``tiny``: its vocabulary follows the tokenizer) or a config.json path.

@@ -484,10 +484,10 @@ def test_accelerate_launch_trains_unequal_groups_on_three_processes(tmp_path, da
     --sync_every 3`` (4 steps) on this CPU-only machine runs 3 processes, not one, in that
     layout: the results say world size 3, groups [1, 2] of one shard, run name
     ``fl_hsdp-F2-G1_2-S1-H3``; 4 steps logged, a finite perplexity below the vocabulary, and
-    rank 0 (group 0) sent "fl" bytes at 2 syncs (step 3, final). 3 processes, not the 6 of cpu_6proc.yaml: each real process imports torch,
-    transformers and fl_accel (about 7 CPU-s); the 6-rank layout of
-    recipes/configs/cpu_fl_hsdp_unequal.yaml is checked above, and trained on 6 ranks by the
-    tests of sections 1-5."""
+    rank 0 (group 0) sent "fl" bytes at 2 syncs (step 3, final). 3 processes, not the 6 of
+    cpu_6proc.yaml: each real process imports torch, transformers and fl_accel (about 7
+    CPU-s); the 6-rank layout of recipes/configs/cpu_fl_hsdp_unequal.yaml is checked above,
+    and trained on 6 ranks by the tests of sections 1-5."""
     out = str(tmp_path / "run")
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO_ROOT / "accelerate_configs" / "cpu_4proc.yaml"), "--num_processes", "3", "--main_process_port",

@@ -475,8 +475,7 @@ def test_group_joining_under_the_speed_trigger_heals_and_the_run_ends_on_its_bud
       before it joined and in the heal's round;
     * both groups end with the same round summary, after the round that reaches the token
       budget (the rounds that group 0 trained alone count its tokens only), and bitwise
-      equal parameters; group
-      1's data position is its own (the batches it trained)."""
+      equal parameters; group 1's data position is its own (the batches it trained)."""
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
         "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "sync_trigger": "speed"},

@@ -203,7 +203,8 @@ def test_supervisor_restarts_a_killed_recipe_group_which_heals(tmp_path, default
         time.sleep(seconds)
 
     text = io.StringIO()
-    sup = Supervisor(2, start, max_restarts=1, restart_delay_s=ft_launch.LIGHTHOUSE_DEFAULTS["heartbeat_timeout_ms"] / 1000,
+    delay = ft_launch.LIGHTHOUSE_DEFAULTS["heartbeat_timeout_ms"] / 1000  # the CLI's default --restart_delay_s
+    sup = Supervisor(2, start, max_restarts=1, restart_delay_s=delay,
                      kill=lambda p: p.launch.kill(), watch=False, out=text, sleep=sleep)
     try:
         status = sup.run(poll_s=0.1)
