@@ -13,8 +13,8 @@ fi
 python -m pip install -q -r requirements.txt
 export OMP_NUM_THREADS=1
 # parallel workers (pytest-xdist): one per core, 2 to 8. Most tests wait on the processes they
-# launch, but those processes are busy: on 2 cores, 4 workers took as long as 2 and about 10% more
-# CPU seconds (processes competing for the cores). Tests that share one launch stay on one worker
+# launch, but those processes are busy: on 2 cores, 4 workers took as long as 2 and more CPU
+# seconds (processes competing for the cores). Tests that share one launch stay on one worker
 # (tests/conftest.py). FL_ACCEL_TEST_WORKERS=0 runs the tests serially.
 cores="$(nproc 2>/dev/null || echo 2)"
 workers="${FL_ACCEL_TEST_WORKERS:-$(( cores < 2 ? 2 : (cores > 8 ? 8 : cores) ))}"
