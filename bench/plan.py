@@ -75,7 +75,9 @@ LOCAL_SMOKE = {"convergence": dict(steps=2, eval_every=1, eval_blocks=32, checkp
                "paper_regime": dict(steps=2, eval_every=1, eval_blocks=64, checkpoint_every=1, log_every=1,
                                     micro_batch_size=8)}
 SECOND_SEED_OFFSET = 1
-"""The seed-band rows train with ``--seed`` + this (model init and data order both change)."""
+"""The seed-band rows train with ``--seed`` + an offset (model init and data order both change):
+every seeded row has this one; :data:`CONVERGENCE_THIRD_SEEDED` rows also ``THIRD_SEED_OFFSET``."""
+THIRD_SEED_OFFSET = 2
 
 
 class BenchError(RuntimeError):
@@ -313,6 +315,10 @@ CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h8-p
 """Rows trained again with a second seed: the seed band (the last: the fast exchange with the best
 final loss of the grid, P=2 tau=2 int8+EF with the plain average at lr 1e-3, issue 28's second seed
 of the setting measured end to end at 10 Mbit/s in bench/results/2026-12-03-ttt)."""
+CONVERGENCE_THIRD_SEEDED = ("fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")
+"""Issue 40: the three rows of the equal-footing comparison (FSDP, blocking fp32 FL+FSDP ``avg`` and
+the fast int8 + error-feedback fragments at H=16, all at lr 1e-3) trained with seeds 42, 43 and 44:
+their mean +- sd and the pooled sd (``bench.analysis.seed_stats``) replace the two-seed band."""
 CONVERGENCE_FSDP, CONVERGENCE_BLOCKING = "fsdp", "fl_fsdp-h8"
 """The two references of the convergence table: FSDP, and blocking fp32 FL+FSDP (H=8 avg, P=1)."""
 
@@ -345,8 +351,12 @@ def local_runs(s: dict) -> list[RunSpec]:
         groups = spec.num_groups if spec.algorithm.startswith("fl_") else 1
         rows.append(dataclasses.replace(spec, num_groups=groups, shard_size=world // groups,
                                         baseline=None if spec.algorithm == "fsdp" else table[0]["id"]))
-    second = s["seed"] + SECOND_SEED_OFFSET
-    rows += [dataclasses.replace(r, id=f"{r.id}-seed{second}", seed=second) for r in rows if r.id in seeded]
+    third_seeded = CONVERGENCE_THIRD_SEEDED if suite == "convergence" else ()
+    extra = [(SECOND_SEED_OFFSET, set(seeded) | set(third_seeded)), (THIRD_SEED_OFFSET, set(third_seeded))]
+    base = list(rows)
+    for offset, ids in extra:
+        seed = s["seed"] + offset
+        rows += [dataclasses.replace(r, id=f"{r.id}-seed{seed}", seed=seed) for r in base if r.id in ids]
     return rows
 
 
