@@ -78,9 +78,10 @@ def main(argv=None) -> None:
     set_seed(args.seed)  # the same seed on every rank: all groups must start from identical parameters
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    # FLAccelerator steps a prepared scheduler once per optimizer step: give its length in optimizer steps
-    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=max(1, args.max_steps // 10),
-                                                num_training_steps=args.max_steps)
+    # as with Accelerator: a prepared scheduler steps num_processes times per optimizer step
+    n = accelerator.num_processes
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=max(1, args.max_steps // 10) * n,
+                                                num_training_steps=args.max_steps * n)
     world = accelerator.layout.world_size  # the federation's ranks (also in the torchft mode)
     rows = synthetic_rows(world * args.micro_batch_size * args.gradient_accumulation_steps * args.max_steps,
                           args.seq_len, MODEL["vocab_size"], args.seed)

@@ -8,31 +8,11 @@ compressed exchange and unequal federation groups.
 Accelerate on first use.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from .compat import check_versions
 
 __version__ = "0.2.0"
 
-# The internals fl_accel relies on (listed in fl_accel/accelerator.py and fl_accel/fsdp.py)
-# were read in these releases; others may move them.
-SUPPORTED = {"torch": ("2.13",), "accelerate": ("1.15",)}
-
-
-def _check_versions() -> None:
-    problems = []
-    for package, prefixes in SUPPORTED.items():
-        try:
-            found = _version(package)
-        except PackageNotFoundError:
-            problems.append(f"{package} is not installed")
-            continue
-        if not found.split("+")[0].startswith(prefixes):
-            problems.append(f"{package} {found} is installed, fl_accel needs {package} {' or '.join(prefixes)}.x")
-    if problems:
-        raise ImportError("fl_accel relies on internals of specific releases: " + "; ".join(problems)
-                          + ". Install them with `pip install -r requirements.txt` (torch==2.13.0, accelerate==1.15.0).")
-
-
-_check_versions()
+check_versions()  # a warning outside the tested torch/accelerate range (fl_accel/compat.py), not an error
 
 from .config import FLConfig  # noqa: E402
 from .mesh import AXES, FLLayout  # noqa: E402

@@ -1,39 +1,39 @@
 """FLAccelerator: an ``accelerate.Accelerator`` whose FSDP2 mesh is one federation group.
 
-The only module that imports ``accelerate``. Internals relied on (accelerate 1.15.0,
-torch 2.13):
+A drop-in: a script written for ``Accelerator`` gets the same behaviour (docs/api.md has the
+table of Accelerator calls, what each does here and the test that shows it), the federation
+on top. Every reach into Accelerate's or torch's internals is in :mod:`fl_accel.compat`.
 
-* ``Accelerator._prepare_fsdp2`` applies activation checkpointing, then compile
-  (``compile_regions_fsdp2`` if ``use_regional_compilation``), then
-  ``fsdp2_prepare_model``, sharding over ``state.device_mesh[fsdp_dim_names]`` with the
-  plugin's ``mixed_precision_policy`` and mapping old to new parameters by ``data_ptr()``.
-* FSDP is not selected on CPU, so the state is set to FSDP after construction
-  (``state.fsdp_plugin``, ``state.parallelism_config``, and
-  ``PartialState._shared_state["distributed_type"]``, which every later
-  ``AcceleratorState()`` copies): the same ``fully_shard`` path on gloo and NCCL.
-* ``AcceleratorState`` calls ``fsdp_plugin.set_mixed_precision`` only when the plugin has
-  no policy; ``AcceleratedScheduler.step`` steps ``num_processes`` times unless
-  ``split_batches``; ``AcceleratedOptimizer.optimizer`` is the torch optimizer.
-* ``save_state``/``load_state`` with ``_models``/``_optimizers`` emptied handle RNG,
-  schedulers, samplers and registered objects only; ``_dataloaders`` lists the prepared
-  data loaders.
+* Accelerate does not pick FSDP on CPU, so the state is set to FSDP2 over this group's mesh
+  after construction (:func:`fl_accel.compat.set_fsdp_state`): the same ``fully_shard`` path on
+  gloo and NCCL, and Accelerate's FSDP2 branch in every later call of the user's script.
+* ``AcceleratorState`` calls ``fsdp_plugin.set_mixed_precision`` only when the plugin has no
+  policy; a user's FSDP2 plugin is kept as given, an FSDP1 one refused (FSDP2 only).
+* A prepared scheduler steps as Accelerate's does (``num_processes`` times per optimizer step
+  unless ``split_batches``), so scripts that size it the Accelerate way get the same LR.
+* The model's full state (``get_state_dict``, ``save_model``, ``save_pretrained`` of the
+  unwrapped model) is the federated one: the groups sync first when they differ.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import re
+import shutil
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import (DistributedType, DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs,
-                              ParallelismConfig, TorchDynamoPlugin)
+from accelerate.utils import (DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig,
+                              TorchDynamoPlugin)
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import fsdp
+from . import compat, fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
@@ -68,9 +68,29 @@ def fsdp2_plugin(mixed_precision: str | None = None, reduce_dtype: str = "fp32",
         auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
 
 
+FSDP1_FIX = ("FLAccelerator shards every federation group with FSDP2 (fully_shard). Pass "
+             "FullyShardedDataParallelPlugin(fsdp_version=2, ...) (its other options are kept), set "
+             "`fsdp_version: 2` in your accelerate config, or pass no plugin (fl_accel then builds one from the "
+             "FSDP_* variables)")
+
+
+def _refuse_fsdp1(kwargs: dict) -> None:
+    """ValueError naming the fix: a user's FSDP plugin of ``fsdp_version`` 1, or an ``accelerate
+    launch`` with FSDP and ``FSDP_VERSION`` not 2 (Accelerate would build an FSDP1 plugin)."""
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(f"FLAccelerator: fsdp_plugin has fsdp_version={getattr(plugin, 'fsdp_version', None)!r}. "
+                         + FSDP1_FIX + ".")
+    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" \
+            and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ValueError(f"FLAccelerator: `accelerate launch` asked for FSDP version "
+                         f"{os.environ.get('FSDP_VERSION', '1')} (FSDP_VERSION). " + FSDP1_FIX + ".")
+
+
 def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
     """ValueError, on every rank before any process group: fp16, a whole-model compile, CPU
-    offload with a federated algorithm."""
+    offload with a federated algorithm, FSDP1 (:func:`_refuse_fsdp1`)."""
+    _refuse_fsdp1(kwargs)
     precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
     if precision is not None:
         refuse_fp16(precision, f"mixed_precision={str(precision)!r}")
@@ -95,19 +115,19 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
 
 
 def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
-    """Point Accelerate's FSDP2 path at this rank's group, with the precision policy."""
+    """Point Accelerate's FSDP2 path at this rank's group, with the precision policy: the
+    user's FSDP2 plugin as given (its own policy kept), else Accelerate's from ``accelerate
+    launch`` (FSDP2: :func:`_refuse_fsdp1` ran), else :func:`fsdp2_plugin`."""
     state = acc.state
     plugin = plugin or getattr(state, "fsdp_plugin", None)
-    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+    if plugin is None:
         plugin = fsdp2_plugin()  # reads the FSDP_* environment variables `accelerate launch` sets
+    if getattr(plugin, "fsdp_version", 1) != 2:  # refused before start; a state that changed since
+        raise ValueError("FLAccelerator: Accelerate's state holds an FSDP1 plugin. " + FSDP1_FIX + ".")
     if user_policy is None:
         plugin.mixed_precision_policy = mixed_precision_policy(acc.mixed_precision)
-    state.fsdp_plugin = plugin
-    state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.parallelism_config = ParallelismConfig(dp_replicate_size=acc.layout.replicas_of(acc.group_index),
-                                                 dp_shard_size=acc.layout.shards)
-    state.device_mesh = acc.device_mesh
+    compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=acc.layout.replicas_of(acc.group_index),
+                                                           dp_shard_size=acc.layout.shards), acc.device_mesh)
 
 
 class FLAccelerator(Accelerator):
@@ -117,8 +137,10 @@ class FLAccelerator(Accelerator):
     ``Accelerator`` (``cpu`` defaults to True without CUDA). ``mixed_precision="bf16"`` gives
     every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
     fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
-    before any collective: an invalid ``fl_config`` (naming the field) or a refused setting.
-    Schedulers step once per optimizer step."""
+    before any collective: an invalid ``fl_config`` (naming the field) or a refused setting
+    (fp16, a whole-model compile, CPU offload with a federated algorithm, an FSDP1 plugin).
+    Everything else is Accelerate's behaviour (docs/api.md, "Accelerate's API under
+    FLAccelerator")."""
 
     def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
         fl_config = FLConfig.from_env() if fl_config is None else fl_config
@@ -202,22 +224,14 @@ class FLAccelerator(Accelerator):
                              "second model/optimizer pair (e.g. an EMA or teacher model) would train unfederated. "
                              "Keep the second model out of prepare (e.g. an EMA updated from the federated model's "
                              "parameters).")
-        stand_ins = []
-        for model in (a for a in args if isinstance(a, torch.nn.Module)):
-            for i, p in enumerate(dict.fromkeys(model.parameters())):
-                if p.is_meta:  # meta parameters all report data_ptr 0 to Accelerate's old->new map
-                    p.data_ptr = (lambda v: (lambda: v))(-(i + 1))
-                    stand_ins.append(p)
-        try:
+        with compat.meta_parameter_keys([a for a in args if isinstance(a, torch.nn.Module)]):
             result = super().prepare(*args, device_placement=device_placement)
-        finally:
-            for p in stand_ins:
-                del p.data_ptr
         items = result if isinstance(result, (list, tuple)) else [result]
         model = next((o for o in items if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)
         if model is not None:
             fsdp.track_forward_only(model, lambda: self._grads_accumulating)
+            _export_through_accelerator(self, model)
         if model is not None and optimizer is not None and self.synchronizer is None:
             named = list(model.named_parameters())
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
@@ -227,16 +241,12 @@ class FLAccelerator(Accelerator):
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]), group_sizes=self.layout.group_sizes)
-            self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(self._models))  # always the last
+            models = compat.prepared(self, "models")
+            self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
             if not any(p.is_meta for p in model.parameters()):
                 fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
-
-    def prepare_scheduler(self, scheduler):
-        prepared = super().prepare_scheduler(scheduler)
-        prepared.split_batches = True
-        return prepared
 
     def backward(self, loss, **kwargs):
         self._last_loss = loss.detach()
@@ -255,8 +265,8 @@ class FLAccelerator(Accelerator):
         """Shard the data by ``data_sharding`` (:meth:`data_shard`); "group" always uses the
         seedable sampler (else the generator is re-synchronized from rank 0)."""
         if getattr(data_loader, "_is_accelerate_prepared", False):
-            if data_loader not in self._dataloaders:
-                self._dataloaders.append(data_loader)
+            if data_loader not in compat.prepared(self, "dataloaders"):
+                compat.prepared(self, "dataloaders").append(data_loader)
             return data_loader
         num, index, seed = self.data_shard()
         per_group = self.fl_config.data_sharding == "group" and self.fl_config.is_federated
@@ -267,7 +277,7 @@ class FLAccelerator(Accelerator):
             slice_fn_for_dispatch=slice_fn_for_dispatch, data_seed=seed,
             use_seedable_sampler=self.use_seedable_sampler or per_group,
             non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
-        self._dataloaders.append(prepared)
+        compat.prepared(self, "dataloaders").append(prepared)
         return prepared
 
     def data_shard(self) -> tuple[int, int, int | None]:
@@ -334,13 +344,13 @@ class FLAccelerator(Accelerator):
         return sync.schedule.global_step
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """Accelerate's (also behind ``save_model``), with a warning when the groups may differ
-        (steps since the last sync): the result is then this group's model, not the federated
-        one; call :meth:`sync_if_pending` first for that."""
-        if self._groups_differ():
-            warnings.warn(f"[fl_accel] get_state_dict/save_model: the federation groups have trained since "
-                          f"their last full sync, so this is group {self.group_index}'s model; call "
-                          f"accelerator.sync_if_pending() first for the federated model", UserWarning, stacklevel=2)
+        """The federated model's full state dict: Accelerate's for FSDP2 (the full tensors on the
+        main process, an empty dict elsewhere), after :meth:`sync_if_pending` with ``final=True``
+        when the groups may differ (steps since their last sync, or compression residuals left),
+        so it is the exact weighted mean of the groups, never one group's. Also behind
+        ``save_model`` and the prepared model's ``save_pretrained``. Collective: call it on every
+        rank, as Accelerate's FSDP2 gather needs anyway."""
+        self.sync_if_pending(final=True)
         return super().get_state_dict(model, unwrap=unwrap)
 
     def register_pre_sync_hook(self, hook):
@@ -353,17 +363,54 @@ class FLAccelerator(Accelerator):
         return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
 
     def save_state(self, output_dir: str | None = None, **kwargs):
-        """:func:`fl_accel.checkpoint.save_federated_state` (``extra_meta``, ``rank_state``). Collective."""
-        if output_dir is None:
-            raise ValueError("FLAccelerator.save_state needs an output_dir")
-        return save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
-                                    rank_state=kwargs.get("rank_state"))
+        """:func:`fl_accel.checkpoint.save_federated_state` (``extra_meta``, ``rank_state``): each
+        group's model and optimizer, the sync's state and Accelerate's own (RNG, schedulers,
+        samplers, ``register_for_checkpointing`` objects). ``output_dir`` None: Accelerate's
+        ``ProjectConfiguration(automatic_checkpoint_naming=True)`` naming
+        (``<project_dir>/checkpoints/checkpoint_<i>``, ``total_limit`` kept), else ValueError.
+        Returns the folder. Collective."""
+        output_dir = self._automatic_checkpoint_dir("save_state") if output_dir is None else output_dir
+        with _accelerate_naming_off(self):
+            out = save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
+                                       rank_state=kwargs.get("rank_state"))
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        return out
 
     def load_state(self, input_dir: str | None = None, **kwargs):
-        """:func:`fl_accel.checkpoint.load_federated_state`; returns the metadata."""
+        """:func:`fl_accel.checkpoint.load_federated_state`; returns the metadata. ``input_dir``
+        None: the latest ``checkpoint_<i>`` of Accelerate's automatic naming, else ValueError."""
         if input_dir is None:
-            raise ValueError("FLAccelerator.load_state needs an input_dir")
-        return load_federated_state(_checkpoint_io(self), input_dir)
+            input_dir = self._automatic_checkpoint_dir("load_state")
+        with _accelerate_naming_off(self):
+            meta = load_federated_state(_checkpoint_io(self), input_dir)
+        if self.project_configuration.automatic_checkpoint_naming:
+            digits = re.findall(r"(\d+)$", os.path.normpath(input_dir))
+            if digits:
+                self.project_configuration.iteration = int(digits[0]) + 1
+        return meta
+
+    def _automatic_checkpoint_dir(self, method: str) -> str:
+        """Accelerate's automatic checkpoint folder: the next ``checkpoint_<iteration>`` (save,
+        the oldest beyond ``total_limit`` removed by the main process) or the latest (load)."""
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            raise ValueError(f"FLAccelerator.{method} needs a folder, or Accelerator(project_config="
+                             f"ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
+        root = os.path.join(self.project_dir, "checkpoints")
+        numbered = sorted((int(m.group(1)), name) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                          if (m := re.fullmatch(r"checkpoint_(\d+)", name)))
+        if method == "load_state":
+            if not numbered:
+                raise ValueError(f"FLAccelerator.load_state: no checkpoint_<i> folder in {root}")
+            return os.path.join(root, numbered[-1][1])
+        if self.is_main_process:
+            os.makedirs(root, exist_ok=True)
+            extra = len(numbered) + 1 - config.total_limit if config.total_limit is not None else 0
+            for _, name in numbered[:max(0, extra)]:
+                shutil.rmtree(os.path.join(root, name))
+        self.wait_for_everyone()
+        return os.path.join(root, f"checkpoint_{config.iteration}")
 
     def end_training(self):
         """The final sync (exact with a lossy ``sync_dtype`` and ``final_sync="exact"``: it also
@@ -378,18 +425,57 @@ class FLAccelerator(Accelerator):
         super().end_training()
 
 
+def _export_through_accelerator(acc: "FLAccelerator", model) -> None:
+    """Give the prepared model the two calls Accelerate's users make on it directly (instance
+    attributes; the class is untouched):
+
+    * ``save_pretrained(dir, ...)`` without ``state_dict`` passes
+      :meth:`FLAccelerator.get_state_dict`'s (the federated model, synced first): transformers
+      would read the model's own state dict, FSDP2's DTensor shards, and fail writing them
+      ("Attempted to access the data pointer on an invalid python storage"). Collective, like
+      Accelerate's FSDP2 gather: every rank calls it (the canonical scripts do, with
+      ``is_main_process``); transformers writes on rank 0.
+    * ``no_sync()`` (DDP's, which FSDP2 modules lack; Accelerate's autoregressive
+      gradient-accumulation example calls it) is ``accelerator.no_sync(model)``."""
+    original = getattr(model, "save_pretrained", None)
+    if callable(original):
+        @functools.wraps(original)
+        def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+            if state_dict is None:
+                state_dict = acc.get_state_dict(model)
+            return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+        model.save_pretrained = save_pretrained
+    if not hasattr(model, "no_sync"):
+        model.no_sync = lambda: acc.no_sync(model)
+
+
+@contextlib.contextmanager
+def _accelerate_naming_off(acc: "FLAccelerator"):
+    """Accelerate's own save/load inside FLAccelerator's use the folder fl_accel chose, not its
+    automatic naming (which would pick another folder and count the iteration twice)."""
+    config = acc.project_configuration
+    automatic = config.automatic_checkpoint_naming
+    config.automatic_checkpoint_naming = False
+    try:
+        yield
+    finally:
+        config.automatic_checkpoint_naming = automatic
+
+
 def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
     """The torchft transport (:mod:`fl_accel.ft`); a heal carries the synchronizer's, the
     schedulers' and Accelerate's step state."""
     from . import ft
 
     def save():
-        return ft.capture(acc.synchronizer, acc._schedulers, {"accelerate_step": acc.step})
+        return ft.capture(acc.synchronizer, compat.prepared(acc, "schedulers"),
+                          {"accelerate_step": compat.accumulation_counter(acc)})
 
     def load(state):
-        fsdp.reshard(acc._models)
-        ft.restore(acc.synchronizer, acc._schedulers, state)
-        acc.step = state["extra"].get("accelerate_step", acc.step)
+        fsdp.reshard(compat.prepared(acc, "models"))
+        ft.restore(acc.synchronizer, compat.prepared(acc, "schedulers"), state)
+        compat.set_accumulation_counter(acc, state["extra"].get("accelerate_step", compat.accumulation_counter(acc)))
 
     transport = ft.ManagedTransport.create(
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
@@ -401,16 +487,13 @@ def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list
 
 
 def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:
-    """Accelerate saves what is not models and optimizers (``_models``/``_optimizers`` emptied)."""
+    """Accelerate saves what is not models and optimizers (:func:`compat.without_models_and_optimizers`)."""
     def accelerate_call(method, path):
-        models, optimizers = acc._models, acc._optimizers
-        try:
-            acc._models, acc._optimizers = [], []
+        with compat.without_models_and_optimizers(acc):
             getattr(Accelerator, method)(acc, path)
-        finally:
-            acc._models, acc._optimizers = models, optimizers
 
     return CheckpointIO(
-        models=list(acc._models), optimizers=[getattr(o, "optimizer", o) for o in acc._optimizers],
+        models=list(compat.prepared(acc, "models")),
+        optimizers=[getattr(o, "optimizer", o) for o in compat.prepared(acc, "optimizers")],
         synchronizer=acc.synchronizer, layout=acc.layout, config=acc.fl_config, rank=acc._fl_rank,
         barrier=acc.wait_for_everyone, extras=accelerate_call, is_main_process=acc.is_main_process)

@@ -1,10 +1,11 @@
 """Communication accounting: bytes and seconds of every collective, by mesh axis.
 
 FSDP2 communicates through ``torch.distributed.all_gather_single``,
-``reduce_scatter_single`` and ``all_reduce`` (HSDP's replicate group;
-``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, torch 2.13); the sync adds
-``all_to_all_single`` and ``broadcast``. While a :class:`CommMeter` is entered these entry
-points are wrapped: each call goes to a bucket (the mesh axes, or "world" for the default
+``reduce_scatter_single`` (torch 2.12: ``all_gather_into_tensor``, ``reduce_scatter_tensor``)
+and ``all_reduce`` (HSDP's replicate group;
+``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``); the sync adds
+``all_to_all_single`` and ``broadcast``. While a :class:`CommMeter` is entered the entry
+points this torch has are wrapped (:func:`fl_accel.compat.collective_entry_points`): each call goes to a bucket (the mesh axes, or "world" for the default
 group) and is charged :func:`ring_bytes` (all-to-all: M is this rank's
 input), so measurement and model compare axis by axis. Seconds are host time in the call
 and in ``wait()`` (with CUDA streams a lower bound). Several meters may be entered at once,
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .mesh import BUCKETS, WORLD
 
 RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
@@ -175,9 +177,9 @@ class CommMeter:
         with _lock:
             if self._depth == 0:
                 if not _active:  # the first meter wraps the entry points
-                    _originals.update({name: getattr(dist, name) for name in _OPS})
-                    for name, original in _originals.items():
-                        setattr(dist, name, _wrap(name, original))
+                    for name in compat.collective_entry_points():
+                        _originals[name] = getattr(dist, name)
+                        compat.replace_dist_function(name, _wrap(name, _originals[name]))
                 _active.append(self)
             self._depth += 1
         return self
@@ -191,7 +193,7 @@ class CommMeter:
                 _active.remove(self)
                 if not _active:
                     for name, original in _originals.items():
-                        setattr(dist, name, original)
+                        compat.replace_dist_function(name, original)
                     _originals.clear()
         return False
 

@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .codecs import Codec, make_codec
 from .mesh import DP_REPLICATE, DP_SHARD, FL
 
@@ -119,7 +120,7 @@ class MeshTransport:
         return dist.all_to_all_single(output, input, group=self.fl_group, async_op=async_op)
 
     def all_gather(self, output, input, async_op=False):
-        return dist.all_gather_single(output, input, group=self.fl_group, async_op=async_op)
+        return compat.all_gather_single(output, input, group=self.fl_group, async_op=async_op)
 
     def share_chunks(self, flat):
         if self.replicate_group is None or self.replicas <= 1:
@@ -127,7 +128,7 @@ class MeshTransport:
         size = flat.numel() // self.num_chunks
         if self.replicas == self.num_chunks:
             piece = flat[self.chunk_index * size:(self.chunk_index + 1) * size].clone()
-            dist.all_gather_single(flat, piece, group=self.replicate_group)
+            compat.all_gather_single(flat, piece, group=self.replicate_group)
             return
         for c in range(self.num_chunks):
             dist.broadcast(flat[c * size:(c + 1) * size], src=self.chunk_owners[c], group=self.replicate_group)

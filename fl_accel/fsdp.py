@@ -1,26 +1,27 @@
-"""Torch-only helpers around FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13),
-functions of (model, layout, device), testable on a one-process group. Relied on:
+"""Torch-only helpers around FSDP2 (``torch.distributed.fsdp.fully_shard``),
+functions of (model, layout, device), testable on a one-process group. Relied on (public API;
+the internals are reached through :mod:`fl_accel.compat`):
 
 * FSDP2 parameters are DTensors whose ``to_local()`` is this rank's shard, laid out as
   ``distribute_tensor`` with the same mesh and placements lays it out.
-* ``fully_shard.state(module)`` is shared by the modules of one ``fully_shard`` call (a
-  unit; Accelerate shards [final norm, lm_head] as one).
+* The modules of one ``fully_shard`` call form a unit (:func:`fl_accel.compat.fsdp_unit_key`;
+  Accelerate shards [final norm, lm_head] as one).
 * ``FSDPModule.reshard()`` frees a unit's unsharded parameters; ``reset_iter_state()``
-  reshards every unit and clears the post-forward order kept until a backward ends.
-* ``checkpoint_wrapper`` inserts ``_checkpoint_wrapped_module.`` and ``torch.compile``
-  ``_orig_mod.`` into parameter names; DCP's ``get_model_state_dict`` strips both.
+  (torch 2.13+) reshards every unit and clears the post-forward order kept until a backward ends.
+* Activation checkpointing and ``torch.compile`` insert prefixes into parameter names
+  (:func:`fl_accel.compat.wrapper_prefixes`); DCP's ``get_model_state_dict`` strips both.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-WRAPPER_PREFIXES = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
+from . import compat
+
+WRAPPER_PREFIXES = compat.wrapper_prefixes()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def canonical_name(name: str) -> str:
 
 
 def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
-    """Indices into ``params`` per FSDP unit (``FSDPModule``s grouped by ``fully_shard.state``),
+    """Indices into ``params`` per FSDP unit (``FSDPModule``s grouped by :func:`compat.fsdp_unit_key`),
     in registration order, root last: the parameters no nested unit holds, each in the first
     unit reaching it (tied weights); parameters of no unit form one unit each."""
     index = {id(p): i for i, p in enumerate(params)}
@@ -50,7 +51,7 @@ def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
 
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            state = id(fully_shard.state(module))
+            state = compat.fsdp_unit_key(module)
             root_state = state if name == "" else root_state
             for p in own(module):
                 if id(p) in index and id(p) not in taken:
@@ -79,14 +80,9 @@ def materialize(model: torch.nn.Module, init_fn, device: torch.device, seed: int
             visit(child)
         swapped = {name: (p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                 requires_grad=p.requires_grad))
-                   for name, p in module._parameters.items() if p is not None}
-        for name, (_, full) in swapped.items():
-            module._parameters[name] = full
-        try:
+                   for name, p in compat.own_parameters(module).items()}
+        with compat.swapped_parameters(module, {name: full for name, (_, full) in swapped.items()}):
             init_fn(module)
-        finally:
-            for name, (p, full) in swapped.items():
-                module._parameters[name] = p
         for p, full in swapped.values():
             if id(p) not in done:
                 done.add(id(p))
@@ -123,7 +119,7 @@ def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
         elif forward_only[0]:
             forward_only[0] = False
             if not accumulating():
-                module.reset_iter_state()
+                compat.reset_iter_state(module)
 
     return model.register_forward_pre_hook(before_forward, prepend=True)
 

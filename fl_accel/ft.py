@@ -35,12 +35,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from . import comm, compat
 from .exchange import MeshTransport, Round
 from .fsdp import local
+
+AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options()
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,10 @@ def _report(manager, exc: Exception) -> None:
 
 class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
     def __init__(self, quorum, agreed: dict):
-        self._quorum, self._agreed = quorum, agreed
+        self._result, self._agreed = quorum, agreed
 
     def __getattr__(self, name):
-        return self._agreed[name] if name in self._agreed else getattr(self._quorum, name)
+        return self._agreed[name] if name in self._agreed else getattr(self._result, name)
 
 
 RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_address", "recover_dst_replica_ranks")
@@ -68,13 +69,13 @@ class _AgreedClient:
     ``transport.heal_sources`` (quorum id, the source used, the one torchft assigned)."""
 
     def __init__(self, client, group, transport: "ManagedTransport"):
-        self._client, self._group, self._transport = client, group, transport
+        self._inner, self._group, self._transport = client, group, transport
 
     def __getattr__(self, name):
-        return getattr(self._client, name)
+        return getattr(self._inner, name)
 
     def _quorum(self, *args, **kwargs):
-        quorum = self._client._quorum(*args, **kwargs)
+        quorum = compat.client_quorum(self._inner, *args, **kwargs)
         box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
         dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
         agreed = box[0]
@@ -135,6 +136,7 @@ class ManagedTransport:
         ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
         callbacks (:func:`capture`, :func:`restore`). Collective over the group's world. ImportError
         without torchft."""
+        compat.check_torchft_version()
         from torchft import Manager
         from torchft.checkpointing import HTTPTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -155,7 +157,7 @@ class ManagedTransport:
             lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
             replica_id=f"fl_accel_group_{group_index}", init_sync=False,
             checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
-        transport.manager._client = _AgreedClient(transport.manager._client, agree, transport)
+        compat.wrap_manager_client(transport.manager, lambda client: _AgreedClient(client, agree, transport))
         return transport
 
     def begin(self) -> Round:

@@ -127,11 +127,14 @@ def main(argv=None) -> dict:
     if accelerator.fl_config is not fl:  # the run's config from here on (results, W&B): the accelerator's
         plan = dataclasses.replace(plan, parsed=dataclasses.replace(plan.parsed, fl=accelerator.fl_config))
         fl = plan.fl
-    scheduler = accelerator.prepare(get_scheduler(  # FLAccelerator: one scheduler step per optimizer step
-        args.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * max_steps),
-        num_training_steps=max_steps))
+    warmup = math.ceil(args.warmup_ratio * max_steps)
     if accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None:
-        follow_federation(scheduler, accelerator)
+        scheduler = accelerator.prepare(federation_schedule(optimizer, accelerator, args.lr_scheduler_type, warmup,
+                                                            max_steps))
+    else:  # sized as Accelerate steps a prepared scheduler: num_processes times per optimizer step
+        n = accelerator.num_processes
+        scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * n,
+                                                      num_training_steps=max_steps * n))
     eval_every, notes = plan_evaluations(args, fl, max_steps)
     notes += [n for n in [repeat_note(max_steps, per_epoch, args.max_steps, args.num_epochs)] if n]
     tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
@@ -229,14 +232,21 @@ def train(run: "Run") -> None:
             break
 
 
-def follow_federation(scheduler, accelerator) -> None:
+def federation_schedule(optimizer, accelerator, name: str, warmup_steps: int, total_steps: int):
     """Under ``sync_trigger`` "time"/"speed" the inner LR schedule follows the federation's
-    progress (``accelerator.federation_step``), not this group's own step count: a fast group
-    does more steps than ``max_steps`` and a slow one fewer, and both end the schedule together.
+    progress (``accelerator.federation_step``, in optimizer steps), not this group's own step
+    count: a fast group does more steps than ``total_steps`` and a slow one fewer, and both end
+    the schedule together. A ``LambdaLR`` whose multiplier is transformers' schedule ``name``
+    (``get_scheduler``'s, over ``warmup_steps`` and ``total_steps``) at that progress, whatever
+    the scheduler's own count (Accelerate steps it ``num_processes`` times per optimizer step).
     Within a round the progress extrapolates this group's steps to every group, so a fast
     group's LR may step back slightly at a sync (exact there)."""
-    inner = scheduler.scheduler
-    inner.lr_lambdas = [(lambda fn: (lambda _: fn(accelerator.federation_step)))(fn) for fn in inner.lr_lambdas]
+    import torch
+    from transformers import get_scheduler
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    multiplier = get_scheduler(name, probe, num_warmup_steps=warmup_steps, num_training_steps=total_steps).lr_lambdas[0]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: multiplier(accelerator.federation_step))
 
 
 def round_results(run: "Run") -> dict:

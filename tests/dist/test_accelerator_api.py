@@ -1,7 +1,8 @@
 """FLAccelerator's public behaviour beyond the sync numerics, and the project's own rules.
 
 * fp16 is refused (its per-rank loss scaler can skip a step in one group only);
-* a scheduler prepared by FLAccelerator steps once per optimizer step;
+* a scheduler prepared by FLAccelerator steps as Accelerate's does (also split_batches and
+  step_scheduler_with_optimizer=False);
 * communication metering is explicit and two meters can count side by side;
 * only fl_accel/accelerator.py imports Accelerate; fl_accel/, recipes/, scripts/ and bench/
   do not touch sys.path (import directions: tests/test_layering.py);
@@ -105,16 +106,21 @@ def test_help_shows_the_real_defaults(capsys):
 
 
 # ====================================================================== scheduler
-def test_prepared_scheduler_steps_once_per_optimizer_step(tmp_path):
-    """4 processes, F=2, accumulation 2, a linear schedule 1 -> 0 over 10 steps through
-    FLAccelerator.prepare: after optimizer steps 1, 2, 3 the LR is 0.9, 0.8, 0.7 of the peak on
-    every rank. (Accelerate alone steps it num_processes times per optimizer step: 0.0 after 3.)"""
-    res = run_torchrun(4, WORKER, "scheduler", str(tmp_path), timeout=240)
+def test_prepared_scheduler_steps_as_accelerate_does(tmp_path):
+    """4 processes, F=2, accumulation 2, a linear schedule 1 -> 0 through FLAccelerator.prepare,
+    sized for Accelerate's stepping: 40 steps by default (num_processes scheduler steps per
+    optimizer step), 10 with split_batches (one), 20 with step_scheduler_with_optimizer=False
+    (one per call, two calls per optimizer step): after optimizer steps 1, 2, 3 the LR is 0.9,
+    0.8, 0.7 of the peak on every rank in all three. (tests/dist/test_drop_in.py compares a
+    whole script's LRs with plain Accelerator's.)"""
+    res = run_torchrun(4, WORKER, "scheduler", str(tmp_path), "default", "split_batches", "step_with_calls",
+                       timeout=240)
     assert res.returncode == 0, res.tail()
-    for rank in range(4):
-        rec = json.loads((tmp_path / f"scheduler-rank{rank}.json").read_text())
-        assert rec["lrs"] == pytest.approx([0.9, 0.8, 0.7]), rec
-        assert rec["sched_lr"] == pytest.approx(0.7)
+    for variant in ("default", "split_batches", "step_with_calls"):
+        for rank in range(4):
+            rec = json.loads((tmp_path / f"scheduler-{variant}-rank{rank}.json").read_text())
+            assert rec["lrs"] == pytest.approx([0.9, 0.8, 0.7]), (variant, rec)
+            assert rec["sched_lr"] == pytest.approx(0.7)
 
 
 # ====================================================================== the run's length
@@ -295,9 +301,9 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_only_accelerator_module_imports_accelerate():
-    """Accelerate internals are touched in one module: fl_accel/accelerator.py."""
+    """Accelerate is imported by the Accelerator subclass and the compatibility module only."""
     users = sorted(p.name for p in (REPO_ROOT / "fl_accel").glob("*.py") if "accelerate" in _imports(p))
-    assert users == ["accelerator.py"], users
+    assert users == ["accelerator.py", "compat.py"], users
 
 
 def test_no_sys_path_manipulation_outside_tests():

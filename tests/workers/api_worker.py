@@ -2,8 +2,11 @@
 
     api_worker.py MODE OUT_DIR
 
-MODE ``scheduler``: FL+FSDP 2x2, gradient accumulation 2, a linear schedule 1 -> 0 over 10
-steps passed through ``FLAccelerator.prepare``; records the LR of every rank after each
+MODE ``scheduler``: FL+FSDP 2x2, gradient accumulation 2, a linear schedule 1 -> 0 passed
+through ``FLAccelerator.prepare`` and sized as Accelerate's stepping needs it, three times:
+the default (40 steps: ``num_processes`` scheduler steps per optimizer step),
+``split_batches=True`` (10: one per optimizer step) and ``step_scheduler_with_optimizer=False``
+(20: one per call, two calls per optimizer step); records the LR of every rank after each
 optimizer step. MODE ``collectives``: every collective of the library and the recipe on
 this machine's default process group and device (the CUDA test runs it on a 1-process
 NCCL group, which rejects CPU tensors as a multi-GPU job would): the recipe's evaluate()
@@ -28,13 +31,19 @@ MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=32)
 
 
+SCHEDULER_VARIANTS = {"default": ({}, 40), "split_batches": ({"split_batches": True}, 10),
+                      "step_with_calls": ({"step_scheduler_with_optimizer": False}, 20)}
+
+
 def scheduler(out_dir: str) -> None:
+    variant = sys.argv[3]
+    kwargs, length = SCHEDULER_VARIANTS[variant]
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=2), cpu=True,
-                        gradient_accumulation_steps=2)
+                        gradient_accumulation_steps=2, **kwargs)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
+    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=length)
     model, opt, sched = acc.prepare(model, opt, sched)
     lrs = []
     for micro in range(6):  # 3 optimizer steps
@@ -48,7 +57,7 @@ def scheduler(out_dir: str) -> None:
         if acc.sync_gradients:
             lrs.append(opt.param_groups[0]["lr"])
     json.dump({"lrs": lrs, "sched_lr": sched.get_last_lr()[0]},
-              open(f"{out_dir}/scheduler-rank{acc.process_index}.json", "w"))
+              open(f"{out_dir}/scheduler-{variant}-rank{acc.process_index}.json", "w"))
     acc.end_training()
 
 
@@ -225,5 +234,10 @@ def outer_state_device(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    {"scheduler": scheduler, "collectives": collectives, "outer_state_device": outer_state_device}[sys.argv[1]](
-        sys.argv[2])
+    if sys.argv[1] == "scheduler" and len(sys.argv) > 4:  # several variants, one after the other
+        for v in sys.argv[3:]:
+            sys.argv[3:] = [v]
+            scheduler(sys.argv[2])
+    else:
+        {"scheduler": scheduler, "collectives": collectives, "outer_state_device": outer_state_device}[sys.argv[1]](
+            sys.argv[2])
