@@ -31,6 +31,9 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   ``train_seconds``): what a faster group loses to a slower one, the exchange excluded.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
 
+Every record's world figures are one sum over the world's ranks; :mod:`recipes.sync_log`
+decides when it is made (with several federation groups: at the next sync, not between).
+
 With ``--fault_tolerance torchft`` each federation group is its own launch: every figure
 above is gathered over the group's own ranks (``accelerator.launch_layout``) and is that
 group's (its tokens, its tokens/s, its traffic), written into its own folder.

@@ -32,7 +32,8 @@ checkpoints/step_N, final_model/ (save_pretrained), the offline W&B run under wa
 Where things live: recipes/args.py (flags), recipes/run_folder.py (checks before any
 collective, the output folder, checkpoints), recipes/inputs.py (data), recipes/modeling.py
 (models, optimizer, export), recipes/metrics.py (time, throughput, MFU, memory, traffic,
-evaluation), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
+evaluation), recipes/sync_log.py (records summed over the world at syncs, so that federation
+groups never wait for each other between syncs), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
 the machine meanwhile; psutil, imported lazily), recipes/plots.py
 (curves.png), recipes/testing_hooks.py (the tests' fault injection and block recording,
 switched on from the environment). FLOPs per token and MFU: fl_accel.planning.flops.
