@@ -377,6 +377,7 @@ def main(argv=None) -> int:
     p.add_argument("--grid", default="2026-12-03-grid", help="convergence results folder under bench/results "
                    "(--setting convergence: the seed band, FSDP's half-budget loss and the 1:1 row)")
     p.add_argument("--max_steps", type=int, default=None, help="steps' tokens of each run (default: the setting's)")
+    p.add_argument("--log_every", type=int, default=None, help="the recipe's --log_every (default: the setting's)")
     p.add_argument("--window_s", type=float, default=4.0)
     p.add_argument("--ratios", default="1:1,2:1")
     p.add_argument("--fast_cpus", type=float, default=0.8, help="CPUs of group 0's cgroup (group 1: that / ratio)")
@@ -387,7 +388,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     name = args.setting
-    args.setting = SETTINGS[name]
+    args.setting = SETTINGS[name] if args.log_every is None else {**SETTINGS[name], "log_every": args.log_every}
     args.max_steps = args.max_steps or args.setting["steps"]
     args.timeout = args.timeout or (14400.0 if name == "convergence" else 1800.0)
     args.quality = None

@@ -355,7 +355,10 @@ class FLAccelerator(Accelerator):
 
     def register_pre_sync_hook(self, hook):
         """Call ``hook(synchronizer, full)`` before every sync event (it may run forwards, e.g.
-        an evaluation); returns a handle with ``remove()``. RuntimeError before ``prepare``."""
+        an evaluation); returns a handle with ``remove()``. The hook runs inside the event (its
+        time counts as sync wait); a world collective of the hook that every rank makes
+        first in the event goes inside ``synchronizer.arriving()`` to be counted as the wait
+        for the other groups (:attr:`sync_arrival_seconds`). RuntimeError before ``prepare``."""
         if self.synchronizer is None:
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks

@@ -286,7 +286,9 @@ class FederatedSynchronizer:
 
     @contextlib.contextmanager
     def arriving(self):
-        """Time the event's first world collective into :attr:`arrival` (later ones pass)."""
+        """Time the event's first world collective into :attr:`arrival` (later ones pass). A
+        pre-sync hook whose world collective comes first (e.g. a recipe's deferred log sums)
+        wraps it in this, so that the wait for the last group is counted as arrival."""
         if self._arrived:
             yield
             return
@@ -351,9 +353,9 @@ class FederatedSynchronizer:
         results in flight and a blocking exchange: of ``fragment`` unless its own is in flight,
         or of every parameter (``fragment`` None, a full sync; exact if ``final`` and
         :attr:`exact_final`)."""
+        self._arrived = False  # a hook's world collective may be the event's first (:meth:`arriving`)
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
-        self._arrived = False
         rnd = self.transport.begin()
         if self.rounds is not None and full:
             rnd = self._close_round(rnd)

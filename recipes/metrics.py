@@ -31,6 +31,9 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   ``train_seconds``): what a faster group loses to a slower one, the exchange excluded.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
 
+Every record's world figures are one sum over the world's ranks; :mod:`recipes.sync_log`
+decides when it is made (with several federation groups: at the next sync, not between).
+
 With ``--fault_tolerance torchft`` each federation group is its own launch: every figure
 above is gathered over the group's own ranks (``accelerator.launch_layout``) and is that
 group's (its tokens, its tokens/s, its traffic), written into its own folder.
@@ -173,10 +176,22 @@ def evaluate(model, accelerator, blocks, micro_batch: int, per_group: bool = Fal
     and NCCL. ``per_group=False``: the world's ranks split the rows. ``per_group=True``:
     each federation group evaluates every row with its own model, split over its own
     ranks. Returns a list of (perplexity, mean NLL in nats, tokens): one entry, or one
-    per group. Collective.
+    per group. Collective: :func:`eval_totals` (the group's own collectives only), one
+    world all-reduce, :func:`eval_figures`.
     """
-    import torch
     import torch.distributed as dist
+
+    totals = eval_totals(model, accelerator, blocks, micro_batch, per_group)
+    dist.all_reduce(totals)  # a group's ranks evaluated disjoint rows: the sum is the group's total
+    return eval_figures(totals)
+
+
+def eval_totals(model, accelerator, blocks, micro_batch: int, per_group: bool = False):
+    """This rank's part of :func:`evaluate`: ``[slots, 2]`` float64 (summed token NLL in nats,
+    predicted tokens) on ``accelerator.device``, one row per slot (1, or one per group with
+    ``per_group``), zero in the other groups' rows. Its sum over the world is the
+    evaluation's; the forwards use the group's own collectives (FSDP), none of the world."""
+    import torch
     import torch.nn.functional as F
 
     layout, rank = accelerator.layout, accelerator.process_index
@@ -195,11 +210,15 @@ def evaluate(model, accelerator, blocks, micro_batch: int, per_group: bool = Fal
                                   reduction="none").view(ids.size(0), -1).sum(1).double()
             totals[slot, 0] += (nll * weight).sum()
             totals[slot, 1] += weight.sum() * (ids.size(1) - 1)
-    dist.all_reduce(totals)  # a group's ranks evaluated disjoint rows: the sum is the group's total
     if was_training:
         model.train()
+    return totals
+
+
+def eval_figures(totals) -> list[tuple[float, float, int]]:
+    """World-summed :func:`eval_totals` -> (perplexity, mean NLL in nats, tokens) per slot."""
     out = []
-    for s in range(slots):
+    for s in range(totals.size(0)):
         mean_nll = (totals[s, 0] / totals[s, 1]).item()
         out.append((math.exp(mean_nll), mean_nll, int(totals[s, 1].item())))
     return out
@@ -238,7 +257,7 @@ class Meter:
     """Windows between logged steps and the whole run's counters (see the module docstring).
 
     The loop calls :meth:`micro_batch` after each micro-batch, :meth:`set_grad_norm` at each
-    optimizer step, :meth:`step_done` after it, :meth:`train_record` at a logging step and
+    optimizer step, :meth:`step_done` after it, :meth:`train_record` (or :meth:`train_snapshot`) at a logging step and
     wraps evaluations and checkpoints in :meth:`outside_training`.
     """
 
@@ -309,8 +328,17 @@ class Meter:
     def gather(self, head: list[float]):
         """All-reduce ``head`` (summed over ranks) and every rank's own figures in one
         collective on ``accelerator.device``; returns (head summed, :func:`aggregate`)."""
-        import torch
         import torch.distributed as dist
+
+        buf = self.rank_figures(head)
+        dist.all_reduce(buf)  # counted in the "world" bucket of comm_stats
+        return self.read_figures(buf, len(head))
+
+    def rank_figures(self, head: list[float]):
+        """This rank's part of :meth:`gather` (no collective): float64 ``[len(head) + world x
+        (PER_RANK + 3 x buckets)]``, ``head`` first, then this rank's figures in its own row
+        (zero in the others'), taken now; its sum over the world is what :meth:`read_figures` reads."""
+        import torch
 
         acc, world = self.accelerator, self.accelerator.num_processes
         width = PER_RANK + 3 * len(self.buckets)
@@ -323,9 +351,13 @@ class Meter:
         mine += [float(stats[b][f]) for b in self.buckets for f in FIGURES]
         start = len(head) + acc.process_index * width
         buf[start:start + width] = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(buf)  # counted in the "world" bucket of comm_stats
-        return buf[:len(head)].tolist(), aggregate(buf[len(head):].view(world, width).cpu(), self.layout,
-                                                   self.buckets)
+        return buf
+
+    def read_figures(self, buf, n_head: int):
+        """A world-summed :meth:`rank_figures` -> (head summed, :func:`aggregate`)."""
+        width = PER_RANK + 3 * len(self.buckets)
+        return buf[:n_head].tolist(), aggregate(buf[n_head:].view(self.accelerator.num_processes, width).cpu(),
+                                                self.layout, self.buckets)
 
     def mfu(self, tokens_per_s_per_process: float | None) -> float | None:
         from fl_accel.planning.flops import mfu
@@ -334,32 +366,51 @@ class Meter:
             if tokens_per_s_per_process else None
 
     def train_record(self, lr: float) -> dict:
-        """The logged record of this step (collective): loss and grad norm averaged over the
-        world, tokens/s of the window, MFU, memory, sync share, traffic (see module docstring)."""
+        """The logged record of this step (collective): :meth:`train_snapshot`, its world
+        all-reduce, the record."""
+        import torch.distributed as dist
+
+        buf, record = self.train_snapshot(lr)
+        dist.all_reduce(buf)  # counted in the "world" bucket of comm_stats
+        return record(buf)
+
+    def train_snapshot(self, lr: float):
+        """This step's log record, taken now without a collective: ``(buf, record)``, where
+        ``buf`` is this rank's part (:meth:`rank_figures`) and ``record(buf summed over the
+        world)`` returns the record: loss and grad norm averaged over the world, tokens/s of the
+        window, MFU, memory, sync share, traffic (see module docstring), every figure as of
+        now. Starts the next window. The sum may come later (:mod:`recipes.sync_log`)."""
         layout, acc, F_ = self.layout, self.accelerator, self.layout.num_groups
         head = [0.0] * (1 + F_)
         head[0] = (self.window_loss / self.window_n / acc.num_processes).item()
         slot = acc.group_index if F_ > 1 else 0  # torchft mode: this launch holds one group
         head[1 + slot] = (self.grad_norm / layout.group_size_of(slot)).item()
-        head, run = self.gather(head)
+        buf = self.rank_figures(head)
         tps = self.window_tokens / self.window_train_s if self.window_train_s > 0 else None
         per_process = tps / acc.num_processes if tps else None
         train_s = self.clock.total("train_seconds")
-        record = {"step": self.completed_steps, "tokens": self.tokens, "time_s": train_s, "train/loss": head[0],
-                  "lr": lr, "train/grad_norm": sum(head[1:]) / F_,
-                  **{f"train/grad_norm_group{f}": head[1 + f] for f in range(F_) if F_ > 1},
-                  "tokens_per_s": tps, "tokens_per_s_per_process": per_process,
-                  "step_time_s": self.window_train_s / max(1, self.window_n // max(1, self._accumulation())),
-                  "model_flops_per_token": self.flops_per_token, "mfu": self.mfu(per_process),
-                  "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
-                  "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
-                  **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
-        if getattr(acc, "fault_tolerant", False):  # groups are separate launches: align them by the clock
-            record["unix_time"] = time.time()
+        step_time = self.window_train_s / max(1, self.window_n // max(1, self._accumulation()))
+        now = {"step": self.completed_steps, "tokens": self.tokens, "time_s": train_s, "lr": lr}
+        unix_time = time.time() if getattr(acc, "fault_tolerant", False) else None
         self.window_loss.zero_()
         self.window_n = self.window_tokens = 0
         self.window_train_s = 0.0
-        return record
+
+        def record(summed) -> dict:
+            head_sum, run = self.read_figures(summed, 1 + F_)
+            out = {**{k: now[k] for k in ("step", "tokens", "time_s")}, "train/loss": head_sum[0], "lr": now["lr"],
+                   "train/grad_norm": sum(head_sum[1:]) / F_,
+                   **{f"train/grad_norm_group{f}": head_sum[1 + f] for f in range(F_) if F_ > 1},
+                   "tokens_per_s": tps, "tokens_per_s_per_process": per_process, "step_time_s": step_time,
+                   "model_flops_per_token": self.flops_per_token, "mfu": self.mfu(per_process),
+                   "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
+                   "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
+                   **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
+            if unix_time is not None:  # groups are separate launches: align them by the clock
+                out["unix_time"] = unix_time
+            return out
+
+        return buf, record
 
     def _accumulation(self) -> int:
         return self.accelerator.gradient_accumulation_steps

@@ -32,7 +32,8 @@ checkpoints/step_N, final_model/ (save_pretrained), the offline W&B run under wa
 Where things live: recipes/args.py (flags), recipes/run_folder.py (checks before any
 collective, the output folder, checkpoints), recipes/inputs.py (data), recipes/modeling.py
 (models, optimizer, export), recipes/metrics.py (time, throughput, MFU, memory, traffic,
-evaluation), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
+evaluation), recipes/sync_log.py (records summed over the world at syncs, so that federation
+groups never wait for each other between syncs), recipes/banner.py (the start-up banner), recipes/host_load.py (the CPU load of
 the machine meanwhile; psutil, imported lazily), recipes/plots.py
 (curves.png), recipes/testing_hooks.py (the tests' fault injection and block recording,
 switched on from the environment). FLOPs per token and MFU: fl_accel.planning.flops.
@@ -172,10 +173,12 @@ def main(argv=None) -> dict:
               data=data, meter=meter, max_steps=max_steps, eval_every=eval_every, config=config,
               wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
+    if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
+        accelerator.register_pre_sync_hook(run.sync_log.pre_sync)
     if args.eval_groups and layout.num_groups > 1:
         accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
     testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch,
-                          group_index=accelerator.group_index)
+                          group_index=accelerator.group_index, accelerator=accelerator)
 
     clock.start_training()
     run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,
@@ -404,6 +407,7 @@ class Run:
     batches: Any = None
     progress: Any = None
     group_evals: dict = dataclasses.field(default_factory=dict)
+    sync_log: Any = None  # recipes.sync_log.SyncLog: records whose world figures wait for the next sync
     round_step: int = 0  # sync_trigger "time"/"speed": the federation step of the last round's end
     heals_reported: int = 0  # torchft mode: heals already announced (report_heals)
     steps_per_epoch: int | None = None  # map-style data (None: a stream)
@@ -423,8 +427,11 @@ class Run:
         return os.path.join(self.args.output_dir, "metrics.jsonl")
 
     def start_trackers(self, **extra) -> None:
-        """W&B (offline unless WANDB_MODE says otherwise; the run id survives resumes) and the progress bar."""
+        """W&B (offline unless WANDB_MODE says otherwise; the run id survives resumes), the progress bar
+        and the log (``sync_log``: with several groups in this launch, figures summed at syncs)."""
         from tqdm.auto import tqdm
+
+        from recipes.sync_log import SyncLog, wait_text
 
         args, acc, layout = self.args, self.accelerator, self.plan.layout
         if args.report_to != "none":
@@ -440,6 +447,10 @@ class Run:
             acc.init_trackers(args.wandb_project, config=run_config, init_kwargs=init_kwargs)
         self.progress = tqdm(total=self.max_steps, initial=self.meter.completed_steps, unit="step",
                              disable=not acc.is_local_main_process, desc=self.plan.run_name, dynamic_ncols=True)
+        self.sync_log = SyncLog(  # several groups in this launch's world: they meet only at syncs
+            deferred=acc.launch_layout.num_groups > 1, progress=self.progress,
+            until=lambda step: wait_text(acc.synchronizer.schedule, step, self.max_steps, args.checkpoint_every,
+                                         self.rounds))
 
     def log(self, record: dict) -> None:
         """One record to W&B (numbers only) and metrics.jsonl (main process)."""
@@ -451,11 +462,18 @@ class Run:
                 fh.write(json.dumps(record) + "\n")
 
     def log_train(self) -> None:
-        record = self.meter.train_record(self.scheduler.get_last_lr()[0])
-        if self.rounds:  # one step axis for every group: the federation's
-            record.update(step=self.accelerator.federation_step, group_step=record["step"])
-        self.log(record)
-        self.progress.set_postfix(loss=f"{record['train/loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
+        """This step's train record: taken now, summed over the world and written by ``sync_log``."""
+        part, record = self.meter.train_snapshot(self.scheduler.get_last_lr()[0])
+        fed = self.accelerator.federation_step if self.rounds else None  # one step axis for every group
+
+        def write(summed):
+            rec = record(summed)
+            if fed is not None:
+                rec.update(step=fed, group_step=rec["step"])
+            self.log(rec)
+            self.sync_log.show(f"loss={rec['train/loss']:.3f}, tok_s={rec['tokens_per_s'] or 0:.0f}")
+
+        self.sync_log.add(self.meter.completed_steps if fed is None else fed, part, write)
 
     def evaluate_groups_before_sync(self, synchronizer, full) -> None:
         """Pre-sync hook: each group's own model, scored right before the sync of an evaluation step."""
@@ -471,37 +489,50 @@ class Run:
         last = getattr(self.accelerator.synchronizer, "last_round", None)
         return last.num_groups if last is not None else None
 
-    def evaluate(self, step: int, final: bool = False) -> tuple:
-        """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored.
-        Returns the overall (perplexity, mean NLL, tokens)."""
-        from recipes.metrics import SCORED, scored
+    def evaluate(self, step: int, final: bool = False) -> tuple | None:
+        """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored
+        (mid-run: when ``sync_log`` has summed it over the world). Returns the overall (perplexity,
+        mean NLL, tokens) when written now (always when ``final``), else None."""
+        from recipes.metrics import SCORED, eval_figures, eval_totals, scored
 
         args, layout, fl = self.args, self.plan.layout, self.plan.fl
-        ppl, nll, tokens = evaluate(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size)[0]
+        if final:
+            self.sync_log.flush()  # the records of earlier steps first
+        totals = eval_totals(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size)
         groups = self.group_evals.pop(step, [])
         if final and args.eval_groups and layout.num_groups > 1:
             groups = evaluate(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size, True)
         what = scored(fl, final, self.groups_in_last_sync())
-        record = {"step": step, "tokens": self.meter.tokens, "time_s": self.meter.clock.total("train_seconds"),
-                  "wall_s": self.meter.clock.wall_now(), "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
-        if self.rounds:  # ``step`` is the federation's: every group's tokens, not this group's own
-            record["tokens"] = step * self.meter.tokens_per_step
-        if groups:
-            record.update({f"eval/perplexity_group{f}": r[0] for f, r in enumerate(groups)})
-            record.update({f"eval/loss_group{f}": r[1] for f, r in enumerate(groups)})
-            record["eval/scored_groups"] = "after the final sync" if final else "before the sync"
-        self.log(record)
-        if self.accelerator.is_main_process:  # above the progress bar (tqdm.write clears and redraws it)
-            self.progress.write(
-                f"[fl_accel] step {step}: eval perplexity {ppl:.2f} ({SCORED[what].split(' (')[0]})"
-                + (f"; each group's own model {record['eval/scored_groups']}: "
-                   + ", ".join(f"group {f} {r[0]:.2f}" for f, r in enumerate(groups)) if groups else ""),
-                file=sys.stdout)
-        return ppl, nll, tokens
+        # ``step`` under rounds is the federation's: every group's tokens, not this group's own
+        now = {"step": step, "tokens": step * self.meter.tokens_per_step if self.rounds else self.meter.tokens,
+               "time_s": self.meter.clock.total("train_seconds"), "wall_s": self.meter.clock.wall_now()}
+        done = []
+
+        def write(summed):
+            ppl, nll, tokens = eval_figures(summed)[0]
+            record = {**now, "eval/perplexity": ppl, "eval/loss": nll, "eval/scored": what}
+            if groups:
+                record.update({f"eval/perplexity_group{f}": r[0] for f, r in enumerate(groups)})
+                record.update({f"eval/loss_group{f}": r[1] for f, r in enumerate(groups)})
+                record["eval/scored_groups"] = "after the final sync" if final else "before the sync"
+            self.log(record)
+            if self.accelerator.is_main_process:  # above the progress bar (tqdm.write clears and redraws it)
+                self.progress.write(
+                    f"[fl_accel] step {step}: eval perplexity {ppl:.2f} ({SCORED[what].split(' (')[0]})"
+                    + (f"; each group's own model {record['eval/scored_groups']}: "
+                       + ", ".join(f"group {f} {r[0]:.2f}" for f, r in enumerate(groups)) if groups else ""),
+                    file=sys.stdout)
+            done.append((ppl, nll, tokens))
+
+        self.sync_log.add(step, totals, write)
+        if final:
+            self.sync_log.flush()
+        return done[0] if done else None
 
     def save_checkpoint(self, step: int) -> None:
         from recipes.run_folder import save_checkpoint
 
+        self.sync_log.flush()  # a checkpoint is a world event: metrics.jsonl then holds every record up to it
         save_checkpoint(self.accelerator, self.plan, step, self.max_steps, self.meter.checkpoint_totals(self.wandb_id),
                         self.data.stream, rank_extra=self.meter.rank_state)
 

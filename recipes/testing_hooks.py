@@ -16,6 +16,13 @@
   step ended (a slowdown by a factor k + 1 whatever the machine's load): a group made slow
   for tests of ``sync_trigger`` (the bench slows groups with a CPU quota instead:
   bench/speed_bench.py).
+* ``FL_ACCEL_TEST_RECORD_WORLD=<dir>`` makes every rank append to ``<dir>/rank<k>.jsonl`` the
+  count of collectives on the default (world) process group so far (the comm meter's "world"
+  bucket, :mod:`fl_accel.comm`): ``{"at": "sync", "step": s, "world": n}`` when a sync event
+  starts (the first pre-sync hook, before the recipe's own) and ``{"at": "step", "step": s,
+  "world": n}`` after each optimizer step (after its sync, if any). A sync event spans a
+  "sync" record and the "step" record of the same step; tests check that no world collective
+  falls outside them.
 
 :func:`install` attaches them as callbacks: a forward pre-hook and a forward hook on the
 prepared model (training forwards only: grad enabled and ``model.training``) and a step
@@ -30,12 +37,14 @@ import json
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 from .args import RecipeError
 
 FAULT_ENV = "FL_ACCEL_TEST_FAULT_INJECT"
 RECORD_ENV = "FL_ACCEL_TEST_RECORD_BLOCKS"
 SLEEP_ENV = "FL_ACCEL_TEST_STEP_SLEEP"
+WORLD_ENV = "FL_ACCEL_TEST_RECORD_WORLD"
 
 
 def parse_fault(spec: str, rank: int) -> tuple[str | None, int | None]:
@@ -80,7 +89,8 @@ def parse_sleep(spec: str, group_index: int) -> tuple[float, bool]:
     return values[group_index] if group_index < len(values) else (0.0, False)
 
 
-def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None, group_index: int = 0) -> list:
+def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ=None, group_index: int = 0,
+            accelerator=None) -> list:
     """Attach the hooks the environment asks for; returns their handles (empty if none).
 
     Args:
@@ -90,6 +100,8 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
         start_step: optimizer steps already done (a resumed run's checkpoint step).
         epoch_fn: returns the data stream's epoch (``--streaming``), or None.
         group_index: this rank's federation group (``FL_ACCEL_TEST_STEP_SLEEP``).
+        accelerator: the FLAccelerator (``FL_ACCEL_TEST_RECORD_WORLD``: its comm counters and
+            pre-sync hooks; ignored when it has no synchronizer).
 
     Raises:
         RecipeError: a malformed ``FL_ACCEL_TEST_FAULT_INJECT``.
@@ -102,7 +114,8 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
     if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         kind = None
     sleep, relative = parse_sleep(environ[SLEEP_ENV], group_index) if environ.get(SLEEP_ENV) else (0.0, False)
-    if kind is None and not folder and not sleep:
+    world_dir = environ.get(WORLD_ENV) if getattr(accelerator, "synchronizer", None) is not None else None
+    if kind is None and not folder and not sleep and not world_dir:
         return []
     steps = _Steps(start_step)
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -134,6 +147,8 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
                                          "input_ids": ids.tolist()}) + "\n")
 
         handles.append(model.register_forward_pre_hook(record, with_kwargs=True))
+    if world_dir:
+        handles += _record_world(accelerator, inner, steps, os.path.join(world_dir, f"rank{rank}.jsonl"))
     if kind == "nan":
         def poison(module, args, output):
             if training(module) and steps.done + 1 == fault_step:
@@ -150,3 +165,20 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
 
         handles.append(inner.register_step_post_hook(act))
     return handles
+
+
+def _record_world(accelerator, inner, steps: _Steps, path: str) -> list:
+    """``FL_ACCEL_TEST_RECORD_WORLD``: a pre-sync hook at the head of the list and a step post-hook."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def write(at: str, step: int) -> None:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"at": at, "step": step, "world": accelerator.comm_stats["world"].calls}) + "\n")
+
+    def at_sync(synchronizer, full) -> None:
+        write("sync", steps.done + 1)  # inside optimizer.step(): its step is not counted yet
+
+    hooks = accelerator.synchronizer.pre_sync_hooks
+    hooks.insert(0, at_sync)
+    inner_handle = inner.register_step_post_hook(lambda *_: write("step", steps.done))
+    return [inner_handle, SimpleNamespace(remove=lambda: hooks.remove(at_sync) if at_sync in hooks else None)]
