@@ -569,7 +569,7 @@ def test_quality_plan_validation():
     assert _plan("--suite", "convergence", "--only", "fsdp")["only"] == ["fsdp"]
 
 
-def test_interpolation_seed_band_and_time_to_target():
+def test_interpolation_seed_stats_and_time_to_target():
     curve = [{"tokens": 100, "loss": 9.0}, {"tokens": 200, "loss": 7.0}, {"tokens": 300, "loss": 6.0},
              {"tokens": 400, "loss": 6.5}]
     assert analysis.loss_at_tokens(curve, 150) == pytest.approx(8.0)
@@ -578,9 +578,18 @@ def test_interpolation_seed_band_and_time_to_target():
     assert analysis.tokens_to_loss(curve, 6.5) == pytest.approx(250.0)  # first crossing, linear in tokens
     assert analysis.tokens_to_loss(curve, 9.5) == 100.0  # already there at the first evaluation
     assert analysis.tokens_to_loss(curve, 5.9) is None
-    assert analysis.seed_band({"a": (5.0, 5.2), "b": (6.0, 5.95)}) == pytest.approx(0.2)
-    assert analysis.seed_band({"a": (5.0, None)}) is None
-    assert analysis.in_band(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_band(0.1, 0.0) is None
+    # mean +- sample sd per configuration; pooled sd = sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1)) over n_i >= 2
+    st = analysis.seed_stats({"a": [5.0, 5.2], "b": [6.0, 5.9, 6.1], "c": [5.5], "d": [5.0, None]})
+    assert st["configs"]["a"] == {"n": 2, "mean": pytest.approx(5.1), "sd": pytest.approx(0.2 / 2**0.5)}
+    assert st["configs"]["b"]["sd"] == pytest.approx(0.1) and st["configs"]["c"]["sd"] is None
+    assert st["configs"]["d"] == {"n": 1, "mean": 5.0, "sd": None}
+    assert st["pooled_over"] == ["a", "b"] and st["df"] == 3
+    assert st["pooled_sd"] == pytest.approx(((0.02 + 2 * 0.01) / 3) ** 0.5)
+    assert analysis.seed_stats({"c": [5.5]})["pooled_sd"] is None
+    assert analysis.in_sd(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_sd(0.1, 0.0) is None
+    assert analysis.counts(-0.3, 0.2) is True and analysis.counts(0.1, 0.2) is False
+    assert analysis.counts(None, 0.2) is None and analysis.counts(0.1, None) is None
+    assert analysis.seed_config("fsdp-seed44", {"fsdp"}) == "fsdp" and analysis.seed_config("x-seed44", {"y"}) == "x-seed44"
     assert analysis.time_to_target(1_000_000, 2_500.0) == 400.0 and analysis.time_to_target(None, 1.0) is None
 
 
@@ -656,12 +665,18 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     for k, c in curves.items():
         _write_fake_run(root, rows[k], c)
     res = analysis.analyze_local(plan, str(root), FIXTURES)
-    assert res["band"]["loss"] == pytest.approx(0.1) and res["band"]["pairs"]["fl_fsdp-h8"] == pytest.approx(0.05)
+    # two seeds each: s^2 = d^2 / 2, so pooled sd = sqrt((0.1^2 + 0.05^2) / 4)
+    sd = ((0.1**2 + 0.05**2) / 4) ** 0.5
+    assert res["seeds"]["pooled_sd"] == pytest.approx(sd) and res["seeds"]["threshold"] == pytest.approx(2 * sd)
+    assert res["seeds"]["configs"]["fl_fsdp-h8"]["mean"] == pytest.approx(5.225)
+    assert res["seeds"]["configs"]["fl_fsdp-h8-lr1e-3"]["not_finished"] == [
+        "fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44"]
     assert res["target"]["tokens"] == 64 * 16384 and res["target"]["loss"] == 6.0
     r = res["rows"]
-    assert r["fl_fsdp-h8"]["diff_fsdp"] == pytest.approx(0.2) and r["fl_fsdp-h8"]["diff_fsdp_in_band"] == \
-        pytest.approx(2.0)
-    assert r["fl_fsdp-h32"]["diff_blocking_in_band"] == pytest.approx(10.0)
+    assert r["fl_fsdp-h8"]["diff_fsdp"] == pytest.approx(0.2) and r["fl_fsdp-h8"]["diff_fsdp_in_sd"] == \
+        pytest.approx(0.2 / sd)
+    assert r["fl_fsdp-h8"]["diff_fsdp_counts"] is True and r["fl_fsdp-h8"]["diff_fsdp_counts_fixed"] is True
+    assert r["fl_fsdp-h32"]["diff_blocking_in_sd"] == pytest.approx(1.0 / sd)
     assert r["fsdp"]["tokens_to_target"] == 64 * 16384
     # FL H=8 crosses 6.0 between 64 steps (6.4) and 96 steps (5.6): halfway
     assert r["fl_fsdp-h8"]["tokens_to_target"] == pytest.approx(80 * 16384)
@@ -675,14 +690,15 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     br.report_local(plan, {"command": plan["command"], "resume_command": "RESUME"}, str(root), FIXTURES)
     out = tmp_path / "r" / plan["name"]
     table = (out / "table.md").read_text()
-    assert "Not finished yet" in table and "RESUME" in table and "Seed band = **0.1000**" in table
+    assert "Not finished yet" in table and "RESUME" in table and f"= **{sd:.4f}** nats" in table
+    assert f"(abs Δ > 2 sd = {2 * sd:.4f})" in table and "## Seeds: mean ± sd per configuration" in table
     assert "| FL+FSDP H=8 " in table and "(model)" in table and f"`bench/results/{BASELINES}`" in table
     guide = {g[0]: g[1:] for g in br.guide_rows(res)}
     # 100 Mbit/s: FL+FSDP (measured in the fixture) needs 80/64 of FSDP's tokens at 5x its speed
     assert guide["100mbit"][0].startswith("FL+FSDP H=8: ") and guide["100mbit"][1].startswith("FSDP: ")
     # seed 43 of FSDP crosses 6.0 at 64 + 32 x 0.1/0.5 = 70.4 steps: +10% tokens
-    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (+10.0%)" in table
-    assert "(+2.9%)" in table and "the larger of these shares (10.0%)" in table  # FL's seeds: 80 vs 82.3 steps
+    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (seed 43, +10.0%)" in table
+    assert "(seed 43, +2.9%)" in table and "the larger of these shares (10.0%)" in table  # FL's: 80 vs 82.3 steps
     for png in ("eval_loss_vs_tokens.png", "time_to_target.png"):
         assert (out / png).stat().st_size > 1000
     assert not (out / "quality_vs_bytes.png").exists()  # these fake runs carry no fl counters
@@ -702,17 +718,37 @@ def test_grid_report_on_the_synthetic_fixture(tmp_path):
     lines = table.splitlines()
     assert lines[2] == f"> **Rules.** {bp.GRID_RULES}"  # the rules head the report
     res = json.loads((dst / "bench.json").read_text())["results"]
-    # the seed band: every configuration trained twice (fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48)
-    assert res["band"]["pairs"] == pytest.approx({"fsdp": 0.02, "fl_fsdp-h8": 0.03})
-    assert res["band"]["loss"] == pytest.approx(0.03)
+    assert lines[4].startswith("> **Noise.**")  # issue 40's rule below issue 28's
+    # seeds: fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48, fsdp-lr1e-3 5.25/5.27/5.23, fl_fsdp-h8-lr1e-3 5.40/5.42 (its
+    # seed 44 not started), nesterov one seed (its seed 43 not started: not pooled)
+    seeds = res["seeds"]
+    sd = ((0.0002 + 0.00045 + 2 * 0.0004 + 0.0002) / 5) ** 0.5
+    assert seeds["pooled_over"] == ["fsdp", "fl_fsdp-h8", "fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3"] and seeds["df"] == 5
+    assert seeds["pooled_sd"] == pytest.approx(sd) and seeds["threshold"] == pytest.approx(2 * sd)
+    three = seeds["configs"]["fsdp-lr1e-3"]
+    assert (three["n"], three["seeds"], three["mean"], three["sd"]) == (3, [42, 43, 44], pytest.approx(5.25),
+                                                                         pytest.approx(0.02))
+    assert seeds["configs"]["fl_fsdp-h8-lr1e-3"]["not_finished"] == ["fl_fsdp-h8-lr1e-3-seed44"]
+    assert seeds["configs"]["fl_fsdp-h8-nesterov"]["sd"] is None
     assert res["best_fsdp"] == "fsdp-lr1e-3"  # 5.25 < fsdp's 5.30; fsdp-seed43 is not a configuration
     nes = res["rows"]["fl_fsdp-h8-nesterov"]  # 5.22
-    assert nes["diff_fsdp"] == pytest.approx(-0.08) and nes["diff_fsdp_in_band"] == pytest.approx(-0.08 / 0.03)
+    assert nes["diff_fsdp"] == pytest.approx(-0.08) and nes["diff_fsdp_in_sd"] == pytest.approx(-0.08 / sd)
     assert nes["diff_fsdp_counts"] is True
     assert nes["diff_best_fsdp"] == pytest.approx(-0.03) and nes["diff_best_fsdp_counts"] is False
+    assert nes["diff_best_fsdp_counts_fixed"] is False  # issue 28's 0.04 rule, kept beside it
+    assert f"| vs best FSDP (abs Δ > 2 sd = {2 * sd:.4f}) |" in table.replace("  ", "")
     row = next(ln for ln in lines if ln.startswith("| FL+FSDP H=8 nesterov(0.7, 0.9) ") and "counts" in ln)
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[1:9] == ["5.2200", "-0.0800", "-2.7", "counts", "-0.0300", "-1.0", "within noise", "4"]
+    assert cells[1:10] == ["5.2200", "-0.0800", f"{-0.08 / sd:+.1f}", "counts", "-0.0300", f"{-0.03 / sd:+.1f}",
+                           "within noise", "within noise", "4"]
+    section = table.split("## Seeds: mean ± sd per configuration", 1)[1].split("\n## ", 1)[0]
+    cells = next([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines()
+                 if ln.startswith("| FSDP learning_rate 1e-3 "))
+    assert cells[1:5] == ["42, 43, 44", "5.2500, 5.2700, 5.2300", "3", "5.2500 ± 0.0200"]
+    cells = next([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines()
+                 if ln.startswith("| FL+FSDP H=8 learning_rate 1e-3 "))
+    assert cells[4:] == ["5.4100 ± 0.0141", "+0.1600", "counts", "fl_fsdp-h8-lr1e-3-seed44"]
+    assert f"= **{sd:.4f}** nats" in section and "sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1))" in section
     # targets: FSDP's loss at 64 steps (5.70), 5.42, 5.50, 5.60; nesterov 5.62 at 64 steps, 5.32 at 96
     assert [t["key"] for t in res["targets"]] == ["fsdp_half_budget", "5.42", "5.50", "5.60"]
     assert res["targets"][0]["loss"] == pytest.approx(5.70)
@@ -827,9 +863,9 @@ def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatc
 
 def test_a_suite_continued_on_a_fresh_checkout_keeps_the_committed_rows(tmp_path, monkeypatch):
     """The committed results folder of a quality suite (compact: the grid fixture, with
-    ``fl_fsdp-h8-int8-ef-nesterov`` unfinished) and an empty work folder, as on a fresh
-    checkout: run_local launches only the row the committed folder lacks, and the report
-    (after the run, and with --report-only) holds the committed rows and the new one."""
+    ``fl_fsdp-h8-int8-ef-nesterov`` unfinished and two seed rows not started) and an empty work
+    folder, as on a fresh checkout: run_local launches only the rows the committed folder lacks,
+    and the report (after the run, and with --report-only) holds the committed rows and the new ones."""
     from bench import launch as bl
 
     dst = _fixture_copy(tmp_path, GRID)
@@ -855,12 +891,13 @@ def test_a_suite_continued_on_a_fresh_checkout_keeps_the_committed_rows(tmp_path
     plan = {**saved_plan, "name": GRID, "work": str(work), "results": str(dst),
             "cache_dir": str(tmp_path / "cache"), "only": None}
     out = bl.run_local(plan, dry=False)
-    assert launched == ["fl_fsdp-h8-int8-ef-nesterov"] and out["failed"] == []
+    new = {"fl_fsdp-h8-int8-ef-nesterov", "fl_fsdp-h8-nesterov-seed43", "fl_fsdp-h8-lr1e-3-seed44"}
+    assert sorted(launched) == sorted(new) and out["failed"] == []
     (work / "plan.json").write_text(json.dumps(plan))
     assert rb.main(["--report-only", "--name", GRID, "--results-root", str(dst.parent),
                     "--work-root", str(tmp_path / "work")]) == 0
     saved = json.loads((dst / "bench.json").read_text())
-    assert set(saved["runs"]) == committed | {"fl_fsdp-h8-int8-ef-nesterov"}
+    assert set(saved["runs"]) == committed | new
     assert saved["runs"]["fl_fsdp-h8-int8-ef-nesterov"]["eval_loss"] == 5.25
     assert saved["results"]["status"]["fl_fsdp-h8-int8-ef-nesterov"]["state"] == "finished"
     assert "fl_fsdp-h8-int8-ef-nesterov" in saved["launches"] and "fsdp" in saved["launches"]
