@@ -446,6 +446,14 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
+SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "fsdp-lr1e-3-seed43",
+             "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43",
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44")
+"""The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
+CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
+
+
 def test_convergence_rows_differ_only_in_federation_flags():
     """Every row of the suite (issue 28's grid included) has the same command line but for
     the federation flags, its seed and the extra flags it names (``extra_flags``)."""
@@ -461,8 +469,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
-                          *grid, "fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                          "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]
+                          *grid, *SEED_ROWS]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
     assert rows["fl_fsdp-h8-nesterov-cosine"].extra_flags == ("--outer_lr_schedule", "cosine",
                                                              "--outer_lr_warmup_steps", "64")
@@ -482,7 +489,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert 832 * 4 * 4 * 256 >= 20 * 163_840
     assert _flag(c, "--eval_every") == "32" and _flag(c, "--resume_from_checkpoint") == "latest"
     assert _flag(c, "--checkpoint_every") == "64"
-    assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: "43" if k.endswith("seed43") else "42" for k in rows}
+    assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: k[-2:] if "-seed4" in k else "42" for k in rows}
     fed = {k: _federation_part(a) for k, a in args.items()}
     nesterov = ["--outer_optimizer", "nesterov", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
     assert fed["fsdp"] == ["--algorithm", "fsdp"] and fed["fsdp-seed43"] == fed["fsdp-lr1e-3"] == fed["fsdp"]
@@ -519,8 +526,7 @@ def test_a_later_row_is_one_line(monkeypatch):
     assert a[a.index("--some_density") + 1] == "0.02"
     assert _common_part(a)[: _common_part(a).index("--some_density")] == \
         _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
-    assert list(rows)[-4:] == ["fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                               "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]  # second seeds last
+    assert list(rows)[-len(SEED_ROWS):] == list(SEED_ROWS)  # further seeds last
 
 
 def test_only_selects_throughput_rows_and_their_calibration():
