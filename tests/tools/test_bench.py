@@ -1140,7 +1140,7 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
 def test_speed_bench_settings_and_quality_check(tmp_path):
     """bench.speed_bench: the convergence setting repeats the grid's nesterov row (its flags,
     checkpoints to resume), the wall clock to a loss is linear between evaluations, and the
-    quality check states each run against the 1:1 row in seed bands and against the barrier's
+    quality check states each run against the 1:1 row in pooled seed sd and against the barrier's
     wall clock; a grid without the row is refused with exit 2 before anything runs."""
     from bench import speed_bench as sb
 
