@@ -552,8 +552,10 @@ def seeds_of(rows: dict[str, dict], status: dict[str, dict]) -> dict:
     done = {c: [r for r in ids if r in rows and rows[r]["eval_loss"] is not None] for c, ids in planned.items()}
     out = seed_stats({c: [rows[r]["eval_loss"] for r in ids] for c, ids in done.items()})
     for c, ids in planned.items():
-        out["configs"][c].update(seeds=[rows[r]["seed"] for r in done[c]], losses={r: rows[r]["eval_loss"] for r in done[c]},
-                                 not_finished=[r for r in ids if r not in done[c]], label=(rows.get(c) or {}).get("label", c))
+        out["configs"][c].update(seeds=[rows[r]["seed"] for r in done[c]],
+                                 losses={r: rows[r]["eval_loss"] for r in done[c]},
+                                 not_finished=[r for r in ids if r not in done[c]],
+                                 label=(rows.get(c) or {}).get("label", c))
     sd = out["pooled_sd"]
     out.update(rule_sds=bp.SEED_RULE_SDS, threshold=bp.SEED_RULE_SDS * sd if sd is not None else None,
                formula=POOLED_SD_FORMULA)

@@ -21,9 +21,9 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable, Sequence
+from functools import cache
 
 from bench.compact import read_curves
 
@@ -49,13 +49,13 @@ class Figure:
     source: Source
 
 
-@lru_cache(maxsize=None)
+@cache
 def _json(path: str) -> dict:
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _curves(path: str) -> dict:
     return read_curves(path)
 
@@ -71,8 +71,9 @@ def tokens_per_s(folder: str, run: str) -> Source:
 
 def fl_mib(folder: str, run: str) -> Source:
     """MiB that rank 0 sent on "fl" over the run (bench.json ``runs``, all_results.json's ``comm``)."""
-    return Source(f"{folder}/bench.json runs[{run}].comm.fl.bytes / 2^20",
-                  lambda root: _json(os.path.join(root, folder, "bench.json"))["runs"][run]["comm"]["fl"]["bytes"] / 2**20)
+    def f(root):
+        return _json(os.path.join(root, folder, "bench.json"))["runs"][run]["comm"]["fl"]["bytes"] / 2**20
+    return Source(f"{folder}/bench.json runs[{run}].comm.fl.bytes / 2^20", f)
 
 
 def final_loss(folder: str, run: str) -> Source:
@@ -184,7 +185,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_3E4, "5.404", F3, final_loss(G, "fl_fsdp-h8-seed43")),
     Figure(ROW_3E4, "5.183", F3, final_loss(G, "fl_fsdp-h8-nesterov")),
     Figure(ROW_3E4, "5.317", F3, final_loss(G, "fl_fsdp-h8-nesterov-seed43")),
-    Figure(ROW_3E4, "0.134", F3, diff(final_loss(G, "fl_fsdp-h8-nesterov"), final_loss(G, "fl_fsdp-h8-nesterov-seed43"))),
+    Figure(ROW_3E4, "0.134", F3, diff(final_loss(G, "fl_fsdp-h8-nesterov"),
+                                      final_loss(G, "fl_fsdp-h8-nesterov-seed43"))),
     Figure(ROW_1E3, "4.753", F3, final_loss(G, "fsdp-lr1e-3")),
     Figure(ROW_1E3, "4.913", F3, final_loss(G, "fl_fsdp-h8-lr1e-3")),
     Figure(ROW_1E3, "5.093", F3, final_loss(G, "fl_fsdp-h8-nesterov-lr1e-3")),
@@ -192,9 +194,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_1E3, "5.012", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "4.977", F3, final_loss(G, "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")),
     Figure(ROW_1E3, "5.182", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-lr1e-3")),
-    Figure(ROW_TTT, "4.0", minutes, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target", "fsdp_half_budget")),
+    Figure(ROW_TTT, "4.0", minutes, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target",
+                                        "fsdp_half_budget")),
     Figure(ROW_TTT, "0.91", F2, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "of_limit")),
-    Figure(ROW_TTT, "10.7", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "to_target", "fsdp_half_budget")),
+    Figure(ROW_TTT, "10.7", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "to_target",
+                                         "fsdp_half_budget")),
     Figure(ROW_TTT, "11.6", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "to_target",
                                          "fsdp_half_budget")),
     Figure(ROW_TTT, "0.93", F2, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "of_limit")),
@@ -232,8 +236,10 @@ FIGURES: tuple[Figure, ...] = (
         "2026-12-01-memory/memory.json", lambda d: len(d["rows"]), "number of rows")),
 )
 
-IGNORED = re.compile(r"`[^`]*`|\]\([^)]*\)|\b(?:H|P|tau|F|G|R|S)=\d+|\blr \d\S*|\d+ [MG]bit/s|\d+:\d+|\d+(?:\.\d+)?M tokens")
-"""Numbers of a README cell that are settings, not measurements: code spans, link targets, H=16, lr 1e-3, 10 Mbit/s, 2:1."""
+IGNORED = re.compile(r"`[^`]*`|\]\([^)]*\)|\b(?:H|P|tau|F|G|R|S)=\d+|\blr \d\S*|\d+ [MG]bit/s|\d+:\d+"
+                     r"|\d+(?:\.\d+)?M tokens")
+"""Numbers of a README cell that are settings, not measurements: code spans, link targets, H=16,
+lr 1e-3, 10 Mbit/s, 2:1, 3.4M tokens."""
 
 
 # ---------------------------------------------------------------------- checking

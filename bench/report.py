@@ -394,7 +394,8 @@ def seed_section(res: dict) -> list[str]:
         diff = c["mean"] - best["mean"] if best and best["mean"] is not None and c["mean"] is not None else None
         table.append([c["label"], ", ".join(map(str, c["seeds"])) or "-",
                       ", ".join(f"{v:.4f}" for v in c["losses"].values()) or "-", c["n"],
-                      "-" if c["mean"] is None else f"{c['mean']:.4f}" + (f" ± {c['sd']:.4f}" if c["sd"] is not None else ""),
+                      "-" if c["mean"] is None else f"{c['mean']:.4f}" + (
+                          f" ± {c['sd']:.4f}" if c["sd"] is not None else ""),
                       _signed(diff) if cid != res.get("best_fsdp") else "-",
                       _counts(counts(diff, seeds["threshold"])) if cid != res.get("best_fsdp") else "-",
                       ", ".join(c["not_finished"]) or "-"])
@@ -442,7 +443,8 @@ def grid_sections(plan: dict, res: dict) -> list[str]:
                       _counts(r.get("diff_best_fsdp_counts")), _counts(r.get("diff_best_fsdp_counts_fixed")),
                       _f(b.get("per_sync"), "{:.3g}")])
     table += _pending_cells(res, plan, 10)
-    L += [_md(table, ["run", "final eval loss", "Δ vs FSDP (nats)", "Δ vs FSDP (pooled sd)", _rule_header(res, "vs FSDP"),
+    L += [_md(table, ["run", "final eval loss", "Δ vs FSDP (nats)", "Δ vs FSDP (pooled sd)",
+                      _rule_header(res, "vs FSDP"),
                       "Δ vs best FSDP (nats)", "Δ vs best FSDP (pooled sd)", _rule_header(res, "vs best FSDP"),
                       f"vs best FSDP, issue 28's rule (abs Δ > {sig:g})", "fl bytes / parameter / sync"]), "",
           f"FSDP = `{bp.CONVERGENCE_FSDP}`; best FSDP = "
@@ -451,7 +453,8 @@ def grid_sections(plan: dict, res: dict) -> list[str]:
           f"configuration). A difference **counts** when |Δ| > {bp.SEED_RULE_SDS} pooled seed sd; otherwise it is "
           f"**within noise**. " + _sd_text(res) + f" Issue 28's rule, fixed before the grid's runs, counted |Δ| > "
           f"{sig:g} nats (then about 2 seed bands of the first seed pairs, a band being the largest two-seed "
-          "difference); its column is kept for what it was. fl bytes / parameter / sync: the bytes each federation group "
+          "difference); its column is kept for what it was. fl bytes / parameter / sync: the bytes each federation "
+          "group "
           "sent between groups during training per model parameter per sync of the whole model (every H steps; "
           "fp32 with 2 groups: 4; FSDP: 0); plot `quality_vs_bytes.png`.", ""]
     targets = res.get("targets") or []

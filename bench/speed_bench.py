@@ -288,8 +288,8 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback",
 
 def _raw(results: dict, link_rate: float | None) -> dict:
     """A row's raw data: its evaluations, step-time summary, sessions (load average) and link rate."""
-    return {"evals": results.get("_evals", []), "step_s": results.get("_step_s"), "sessions": results.get("_sessions", []),
-            "link_rate_bits_per_s": link_rate}
+    return {"evals": results.get("_evals", []), "step_s": results.get("_step_s"),
+            "sessions": results.get("_sessions", []), "link_rate_bits_per_s": link_rate}
 
 
 def table(rows: list[dict], args) -> str:
@@ -401,7 +401,8 @@ def quality_lines(rows: list[dict], q: dict) -> list[str]:
              f"above 2 sd = {q['threshold']:.4f}; FSDP's half-budget loss "
              f"{q['fsdp_half_budget_loss']:.4f}. Minutes: the run's wall clock (start-up, training, evaluations, "
              "checkpoints) at the first evaluation at or below it, linear between evaluations.", "",
-             f"| ratio | trigger | final eval loss | Δ vs 1:1 (nats) | Δ (pooled sd) | abs Δ > {q['threshold']:.4f} | "
+             "| ratio | trigger | final eval loss | Δ vs 1:1 (nats) | Δ (pooled sd) | "
+             f"abs Δ > {q['threshold']:.4f} | "
              "min to FSDP's half-budget loss | of the barrier's |", "|---|---|---|---|---|---|---|---|"]
     for r in q["rows"]:
         lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['final_eval_loss']:.4f} | {r['delta_vs_1to1']:+.4f} | "

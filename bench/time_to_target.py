@@ -71,7 +71,8 @@ def step_summary(records: Sequence[Mapping[str, Any]]) -> dict:
     window): ``{"median", "p10", "p90", "count"}`` over the windows (``count``: windows; None
     figures without two records)."""
     train = sorted((r for r in records if "train/loss" in r and r.get("time_s") is not None), key=lambda r: r["step"])
-    per = [(b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(train, train[1:]) if b["step"] > a["step"]]
+    per = [(b["time_s"] - a["time_s"]) / (b["step"] - a["step"]) for a, b in zip(train, train[1:])
+           if b["step"] > a["step"]]
     if len(per) < 2:
         return {"median": per[0] if per else None, "p10": None, "p90": None, "count": len(per)}
     dec = statistics.quantiles(per, n=10, method="inclusive")

@@ -332,7 +332,8 @@ def _entry(plan: dict, spec: bp.RunSpec, run: dict, status: str, launches: dict,
             "loadavg": {"start": sessions[0].get("loadavg_start"), "end": sessions[-1].get("loadavg_end")}
             if sessions else None,
             "link_rate_bits_per_s": rate,
-            "limit": {"run": LIMIT_ID, "tokens_per_s": limit.get("tokens_per_s"), "sittings": _sittings_of(limit_sessions)},
+            "limit": {"run": LIMIT_ID, "tokens_per_s": limit.get("tokens_per_s"),
+                      "sittings": _sittings_of(limit_sessions)},
             "sessions": [{k: x.get(k, UNRECORDED if k == "sitting" else None) for k in ("sitting", "started", "ended")}
                          for x in sessions],
             "sittings": own}
@@ -449,7 +450,8 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
         st = r.get("step_s") or {}
         rate = r.get("link_rate_bits_per_s")
         rows.append([r["link"], r["run"], f"{r['learning_rate']:.0e}".replace("e-0", "e-"), r["status"],
-                     ", ".join(labels[x] for x in r["sittings"]) or "-", f"{_load(load.get('start'))} / {_load(load.get('end'))}",
+                     ", ".join(labels[x] for x in r["sittings"]) or "-",
+                     f"{_load(load.get('start'))} / {_load(load.get('end'))}",
                      "-" if rate is None else f"{rate / 1e6:.2f}", of_limit,
                      "-" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}", _min(r["wall_s_total"]),
                      "-" if st.get("median") is None else f"{st['median']:.3f}" + (

@@ -595,7 +595,8 @@ def test_interpolation_seed_stats_and_time_to_target():
     assert analysis.in_sd(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_sd(0.1, 0.0) is None
     assert analysis.counts(-0.3, 0.2) is True and analysis.counts(0.1, 0.2) is False
     assert analysis.counts(None, 0.2) is None and analysis.counts(0.1, None) is None
-    assert analysis.seed_config("fsdp-seed44", {"fsdp"}) == "fsdp" and analysis.seed_config("x-seed44", {"y"}) == "x-seed44"
+    assert analysis.seed_config("fsdp-seed44", {"fsdp"}) == "fsdp"
+    assert analysis.seed_config("x-seed44", {"y"}) == "x-seed44"
     assert analysis.time_to_target(1_000_000, 2_500.0) == 400.0 and analysis.time_to_target(None, 1.0) is None
 
 
@@ -1133,7 +1134,8 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text() == before
     # without root the bench says how to run it and starts nothing
     monkeypatch.setattr(tb.netemu, "check_privileges", lambda: (False, "this process is not root"))
-    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2"), "--grid", os.path.join(FIXTURES, GRID)]) == 1
+    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2"), "--grid",
+                    os.path.join(FIXTURES, GRID)]) == 1
     assert not (tmp_path / "w2").exists()
 
 

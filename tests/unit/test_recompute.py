@@ -3,6 +3,7 @@ on a small fixture (tests/fixtures/recompute-readme.md citing tests/fixtures/res
 the real README against the committed bench/results (in process)."""
 
 import os
+from pathlib import Path
 
 from bench import recompute as rc
 
@@ -26,7 +27,7 @@ FIGURES = (
 
 def _run(tmp_path, capsys, figures=FIGURES, edit=None):
     readme = tmp_path / "README.md"
-    text = open(README, encoding="utf-8").read()
+    text = Path(README).read_text(encoding="utf-8")
     readme.write_text(edit(text) if edit else text)
     rc_ = rc.main(["--readme", str(readme), "--results", os.path.join(FIXTURES, "results")], figures=figures)
     out = capsys.readouterr()
@@ -38,23 +39,25 @@ def test_the_fixture_readme_reproduces(tmp_path, capsys):
     assert code == 0 and err == "" and "8 of 8 figures reproduce" in out
     assert f"from {B}/bench.json runs[rate-100mbit/fsdp]: train_tokens / train_seconds" in out
     assert f"from {G}/curves.csv: last eval/loss of fsdp-lr1e-3-seed44" in out
-    assert rc.readme_rows(open(README).read())[ROW].startswith("FSDP 1,227;")
+    assert rc.readme_rows(Path(README).read_text())[ROW].startswith("FSDP 1,227;")
 
 
 def test_a_figure_that_does_not_reproduce_fails(tmp_path, capsys):
     # the README changed one figure: the old text is no longer there, the new one is covered by nothing
-    code, out, err = _run(tmp_path, capsys, edit=lambda t: t.replace("6,272", "6,300"))
+    code, _, err = _run(tmp_path, capsys, edit=lambda t: t.replace("6,272", "6,300"))
     assert code == 1 and "NOT IN README: 'tokens/s at 100 Mbit/s between nodes': '6,272'" in err
     assert "NOT COVERED: 'tokens/s at 100 Mbit/s between nodes' cites 6,300" in err
     # a figure whose computation gives another value than the README prints
     wrong = FIGURES[:2] + (rc.Figure(ROW, "5.11x", rc.X2, rc.tokens_per_s(B, "rate-100mbit/fsdp")),) + FIGURES[3:]
-    code, out, err = _run(tmp_path, capsys, figures=wrong)
-    assert code == 1 and "MISMATCH: 'tokens/s at 100 Mbit/s between nodes': '5.11x' (FIGURES), recomputed '1227.33x'" in err
+    code, _, err = _run(tmp_path, capsys, figures=wrong)
+    assert code == 1
+    assert "MISMATCH: 'tokens/s at 100 Mbit/s between nodes': '5.11x' (FIGURES), recomputed '1227.33x'" in err
     # a number of the table that no entry recomputes
-    code, out, err = _run(tmp_path, capsys, figures=FIGURES[:-1])
+    code, _, err = _run(tmp_path, capsys, figures=FIGURES[:-1])
     assert code == 1 and "NOT COVERED" in err and "5.230" in err
     # settings and link text are not figures; a figure inside a longer number is not cited
-    assert rc.IGNORED.sub(" ", "H=16 lr 1e-3 at 10 Mbit/s, 2:1, `int8` [a](b/2026.md)").split() == ["at", ",", ",", "[a"]
+    settings = "H=16 lr 1e-3 at 10 Mbit/s, 2:1, `int8` [a](b/2026.md)"
+    assert rc.IGNORED.sub(" ", settings).split() == ["at", ",", ",", "[a"]
     assert rc._cited("0.3", "0.30 of it") is None and rc._cited("0.3", "0.3 MiB") is not None
 
 
