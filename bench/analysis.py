@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 from typing import Any, Sequence
 
@@ -332,17 +333,41 @@ def x_to_loss(curve: list[dict], target: float, key: str) -> float | None:
     return None
 
 
-def seed_band(pairs: dict[str, tuple[float, float]]) -> float | None:
-    """The seed band: the largest |difference| between the two seeds of one configuration,
-    over the configurations trained with two seeds (``{id: (value seed 1, value seed 2)}``).
-    None without a complete pair."""
-    diffs = [abs(a - b) for a, b in pairs.values() if a is not None and b is not None]
-    return max(diffs) if diffs else None
+POOLED_SD_FORMULA = "sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1))"
+"""The pooled standard deviation over configurations i with n_i >= 2 seeds and sample sd s_i."""
 
 
-def in_band(diff: float | None, band: float | None) -> float | None:
-    """``diff`` in units of the seed band (None when either is missing or the band is 0)."""
-    return diff / band if diff is not None and band else None
+def seed_config(rid: str, ids) -> str:
+    """The configuration a row repeats with another seed: ``fsdp`` for ``fsdp-seed43`` when
+    ``fsdp`` is in ``ids``; otherwise the row's own id."""
+    m = re.fullmatch(r"(.+)-seed\d+", rid)
+    return m[1] if m and m[1] in ids else rid
+
+
+def seed_stats(losses: dict[str, list[float]]) -> dict:
+    """Mean and sample standard deviation of each configuration's final eval losses over its
+    seeds (``{configuration: [loss per finished seed]}``), and the pooled standard deviation
+    :data:`POOLED_SD_FORMULA` over the configurations with at least 2 seeds (s_i with n_i - 1
+    in its denominator).
+
+    Returns:
+        ``{"configs": {id: {"n", "mean", "sd"}}, "pooled_sd", "df", "pooled_over": [ids]}``;
+        ``sd`` None below 2 seeds, ``pooled_sd`` None without any such configuration.
+    """
+    configs, ss, df, over = {}, 0.0, 0, []
+    for cid, vals in losses.items():
+        vals = [v for v in vals if v is not None]
+        sd = statistics.stdev(vals) if len(vals) >= 2 else None
+        configs[cid] = {"n": len(vals), "mean": statistics.fmean(vals) if vals else None, "sd": sd}
+        if sd is not None:
+            ss, df = ss + (len(vals) - 1) * sd**2, df + len(vals) - 1
+            over.append(cid)
+    return {"configs": configs, "pooled_sd": math.sqrt(ss / df) if df else None, "df": df, "pooled_over": over}
+
+
+def in_sd(diff: float | None, sd: float | None) -> float | None:
+    """``diff`` in units of the pooled seed standard deviation (None when either is missing or sd is 0)."""
+    return diff / sd if diff is not None and sd else None
 
 
 def time_to_target(tokens: float | None, tokens_per_s: float | None) -> float | None:
@@ -512,12 +537,34 @@ def best_fsdp(rows: dict[str, dict]) -> str | None:
     return min(fsdp, key=lambda r: r["eval_loss"])["id"] if fsdp else None
 
 
-def seed_pairs(rows: dict[str, dict], second: int) -> dict[str, tuple[float, float]]:
-    """``{id: (final eval loss, the same of id-seed<second>)}`` for every configuration
-    trained with both seeds (a row ``<id>-seed<second>`` beside ``<id>``)."""
-    suffix = f"-seed{second}"
-    return {r[:-len(suffix)]: (rows[r[:-len(suffix)]]["eval_loss"], rows[r]["eval_loss"]) for r in rows
-            if r.endswith(suffix) and r[:-len(suffix)] in rows}
+def seeds_of(rows: dict[str, dict], status: dict[str, dict]) -> dict:
+    """The seed statistics of a quality suite (:func:`seed_stats`) over its finished rows, per
+    configuration planned with more than one seed (rows ``<id>-seed<k>`` beside ``<id>``), with
+    ``seeds`` (the finished seeds), ``losses`` (``{row id: final eval loss}``) and ``not_finished``
+    (its planned rows that have not finished) per configuration, and ``threshold``: a difference
+    counts when it exceeds :data:`bench.plan.SEED_RULE_SDS` pooled standard deviations."""
+    from bench import plan as bp
+
+    planned: dict[str, list[str]] = {}
+    for rid in status:
+        planned.setdefault(seed_config(rid, status), []).append(rid)
+    planned = {c: ids for c, ids in planned.items() if len(ids) > 1}
+    done = {c: [r for r in ids if r in rows and rows[r]["eval_loss"] is not None] for c, ids in planned.items()}
+    out = seed_stats({c: [rows[r]["eval_loss"] for r in ids] for c, ids in done.items()})
+    for c, ids in planned.items():
+        out["configs"][c].update(seeds=[rows[r]["seed"] for r in done[c]],
+                                 losses={r: rows[r]["eval_loss"] for r in done[c]},
+                                 not_finished=[r for r in ids if r not in done[c]],
+                                 label=(rows.get(c) or {}).get("label", c))
+    sd = out["pooled_sd"]
+    out.update(rule_sds=bp.SEED_RULE_SDS, threshold=bp.SEED_RULE_SDS * sd if sd is not None else None,
+               formula=POOLED_SD_FORMULA)
+    return out
+
+
+def counts(diff: float | None, threshold: float | None) -> bool | None:
+    """Whether ``|diff|`` exceeds ``threshold`` (None when either is missing)."""
+    return abs(diff) > threshold if diff is not None and threshold is not None else None
 
 
 def grid_targets(target: dict | None) -> list[dict]:
@@ -541,9 +588,10 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
 
     Convergence: per row the final eval loss and perplexity, the differences from FSDP,
     from the best FSDP configuration (:func:`best_fsdp`) and from blocking fp32 FL+FSDP (H=8
-    avg) in nats and in units of the seed band (every configuration trained with two
-    seeds, :func:`seed_pairs`), whether each difference counts under the grid's rule
-    (``|Δ| > GRID_SIGNIFICANT_NATS``), the tokens to reach each target
+    avg) in nats and in pooled seed standard deviations (:func:`seeds_of`: mean +- sd of every
+    configuration trained with several seeds, and their pooled sd), whether each difference
+    counts (``_counts``: |Δ| > SEED_RULE_SDS pooled sd; ``_counts_fixed``: issue 28's fixed
+    |Δ| > GRID_SIGNIFICANT_NATS), the tokens to reach each target
     (:func:`grid_targets`: FSDP's eval loss at half its steps and the fixed losses), the
     "fl" bytes per parameter (:func:`fl_bytes`), and the time to FSDP's half-budget loss on
     each emulated link (tokens to target / tokens/s, measured in the committed throughput
@@ -553,7 +601,7 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
     row plus FSDP/FL perplexity ratios at equal tokens (final, and at every evaluation).
 
     Returns:
-        ``{"suite", "rows": {id: row}, "status": {id: status}, "band": {...}, "target": {...},
+        ``{"suite", "rows": {id: row}, "status": {id: status}, "seeds": {...}, "target": {...},
         "targets": [...], "best_fsdp", "significant_nats", "throughput_sources": [...],
         "ratios": {...} (paper regime)}``.
     """
@@ -586,10 +634,8 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
                          "wall_seconds": run.get("wall_seconds"),
                          "background_cpu_share": (run.get("host") or {}).get("background_cpu_share"),
                          "fl_bytes_per_param": fl_bytes(run, spec), "n_params": run.get("n_params")}
-    second = plan["seed"] + bp.SECOND_SEED_OFFSET
-    pairs = seed_pairs(rows, second)
-    band = {"pairs": {i: abs(a - b) for i, (a, b) in pairs.items()}, "loss": seed_band(pairs)}
-    out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "band": band}
+    seeds = seeds_of(rows, status)
+    out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "seeds": seeds}
     fsdp_id = bp.CONVERGENCE_FSDP if suite == "convergence" else bp.PAPER_REGIME_FSDP
     fsdp = rows.get(fsdp_id)
     target = None
@@ -606,8 +652,9 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
         for ref, name in ((fsdp, "fsdp"), (blocking, "blocking"), (best, "best_fsdp")):
             diff = row["eval_loss"] - ref["eval_loss"] if ref is not None else None
             row[f"diff_{name}"] = diff
-            row[f"diff_{name}_in_band"] = in_band(diff, band["loss"])
-            row[f"diff_{name}_counts"] = abs(diff) > bp.GRID_SIGNIFICANT_NATS if diff is not None else None
+            row[f"diff_{name}_in_sd"] = in_sd(diff, seeds["pooled_sd"])
+            row[f"diff_{name}_counts"] = counts(diff, seeds["threshold"])
+            row[f"diff_{name}_counts_fixed"] = counts(diff, bp.GRID_SIGNIFICANT_NATS)
         row["tokens_to_target"] = tokens_to_loss(row["evals"], target["loss"]) if target and target["loss"] else None
         row["tokens_to"] = {t["key"]: tokens_to_loss(row["evals"], t["loss"]) for t in out["targets"]}
         if committed is not None:
@@ -620,11 +667,11 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
     if committed is not None:
         out["throughput_sources"] = [s for s in throughput_sources if s not in committed["missing"]]
     if suite == "paper_regime":
-        out["ratios"] = paper_ratios(rows, fsdp_id, second)
+        out["ratios"] = paper_ratios(rows, fsdp_id)
     return out
 
 
-def paper_ratios(rows: dict[str, dict], fsdp_id: str, second: int) -> dict:
+def paper_ratios(rows: dict[str, dict], fsdp_id: str) -> dict:
     """FSDP/FL eval-perplexity ratios of the paper-regime rows at equal tokens: the final
     one per FL row (same seed as the FSDP run), and at every common evaluation.
     > 1: FL reaches a lower perplexity (the paper's direction; it reports 4.48)."""
@@ -632,7 +679,7 @@ def paper_ratios(rows: dict[str, dict], fsdp_id: str, second: int) -> dict:
     for rid, row in rows.items():
         if row["algorithm"] == "fsdp":
             continue
-        ref = rows.get(fsdp_id if not row["second_seed"] else f"{fsdp_id}-seed{second}")
+        ref = rows.get(fsdp_id if not row["second_seed"] else f"{fsdp_id}-seed{row['seed']}")
         if ref is None:
             continue
         by_tokens = {e["tokens"]: e["perplexity"] for e in ref["evals"]}

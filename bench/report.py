@@ -23,7 +23,7 @@ from recipes import plots
 from fl_accel.mesh import AXES
 
 from bench import compact
-from bench.analysis import MIB, analyze
+from bench.analysis import MIB, analyze, counts
 from bench import plan as bp
 from bench.plan import REPO, runs_of
 
@@ -334,7 +334,7 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
     title = {"convergence": "convergence", "paper_regime": "the paper's regime at small scale"}[suite]
     L = [f"# fl_accel quality suite: {title}" + (" — SMOKE RUN" if plan.get("smoke") else ""), ""]
     if suite == "convergence":
-        L += [f"> **Rules.** {bp.GRID_RULES}", ""]
+        L += [f"> **Rules.** {bp.GRID_RULES}", "", f"> **Noise.** {bp.SEED_RULE}", ""]
     if plan.get("smoke"):
         L += ["> **SMOKE RUN: not a result.** A few steps only, to exercise every code path.", ""]
     runs = runs_of(plan)
@@ -354,7 +354,7 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
           f"every {plan['eval_every']} steps on the first {plan['eval_blocks']} validation blocks "
           f"({plan['eval_blocks'] * plan['seq_len']:,} tokens; token-weighted loss). Every row has the same tokens, "
           f"data order and seed ({plan['seed']}) and differs only in the federation flags{flags_note}; rows marked (seed "
-          f"{plan['seed'] + 1}) repeat a configuration with another seed (model init and data order). Checkpoints every "
+          f"N) repeat a configuration with seed N (model init and data order). Checkpoints every "
           f"{plan['checkpoint_every']} steps; an interrupted run resumes from its last one.", ""]
     pending = {k: v for k, v in res["status"].items() if v["state"] != "finished"}
     if pending:
@@ -364,14 +364,48 @@ def _local_header(plan: dict, res: dict, machine: dict, meta: dict) -> list[str]
     return L
 
 
-def _band_text(res: dict) -> str:
-    band = res["band"]
-    if band["loss"] is None:
-        return "Seed band: not available yet (needs both seeds of one configuration)."
-    rows = res["rows"]
-    return (f"Seed band = **{band['loss']:.4f}** nats: the largest |final eval loss, seed A − seed B| of the "
-            f"configurations trained twice (" + ", ".join(f"{rows[i]['label']}: {d:.4f}" for i, d in
-                                                           band["pairs"].items()) + ").")
+def _sd_text(res: dict) -> str:
+    """The pooled seed standard deviation, its formula, what it pools, and the rule."""
+    seeds = res["seeds"]
+    if seeds["pooled_sd"] is None:
+        return "Pooled seed sd: not available yet (needs a configuration with 2 finished seeds)."
+    labels = ", ".join(f"{seeds['configs'][c]['label']} (n={seeds['configs'][c]['n']})" for c in seeds["pooled_over"])
+    return (f"Pooled seed sd = {seeds['formula']} over the {len(seeds['pooled_over'])} configurations with at least 2 "
+            f"finished seeds ({labels}; {seeds['df']} degrees of freedom) = **{seeds['pooled_sd']:.4f}** nats; a "
+            f"difference counts when |Δ| > {seeds['rule_sds']} x pooled sd = **{seeds['threshold']:.4f}** nats.")
+
+
+def _rule_header(res: dict, what: str) -> str:
+    """``vs FSDP (abs Δ > 2 sd = 0.0963)``: a column header that states the figure (no "|":
+    it would split a markdown cell)."""
+    t = res["seeds"].get("threshold")
+    return f"{what} (abs Δ > {res['seeds'].get('rule_sds', bp.SEED_RULE_SDS)} sd" + (f" = {t:.4f})" if t else ")")
+
+
+def seed_section(res: dict) -> list[str]:
+    """Mean +- sd per configuration trained with several seeds, its unfinished seed rows, and
+    the difference of its mean from the best FSDP configuration's mean under the rule."""
+    seeds = res["seeds"]
+    if not seeds["configs"]:
+        return []
+    best = seeds["configs"].get(res.get("best_fsdp") or "")
+    table = []
+    for cid, c in seeds["configs"].items():
+        diff = c["mean"] - best["mean"] if best and best["mean"] is not None and c["mean"] is not None else None
+        table.append([c["label"], ", ".join(map(str, c["seeds"])) or "-",
+                      ", ".join(f"{v:.4f}" for v in c["losses"].values()) or "-", c["n"],
+                      "-" if c["mean"] is None else f"{c['mean']:.4f}" + (
+                          f" ± {c['sd']:.4f}" if c["sd"] is not None else ""),
+                      _signed(diff) if cid != res.get("best_fsdp") else "-",
+                      _counts(counts(diff, seeds["threshold"])) if cid != res.get("best_fsdp") else "-",
+                      ", ".join(c["not_finished"]) or "-"])
+    return ["## Seeds: mean ± sd per configuration", "",
+            _md(table, ["configuration", "seeds finished", "final eval loss per seed", "n", "mean ± sd (nats)",
+                        "Δ mean vs best FSDP's mean", _rule_header(res, "vs best FSDP"), "not finished"]), "",
+            "sd: the sample standard deviation (n - 1 in the denominator) of the final eval loss over the finished "
+            "seeds (model init and data order change with the seed). " + _sd_text(res) + " Best FSDP: the FSDP "
+            "configuration with the lowest first-seed final loss"
+            + (f" (`{res['best_fsdp']}`)" if res.get("best_fsdp") else "") + ".", ""]
 
 
 def _counts(flag: bool | None) -> str:
@@ -393,7 +427,8 @@ def _pending_cells(res: dict, plan: dict, width: int) -> list[list[str]]:
 
 def grid_sections(plan: dict, res: dict) -> list[str]:
     """The convergence report by the grid's rules (bench.plan.GRID_RULES): every row against
-    FSDP and the best FSDP configuration, in nats and seed bands, with the 0.04-nats decision,
+    FSDP and the best FSDP configuration, in nats and pooled seed sd, with the 2-sd decision (and
+    issue 28's 0.04-nats one),
     its "fl" bytes; then its tokens to each target. Rows not finished are listed as such."""
     rows = list(res["rows"].values())
     sig = res.get("significant_nats", bp.GRID_SIGNIFICANT_NATS)
@@ -403,18 +438,23 @@ def grid_sections(plan: dict, res: dict) -> list[str]:
     for r in rows:
         b = r.get("fl_bytes_per_param") or {}
         table.append([r["label"], _f(r["eval_loss"], "{:.4f}"), _signed(r["diff_fsdp"]),
-                      _signed(r["diff_fsdp_in_band"], "{:+.1f}"), _counts(r.get("diff_fsdp_counts")),
-                      _signed(r.get("diff_best_fsdp")), _signed(r.get("diff_best_fsdp_in_band"), "{:+.1f}"),
-                      _counts(r.get("diff_best_fsdp_counts")), _f(b.get("per_sync"), "{:.3g}")])
-    table += _pending_cells(res, plan, 9)
-    L += [_md(table, ["run", "final eval loss", "Δ vs FSDP (nats)", "Δ vs FSDP (seed bands)", f"vs FSDP (|Δ| > {sig:g})",
-                      "Δ vs best FSDP (nats)", "Δ vs best FSDP (seed bands)", f"vs best FSDP (|Δ| > {sig:g})",
-                      "fl bytes / parameter / sync"]), "",
+                      _signed(r["diff_fsdp_in_sd"], "{:+.1f}"), _counts(r.get("diff_fsdp_counts")),
+                      _signed(r.get("diff_best_fsdp")), _signed(r.get("diff_best_fsdp_in_sd"), "{:+.1f}"),
+                      _counts(r.get("diff_best_fsdp_counts")), _counts(r.get("diff_best_fsdp_counts_fixed")),
+                      _f(b.get("per_sync"), "{:.3g}")])
+    table += _pending_cells(res, plan, 10)
+    L += [_md(table, ["run", "final eval loss", "Δ vs FSDP (nats)", "Δ vs FSDP (pooled sd)",
+                      _rule_header(res, "vs FSDP"),
+                      "Δ vs best FSDP (nats)", "Δ vs best FSDP (pooled sd)", _rule_header(res, "vs best FSDP"),
+                      f"vs best FSDP, issue 28's rule (abs Δ > {sig:g})", "fl bytes / parameter / sync"]), "",
           f"FSDP = `{bp.CONVERGENCE_FSDP}`; best FSDP = "
           + (f"{best['label']} (`{best['id']}`, final eval loss {best['eval_loss']:.4f})" if best else "none yet")
-          + ": the FSDP configuration with the lowest final eval loss (first-seed rows: a second seed repeats a "
-          f"configuration). A difference **counts** when |Δ| > {sig:g} nats, the grid's rule; otherwise it is "
-          "**within noise**. " + _band_text(res) + " fl bytes / parameter / sync: the bytes each federation group "
+          + ": the FSDP configuration with the lowest final eval loss (first-seed rows: another seed repeats a "
+          f"configuration). A difference **counts** when |Δ| > {bp.SEED_RULE_SDS} pooled seed sd; otherwise it is "
+          f"**within noise**. " + _sd_text(res) + f" Issue 28's rule, fixed before the grid's runs, counted |Δ| > "
+          f"{sig:g} nats (then about 2 seed bands of the first seed pairs, a band being the largest two-seed "
+          "difference); its column is kept for what it was. fl bytes / parameter / sync: the bytes each federation "
+          "group "
           "sent between groups during training per model parameter per sync of the whole model (every H steps; "
           "fp32 with 2 groups: 4; FSDP: 0); plot `quality_vs_bytes.png`.", ""]
     targets = res.get("targets") or []
@@ -437,21 +477,22 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
     rows = list(res["rows"].values())
     tgt = res.get("target")
     if res["suite"] == "convergence":
-        L += ["## Final eval loss, differences in seed bands, tokens to target", ""]
+        L += seed_section(res)
+        L += ["## Final eval loss, differences in pooled seed sd, tokens to target", ""]
         fsdp_ttt = res["rows"].get("fsdp", {}).get("tokens_to_target")
         table = []
         for r in rows:
             table.append([r["label"], _f(r["eval_loss"], "{:.4f}"), _f(r["eval_perplexity"], "{:,.1f}"),
-                          _signed(r["diff_fsdp"]), _signed(r["diff_fsdp_in_band"], "{:+.1f}"),
-                          _signed(r["diff_blocking"]), _signed(r["diff_blocking_in_band"], "{:+.1f}"),
+                          _signed(r["diff_fsdp"]), _signed(r["diff_fsdp_in_sd"], "{:+.1f}"),
+                          _signed(r["diff_blocking"]), _signed(r["diff_blocking_in_sd"], "{:+.1f}"),
                           _f(r["tokens_to_target"], "{:,.0f}"),
                           _f(r["tokens_to_target"] / fsdp_ttt if r["tokens_to_target"] and fsdp_ttt else None,
                              "{:.2f}")])
-        L += [_md(table, ["run", "final eval loss", "eval ppl", "Δ vs FSDP (nats)", "Δ vs FSDP (seed bands)",
-                          "Δ vs blocking fp32 (nats)", "Δ vs blocking fp32 (seed bands)", "tokens to target",
+        L += [_md(table, ["run", "final eval loss", "eval ppl", "Δ vs FSDP (nats)", "Δ vs FSDP (pooled sd)",
+                          "Δ vs blocking fp32 (nats)", "Δ vs blocking fp32 (pooled sd)", "tokens to target",
                           "tokens to target / FSDP's"]), "",
-              _band_text(res) + " Blocking fp32 = FL+FSDP H=8 avg (P=1, fp32 exchange). |Δ| of 1 band or less is "
-              "within seed-to-seed noise.",
+              _sd_text(res) + " Blocking fp32 = FL+FSDP H=8 avg (P=1, fp32 exchange). Δ (pooled sd) = Δ in nats / "
+              f"the pooled sd: within ±{bp.SEED_RULE_SDS} it is within seed-to-seed noise.",
               "",
               ("Target = FSDP's eval loss at half its budget: " + f"**{tgt['loss']:.4f}** after {tgt['tokens']:,.0f} "
                "tokens. Tokens to target: the first crossing, linear between evaluations (every "
@@ -510,12 +551,12 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
             table.append([r["label"], f"{groups} x {r['world'] // groups}", _f(r["tokens_per_step"], "{:,}"),
                           _f(per_group, "{:,}"), r["steps"], _f(r["tokens"], "{:,}"), _f(r["eval_loss"], "{:.4f}"),
                           _f(r["eval_perplexity"], "{:,.1f}"), _signed(r["diff_fsdp"]),
-                          _signed(r["diff_fsdp_in_band"], "{:+.1f}"), _f(ratio, "{:.3f}")])
+                          _signed(r["diff_fsdp_in_sd"], "{:+.1f}"), _f(ratio, "{:.3f}")])
         L += [_md(table, ["run", "groups x ranks", "tokens per step (all groups)", "tokens per step per group "
                           "(one optimizer step's batch)", "optimizer steps", "training tokens", "final eval loss",
-                          "eval ppl", "Δ loss vs FSDP (nats)", "Δ vs FSDP (seed bands)",
+                          "eval ppl", "Δ loss vs FSDP (nats)", "Δ vs FSDP (pooled sd)",
                           "FSDP ppl / FL ppl (> 1: FL lower)"]), "",
-              _band_text(res) + " The paper (Llama-3.1-8B, 512 GPUs, F=128 groups of G=4, 64 steps) reports "
+              _sd_text(res) + " The paper (Llama-3.1-8B, 512 GPUs, F=128 groups of G=4, 64 steps) reports "
               "FSDP/FL = 4.48.", ""]
         if ratios:
             toks = sorted({c["tokens"] for v in ratios.values() for c in v["curve"]})
@@ -591,17 +632,16 @@ def guide_rows(res: dict) -> list[list[str]]:
 
 def _ttt_spread_text(res: dict) -> str:
     """How much tokens to target moved between seeds (the noise of the ranking)."""
-    second = [r for r in res["rows"].values() if r["second_seed"]]
     parts, shares = [], []
-    for r in second:
-        first = res["rows"].get(r["id"].rsplit("-seed", 1)[0])
+    for r in res["rows"].values():
+        first = res["rows"].get(r["id"].rsplit("-seed", 1)[0]) if r["second_seed"] else None
         if first and first.get("tokens_to_target") and r.get("tokens_to_target"):
             shares.append(100 * (r["tokens_to_target"] / first["tokens_to_target"] - 1))
             parts.append(f"{first['label']}: {first['tokens_to_target']:,.0f} vs {r['tokens_to_target']:,.0f} "
-                         f"({shares[-1]:+.1f}%)")
+                         f"(seed {r['seed']}, {shares[-1]:+.1f}%)")
     if not parts:
         return ""
-    return ("Seed-to-seed change of tokens to target (seed 42 vs 43): " + "; ".join(parts)
+    return ("Seed-to-seed change of tokens to target (a configuration's first seed vs another): " + "; ".join(parts)
             + f". Rows whose minutes differ by less than the larger of these shares ({max(map(abs, shares)):.1f}%)"
             " are not ranked apart by this suite.")
 
@@ -652,7 +692,8 @@ def make_local_plots(plan: dict, res: dict, out_dir: str) -> list[str]:
 def plot_quality_vs_bytes(res: dict, path: str, suffix: str = "") -> str | None:
     """Final eval loss (y) against the "fl" bytes per parameter per sync (x, log), one labelled
     point per federated row; FSDP rows as horizontal lines, the best FSDP with its band of
-    ± GRID_SIGNIFICANT_NATS (within noise). None when no row has both figures."""
+    ± SEED_RULE_SDS pooled seed sd (within noise; ± GRID_SIGNIFICANT_NATS before a pooled sd
+    exists). None when no row has both figures."""
     rows = list(res["rows"].values())
     points = [r for r in rows if r["algorithm"] != "fsdp" and r["eval_loss"] is not None
               and ((r.get("fl_bytes_per_param") or {}).get("per_sync") or 0) > 0]
@@ -666,10 +707,14 @@ def plot_quality_vs_bytes(res: dict, path: str, suffix: str = "") -> str | None:
 
     fig, ax = plt.subplots(figsize=(9, 6))
     best = res["rows"].get(res.get("best_fsdp") or "")
-    sig = res.get("significant_nats", bp.GRID_SIGNIFICANT_NATS)
+    sig = (res.get("seeds") or {}).get("threshold")
+    what = f"{bp.SEED_RULE_SDS} pooled seed sd = {sig:.3f} nats" if sig else ""
+    if not sig:
+        sig = res.get("significant_nats", bp.GRID_SIGNIFICANT_NATS)
+        what = f"{sig:g} nats"
     if best is not None:
         ax.axhspan(best["eval_loss"] - sig, best["eval_loss"] + sig, color="0.9", zorder=0,
-                   label=f"best FSDP ± {sig:g} nats (within noise)")
+                   label=f"best FSDP ± {what} (within noise)")
     for i, r in enumerate(refs):
         ax.axhline(r["eval_loss"], color="0.3" if r is best else "0.6", lw=1.6 if r is best else 1.0,
                    ls=("-", "--", ":", "-.")[i % 4], label=f"{r['id']}: {r['eval_loss']:.4f}", zorder=1)

@@ -26,6 +26,7 @@ unless ``--dry-run``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -35,9 +36,10 @@ import sys
 
 from scripts import netemu
 
+from bench.analysis import seed_config
 from bench.compact import CompactRuns, has_compact
 from bench.launch import LAUNCHES_FILE, run_all, run_local
-from bench.plan import LOCAL_SUITES, BenchError, build_parser, make_plan, parse_sources, runs_of
+from bench.plan import LOCAL_SUITES, BenchError, build_parser, local_runs, make_plan, parse_sources, runs_of
 from bench.report import loadavg, machine_info, report, report_local
 
 
@@ -196,6 +198,7 @@ def report_only(args, argv: list[str] | None) -> int:
     plan.update(name=name, work=work, results=results)
     plan.setdefault("cache_dir", os.path.join(os.path.abspath(args.work_root), "cache"))
     if plan.get("suites", [None])[0] in LOCAL_SUITES:
+        _add_rows_planned_since(plan)
         if args.throughput_sources is not None:
             plan["throughput_sources"] = parse_sources(args.throughput_sources)
         elif plan.get("throughput_sources") is None and saved_sources is not None:
@@ -219,6 +222,15 @@ def report_only(args, argv: list[str] | None) -> int:
                                       + list(sys.argv[1:] if argv is None else argv))
     report(plan, meta, root, wandb_log=plan.get("report_to", "wandb") == "wandb")
     return 0
+
+
+def _add_rows_planned_since(plan: dict) -> None:
+    """Append to a saved quality-suite plan the further seeds of its configurations that
+    bench/plan.py has planned since it was written (rows ``<id>-seed<k>``), so that the rebuilt
+    report lists them as not finished and counts them in each configuration's seeds."""
+    have = {r["id"] for r in plan.get("runs", [])}
+    plan["runs"] = plan.get("runs", []) + [dataclasses.asdict(r) for r in local_runs(plan)
+                                           if r.id not in have and seed_config(r.id, have) != r.id]
 
 
 def _install_signal_handlers() -> None:

@@ -14,7 +14,8 @@ Two settings (``--setting``): ``quick`` measures throughput and waiting (short s
 evaluations); ``convergence`` repeats the convergence grid's ``fl_fsdp-h8-nesterov`` row
 (832 steps' tokens, evaluations every 32 federation steps, checkpoints) at unequal speed and
 checks its quality against the grid (``--grid``): the final eval loss against the 1:1 run in
-seed bands, and the wall clock to FSDP's half-budget loss against the barrier run's.
+pooled seed standard deviations of the grid, and the wall clock to FSDP's half-budget loss
+against the barrier run's.
 
 Figures (from each run's ``all_results.json`` ``rounds``; the barrier run has none, so its
 figures come from its own step time and sync wait), written to ``bench/results/<name>/``:
@@ -22,7 +23,12 @@ figures come from its own step time and sync wait), written to ``bench/results/<
 * ``speed.json``: ``rows``, one per run: ``trigger``, ``speed_ratio``, ``link``
   ("loopback" or the rate), ``wait_share`` per group, ``tokens_per_s``,
   ``standalone_tokens_per_s`` per group, ``slowdown_method``, steps per round per group,
-  final eval loss, wall seconds; with ``convergence`` also ``quality`` (:func:`quality`);
+  final eval loss, wall seconds, and the raw data behind them: ``evals`` (every evaluation:
+  step, tokens, the run's wall-clock second, eval loss), ``step_s`` (training seconds per
+  step between logged records: median, p10, p90, count), ``sessions`` (start, end and
+  /proc/loadavg at both, per session of the run), ``link_rate_bits_per_s`` (a TCP stream
+  across the emulated link, measured when the emulator starts); with ``convergence`` also
+  ``quality`` (:func:`quality`);
 * ``table.md`` and ``command.txt``; ``tokens_over_time.png``: tokens per group against wall
   seconds with a mark at each sync (the 2:1 runs).
 
@@ -174,6 +180,7 @@ def run_one(work: Path, trigger: str, ratio_text: str, args, cache: Path) -> dic
         procs = [args.emulator.popen(k, args.emulator.torchrun_argv(k, rargs, nproc_per_node=G, master_port=port),
                                      env=env, cwd=ROOT, stdout=log, stderr=log) for k in range(F)]
     limits = [GroupLimit(f"{name}_g{f}", cpus) for f, cpus in enumerate(quotas(ratio, args.fast_cpus))]
+    session = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg_start": _loadavg()}
     try:  # group f = ranks fG..(f+1)G-1, placed as soon as they exist
         deadline, placed = time.monotonic() + 120, set()
         while len(placed) < F * G and time.monotonic() < deadline and all(p.poll() is None for p in procs):
@@ -191,33 +198,56 @@ def run_one(work: Path, trigger: str, ratio_text: str, args, cache: Path) -> dic
             terminate(proc)
         for limit in limits:
             limit.remove()
+        session.update(ended=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg_end=_loadavg())
+        sessions = out / SESSIONS
+        sessions.write_text(json.dumps((json.loads(sessions.read_text()) if sessions.exists() else []) + [session]))
     res = types.SimpleNamespace(returncode=max((c if c is not None else 124) for c in codes))
     if res.returncode != 0:
         raise RuntimeError(f"{name} failed ({res.returncode}); see {work / f'{name}.log'}")
     return _finished(out, name)
 
 
+SESSIONS = "sessions.json"
+"""In each run folder: every session of the run (start, end, /proc/loadavg at both)."""
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _finished(out: Path, name: str) -> dict:
-    """all_results.json plus ``_evals``: the evaluations (federation step, eval loss, the run's
-    wall-clock seconds) of metrics.jsonl, the last of each step (a resume logs redone steps again)."""
-    evals = {}
+    """all_results.json plus ``_evals`` (the evaluations of metrics.jsonl: step, tokens, the run's
+    wall-clock second ``wall_s``, ``eval_loss``; the last of each step, a resume logs redone steps
+    again), ``_step_s`` (:func:`bench.time_to_target.step_summary`) and ``_sessions`` (sessions.json)."""
+    from bench.time_to_target import step_summary
+
+    evals, train = {}, {}
     metrics = out / "metrics.jsonl"
     for line in metrics.read_text().splitlines() if metrics.exists() else []:
         r = json.loads(line) if line.strip() else {}
         if "eval/loss" in r:
-            evals[r["step"]] = (r["step"], r["eval/loss"], r.get("wall_s"))
-    return json.loads((out / "all_results.json").read_text()) | {"_name": name, "_evals": sorted(evals.values())}
+            evals[r["step"]] = {"step": r["step"], "tokens": r.get("tokens"), "wall_s": r.get("wall_s"),
+                                "eval_loss": r["eval/loss"]}
+        elif "train/loss" in r:
+            train[r["step"]] = r
+    sessions = out / SESSIONS
+    return json.loads((out / "all_results.json").read_text()) | {
+        "_name": name, "_evals": [evals[k] for k in sorted(evals)], "_step_s": step_summary(list(train.values())),
+        "_sessions": json.loads(sessions.read_text()) if sessions.exists() else []}
 
 
-def wall_to_loss(evals: list, target: float) -> float | None:
+def wall_to_loss(evals: list[dict], target: float) -> float | None:
     """The run's wall-clock seconds at which the eval loss first reaches ``target``, linear
     between evaluations (:func:`bench.analysis.x_to_loss`); None if it never does (or the
     records carry no wall clock)."""
     from bench.analysis import x_to_loss
 
-    if any(wall is None for _, _, wall in evals):
+    if any(e["wall_s"] is None for e in evals):
         return None
-    return x_to_loss([{"loss": loss, "wall_s": wall} for _, loss, wall in evals], target, "wall_s")
+    return x_to_loss([{"loss": e["eval_loss"], "wall_s": e["wall_s"]} for e in evals], target, "wall_s")
 
 
 def standalone_rates(rounds: dict) -> list[float]:
@@ -232,8 +262,9 @@ def standalone_rates(rounds: dict) -> list[float]:
     return [r * (s - n) / s if s > n else r for r, s in zip(rates, rounds["group_steps"])]
 
 
-def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback") -> dict:
-    """speed.json's row of one run."""
+def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback",
+           link_rate: float | None = None) -> dict:
+    """speed.json's row of one run (``link_rate``: the emulated link's measured bits/s)."""
     rounds = results.get("rounds")
     tokens_per_s = results["train_tokens"] / results["train_seconds"]  # every row alike: the federation's tokens
     if rounds is None:  # the barrier: every group did every step; its wait is the sync's share
@@ -242,8 +273,8 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
                 "wait_share": [wait, wait] if wait is not None else None, "tokens_per_s": tokens_per_s,
                 "standalone_tokens_per_s": None, "slowdown_method": METHOD,
                 "steps_per_round": None, "group_steps": [results["steps"]] * F,
-                "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"], "evals": results["_evals"],
-                "arrival_share": results.get("sync_arrival_share_by_group")}
+                "final_eval_loss": results["eval_loss"], "wall_s": results["wall_seconds"],
+                "arrival_share": results.get("sync_arrival_share_by_group"), **_raw(results, link_rate)}
     standalone = standalone_rates(rounds)
     return {"run": results["_name"], "trigger": trigger, "speed_ratio": ratio_text, "link": link,
             "wait_share": rounds["wait_share"], "tokens_per_s": tokens_per_s,
@@ -251,8 +282,14 @@ def row_of(results: dict, trigger: str, ratio_text: str, link: str = "loopback")
             "slowdown_method": METHOD,
             "steps_per_round": rounds["steps_per_round"], "group_steps": rounds["group_steps"],
             "round_end_s": rounds["round_end_s"], "final_eval_loss": results["eval_loss"],
-            "wall_s": results["wall_seconds"], "evals": results["_evals"],
-            "arrival_share": results.get("sync_arrival_share_by_group")}
+            "wall_s": results["wall_seconds"], "arrival_share": results.get("sync_arrival_share_by_group"),
+            **_raw(results, link_rate)}
+
+
+def _raw(results: dict, link_rate: float | None) -> dict:
+    """A row's raw data: its evaluations, step-time summary, sessions (load average) and link rate."""
+    return {"evals": results.get("_evals", []), "step_s": results.get("_step_s"),
+            "sessions": results.get("_sessions", []), "link_rate_bits_per_s": link_rate}
 
 
 def table(rows: list[dict], args) -> str:
@@ -322,18 +359,23 @@ def plot(rows: list[dict], path: Path, tokens_per_rank_step: int) -> None:
 
 
 def reference(grid: Path) -> dict:
-    """From a convergence grid's bench.json: the seed band, FSDP's half-budget loss and the final
-    eval loss of :data:`REFERENCE_ROW` (the 1:1 run)."""
+    """From a convergence grid's bench.json: its pooled seed sd and the rule's threshold
+    (``bench.analysis.seeds_of``), FSDP's half-budget loss and the final eval loss of
+    :data:`REFERENCE_ROW` (the 1:1 run)."""
     bench = json.loads((grid / "bench.json").read_text())
-    return {"grid": grid.name, "seed_band": bench["results"]["band"]["loss"],
+    seeds = bench["results"]["seeds"]
+    return {"grid": grid.name, "pooled_sd": seeds["pooled_sd"], "threshold": seeds["threshold"],
             "fsdp_half_budget_loss": bench["results"]["target"]["loss"],
             "reference_final_eval_loss": bench["runs"][REFERENCE_ROW]["eval_loss"]}
 
 
 def quality(rows: list[dict], ref: dict) -> dict:
     """Issue 30's quality check on the ``convergence`` rows: per 2:1 row the final eval loss
-    against the 1:1 run (nats and seed bands) and the wall-clock seconds to FSDP's half-budget
-    loss; per non-barrier row that time over the barrier row's at the same ratio."""
+    against the 1:1 run (nats, pooled seed sd, and whether it counts: |Δ| > the grid's
+    threshold) and the wall-clock seconds to FSDP's half-budget loss; per non-barrier row that
+    time over the barrier row's at the same ratio."""
+    from bench.analysis import counts, in_sd
+
     out = dict(ref)
     barrier = {r["speed_ratio"]: wall_to_loss(r["evals"], ref["fsdp_half_budget_loss"]) for r in rows
                if r["trigger"] == "barrier"}
@@ -344,8 +386,8 @@ def quality(rows: list[dict], ref: dict) -> dict:
         b = barrier.get(r["speed_ratio"])
         out["rows"].append({"run": r["run"], "trigger": r["trigger"], "speed_ratio": r["speed_ratio"],
                             "final_eval_loss": r["final_eval_loss"], "delta_vs_1to1": d,
-                            "delta_seed_bands": d / ref["seed_band"], "wall_s_to_fsdp_half_budget": t,
-                            "of_barrier": t / b if t is not None and b else None})
+                            "delta_in_sd": in_sd(d, ref["pooled_sd"]), "counts": counts(d, ref["threshold"]),
+                            "wall_s_to_fsdp_half_budget": t, "of_barrier": t / b if t is not None and b else None})
     return out
 
 
@@ -355,14 +397,17 @@ def quality_lines(rows: list[dict], q: dict) -> list[str]:
 
     lines = ["", f"## Quality at unequal speed (against the grid `{q['grid']}`)", "",
              f"1:1 = the grid's `{REFERENCE_ROW}` row (final eval loss {q['reference_final_eval_loss']:.4f}; at 1:1 the "
-             f"barrier run is that row). Seed band {q['seed_band']:.4f} nats; FSDP's half-budget loss "
+             f"barrier run is that row). The grid's pooled seed sd {q['pooled_sd']:.4f} nats: a difference counts "
+             f"above 2 sd = {q['threshold']:.4f}; FSDP's half-budget loss "
              f"{q['fsdp_half_budget_loss']:.4f}. Minutes: the run's wall clock (start-up, training, evaluations, "
              "checkpoints) at the first evaluation at or below it, linear between evaluations.", "",
-             "| ratio | trigger | final eval loss | Δ vs 1:1 (nats) | Δ (seed bands) | min to FSDP's half-budget loss | "
-             "of the barrier's |", "|---|---|---|---|---|---|---|"]
+             "| ratio | trigger | final eval loss | Δ vs 1:1 (nats) | Δ (pooled sd) | "
+             f"abs Δ > {q['threshold']:.4f} | "
+             "min to FSDP's half-budget loss | of the barrier's |", "|---|---|---|---|---|---|---|---|"]
     for r in q["rows"]:
         lines.append(f"| {r['speed_ratio']} | {r['trigger']} | {r['final_eval_loss']:.4f} | {r['delta_vs_1to1']:+.4f} | "
-                     f"{r['delta_seed_bands']:+.1f} | {m(r['wall_s_to_fsdp_half_budget'])} | "
+                     f"{r['delta_in_sd']:+.1f} | {'counts' if r['counts'] else 'within noise'} | "
+                     f"{m(r['wall_s_to_fsdp_half_budget'])} | "
                      + ("-" if r["of_barrier"] is None else f"{r['of_barrier']:.2f}") + " |")
     return lines
 
@@ -375,7 +420,7 @@ def main(argv=None) -> int:
                         "steps, evaluations, checkpoints (resumable), and, at its 832 steps, the quality check against "
                         "--grid")
     p.add_argument("--grid", default="2026-12-03-grid", help="convergence results folder under bench/results "
-                   "(--setting convergence: the seed band, FSDP's half-budget loss and the 1:1 row)")
+                   "(--setting convergence: the pooled seed sd, FSDP's half-budget loss and the 1:1 row)")
     p.add_argument("--max_steps", type=int, default=None, help="steps' tokens of each run (default: the setting's)")
     p.add_argument("--log_every", type=int, default=None, help="the recipe's --log_every (default: the setting's)")
     p.add_argument("--window_s", type=float, default=4.0)
@@ -412,19 +457,23 @@ def main(argv=None) -> int:
         return 2
     work, dest = ROOT / "bench" / "work" / args.name, ROOT / "bench" / "results" / args.name
     cache = ROOT / "bench" / "work" / "cache"
-    rows = []
+    rows, link_rate = [], None
     with contextlib.ExitStack() as stack:
         args.emulator = None
         if args.link is not None:
             from scripts import netemu
 
+            from bench.launch import measure_link
+
             args.emulator = stack.enter_context(netemu.Emulator(F, args.link))
+            link_rate = measure_link(args.emulator, 2.0).get("achieved_bits_per_s")
         for ratio in ratios:
             for trigger in [t.strip() for t in args.triggers.split(",")]:
                 print(f"[speed] {ratio} {trigger}" + (f" at {args.link}" if args.link else "") + " ...", flush=True)
-                rows.append(row_of(run_one(work, trigger, ratio, args, cache), trigger, ratio, args.link or "loopback"))
+                rows.append(row_of(run_one(work, trigger, ratio, args, cache), trigger, ratio, args.link or "loopback",
+                                   link_rate))
     dest.mkdir(parents=True, exist_ok=True)
-    out = {"rows": [{k: v for k, v in r.items() if k != "evals"} for r in rows]}
+    out = {"rows": rows}
     if args.quality:
         args.quality = out["quality"] = quality(rows, args.quality)
     (dest / "speed.json").write_text(json.dumps(out, indent=1))

@@ -446,6 +446,14 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
+SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "fsdp-lr1e-3-seed43",
+             "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43",
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44")
+"""The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
+CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
+
+
 def test_convergence_rows_differ_only_in_federation_flags():
     """Every row of the suite (issue 28's grid included) has the same command line but for
     the federation flags, its seed and the extra flags it names (``extra_flags``)."""
@@ -461,8 +469,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
-                          *grid, "fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                          "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]
+                          *grid, *SEED_ROWS]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
     assert rows["fl_fsdp-h8-nesterov-cosine"].extra_flags == ("--outer_lr_schedule", "cosine",
                                                              "--outer_lr_warmup_steps", "64")
@@ -482,7 +489,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert 832 * 4 * 4 * 256 >= 20 * 163_840
     assert _flag(c, "--eval_every") == "32" and _flag(c, "--resume_from_checkpoint") == "latest"
     assert _flag(c, "--checkpoint_every") == "64"
-    assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: "43" if k.endswith("seed43") else "42" for k in rows}
+    assert {k: _flag(a, "--seed") for k, a in args.items()} == {k: k[-2:] if "-seed4" in k else "42" for k in rows}
     fed = {k: _federation_part(a) for k, a in args.items()}
     nesterov = ["--outer_optimizer", "nesterov", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
     assert fed["fsdp"] == ["--algorithm", "fsdp"] and fed["fsdp-seed43"] == fed["fsdp-lr1e-3"] == fed["fsdp"]
@@ -519,8 +526,7 @@ def test_a_later_row_is_one_line(monkeypatch):
     assert a[a.index("--some_density") + 1] == "0.02"
     assert _common_part(a)[: _common_part(a).index("--some_density")] == \
         _common_part(bp.recipe_args(plan, rows["fsdp"], "/o/y"))[: _common_part(a).index("--some_density")]
-    assert list(rows)[-4:] == ["fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43",
-                               "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43"]  # second seeds last
+    assert list(rows)[-len(SEED_ROWS):] == list(SEED_ROWS)  # further seeds last
 
 
 def test_only_selects_throughput_rows_and_their_calibration():
@@ -569,7 +575,7 @@ def test_quality_plan_validation():
     assert _plan("--suite", "convergence", "--only", "fsdp")["only"] == ["fsdp"]
 
 
-def test_interpolation_seed_band_and_time_to_target():
+def test_interpolation_seed_stats_and_time_to_target():
     curve = [{"tokens": 100, "loss": 9.0}, {"tokens": 200, "loss": 7.0}, {"tokens": 300, "loss": 6.0},
              {"tokens": 400, "loss": 6.5}]
     assert analysis.loss_at_tokens(curve, 150) == pytest.approx(8.0)
@@ -578,9 +584,19 @@ def test_interpolation_seed_band_and_time_to_target():
     assert analysis.tokens_to_loss(curve, 6.5) == pytest.approx(250.0)  # first crossing, linear in tokens
     assert analysis.tokens_to_loss(curve, 9.5) == 100.0  # already there at the first evaluation
     assert analysis.tokens_to_loss(curve, 5.9) is None
-    assert analysis.seed_band({"a": (5.0, 5.2), "b": (6.0, 5.95)}) == pytest.approx(0.2)
-    assert analysis.seed_band({"a": (5.0, None)}) is None
-    assert analysis.in_band(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_band(0.1, 0.0) is None
+    # mean +- sample sd per configuration; pooled sd = sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1)) over n_i >= 2
+    st = analysis.seed_stats({"a": [5.0, 5.2], "b": [6.0, 5.9, 6.1], "c": [5.5], "d": [5.0, None]})
+    assert st["configs"]["a"] == {"n": 2, "mean": pytest.approx(5.1), "sd": pytest.approx(0.2 / 2**0.5)}
+    assert st["configs"]["b"]["sd"] == pytest.approx(0.1) and st["configs"]["c"]["sd"] is None
+    assert st["configs"]["d"] == {"n": 1, "mean": 5.0, "sd": None}
+    assert st["pooled_over"] == ["a", "b"] and st["df"] == 3
+    assert st["pooled_sd"] == pytest.approx(((0.02 + 2 * 0.01) / 3) ** 0.5)
+    assert analysis.seed_stats({"c": [5.5]})["pooled_sd"] is None
+    assert analysis.in_sd(-0.3, 0.2) == pytest.approx(-1.5) and analysis.in_sd(0.1, 0.0) is None
+    assert analysis.counts(-0.3, 0.2) is True and analysis.counts(0.1, 0.2) is False
+    assert analysis.counts(None, 0.2) is None and analysis.counts(0.1, None) is None
+    assert analysis.seed_config("fsdp-seed44", {"fsdp"}) == "fsdp"
+    assert analysis.seed_config("x-seed44", {"y"}) == "x-seed44"
     assert analysis.time_to_target(1_000_000, 2_500.0) == 400.0 and analysis.time_to_target(None, 1.0) is None
 
 
@@ -656,12 +672,18 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     for k, c in curves.items():
         _write_fake_run(root, rows[k], c)
     res = analysis.analyze_local(plan, str(root), FIXTURES)
-    assert res["band"]["loss"] == pytest.approx(0.1) and res["band"]["pairs"]["fl_fsdp-h8"] == pytest.approx(0.05)
+    # two seeds each: s^2 = d^2 / 2, so pooled sd = sqrt((0.1^2 + 0.05^2) / 4)
+    sd = ((0.1**2 + 0.05**2) / 4) ** 0.5
+    assert res["seeds"]["pooled_sd"] == pytest.approx(sd) and res["seeds"]["threshold"] == pytest.approx(2 * sd)
+    assert res["seeds"]["configs"]["fl_fsdp-h8"]["mean"] == pytest.approx(5.225)
+    assert res["seeds"]["configs"]["fl_fsdp-h8-lr1e-3"]["not_finished"] == [
+        "fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44"]
     assert res["target"]["tokens"] == 64 * 16384 and res["target"]["loss"] == 6.0
     r = res["rows"]
-    assert r["fl_fsdp-h8"]["diff_fsdp"] == pytest.approx(0.2) and r["fl_fsdp-h8"]["diff_fsdp_in_band"] == \
-        pytest.approx(2.0)
-    assert r["fl_fsdp-h32"]["diff_blocking_in_band"] == pytest.approx(10.0)
+    assert r["fl_fsdp-h8"]["diff_fsdp"] == pytest.approx(0.2) and r["fl_fsdp-h8"]["diff_fsdp_in_sd"] == \
+        pytest.approx(0.2 / sd)
+    assert r["fl_fsdp-h8"]["diff_fsdp_counts"] is True and r["fl_fsdp-h8"]["diff_fsdp_counts_fixed"] is True
+    assert r["fl_fsdp-h32"]["diff_blocking_in_sd"] == pytest.approx(1.0 / sd)
     assert r["fsdp"]["tokens_to_target"] == 64 * 16384
     # FL H=8 crosses 6.0 between 64 steps (6.4) and 96 steps (5.6): halfway
     assert r["fl_fsdp-h8"]["tokens_to_target"] == pytest.approx(80 * 16384)
@@ -675,14 +697,15 @@ def test_analyze_and_report_a_convergence_suite(tmp_path):
     br.report_local(plan, {"command": plan["command"], "resume_command": "RESUME"}, str(root), FIXTURES)
     out = tmp_path / "r" / plan["name"]
     table = (out / "table.md").read_text()
-    assert "Not finished yet" in table and "RESUME" in table and "Seed band = **0.1000**" in table
+    assert "Not finished yet" in table and "RESUME" in table and f"= **{sd:.4f}** nats" in table
+    assert f"(abs Δ > 2 sd = {2 * sd:.4f})" in table and "## Seeds: mean ± sd per configuration" in table
     assert "| FL+FSDP H=8 " in table and "(model)" in table and f"`bench/results/{BASELINES}`" in table
     guide = {g[0]: g[1:] for g in br.guide_rows(res)}
     # 100 Mbit/s: FL+FSDP (measured in the fixture) needs 80/64 of FSDP's tokens at 5x its speed
     assert guide["100mbit"][0].startswith("FL+FSDP H=8: ") and guide["100mbit"][1].startswith("FSDP: ")
     # seed 43 of FSDP crosses 6.0 at 64 + 32 x 0.1/0.5 = 70.4 steps: +10% tokens
-    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (+10.0%)" in table
-    assert "(+2.9%)" in table and "the larger of these shares (10.0%)" in table  # FL's seeds: 80 vs 82.3 steps
+    assert "Fastest to the target" in table and "FSDP: 1,048,576 vs 1,153,434 (seed 43, +10.0%)" in table
+    assert "(seed 43, +2.9%)" in table and "the larger of these shares (10.0%)" in table  # FL's: 80 vs 82.3 steps
     for png in ("eval_loss_vs_tokens.png", "time_to_target.png"):
         assert (out / png).stat().st_size > 1000
     assert not (out / "quality_vs_bytes.png").exists()  # these fake runs carry no fl counters
@@ -702,17 +725,37 @@ def test_grid_report_on_the_synthetic_fixture(tmp_path):
     lines = table.splitlines()
     assert lines[2] == f"> **Rules.** {bp.GRID_RULES}"  # the rules head the report
     res = json.loads((dst / "bench.json").read_text())["results"]
-    # the seed band: every configuration trained twice (fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48)
-    assert res["band"]["pairs"] == pytest.approx({"fsdp": 0.02, "fl_fsdp-h8": 0.03})
-    assert res["band"]["loss"] == pytest.approx(0.03)
+    assert lines[4].startswith("> **Noise.**")  # issue 40's rule below issue 28's
+    # seeds: fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48, fsdp-lr1e-3 5.25/5.27/5.23, fl_fsdp-h8-lr1e-3 5.40/5.42 (its
+    # seed 44 not started), nesterov one seed (its seed 43 not started: not pooled)
+    seeds = res["seeds"]
+    sd = ((0.0002 + 0.00045 + 2 * 0.0004 + 0.0002) / 5) ** 0.5
+    assert seeds["pooled_over"] == ["fsdp", "fl_fsdp-h8", "fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3"] and seeds["df"] == 5
+    assert seeds["pooled_sd"] == pytest.approx(sd) and seeds["threshold"] == pytest.approx(2 * sd)
+    three = seeds["configs"]["fsdp-lr1e-3"]
+    assert (three["n"], three["seeds"], three["mean"], three["sd"]) == (3, [42, 43, 44], pytest.approx(5.25),
+                                                                         pytest.approx(0.02))
+    assert seeds["configs"]["fl_fsdp-h8-lr1e-3"]["not_finished"] == ["fl_fsdp-h8-lr1e-3-seed44"]
+    assert seeds["configs"]["fl_fsdp-h8-nesterov"]["sd"] is None
     assert res["best_fsdp"] == "fsdp-lr1e-3"  # 5.25 < fsdp's 5.30; fsdp-seed43 is not a configuration
     nes = res["rows"]["fl_fsdp-h8-nesterov"]  # 5.22
-    assert nes["diff_fsdp"] == pytest.approx(-0.08) and nes["diff_fsdp_in_band"] == pytest.approx(-0.08 / 0.03)
+    assert nes["diff_fsdp"] == pytest.approx(-0.08) and nes["diff_fsdp_in_sd"] == pytest.approx(-0.08 / sd)
     assert nes["diff_fsdp_counts"] is True
     assert nes["diff_best_fsdp"] == pytest.approx(-0.03) and nes["diff_best_fsdp_counts"] is False
+    assert nes["diff_best_fsdp_counts_fixed"] is False  # issue 28's 0.04 rule, kept beside it
+    assert f"| vs best FSDP (abs Δ > 2 sd = {2 * sd:.4f}) |" in table.replace("  ", "")
     row = next(ln for ln in lines if ln.startswith("| FL+FSDP H=8 nesterov(0.7, 0.9) ") and "counts" in ln)
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[1:9] == ["5.2200", "-0.0800", "-2.7", "counts", "-0.0300", "-1.0", "within noise", "4"]
+    assert cells[1:10] == ["5.2200", "-0.0800", f"{-0.08 / sd:+.1f}", "counts", "-0.0300", f"{-0.03 / sd:+.1f}",
+                           "within noise", "within noise", "4"]
+    section = table.split("## Seeds: mean ± sd per configuration", 1)[1].split("\n## ", 1)[0]
+    cells = next([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines()
+                 if ln.startswith("| FSDP learning_rate 1e-3 "))
+    assert cells[1:5] == ["42, 43, 44", "5.2500, 5.2700, 5.2300", "3", "5.2500 ± 0.0200"]
+    cells = next([c.strip() for c in ln.split("|")[1:-1]] for ln in section.splitlines()
+                 if ln.startswith("| FL+FSDP H=8 learning_rate 1e-3 "))
+    assert cells[4:] == ["5.4100 ± 0.0141", "+0.1600", "counts", "fl_fsdp-h8-lr1e-3-seed44"]
+    assert f"= **{sd:.4f}** nats" in section and "sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1))" in section
     # targets: FSDP's loss at 64 steps (5.70), 5.42, 5.50, 5.60; nesterov 5.62 at 64 steps, 5.32 at 96
     assert [t["key"] for t in res["targets"]] == ["fsdp_half_budget", "5.42", "5.50", "5.60"]
     assert res["targets"][0]["loss"] == pytest.approx(5.70)
@@ -827,9 +870,9 @@ def test_run_local_skips_finished_rows_and_resumes_the_rest(tmp_path, monkeypatc
 
 def test_a_suite_continued_on_a_fresh_checkout_keeps_the_committed_rows(tmp_path, monkeypatch):
     """The committed results folder of a quality suite (compact: the grid fixture, with
-    ``fl_fsdp-h8-int8-ef-nesterov`` unfinished) and an empty work folder, as on a fresh
-    checkout: run_local launches only the row the committed folder lacks, and the report
-    (after the run, and with --report-only) holds the committed rows and the new one."""
+    ``fl_fsdp-h8-int8-ef-nesterov`` unfinished and two seed rows not started) and an empty work
+    folder, as on a fresh checkout: run_local launches only the rows the committed folder lacks,
+    and the report (after the run, and with --report-only) holds the committed rows and the new ones."""
     from bench import launch as bl
 
     dst = _fixture_copy(tmp_path, GRID)
@@ -855,12 +898,13 @@ def test_a_suite_continued_on_a_fresh_checkout_keeps_the_committed_rows(tmp_path
     plan = {**saved_plan, "name": GRID, "work": str(work), "results": str(dst),
             "cache_dir": str(tmp_path / "cache"), "only": None}
     out = bl.run_local(plan, dry=False)
-    assert launched == ["fl_fsdp-h8-int8-ef-nesterov"] and out["failed"] == []
+    new = {"fl_fsdp-h8-int8-ef-nesterov", "fl_fsdp-h8-nesterov-seed43", "fl_fsdp-h8-lr1e-3-seed44"}
+    assert sorted(launched) == sorted(new) and out["failed"] == []
     (work / "plan.json").write_text(json.dumps(plan))
     assert rb.main(["--report-only", "--name", GRID, "--results-root", str(dst.parent),
                     "--work-root", str(tmp_path / "work")]) == 0
     saved = json.loads((dst / "bench.json").read_text())
-    assert set(saved["runs"]) == committed | {"fl_fsdp-h8-int8-ef-nesterov"}
+    assert set(saved["runs"]) == committed | new
     assert saved["runs"]["fl_fsdp-h8-int8-ef-nesterov"]["eval_loss"] == 5.25
     assert saved["results"]["status"]["fl_fsdp-h8-int8-ef-nesterov"]["state"] == "finished"
     assert "fl_fsdp-h8-int8-ef-nesterov" in saved["launches"] and "fsdp" in saved["launches"]
@@ -889,7 +933,8 @@ def _timed_run(root, name, evals, tokens_per_s, wall_s, wall_clock=False):
 
 def test_time_to_target_json_on_emulated_links(tmp_path):
     """bench.time_to_target: seconds to each target (linear in eval loss between evaluations),
-    of_limit against the limit's tokens/s, the schema of time_to_target.json, the plot."""
+    of_limit against the limit's tokens/s, the schema of time_to_target.json (the earlier
+    contract, the step-time summary and the caller's per-row figures), curves.csv, the plot."""
     from bench import time_to_target as ttt
 
     runs = tmp_path / "runs"
@@ -897,46 +942,68 @@ def test_time_to_target_json_on_emulated_links(tmp_path):
     fsdp = _timed_run(runs, "fsdp", [(1000.0, 6.20), (2000.0, 5.80), (3000.0, 5.52)], 200.0, 3500.0)
     limit = _timed_run(runs, "limit", [(50.0, 6.0)], 6000.0, 60.0)
     res = tmp_path / "results" / "links"
+    seeds = {"pooled_sd": 0.02, "threshold": 0.04, "formula": "f"}
     out = ttt.write_time_to_target(str(res), [
-        {"run": "fl_fsdp-h8-nesterov", "link": "10mbit", "path": nes, "limit_path": limit},
+        {"run": "fl_fsdp-h8-nesterov", "link": "10mbit", "path": nes, "limit_path": limit, "learning_rate": 3e-4,
+         "loadavg": {"start": [0.5, 0.4, 0.3], "end": [1.5, 1.0, 0.5]}, "link_rate_bits_per_s": 9.6e6},
         {"run": "fsdp", "link": "100mbit", "path": fsdp, "limit_tokens_per_s": 1000.0}],
-        seed_band=0.0178, fsdp_half_budget_loss=5.70)
+        seeds, 5.70, "fsdp-lr1e-3", targets=(5.42, 5.50, 5.60))
     saved = json.loads((res / ttt.FILE).read_text())
-    assert saved == out and saved["seed_band"] == 0.0178 and saved["fsdp_half_budget_loss"] == 5.70
+    assert saved == out and saved["seeds"] == seeds and saved["half_budget_loss"] == 5.70
+    assert saved["target_of"] == "fsdp-lr1e-3"
     assert "training seconds" in saved["clock"]  # no wall-clock time per evaluation in these records
     a, b = saved["rows"]
-    assert set(a) == {"run", "link", "measured", "of_limit", "final_eval_loss", "wall_s_total", "to_target"}
-    assert (a["run"], a["link"], a["measured"], a["final_eval_loss"], a["wall_s_total"]) == \
-        ("fl_fsdp-h8-nesterov", "10mbit", True, 5.40, 400.0)
+    contract = {"run", "link", "measured", "of_limit", "final_eval_loss", "wall_s_total", "to_target"}
+    assert set(b) == contract | {"step_s"}
+    assert set(a) == contract | {"step_s", "learning_rate", "loadavg", "link_rate_bits_per_s"}
+    assert (a["run"], a["link"], a["measured"], a["final_eval_loss"], a["wall_s_total"], a["learning_rate"]) == \
+        ("fl_fsdp-h8-nesterov", "10mbit", True, 5.40, 400.0, 3e-4)
+    assert a["loadavg"] == {"start": [0.5, 0.4, 0.3], "end": [1.5, 1.0, 0.5]}
+    assert a["step_s"] == {"median": pytest.approx(100 / 32), "p10": pytest.approx(100 / 32),
+                           "p90": pytest.approx(100 / 32), "count": 2}  # training records at steps 32, 64, 96
     assert a["of_limit"] == pytest.approx(5000 / 6000) and b["of_limit"] == pytest.approx(0.2)
-    assert list(a["to_target"]) == ["fsdp_half_budget", "5.42", "5.50", "5.60"]
-    assert a["to_target"]["fsdp_half_budget"] == pytest.approx(100 + 100 * 0.30 / 0.45)
+    assert list(a["to_target"]) == ["half_budget", "5.42", "5.50", "5.60"]
+    assert a["to_target"]["half_budget"] == pytest.approx(100 + 100 * 0.30 / 0.45)
     assert a["to_target"]["5.60"] == pytest.approx(100 + 100 * 0.40 / 0.45)
     assert a["to_target"]["5.42"] == pytest.approx(200 + 100 * 0.13 / 0.15)
     assert b["to_target"]["5.60"] == pytest.approx(2000 + 1000 * 0.20 / 0.28)
     assert b["to_target"]["5.50"] is None and b["to_target"]["5.42"] is None  # 5.52 at the end
     assert (res / ttt.PLOT).stat().st_size > 1000
-    # evaluations that carry a wall-clock time are measured on it
+    # curves.csv: every evaluation of every row, read back exactly
+    curves = ttt.read_curves(str(res / ttt.CURVES))
+    assert (res / ttt.CURVES).read_text().splitlines()[0] == ",".join(ttt.CURVE_COLUMNS)
+    assert [e["loss"] for e in curves[("fl_fsdp-h8-nesterov", "10mbit")]] == [6.00, 5.55, 5.40]
+    assert curves[("fsdp", "100mbit")][1] == {"step": 64, "tokens": 64 * 4096, "loss": 5.80, "wall_s": None,
+                                               "time_s": 2000.0}
+    # evaluations that carry a wall-clock time are measured on it; the default targets: the half budget and 5.42
     wall = _timed_run(runs, "wall", [(100.0, 6.00), (200.0, 5.40)], 5000.0, 500.0, wall_clock=True)
     out = ttt.write_time_to_target(str(tmp_path / "w"), [{"run": "x", "link": "10mbit", "path": wall}], None, None,
                                    plot=False)
-    assert out["rows"][0]["to_target"] == {"5.42": pytest.approx(2 * (100 + 100 * 0.58 / 0.60)),
-                                           "5.50": pytest.approx(2 * (100 + 100 * 0.50 / 0.60)),
-                                           "5.60": pytest.approx(2 * (100 + 100 * 0.40 / 0.60))}
+    assert out["rows"][0]["to_target"] == {"5.42": pytest.approx(2 * (100 + 100 * 0.58 / 0.60))}
     assert out["rows"][0]["of_limit"] is None and "wall-clock" in out["clock"]
+    assert ttt.read_curves(str(tmp_path / "w" / ttt.CURVES))[("x", "10mbit")][1]["wall_s"] == 400.0
     with pytest.raises(ValueError, match="no all_results.json"):
         ttt.write_time_to_target(str(tmp_path / "w"), [{"run": "y", "link": "10mbit", "path": str(tmp_path)}],
                                  None, None)
-    # the seed band and FSDP's half-budget loss of a convergence results folder
-    assert ttt.from_convergence(os.path.join(FIXTURES, GRID)) == (pytest.approx(0.03), pytest.approx(5.70))
+    # the pooled seed sd and a row's half-budget loss of a convergence results folder (fsdp-lr1e-3: 5.60 at 64 steps)
+    conv = ttt.from_convergence(os.path.join(FIXTURES, GRID), "fsdp-lr1e-3")
+    assert conv["half_budget_loss"] == pytest.approx(5.60)
+    assert conv["seeds"]["pooled_sd"] == pytest.approx(((0.0002 + 0.00045 + 2 * 0.0004 + 0.0002) / 5) ** 0.5)
+    assert ttt.from_convergence(os.path.join(FIXTURES, GRID), "fsdp")["half_budget_loss"] == pytest.approx(5.70)
+    assert ttt.from_convergence(os.path.join(FIXTURES, GRID), "nope")["half_budget_loss"] is None
+    assert ttt.step_summary([{"step": 8, "time_s": 1.0, "train/loss": 1.0}]) == {
+        "median": None, "p10": None, "p90": None, "count": 0}
 
 
 def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
     """bench.ttt_bench: the chosen convergence rows move onto 2 nodes x 2 processes at each link
-    with a no-sync limit first; bad options name themselves; a resumed run's repeated records
-    count once (the later session's); a row stopped at the wall-clock cap is reported from its
-    evaluations with status "stopped"; rows not run yet are listed with the command to go on."""
-    from bench import ttt_bench as tb
+    with a no-sync limit first; bad options name themselves; caps per link; a resumed run's
+    repeated records count once (the later session's); a row stopped at the wall-clock cap is
+    reported from its evaluations with status "stopped", its unreached targets as measured
+    lower bounds and, labelled, extrapolated; each row carries its learning rate, load average,
+    link rate, limit and sittings, and "one sitting" is claimed only when true; rows not run
+    yet are listed with the command to go on."""
+    from bench import analysis, ttt_bench as tb
 
     def plan(*argv):
         return tb.make_plan(tb.build_parser().parse_args(
@@ -944,14 +1011,26 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
              "--grid", os.path.join(FIXTURES, GRID), *argv]))
 
     for argv, msg in ((["--rows", "fsdp,nope"], "unknown row"), (["--links", "fast"], "--links"),
-                      (["--cap_minutes", "0"], "cap_minutes"), (["--name", "a b"], "--name")):
+                      (["--cap_minutes", "0"], "must be > 0"), (["--cap_minutes", "1gbit:5"], "not in --links"),
+                      (["--cap_minutes", "10mbit:x"], "LINK:MINUTES"), (["--name", "a b"], "--name"),
+                      (["--target_of", "nope"], "--target_of nope"), (["--targets", "5.4,x"], "--targets")):
         with pytest.raises(tb.TTTError, match=msg):
             plan(*argv)
+    assert tb.build_parser().parse_args([]).rows == ",".join(tb.DEFAULT_ROWS)  # issue 40's rows, all at lr 1e-3
+    assert all("--learning_rate" in {r["id"]: r for r in bp.CONVERGENCE_ROWS}[k].get("extra_flags", ())
+               for k in tb.DEFAULT_ROWS)
     p = plan("--links", "10mbit,100mbit", "--rows", "fl_fsdp-h8-nesterov,fsdp", "--cap_minutes", "1.5")
     specs = bp.runs_of(p)
     assert [(s.link, s.id) for s in specs] == [(l, r) for l in ("10mbit", "100mbit")
                                                for r in (tb.LIMIT_ID, "fl_fsdp-h8-nesterov", "fsdp")]
-    assert all((s.nodes, s.nproc_per_node, s.world) == (2, 2, 4) for s in specs) and p["cap_s"] == 90.0
+    assert all((s.nodes, s.nproc_per_node, s.world) == (2, 2, 4) for s in specs)
+    assert p["cap_s"] == {"10mbit": 90.0, "100mbit": 90.0} and (p["target_of"], p["targets"]) == ("fsdp-lr1e-3", [5.42])
+    assert plan("--links", "10mbit,100mbit", "--cap_minutes", "10mbit:40,100mbit:45")["cap_s"] == {
+        "10mbit": 2400.0, "100mbit": 2700.0}
+    assert tb.parse_caps("60,10mbit:40", ["10mbit", "100mbit", "1gbit"]) == {"10mbit": 40.0, "100mbit": 60.0,
+                                                                            "1gbit": 60.0}
+    assert tb.parse_caps("10mbit:40", ["10mbit", "100mbit"])["100mbit"] == tb.DEFAULT_CAP_MINUTES
+    assert tb.cap_s({"cap_s": 5400.0}, "10mbit") == 5400.0  # a plan of an older version: one cap
     p2 = plan("--links", "10mbit,100mbit", "--rows", "fsdp,10mbit:fl_fsdp-h8-nesterov")  # a row at one link only
     assert [(s.link, s.id) for s in bp.runs_of(p2)] == [("10mbit", tb.LIMIT_ID), ("10mbit", "fsdp"),
                                                         ("10mbit", "fl_fsdp-h8-nesterov"),
@@ -964,7 +1043,8 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
     args = bp.recipe_args(p, nes, "/out")
     assert args[args.index("--outer_optimizer") + 1] == "nesterov" and "--resume_from_checkpoint" in args
 
-    p = plan("--rows", "fl_fsdp-h8-nesterov,fsdp")
+    p = plan("--links", "10mbit", "--rows", "fl_fsdp-h8-nesterov,fsdp,fsdp-lr1e-3")
+    assert tb._lr({s.id: s for s in bp.runs_of(p)}["fsdp-lr1e-3"]) == 1e-3
     link = tmp_path / "work" / "t-ttt" / "10mbit"
     _timed_run(link, tb.LIMIT_ID, [(10.0, 8.0)], 8000.0, 60.0)
     nes_dir = _timed_run(link, "fl_fsdp-h8-nesterov", [(100.0, 6.0), (200.0, 5.45), (300.0, 5.30)], 6000.0, 400.0,
@@ -984,45 +1064,85 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
         {"step": 32, "tokens": 131072, "eval/perplexity": 900.0, "eval/loss": 6.8, "wall_s": 1000.0})))
     assert tb._wall_so_far(str(fsdp)) == 1000.0
     (fsdp / tb.STOPPED).write_text(json.dumps({"reason": "wall-clock cap of 90 min", "wall_s": 5400.0}))
+    # two sittings: the limit and nesterov in A, FSDP resumed in B after a first session in A
+    a, b = "2030-01-01T10:00:00", "2030-01-02T10:00:00"
+    work = tmp_path / "work" / "t-ttt"
+
+    def session(sitting, start, end):
+        return {"sitting": sitting, "started": f"{sitting[:11]}{start}", "ended": f"{sitting[:11]}{end}",
+                "loadavg_start": [float(start[:2]) / 10, 0.0, 0.0], "loadavg_end": [float(end[:2]) / 10, 0.0, 0.0],
+                "rc": 0}
+
+    launches = {f"10mbit/{tb.LIMIT_ID}": [session(a, "10:01:00", "10:02:00")],
+                "10mbit/fl_fsdp-h8-nesterov": [session(a, "10:02:00", "10:09:00")],
+                "10mbit/fsdp": [session(a, "10:09:00", "11:00:00"), session(b, "10:00:00", "11:30:00")]}
+    (work / "launches.json").write_text(json.dumps(launches))
+    (work / tb.SITTINGS).write_text(json.dumps({
+        a: {"started": a, "ended": "2030-01-01T11:00:00", "links": {"10mbit": {"achieved_bits_per_s": 9.5e6}},
+            "loadavg_start": [1.0, 0, 0], "loadavg_end": [2.0, 0, 0]},
+        b: {"started": b, "ended": "2030-01-02T11:30:00", "links": {"10mbit": {"achieved_bits_per_s": 8.5e6}}}}))
     out = tb.report(p)
     saved = json.loads((tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text())
-    assert saved == out and saved["fsdp_half_budget_loss"] == pytest.approx(5.70)
+    assert saved == out and saved["half_budget_loss"] == pytest.approx(5.60) and saved["target_of"] == "fsdp-lr1e-3"
+    assert list(saved["targets"]) == ["half_budget", "5.42"]
     rows = {r["run"]: r for r in saved["rows"]}
-    assert rows["fl_fsdp-h8-nesterov"]["status"] == "finished"
-    assert rows["fl_fsdp-h8-nesterov"]["of_limit"] == pytest.approx(0.75)
-    assert rows["fl_fsdp-h8-nesterov"]["to_target"]["5.60"] == pytest.approx(2 * (100 + 100 * 0.40 / 0.55))
-    assert rows["fsdp"]["status"].startswith("stopped: wall-clock cap")
-    assert (rows["fsdp"]["final_eval_loss"], rows["fsdp"]["wall_s_total"]) == (6.8, 5400.0)
-    assert rows["fsdp"]["of_limit"] == pytest.approx(131072 / 900 / 8000)
-    assert set(rows["fsdp"]["to_target"].values()) == {None}
+    r = rows["fl_fsdp-h8-nesterov"]
+    assert r["status"] == "finished" and r["of_limit"] == pytest.approx(0.75) and r["learning_rate"] == 3e-4
+    assert r["to_target"]["half_budget"] == pytest.approx(2 * (100 + 100 * 0.40 / 0.55))
+    assert (r["sittings"], r["limit"]["sittings"], r["link_rate_bits_per_s"]) == ([a], [a], 9.5e6)
+    assert r["limit"]["tokens_per_s"] == 8000.0 and r["loadavg"] == {"start": [1.0, 0.0, 0.0], "end": [1.0, 0.0, 0.0]}
+    assert r["sessions"] == [{"sitting": a, "started": "2030-01-01T10:02:00", "ended": "2030-01-01T10:09:00"}]
+    assert r["step_s"]["count"] == 2
+    f = rows["fsdp"]
+    assert f["status"].startswith("stopped: wall-clock cap")
+    assert (f["final_eval_loss"], f["wall_s_total"]) == (6.8, 5400.0)
+    assert f["of_limit"] == pytest.approx(131072 / 900 / 8000)
+    assert set(f["to_target"].values()) == {None}
+    assert f["to_target_lower_bound_s"] == {"half_budget": 5400.0, "5.42": 5400.0}  # measured: not reached by then
+    assert f["sittings"] == [a, b] and f["link_rate_bits_per_s"] == 8.5e6
+    assert f["loadavg"] == {"start": [1.0, 0.0, 0.0], "end": [1.1, 0.0, 0.0]}
     # a stopped row's extrapolation: the stop's wall clock + the grid's remaining tokens at its own rate
-    assert rows["fsdp"]["stopped_at"] == {"step": 32, "tokens": 131072, "train_tokens_per_s": 131072 / 900.0}
-    need = json.loads(open(os.path.join(FIXTURES, GRID, "bench.json")).read())["results"]["rows"]["fsdp"]["tokens_to"]
-    assert rows["fsdp"]["extrapolated_to_target"]["5.60"] == pytest.approx(
-        5400.0 + (need["5.60"] - 131072) * 900.0 / 131072)
-    assert "not measured" in rows["fsdp"]["extrapolation"]
+    assert f["stopped_at"] == {"step": 32, "tokens": 131072, "train_tokens_per_s": 131072 / 900.0}
+    curve = analysis.eval_curve(compact.CompactRuns.load(os.path.join(FIXTURES, GRID)).get("fsdp"))
+    need = analysis.tokens_to_loss(curve, 5.60)
+    assert f["extrapolated_to_target"]["half_budget"] == pytest.approx(5400.0 + (need - 131072) * 900.0 / 131072)
+    need = analysis.tokens_to_loss(curve, 5.42)  # the grid's FSDP: 5.45 at 96 steps, 5.30 at 128
+    assert f["extrapolated_to_target"]["5.42"] == pytest.approx(5400.0 + (need - 131072) * 900.0 / 131072)
+    assert "not measured" in f["extrapolation"]
+    assert saved["one_sitting"] is False and list(saved["sittings"]) == [a, b]
     table = (tmp_path / "res" / "t-ttt" / "table.md").read_text()
-    assert "stopped: wall-clock cap of 90 min" in table and "Not run yet" not in table
-    assert f"{(5400.0 + (need['5.60'] - 131072) * 900.0 / 131072) / 60:.1f} (extrapolated)" in table
+    assert "stopped: wall-clock cap of 90 min" in table and ">= 90.0 (stopped)" in table
+    assert f"{(5400.0 + (need - 131072) * 900.0 / 131072) / 60:.1f} (extrapolated)" in table  # the 5.42 column
+    assert "**Not one sitting**" in table and "same sitting" not in table and "**One sitting**" not in table
+    assert f"S1: 10mbit/fl_fsdp-h8-nesterov, 10mbit/{tb.LIMIT_ID}, 10mbit/fsdp; S2: 10mbit/fsdp" in table
+    assert "min to fsdp-lr1e-3's half-budget loss (5.6000)" in table
+    assert "Not run yet: 10mbit/fsdp-lr1e-3" in table
+    assert "fl_fsdp-h8-nesterov,10mbit,96," in (tmp_path / "res" / "t-ttt" / "curves.csv").read_text()
+    # every row and its limit in one sitting: the table says so
+    launches["10mbit/fsdp"] = [session(a, "10:09:00", "11:00:00")]
+    (work / "launches.json").write_text(json.dumps(launches))
+    out = tb.report(p)
+    assert out["one_sitting"] is True and "**One sitting**" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
     shutil.rmtree(fsdp)
     tb.report(p)
-    assert "Not run yet: 10mbit/fsdp" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
+    assert "Not run yet: 10mbit/fsdp, 10mbit/fsdp-lr1e-3" in (tmp_path / "res" / "t-ttt" / "table.md").read_text()
     # the same --name from a fresh work folder would rebuild the results from nothing: refused, nothing written
     before = (tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text()
     assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w3"), "--results-root",
-                    str(tmp_path / "res"), "--report-only"]) == 2
+                    str(tmp_path / "res"), "--report-only", "--grid", os.path.join(FIXTURES, GRID)]) == 2
     assert "10mbit/fl_fsdp-h8-nesterov" in capsys.readouterr().err
     assert (tmp_path / "res" / "t-ttt" / "time_to_target.json").read_text() == before
     # without root the bench says how to run it and starts nothing
     monkeypatch.setattr(tb.netemu, "check_privileges", lambda: (False, "this process is not root"))
-    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2")]) == 1
+    assert tb.main(["--name", "t-ttt", "--work-root", str(tmp_path / "w2"), "--grid",
+                    os.path.join(FIXTURES, GRID)]) == 1
     assert not (tmp_path / "w2").exists()
 
 
 def test_speed_bench_settings_and_quality_check(tmp_path):
     """bench.speed_bench: the convergence setting repeats the grid's nesterov row (its flags,
     checkpoints to resume), the wall clock to a loss is linear between evaluations, and the
-    quality check states each run against the 1:1 row in seed bands and against the barrier's
+    quality check states each run against the 1:1 row in pooled seed sd and against the barrier's
     wall clock; a grid without the row is refused with exit 2 before anything runs."""
     from bench import speed_bench as sb
 
@@ -1038,22 +1158,43 @@ def test_speed_bench_settings_and_quality_check(tmp_path):
     quick = sb.recipe_args("time", sb.SETTINGS["quick"], 96, 4.0, tmp_path / "o", tmp_path / "c")
     assert quick[quick.index("--sync_window_s") + 1] == "4.0" and "--outer_optimizer" not in quick
     assert sb.quotas(sb.parse_ratio("2:1"), 0.8) == [0.8, 0.4]
-    evals = [(32, 6.0, 100.0), (64, 5.5, 200.0), (96, 5.3, 300.0)]
+    def ev(*points):
+        return [{"step": s, "tokens": 4096 * s, "eval_loss": loss, "wall_s": wall} for s, loss, wall in points]
+
+    evals = ev((32, 6.0, 100.0), (64, 5.5, 200.0), (96, 5.3, 300.0))
     assert sb.wall_to_loss(evals, 5.6) == pytest.approx(100 + 100 * 0.4 / 0.5)
     assert sb.wall_to_loss(evals, 6.5) == 100.0 and sb.wall_to_loss(evals, 5.0) is None
-    assert sb.wall_to_loss([(32, 5.0, None)], 5.6) is None
+    assert sb.wall_to_loss(ev((32, 5.0, None)), 5.6) is None
     q = sb.reference(Path(FIXTURES) / GRID)
-    assert (q["seed_band"], q["fsdp_half_budget_loss"]) == (pytest.approx(0.03), pytest.approx(5.7))
+    sd = ((0.0002 + 0.00045 + 2 * 0.0004 + 0.0002) / 5) ** 0.5
+    assert (q["pooled_sd"], q["threshold"], q["fsdp_half_budget_loss"]) == (
+        pytest.approx(sd), pytest.approx(2 * sd), pytest.approx(5.7))
     runs = [{"run": "steps-2to1", "trigger": "barrier", "speed_ratio": "2:1", "final_eval_loss": q[
-                "reference_final_eval_loss"] + 0.03, "evals": [(32, 6.0, 400.0), (64, 5.6, 800.0)]},
+                "reference_final_eval_loss"] + 0.03, "evals": ev((32, 6.0, 400.0), (64, 5.6, 800.0))},
             {"run": "speed-2to1", "trigger": "speed", "speed_ratio": "2:1", "final_eval_loss": q[
-                "reference_final_eval_loss"] - 0.06, "evals": [(32, 6.0, 200.0), (64, 5.6, 400.0)]}]
+                "reference_final_eval_loss"] - 0.06, "evals": ev((32, 6.0, 200.0), (64, 5.6, 400.0))}]
     out = sb.quality(runs, q)
     barrier, speed = out["rows"]
-    assert barrier["delta_seed_bands"] == pytest.approx(1.0) and barrier["of_barrier"] == pytest.approx(1.0)
+    assert barrier["delta_in_sd"] == pytest.approx(0.03 / sd) and barrier["counts"] is False
+    assert barrier["of_barrier"] == pytest.approx(1.0)
     assert speed["delta_vs_1to1"] == pytest.approx(-0.06) and speed["of_barrier"] == pytest.approx(0.5)
-    assert speed["wall_s_to_fsdp_half_budget"] == pytest.approx(200 + 200 * 0.3 / 0.4)
-    assert "| 2:1 | speed |" in "\n".join(sb.quality_lines([], out))
+    assert speed["counts"] is True and speed["wall_s_to_fsdp_half_budget"] == pytest.approx(200 + 200 * 0.3 / 0.4)
+    lines = "\n".join(sb.quality_lines([], out))
+    assert "| 2:1 | speed |" in lines and "counts |" in lines and f"abs Δ > {2 * sd:.4f}" in lines
+    # a finished run's raw data: evaluations with their wall seconds, the step-time summary, the sessions' load
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": 8 * i, "tokens": 8 * i * 512, "time_s": 2.0 * i, "train/loss": 6.0} for i in (1, 2, 3)]
+    recs += [{"step": 16, "tokens": 8192, "time_s": 4.0, "wall_s": 9.0, "eval/loss": 5.9, "eval/perplexity": 365.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "all_results.json").write_text(json.dumps({
+        "train_tokens": 12288, "train_seconds": 6.0, "steps": 24, "eval_loss": 5.9, "wall_seconds": 12.0}))
+    (run / sb.SESSIONS).write_text(json.dumps([{"started": "s", "ended": "e", "loadavg_start": [1.0, 1.0, 1.0],
+                                                "loadavg_end": [2.0, 1.0, 1.0]}]))
+    row = sb.row_of(sb._finished(run, "steps-1to1"), "steps", "1:1", "100mbit", 9.4e7)
+    assert row["evals"] == [{"step": 16, "tokens": 8192, "wall_s": 9.0, "eval_loss": 5.9}]
+    assert row["step_s"] == {"median": 0.25, "p10": 0.25, "p90": 0.25, "count": 2}
+    assert row["sessions"][0]["loadavg_end"] == [2.0, 1.0, 1.0] and row["link_rate_bits_per_s"] == 9.4e7
     (tmp_path / "grid").mkdir()
     (tmp_path / "grid" / "bench.json").write_text(json.dumps({"results": {}, "runs": {}}))
     with pytest.raises(KeyError):

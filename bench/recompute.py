@@ -1,0 +1,308 @@
+"""Recompute every measured figure of the README's results table from the committed results folders.
+
+    python -m bench.recompute                              # README.md against bench/results
+    python -m bench.recompute --readme README.md --results bench/results
+
+:data:`FIGURES` lists each figure the table cites: the table row it is in (the row's first
+cell), the text printed there, the format that printed it, its source file and how it is
+computed from that file (from the runs' whole-run records where the folder has them: tokens/s =
+train_tokens / train_seconds of bench.json ``runs``, a final eval loss = the last ``eval/loss``
+of curves.csv). Every figure is printed with its recomputed value and source. The exit status
+is 1 when a figure does not reproduce to the printed precision, when its text is not in its
+README row (the README changed: update the table), or when a row cites a number no entry
+covers; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from bench.compact import read_curves
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Source:
+    """A figure's source file (relative to the results folder) and how it is computed from it."""
+
+    where: str
+    compute: Callable[[str], float | None]
+    """The value from the results folder (its path)."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    row: str
+    """The README table row: the text of its first cell."""
+    text: str
+    """The figure as the README prints it."""
+    fmt: Callable[[float | None], str]
+    source: Source
+
+
+@cache
+def _json(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@cache
+def _curves(path: str) -> dict:
+    return read_curves(path)
+
+
+# ---------------------------------------------------------------------- sources
+def tokens_per_s(folder: str, run: str) -> Source:
+    """A run's tokens/s: its training tokens over its training seconds (bench.json ``runs``)."""
+    def f(root):
+        r = _json(os.path.join(root, folder, "bench.json"))["runs"][run]
+        return r["train_tokens"] / r["train_seconds"]
+    return Source(f"{folder}/bench.json runs[{run}]: train_tokens / train_seconds", f)
+
+
+def fl_mib(folder: str, run: str) -> Source:
+    """MiB that rank 0 sent on "fl" over the run (bench.json ``runs``, all_results.json's ``comm``)."""
+    def f(root):
+        return _json(os.path.join(root, folder, "bench.json"))["runs"][run]["comm"]["fl"]["bytes"] / 2**20
+    return Source(f"{folder}/bench.json runs[{run}].comm.fl.bytes / 2^20", f)
+
+
+def final_loss(folder: str, run: str) -> Source:
+    """The run's last eval loss in curves.csv."""
+    def f(root):
+        recs = [r for r in _curves(os.path.join(root, folder, "curves.csv"))[run] if "eval/loss" in r]
+        return max(recs, key=lambda r: r["step"])["eval/loss"]
+    return Source(f"{folder}/curves.csv: last eval/loss of {run}", f)
+
+
+def ttt(folder: str, link: str, run: str, *keys: str) -> Source:
+    """A field of one row of a time_to_target.json (nested keys)."""
+    def f(root):
+        row = next(r for r in _json(os.path.join(root, folder, "time_to_target.json"))["rows"]
+                   if (r["link"], r["run"]) == (link, run))
+        for k in keys:
+            row = row[k] if row is not None else None
+        return row
+    return Source(f"{folder}/time_to_target.json rows[{link}/{run}].{'.'.join(keys)}", f)
+
+
+def json_value(path: str, get: Callable[[dict], float | None], what: str) -> Source:
+    return Source(f"{path} {what}", lambda root: get(_json(os.path.join(root, path))))
+
+
+def ratio(a: Source, b: Source) -> Source:
+    return Source(f"({a.where}) / ({b.where})", lambda root: a.compute(root) / b.compute(root))
+
+
+def diff(a: Source, b: Source) -> Source:
+    return Source(f"|({a.where}) - ({b.where})|", lambda root: abs(a.compute(root) - b.compute(root)))
+
+
+# ---------------------------------------------------------------------- formats
+def num(spec: str, suffix: str = "") -> Callable[[float | None], str]:
+    return lambda v: "-" if v is None else format(v, spec) + suffix
+
+
+def minutes(v: float | None) -> str:
+    return "not reached" if v is None else f"{v / 60:.1f}"
+
+
+def whole_minutes(v: float | None) -> str:
+    return "-" if v is None else f"{v / 60:.0f}"
+
+
+def half(v: float | None) -> str:
+    return "half" if v is not None and round(v, 2) == 0.5 else num(".2f")(v)
+
+
+# ---------------------------------------------------------------------- the README's results table
+B, S, SP, R2, G = ("2026-12-01-baselines", "2026-12-01-streaming", "2026-12-02-sparse-b", "2026-12-01-hsdp-r2",
+                   "2026-12-03-grid")
+T3, T4, SQ = "2026-12-03-ttt", "2026-12-04-ttt", "2026-12-03-speed-quality"
+ROW_100 = "tokens/s at 100 Mbit/s between nodes"
+ROW_1G = "tokens/s at 1 Gbit/s"
+ROW_R2 = "FL+HSDP, 2 groups x 2 replicas x 2 shards, 100 Mbit/s"
+ROW_LIMIT = "share of the no-sync limit at 10 Mbit/s"
+ROW_SPARSE = "sparse exchange at 10 Mbit/s"
+ROW_3E4 = "final eval loss after 3.4M tokens, AdamW lr 3e-4, two seeds each"
+ROW_1E3 = "the same at FSDP's better lr 1e-3"
+ROW_TTT = "wall-clock minutes to FSDP's half-budget loss at 10 Mbit/s, trained end to end"
+ROW_SPEED = "groups at 2:1 speed (CPU quotas), 100 Mbit/s, 832 steps' tokens"
+ROW_FT = "torchft mode's cost at 100 Mbit/s"
+ROW_MEM = "peak memory model against measurement"
+N0, X2, F2, F3 = num(",.0f"), num(".2f", "x"), num(".2f"), num(".3f")
+
+
+def _of_limit(folder: str, link: str, run: str) -> Source:
+    return ratio(tokens_per_s(folder, f"rate-{link}/{run}"), tokens_per_s(folder, f"rate-{link}/fl_fsdp-limit"))
+
+
+def _speed(run: str, *keys) -> Source:
+    def get(d):
+        row = next(r for r in d["rows"] if r["run"] == run)
+        for k in keys:
+            row = row[k]
+        return row
+    return json_value(f"{SQ}/speed.json", get, f"rows[{run}]" + "".join(f"[{k!r}]" for k in keys))
+
+
+def _ft_median(mode: str) -> Source:
+    return json_value("2026-12-02-ft/link_summary.json",
+                      lambda d: statistics.median(r["tokens_per_s"] for r in d["runs"][mode]),
+                      f"median of runs.{mode}[].tokens_per_s")
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure(ROW_100, "1,229", N0, tokens_per_s(B, "rate-100mbit/fsdp")),
+    Figure(ROW_100, "6,155", N0, tokens_per_s(B, "rate-100mbit/fl_fsdp")),
+    Figure(ROW_100, "5.01x", X2, ratio(tokens_per_s(B, "rate-100mbit/fl_fsdp"), tokens_per_s(B, "rate-100mbit/fsdp"))),
+    Figure(ROW_100, "2,671", N0, tokens_per_s(B, "rate-100mbit/hsdp")),
+    Figure(ROW_100, "6,389", N0, tokens_per_s(B, "rate-100mbit/fl_hsdp")),
+    Figure(ROW_100, "2.39x", X2, ratio(tokens_per_s(B, "rate-100mbit/fl_hsdp"), tokens_per_s(B, "rate-100mbit/hsdp"))),
+    Figure(ROW_1G, "5,454", N0, tokens_per_s(B, "rate-1gbit/fsdp")),
+    Figure(ROW_1G, "7,554", N0, tokens_per_s(B, "rate-1gbit/fl_fsdp")),
+    Figure(ROW_1G, "1.39x", X2, ratio(tokens_per_s(B, "rate-1gbit/fl_fsdp"), tokens_per_s(B, "rate-1gbit/fsdp"))),
+    Figure(ROW_R2, "2.14x", X2, ratio(tokens_per_s(R2, "rate-100mbit/fl_hsdp-r2-8p"),
+                                      tokens_per_s(R2, "rate-100mbit/hsdp-8p"))),
+    Figure(ROW_R2, "half", half, ratio(fl_mib(R2, "rate-100mbit/fl_hsdp-r2-8p"), fl_mib(B, "rate-100mbit/fl_fsdp"))),
+    Figure(ROW_LIMIT, "0.30", F2, _of_limit(S, "10mbit", "fl_fsdp")),
+    Figure(ROW_LIMIT, "0.86", F2, _of_limit(S, "10mbit", "fl_fsdp-p2-tau2-int8-ef")),
+    Figure(ROW_SPARSE, "0.99", F2, _of_limit(SP, "10mbit", "fl_fsdp-p2-tau2-sparse-ef")),
+    Figure(ROW_SPARSE, "0.3", num(".1f"), fl_mib(SP, "rate-10mbit/fl_fsdp-p2-tau2-sparse-ef")),
+    Figure(ROW_SPARSE, "8.4", num(".1f"), fl_mib(S, "rate-10mbit/fl_fsdp-p2-tau2-int8-ef")),
+    Figure(ROW_3E4, "5.257", F3, final_loss(G, "fsdp")),
+    Figure(ROW_3E4, "5.239", F3, final_loss(G, "fsdp-seed43")),
+    Figure(ROW_3E4, "5.413", F3, final_loss(G, "fl_fsdp-h8")),
+    Figure(ROW_3E4, "5.404", F3, final_loss(G, "fl_fsdp-h8-seed43")),
+    Figure(ROW_3E4, "5.183", F3, final_loss(G, "fl_fsdp-h8-nesterov")),
+    Figure(ROW_3E4, "5.317", F3, final_loss(G, "fl_fsdp-h8-nesterov-seed43")),
+    Figure(ROW_3E4, "0.134", F3, diff(final_loss(G, "fl_fsdp-h8-nesterov"),
+                                      final_loss(G, "fl_fsdp-h8-nesterov-seed43"))),
+    Figure(ROW_1E3, "4.753", F3, final_loss(G, "fsdp-lr1e-3")),
+    Figure(ROW_1E3, "4.913", F3, final_loss(G, "fl_fsdp-h8-lr1e-3")),
+    Figure(ROW_1E3, "5.093", F3, final_loss(G, "fl_fsdp-h8-nesterov-lr1e-3")),
+    Figure(ROW_1E3, "5.029", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3")),
+    Figure(ROW_1E3, "5.012", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
+    Figure(ROW_1E3, "4.977", F3, final_loss(G, "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")),
+    Figure(ROW_1E3, "5.182", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-lr1e-3")),
+    Figure(ROW_TTT, "4.0", minutes, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target",
+                                        "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.91", F2, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "of_limit")),
+    Figure(ROW_TTT, "10.7", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "to_target",
+                                         "fsdp_half_budget")),
+    Figure(ROW_TTT, "11.6", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "to_target",
+                                         "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.93", F2, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "of_limit")),
+    Figure(ROW_TTT, "18.7", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-nesterov", "to_target", "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.46", F2, ttt(T3, "10mbit", "fl_fsdp-h8-nesterov", "of_limit")),
+    Figure(ROW_TTT, "0.94", F2, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-sparse-ef-senders", "of_limit")),
+    Figure(ROW_TTT, "not reached", minutes, ttt(T3, "10mbit", "fl_fsdp-h8-p2-tau2-sparse-ef-senders", "to_target",
+                                                "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.04", F2, ttt(T3, "10mbit", "fsdp", "of_limit")),
+    Figure(ROW_TTT, "90", whole_minutes, ttt(T3, "10mbit", "fsdp", "wall_s_total")),
+    Figure(ROW_TTT, "222", whole_minutes, ttt(T3, "10mbit", "fsdp", "extrapolated_to_target", "fsdp_half_budget")),
+    Figure(ROW_TTT, "6.6", minutes, ttt(T3, "100mbit", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "to_target",
+                                        "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.98", F2, ttt(T3, "100mbit", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "of_limit")),
+    Figure(ROW_TTT, "29.8", minutes, ttt(T3, "100mbit", "fsdp", "to_target", "fsdp_half_budget")),
+    Figure(ROW_TTT, "0.30", F2, ttt(T3, "100mbit", "fsdp", "of_limit")),
+    Figure(ROW_SPEED, "1,545", N0, _speed("steps-2to1", "tokens_per_s")),
+    Figure(ROW_SPEED, "47%", num(".0%"), _speed("steps-2to1", "arrival_share", 0)),
+    Figure(ROW_SPEED, "2,321", N0, _speed("speed-2to1", "tokens_per_s")),
+    Figure(ROW_SPEED, "1.50x", X2, ratio(_speed("speed-2to1", "tokens_per_s"), _speed("steps-2to1", "tokens_per_s"))),
+    Figure(ROW_SPEED, "92%", num(".0%"), _speed("speed-2to1", "of_standalone_sum")),
+    Figure(ROW_SPEED, "2%", num(".0%"), _speed("speed-2to1", "arrival_share", 0)),
+    Figure(ROW_SPEED, "0.58x", X2, json_value(
+        f"{SQ}/speed.json", lambda d: next(r for r in d["quality"]["rows"] if r["run"] == "speed-2to1")["of_barrier"],
+        "quality.rows[speed-2to1].of_barrier (its wall seconds to the loss over the barrier's)")),
+    Figure(ROW_FT, "2,583", N0, _ft_median("torchft")),
+    Figure(ROW_FT, "2,616", N0, _ft_median("single")),
+    Figure(ROW_FT, "1.3%", num(".1%"), Source("1 - " + ratio(_ft_median("torchft"), _ft_median("single")).where,
+                                              lambda root: 1 - ratio(_ft_median("torchft"), _ft_median("single"))
+                                              .compute(root))),
+    Figure(ROW_MEM, "1.2%", num(".1%"), json_value("2026-12-01-memory/memory.json", lambda d: max(
+        abs(r["predicted_mb"] / r["live_delta_mb"] - 1) for r in d["rows"]), "max over rows of |predicted_mb / "
+        "live_delta_mb - 1|")),
+    Figure(ROW_MEM, "8 CPU runs", num("d", " CPU runs"), json_value(
+        "2026-12-01-memory/memory.json", lambda d: len(d["rows"]), "number of rows")),
+)
+
+IGNORED = re.compile(r"`[^`]*`|\]\([^)]*\)|\b(?:H|P|tau|F|G|R|S)=\d+|\blr \d\S*|\d+ [MG]bit/s|\d+:\d+"
+                     r"|\d+(?:\.\d+)?M tokens")
+"""Numbers of a README cell that are settings, not measurements: code spans, link targets, H=16,
+lr 1e-3, 10 Mbit/s, 2:1, 3.4M tokens."""
+
+
+# ---------------------------------------------------------------------- checking
+def readme_rows(text: str) -> dict[str, str]:
+    """The rows of the table under "## Results": ``{first cell: the other cells}``."""
+    section = text.split("\n## Results", 1)[1].split("\n## ", 1)[0] if "\n## Results" in text else ""
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) >= 2 and not set(cells[0]) <= set("-: "):
+            out[cells[0]] = " | ".join(cells[1:])
+    return out
+
+
+def _cited(text: str, cell: str) -> re.Match | None:
+    return re.search(r"(?<![\w.,])" + re.escape(text) + r"(?![\w%]|[.,]\d)", cell)
+
+
+def check(figures: Sequence[Figure], readme: str, results: str) -> tuple[list[list[str]], list[str]]:
+    """Recompute ``figures`` from the results folder ``results`` and find them in the README
+    text ``readme``. Returns (one ``[status, row, printed, recomputed, source]`` per figure,
+    the problems: mismatches, figures not in their row, numbers of a row no figure covers)."""
+    rows, lines, problems = readme_rows(readme), [], []
+    for f in figures:
+        try:
+            got = f.fmt(f.source.compute(results))
+        except (OSError, KeyError, StopIteration, TypeError, ValueError, ZeroDivisionError) as exc:
+            got = f"error: {type(exc).__name__}: {exc}"
+        cell = rows.get(f.row)
+        status = "ok" if got == f.text and cell is not None and _cited(f.text, cell) else (
+            "MISMATCH" if got != f.text else "NOT IN README")
+        if status != "ok":
+            problems.append(f"{status}: {f.row!r}: {f.text!r} (FIGURES), recomputed {got!r} ({f.source.where})")
+        lines.append([status, f.row, f.text, got, f.source.where])
+    for row, cell in rows.items():
+        if row in ("what",):  # the header
+            continue
+        rest = IGNORED.sub(" ", cell)
+        for f in (f for f in figures if f.row == row):
+            rest = re.sub(r"(?<![\w.,])" + re.escape(f.text) + r"(?![\w%]|[.,]\d)", " ", rest)
+        left = re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", rest)
+        if left:
+            problems.append(f"NOT COVERED: {row!r} cites {', '.join(left)}, which no entry of FIGURES recomputes")
+    return lines, problems
+
+
+def main(argv: Sequence[str] | None = None, figures: Sequence[Figure] = FIGURES) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.recompute", description=__doc__.split("\n\n")[0])
+    p.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+    p.add_argument("--results", default=os.path.join(REPO, "bench", "results"), help="the results folders' root")
+    args = p.parse_args(argv)
+    with open(args.readme, encoding="utf-8") as fh:
+        readme = fh.read()
+    lines, problems = check(figures, readme, args.results)
+    width = max((len(x[2]) for x in lines), default=0)
+    for status, row, text, got, where in lines:
+        print(f"{status:13} {text:>{width}}  recomputed {got:>{width}}  [{row}]  from {where}")
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    print(f"{len(lines) - sum(x[0] != 'ok' for x in lines)} of {len(lines)} figures reproduce"
+          + (f"; {len(problems)} problem(s)" if problems else ""))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
