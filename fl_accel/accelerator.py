@@ -81,8 +81,10 @@ def _refuse_fsdp1(kwargs: dict) -> None:
     if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(f"FLAccelerator: fsdp_plugin has fsdp_version={getattr(plugin, 'fsdp_version', None)!r}. "
                          + FSDP1_FIX + ".")
+    # `accelerate launch` exports FSDP_VERSION with ACCELERATE_USE_FSDP; Accelerator() itself sets only the
+    # latter when given a plugin (a second FLAccelerator in one process must not be refused for it)
     if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" \
-            and os.environ.get("FSDP_VERSION", "1") != "2":
+            and os.environ.get("FSDP_VERSION") not in (None, "2"):
         raise ValueError(f"FLAccelerator: `accelerate launch` asked for FSDP version "
                          f"{os.environ.get('FSDP_VERSION', '1')} (FSDP_VERSION). " + FSDP1_FIX + ".")
 

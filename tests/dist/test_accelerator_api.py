@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import ast
+import os
 import dataclasses
 import json
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -77,6 +79,28 @@ def test_offload_and_whole_model_compile_are_refused_before_any_collective(monke
     _refuse_before_start(regional, baseline, FLLayout.from_config(baseline, 4))
 
 
+@pytest.mark.parametrize("how", ["plugin", "launch_env"])
+def test_an_fsdp1_plugin_is_refused_not_replaced(monkeypatch, how):
+    """A user's FSDP1 plugin, or `accelerate launch` with FSDP version 1, raises ValueError naming
+    fsdp_version=2 as the fix, before a process group exists (it used to be replaced silently)."""
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from fl_accel import FLAccelerator
+
+    with mock.patch.dict(os.environ):  # Accelerate's plugin writes FSDP_* variables of its own
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        kwargs = {}
+        if how == "plugin":
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=1)
+        else:
+            monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+            monkeypatch.setenv("FSDP_VERSION", "1")
+        with pytest.raises(ValueError, match=r"FSDP2.*fsdp_version=2"):
+            FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2), **kwargs)
+        assert not dist.is_initialized()
+
+
 def test_recipe_does_not_offer_fp16(monkeypatch):
     """--mixed_precision fp16 is not a choice, and fp16 requested by the launcher
     (`accelerate launch --mixed_precision fp16` sets ACCELERATE_MIXED_PRECISION) is refused too."""
@@ -107,17 +131,16 @@ def test_help_shows_the_real_defaults(capsys):
 
 # ====================================================================== scheduler
 def test_prepared_scheduler_steps_as_accelerate_does(tmp_path):
-    """4 processes, F=2, accumulation 2, a linear schedule 1 -> 0 through FLAccelerator.prepare,
-    sized for Accelerate's stepping: 40 steps by default (num_processes scheduler steps per
+    """2 processes, F=2, accumulation 2, a linear schedule 1 -> 0 through FLAccelerator.prepare,
+    sized for Accelerate's stepping: 20 steps by default (num_processes scheduler steps per
     optimizer step), 10 with split_batches (one), 20 with step_scheduler_with_optimizer=False
     (one per call, two calls per optimizer step): after optimizer steps 1, 2, 3 the LR is 0.9,
     0.8, 0.7 of the peak on every rank in all three. (tests/dist/test_drop_in.py compares a
     whole script's LRs with plain Accelerator's.)"""
-    res = run_torchrun(4, WORKER, "scheduler", str(tmp_path), "default", "split_batches", "step_with_calls",
-                       timeout=240)
-    assert res.returncode == 0, res.tail()
-    for variant in ("default", "split_batches", "step_with_calls"):
-        for rank in range(4):
+    for variant in ("default", "split_batches", "step_with_calls"):  # 2 processes: groups of one rank
+        res = run_torchrun(2, WORKER, "scheduler", str(tmp_path), variant, timeout=240)
+        assert res.returncode == 0, res.tail()
+        for rank in range(2):
             rec = json.loads((tmp_path / f"scheduler-{variant}-rank{rank}.json").read_text())
             assert rec["lrs"] == pytest.approx([0.9, 0.8, 0.7]), (variant, rec)
             assert rec["sched_lr"] == pytest.approx(0.7)

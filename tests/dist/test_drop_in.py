@@ -123,11 +123,18 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_model(plain_and_fl, tm
 
 
 def test_save_model_get_state_dict_and_model_no_sync(tmp_path, inputs):
-    """Two more exports of one short run each (the second accumulating with model.no_sync())."""
+    """Two more exports of one short run each: ``save_model`` after accumulating with
+    ``model.no_sync()``, and ``save_pretrained(state_dict=accelerator.get_state_dict(model))``
+    after checkpointing with Accelerate's automatic naming (``save_state()`` every 2 steps,
+    ``total_limit=2``, then ``load_state()`` of the latest)."""
     short = ("--max_train_steps", "6", "--gradient_accumulation_steps", "2", "--num_warmup_steps", "1")
     a, b = tmp_path / "save_model", tmp_path / "state_dict"
     launch("fl", a, inputs, *short, "--export", "save_model", "--model_no_sync")
-    launch("fl", b, inputs, *short, "--export", "save_pretrained_state_dict")
+    launch("fl", b, inputs, *short, "--export", "save_pretrained_state_dict", "--checkpointing_steps", "2",
+           "--automatic_checkpoint_naming")
     for out in (a, b):
         saved, mean = exported(out / "final"), mean_of_groups(out)
         assert max((saved[k] - mean[k]).abs().max().item() for k in saved) < 1e-6, out.name
+    kept = sorted(p.name for p in (b / "checkpoints").iterdir())
+    assert kept == ["checkpoint_1", "checkpoint_2"], kept  # three saves, the oldest removed
+    assert all((b / "checkpoints" / k / "fl_accel_checkpoint.json").is_file() for k in kept)

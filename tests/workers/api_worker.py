@@ -2,9 +2,10 @@
 
     api_worker.py MODE OUT_DIR
 
-MODE ``scheduler``: FL+FSDP 2x2, gradient accumulation 2, a linear schedule 1 -> 0 passed
-through ``FLAccelerator.prepare`` and sized as Accelerate's stepping needs it, three times:
-the default (40 steps: ``num_processes`` scheduler steps per optimizer step),
+MODE ``scheduler``: FL+FSDP, 2 groups, gradient accumulation 2, a linear schedule 1 -> 0 passed
+through ``FLAccelerator.prepare`` and sized as Accelerate's stepping needs it, one variant per
+launch (``api_worker.py scheduler OUT_DIR VARIANT``):
+the default (10 x ``num_processes`` steps: ``num_processes`` scheduler steps per optimizer step),
 ``split_batches=True`` (10: one per optimizer step) and ``step_scheduler_with_optimizer=False``
 (20: one per call, two calls per optimizer step); records the LR of every rank after each
 optimizer step. MODE ``collectives``: every collective of the library and the recipe on
@@ -31,15 +32,21 @@ MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=32)
 
 
-SCHEDULER_VARIANTS = {"default": ({}, 40), "split_batches": ({"split_batches": True}, 10),
+SCHEDULER_VARIANTS = {"default": ({}, None), "split_batches": ({"dataloader_config": "split_batches"}, 10),
                       "step_with_calls": ({"step_scheduler_with_optimizer": False}, 20)}
+"""kwargs and schedule length; None: 10 x num_processes."""
 
 
 def scheduler(out_dir: str) -> None:
     variant = sys.argv[3]
     kwargs, length = SCHEDULER_VARIANTS[variant]
+    if "dataloader_config" in kwargs:
+        from accelerate import DataLoaderConfiguration
+
+        kwargs = {"dataloader_config": DataLoaderConfiguration(split_batches=True)}
     acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=2), cpu=True,
                         gradient_accumulation_steps=2, **kwargs)
+    length = length or 10 * acc.num_processes
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -234,10 +241,5 @@ def outer_state_device(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "scheduler" and len(sys.argv) > 4:  # several variants, one after the other
-        for v in sys.argv[3:]:
-            sys.argv[3:] = [v]
-            scheduler(sys.argv[2])
-    else:
-        {"scheduler": scheduler, "collectives": collectives, "outer_state_device": outer_state_device}[sys.argv[1]](
-            sys.argv[2])
+    {"scheduler": scheduler, "collectives": collectives, "outer_state_device": outer_state_device}[sys.argv[1]](
+        sys.argv[2])

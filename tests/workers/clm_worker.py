@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--export", choices=["save_pretrained", "save_pretrained_state_dict", "save_model"],
                    default="save_pretrained")
     p.add_argument("--stop_after", type=int, default=None)
+    p.add_argument("--automatic_checkpoint_naming", action="store_true",
+                   help="ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2): save_state() and, at "
+                        "the end, load_state() without a folder")
     p.add_argument("--model_no_sync", action="store_true",
                    help="accumulate as Accelerate's autoregressive example does: model.no_sync() on every micro-batch "
                         "but the last of a step, no accelerator.accumulate")
@@ -81,6 +84,11 @@ def build_accelerator(args, **kwargs):
 def main(argv=None):
     args = parse_args(argv)
     log_kwargs = {"log_with": "wandb", "project_dir": args.output_dir} if args.with_tracking else {}
+    if args.automatic_checkpoint_naming:
+        from accelerate.utils import ProjectConfiguration
+
+        log_kwargs["project_config"] = ProjectConfiguration(project_dir=args.output_dir,
+                                                            automatic_checkpoint_naming=True, total_limit=2)
     accelerator = build_accelerator(args, gradient_accumulation_steps=args.gradient_accumulation_steps, **log_kwargs)
     set_seed(args.seed)
     if accelerator.is_main_process:
@@ -185,7 +193,8 @@ def main(argv=None):
                 with open(lrs_path, "w") as fh:
                     json.dump(lrs, fh)
                 if checkpointing_steps and completed_steps % checkpointing_steps == 0:
-                    accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
+                    accelerator.save_state(None if args.automatic_checkpoint_naming else
+                                           os.path.join(args.output_dir, f"step_{completed_steps}"))
                     if args.stop_after is not None and completed_steps >= args.stop_after:
                         accelerator.wait_for_everyone()
                         sys.exit(0)  # as if the job had died here
@@ -205,6 +214,8 @@ def main(argv=None):
                              "train_loss": float(total_loss) / max(1, len(train_dataloader))}, step=completed_steps)
 
     accelerator.wait_for_everyone()
+    if args.automatic_checkpoint_naming:
+        accelerator.load_state()  # the latest checkpoint_<i>
     final = os.path.join(args.output_dir, "final")
     if args.export == "save_model":
         accelerator.save_model(model, final)
