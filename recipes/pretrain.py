@@ -548,6 +548,7 @@ def finish(run: Run, recorded: dict) -> dict:
         "eval_scored": scored(fl, final=True, groups_in_last_sync=covered),
         "data": data_record(run.meter.completed_steps, run.steps_per_epoch, passes),
         **run.meter.run_figures(), "model": args.model, **recorded, "run_name": run.plan.run_name,
+        "args": dataclasses.asdict(args),
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
         "wandb_id": run.wandb_id, **(federation_figures(run) if run.rounds else {}),
     }

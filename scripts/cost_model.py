@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        + f". Default: {DEFAULT_INTRA_NODE_LINK} (the paper's A100 nodes)")
     intra.add_argument("--intra-node-gbs", type=float, default=None,
                        help=f"GB/s per direction inside a node, instead of a preset (default: the "
-                            f"{DEFAULT_INTRA_NODE_LINK} preset, {INTRA_NODE_LINKS[DEFAULT_INTRA_NODE_LINK].bytes_per_s / 1e9:g})")
+                            f"{INTRA_NODE_LINKS[DEFAULT_INTRA_NODE_LINK].describe()})")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -126,10 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{a.ranks_per_node} ranks/node, G={G}, S={S}; bytes per GPU (GB = 1e9 B), syncs amortized")
     print(tabulate(table, headers=head, tablefmt="github", disable_numparse=True))
     if a.compute_s is not None:
-        print(f"intra-node link: {link['bytes_per_s'] / GB:g} GB/s per direction per GPU, "
-              + (f"--intra-node-gbs" if link["source"] == "given" else
-                 f"preset {link['name']} ({link['source']})" + ("; the default: --intra-node-link or "
-                                                                 "--intra-node-gbs sets another" if link["default"] else "")))
+        where = "--intra-node-gbs" if link["source"] == "given" else f"preset {link['name']} ({link['source']})"
+        default = "; the default: --intra-node-link or --intra-node-gbs sets another" if link["default"] else ""
+        print(f"intra-node link: {link['bytes_per_s'] / GB:g} GB/s per direction per GPU, {where}{default}")
     return 0
 
 
