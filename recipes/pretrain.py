@@ -151,7 +151,8 @@ def main(argv=None) -> dict:
         n_params=n_params, vocab=config.vocab_size, vocab_note=vocab_note, flops_per_token=flops,
         policy=what_ran["precision_policy"], activation_checkpointing=what_ran["activation_checkpointing"],
         compiled=what_ran["compile"], peak_mb=peak_host_mb_after_prepare, tokens_per_rank_step=tokens_per_rank_step,
-        tokens_per_step=tokens_per_step, data_line=data_line)
+        tokens_per_step=tokens_per_step, data_line=data_line, tokenizer=data.tokenizer,
+        param_bytes=next(model.parameters()).element_size())
     if accelerator.fault_tolerant:
         notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
                      f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
