@@ -19,6 +19,8 @@ Run it (from the repository root; the embedded Shakespeare corpus needs no netwo
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 recipes/pretrain.py --algorithm fl_fsdp --num_groups 2
     # one plain process, no launcher (debugging)
     python recipes/pretrain.py --algorithm fsdp --max_steps 4
+    # an error ends with its one line instead of torchrun's ~40-line summary (scripts/launch_guard.py)
+    OMP_NUM_THREADS=1 python -m scripts.launch_guard torchrun --nproc_per_node 4 recipes/pretrain.py --num_groups 2
     # on GPUs: bf16 (gradients reduced in fp32), activation checkpointing, regional compile
     PYTORCH_ALLOC_CONF=expandable_segments:True accelerate launch --config_file ... recipes/pretrain.py \
         --config ... --mixed_precision bf16 --activation_checkpointing full --compile

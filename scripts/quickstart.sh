@@ -35,8 +35,10 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 # CPUs busy, as scripts.compare flags each run afterwards
 python -m scripts.busy --prefix "[quickstart] " --job "the two runs" --expect "2 to 5 minutes on 2 CPU cores"
 EXP=${EXP:-quickstart-$(date +%Y%m%d-%H%M%S)}
+# accelerate launch through scripts.launch_guard: a bad input ends with the recipe's one-line error,
+# not with torchrun's failure summary (python -m scripts.launch_guard -h)
 for algorithm in fl_fsdp fsdp; do
-  accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \
+  python -m scripts.launch_guard accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \
     --config recipes/configs/cpu_fl_fsdp.yaml --algorithm "$algorithm" --experiment "$EXP" "$@"
 done
 # compare.py prints the table and a verdict computed from the two runs' figures (throughput

@@ -253,3 +253,28 @@ def test_heal_line_and_heal_bytes():
     record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83}
     assert heal_line(1, record, 12) == "[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.8 s"
     assert heal_line(2, {**record, "bytes": 34_600}, 6).endswith("at step 6: 34.6 kB in 0.8 s")
+
+
+def test_bad_input_through_the_launcher_ends_with_the_one_line_error(tmp_path):
+    """Issue 42: ``python -m scripts.ft_launch`` (a Lighthouse and one real torchrun per group,
+    2 groups of 1 rank) with a bad recipe flag: every group fails before any collective, and the
+    launcher's last line is the recipe's one-line error (read from the error file each group's
+    torchrun copied its failure into: TORCHELASTIC_ERROR_FILE), after its per-group summary,
+    not torchrun's ChildFailedError summary; the exit status is the groups' (torchrun's 1)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    from _launch import launch_env
+
+    cmd = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", "1", "--",
+           "recipes/pretrain.py", "--fault_tolerance", "torchft", "--num_groups", "2", "--report_to", "none",
+           "--output_dir", str(tmp_path / "out"), "--max_steps", "-3"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    out = proc.stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert proc.returncode == 1, out[-4000:]
+    assert re.fullmatch(r"\[fl_accel\] error \(rank 0\): --max_steps must be >= 1, got -3", lines[-1]), out[-4000:]
+    assert lines[-2].startswith("[ft_launch] group exit statuses: [1, 1]"), out[-4000:]
+    assert "ChildFailedError" in out  # the groups' own torchrun summaries, above (no --log_dir: this terminal)
