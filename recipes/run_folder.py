@@ -457,7 +457,9 @@ def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     history up to it. Collective. Returns ``(completed_steps, totals)``: ``totals`` are the
     whole-run figures stored with the checkpoint (seconds, peak memory, W&B id) plus this
     rank's own stored figures (``rank_extra`` of :func:`save_checkpoint`); {} when starting
-    at step 0."""
+    at step 0, ``{"earlier_session_lost": True}`` when a resume found no checkpoint but
+    ``metrics.jsonl`` holds an earlier session's records (it ended before its first
+    checkpoint: its traffic and time are not carried over)."""
     args = plan.args
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     completed_steps, totals = 0, {}
@@ -473,6 +475,8 @@ def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     elif args.resume_from_checkpoint:
         accelerator.print(f"[fl_accel] no complete checkpoint in {os.path.join(args.output_dir, 'checkpoints')}; "
                           f"starting from step 0")
+        if read_metrics(metrics_path):  # an earlier session trained here and left no checkpoint
+            totals["earlier_session_lost"] = True
     if accelerator.is_main_process:
         kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= completed_steps] if completed_steps \
             else []

@@ -214,7 +214,8 @@ def peak_memory(run: dict) -> str:
 
 def notes(runs: list[dict]) -> list[str]:
     """Warnings: runs that differ in world size, tokens per step, precision policy,
-    activation checkpointing or compile; runs under background load."""
+    activation checkpointing or compile; runs whose counters cover only their last process
+    (``counters.since`` in all_results.json); runs under background load."""
     out = []
     worlds = {r["name"]: r.get("world_size") for r in runs}
     if len(set(worlds.values())) > 1:
@@ -232,6 +233,12 @@ def notes(runs: list[dict]) -> list[str]:
         if len({v for v in values.values() if v != "-"}) > 1:
             out.append(f"note: the runs differ in {what} (" + ", ".join(f"{n}: {v}" for n, v in values.items())
                        + "): tokens/s and memory compare different settings.")
+    for r in runs:
+        counters = r.get("counters") if isinstance(r.get("counters"), dict) else {}
+        if counters.get("since") == "this process's start":
+            out.append(f"note: {r['name']}'s tokens, time and bytes count since its last process started "
+                       f"({counters.get('steps_counted')} of its {r.get('steps')} steps): an earlier session ended "
+                       f"before its first checkpoint, so its figures per step are this session's.")
     for r in runs:
         bg = background_share(r)
         if bg is not None and bg > BACKGROUND_LIMIT:

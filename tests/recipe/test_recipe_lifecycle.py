@@ -124,6 +124,12 @@ def test_resume_in_the_same_folder_is_the_same_run(full, tmp_path, k):
         assert b["comm"][axis]["calls"] == a["comm"][axis]["calls"], axis
     assert b["tokens_per_s"] == pytest.approx(b["train_tokens"] / b["train_seconds"])
     assert b["session"]["resumed_from_step"] == k
+    # issue 42: the counters say they cover the whole run, carried over from the checkpoint
+    assert a["counters"] == {"since": "the run's start", "carried_over_from": None, "steps_counted": 6}
+    ckpt = str(cut / "checkpoints" / f"step_{k}")
+    assert b["counters"] == {"since": "the run's start", "carried_over_from": ckpt, "steps_counted": 6}, b["counters"]
+    assert f"[fl_accel] tokens, time and traffic cover the whole run: the sessions before {ckpt} carried over" \
+        in proc.stdout, proc.stdout[-2000:]
     # the time figures: both sessions' parts add up to the run's wall time; this session's to its own
     parts = ("startup_seconds", "train_seconds", "eval_and_checkpoint_seconds")
     assert b["wall_seconds"] == pytest.approx(sum(b[p] for p in parts), rel=1e-9)

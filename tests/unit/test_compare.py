@@ -165,3 +165,17 @@ def test_same_layout_with_other_settings_names_them_and_other_exchanges_get_a_ve
             "methods.") in verdict, verdict
     assert "FL+FSDP (a) ran at 2,790 tokens/s vs FL+FSDP (c) 2,900" in verdict, verdict
     assert "FL+FSDP (b) ran at 2,790 tokens/s vs FL+FSDP (c) 2,900" in verdict, verdict
+
+
+def test_counters_of_one_process_only_get_a_note(tmp_path, capsys):
+    """Issue 42: a run whose counters cover only its last process (``counters.since``, e.g. a
+    torchft group restarted without a checkpoint) is noted; a resumed run's are whole-run."""
+    _run(tmp_path, "g1", "fl_fsdp", 2790.0, 3400.0, F=2, S=2,
+         counters={"since": "this process's start", "carried_over_from": None, "steps_counted": 30})
+    _run(tmp_path, "g0", "fl_fsdp", 2790.0, 3400.0, F=2, S=2,
+         counters={"since": "the run's start", "carried_over_from": "g0/checkpoints/step_8", "steps_counted": 40})
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: g1's tokens, time and bytes count since its last process started (30 of its 40 steps): an earlier "
+            "session ended before its first checkpoint, so its figures per step are this session's.") in out, out
+    assert "note: g0's" not in out

@@ -651,3 +651,43 @@ def test_banner_says_where_checkpoints_go_how_large_and_how_many_are_kept(tmp_pa
     tok = type("Tok", (), {"name_or_path": "meta-llama/Llama-3.1-8B", "__len__": lambda self: 128256})()
     assert banner.tokenizer_line(hub, tok) == ("tokenizer: meta-llama/Llama-3.1-8B (128256 tokens), loaded from "
                                                "meta-llama/Llama-3.1-8B")
+
+
+# =========================================================== counters after a resume or restart (issue 42)
+def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
+    """Control flow only (real resumes: tests/recipe/test_recipe_lifecycle.py, the restarted
+    torchft group: tests/ft/test_ft_launch.py): a torchft group resumed from its checkpoint
+    adds this session's heals, heal records and torchft seconds to those stored there, and
+    all_results.json's ``counters`` say what the counters cover, with a closing line."""
+    import types
+
+    from recipes.pretrain import counters_line, counters_scope, ft_counters
+
+    transport = types.SimpleNamespace(heals=1, heal_sources=[{"source_group": 0, "step": 9, "bytes": 10,
+                                                              "seconds": 0.5, "transfer_seconds": 0.4,
+                                                              "load_seconds": 0.1, "quorum_id": 3}],
+                                      seconds={"quorum": 2.0, "commit": 1.0, "quorums": 4})
+    acc = types.SimpleNamespace(fault_tolerant=True, synchronizer=types.SimpleNamespace(transport=transport))
+    before = {"heals": 1, "heal_log": [{"source_group": 1, "step": 4}],
+              "torchft_seconds": {"quorum": 1.0, "commit": 0.5, "quorums": 2}}
+    got = ft_counters(acc, {"fault_tolerance": before})
+    assert got["heals"] == 2 and [h["step"] for h in got["heal_log"]] == [4, 9]
+    assert got["heal_log"][1] == {"source_group": 0, "step": 9, "bytes": 10, "seconds": 0.5, "transfer_seconds": 0.4,
+                                  "load_seconds": 0.1}
+    assert got["torchft_seconds"] == {"quorum": 3.0, "commit": 1.5, "quorums": 6}
+    assert ft_counters(acc, {})["heals"] == 1 and ft_counters(types.SimpleNamespace(), {}) == {}
+
+    def run(restored, resume_path):
+        return types.SimpleNamespace(meter=types.SimpleNamespace(restored=restored, data_steps=6),
+                                     plan=types.SimpleNamespace(resume_path=resume_path))
+
+    fresh = counters_scope(run({}, None))
+    assert fresh == {"since": "the run's start", "carried_over_from": None, "steps_counted": 6}
+    assert counters_line(fresh) == ""
+    resumed = counters_scope(run({"train_seconds": 3.0}, "out/checkpoints/step_4"))
+    assert counters_line(resumed) == ("\n[fl_accel] tokens, time and traffic cover the whole run: the sessions "
+                                      "before out/checkpoints/step_4 carried over from it")
+    lost = counters_scope(run({"earlier_session_lost": True}, None))
+    assert lost["since"] == "this process's start"
+    assert counters_line(lost).startswith("\n[fl_accel] note: tokens, time and traffic count since this process "
+                                          "started (6 steps)")
