@@ -338,8 +338,8 @@ def heal_line(group_index: int, record: dict, step: int) -> str:
     src = record.get("source_group")
     nbytes = record.get("bytes")
     size = "? MB" if nbytes is None else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
-    when, transfer, load = ("?" if record.get(k) is None else f"{record[k]:.1f}"
-                            for k in ("seconds", "transfer_seconds", "load_seconds"))
+    when, transfer, load = ("?" if record.get(k) is None else f"{record[k]:.2f}" if record[k] < 1 else
+                            f"{record[k]:.1f}" for k in ("seconds", "transfer_seconds", "load_seconds"))
     return (f"[fl_accel] group {group_index} healed from group {'?' if src is None else src} at step {step}: "
             f"{size} in {when} s (transfer {transfer} s, load {load} s)")
 

@@ -31,7 +31,7 @@ recipe (``recipes/pretrain.py``) it adds ``--resume_from_checkpoint latest`` unl
 command has a ``--resume_from_checkpoint`` already: the group resumes from its newest
 checkpoint in ``<output_dir>/group<f>/checkpoints`` (from step 0 if it has none yet) and
 heals from a live group at its first sync (the recipe prints ``[fl_accel] group 1 healed
-from group 0 at step 12: 1.2 MB in 0.8 s (transfer 0.6 s, load 0.2 s)``, in the group's
+from group 0 at step 12: 1.2 MB in 0.83 s (transfer 0.61 s, load 0.22 s)``, in the group's
 log). Other scripts (examples/train_loop.py) get
 the same command. Killing a group's torchrun (the pid printed for it) is therefore how to
 force a restart by hand; with ``--log_dir D`` a second command does it for you::

@@ -262,10 +262,10 @@ def test_heal_line_and_heal_bytes():
     assert state_nbytes(state) == 40 + 48 + 40
     record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83,
               "transfer_seconds": 0.61, "load_seconds": 0.22}
-    assert heal_line(1, record, 12) == ("[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.8 s "
-                                        "(transfer 0.6 s, load 0.2 s)")
-    assert heal_line(2, {**record, "bytes": 34_600}, 6).endswith("at step 6: 34.6 kB in 0.8 s (transfer 0.6 s, "
-                                                                 "load 0.2 s)")
+    assert heal_line(1, record, 12) == ("[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.83 s "
+                                        "(transfer 0.61 s, load 0.22 s)")  # hundredths below a second
+    slow = {**record, "bytes": 34_600, "seconds": 2.34, "transfer_seconds": 2.04, "load_seconds": 0.3}
+    assert heal_line(2, slow, 6).endswith("at step 6: 34.6 kB in 2.3 s (transfer 2.0 s, load 0.30 s)")
 
 
 def test_bad_input_through_the_launcher_ends_with_the_one_line_error(tmp_path):
