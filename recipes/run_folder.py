@@ -494,8 +494,9 @@ def checkpoint_bytes(n_params: int, param_bytes: int, num_groups: int, fl, mid_r
     or ``average_optimizer_state`` right after a sync); the sync's fp32 anchor (a kept outer
     state: ``FLConfig.keeps_outer_state``) and outer momentum ("nesterov") once; the
     error-feedback residuals (fp32) once per group. With ``fault_tolerance="torchft"`` each
-    group writes its own checkpoint: one group's state. RNG, scheduler and metadata files (a
-    few kB) are left out. Measured against real checkpoints in tests/recipe/test_recipe_lifecycle.py.
+    group writes its own checkpoint: one group's state. RNG, scheduler and metadata files and
+    DCP's per-tensor overhead are left out: the real folder is about 1% larger on the tiny
+    preset (2.88M parameters), 6% on a 0.86M-parameter one. Measured against real checkpoints in tests/recipe/test_recipe_lifecycle.py.
 
     Args:
         num_groups: federation groups F of the run (1: FSDP/HSDP).
