@@ -144,10 +144,13 @@ class ManagedTransport:
         pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum, group_index=group_index)
 
-        def on_heal(state):
+        def on_heal(state):  # torchft calls it with the state it received (downloaded and unpickled)
+            received = time.perf_counter()
             transport.healed, transport.heals = True, transport.heals + 1
             load(state)
-            transport._heal_loaded = (state_nbytes(state), time.perf_counter() - transport._heal_started)
+            done = time.perf_counter()
+            transport._heal_loaded = (state_nbytes(state), done - transport._heal_started,
+                                      received - transport._heal_started, done - received)
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
         store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
@@ -193,20 +196,24 @@ class ManagedTransport:
         the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
         answer to the end of the apply. The source is the replica id of the quorum's
         ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
-        :meth:`create`), so its group index is exact. Every rank of the group runs this (the
+        :meth:`create`), so its group index is exact. ``seconds`` splits into
+        ``transfer_seconds`` (the quorum's answer to the state received: torchft's HTTP
+        download and unpickling on its quorum thread) and ``load_seconds`` (applying it: reshard,
+        parameters, optimizer and sync state), each the slowest rank's. Every rank of the group runs this (the
         heal decision is rank 0's, broadcast): one SUM and one MAX over the group's world; a
         rank whose download failed counts 0 bytes (torchft then fails the round's commit).
         Collective over the group's world."""
-        mine, self._heal_loaded, self._heal_agreed = self._heal_loaded or (0, 0.0), None, False
+        mine, self._heal_loaded, self._heal_agreed = self._heal_loaded or (0, 0.0, 0.0, 0.0), None, False
         nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=self.device)
-        seconds = torch.tensor([mine[1]], dtype=torch.float64, device=self.device)
+        seconds = torch.tensor(list(mine[1:]), dtype=torch.float64, device=self.device)
         dist.all_reduce(nbytes, op=dist.ReduceOp.SUM)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         if self.heal_sources:
             record = self.heal_sources[-1]
             name = str(record.get("source"))
+            total, transfer, load = seconds.tolist()
             record.update(source_group=int(name.rsplit("_", 1)[1]) if name.startswith("fl_accel_group_") else None,
-                          bytes=int(nbytes.item()), seconds=float(seconds.item()))
+                          bytes=int(nbytes.item()), seconds=total, transfer_seconds=transfer, load_seconds=load)
 
     def _check_identical(self, num: int, position: int) -> None:
         """Before the first commit: ValueError on every rank when the groups' ``init_sum`` differ."""

@@ -110,8 +110,9 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(default=False, metadata=_help(
         "start a fresh run in an output folder that holds another run's checkpoints and results (they are deleted)"))
     checkpoint_every: int = field(default=0, metadata=_help("optimizer steps between checkpoints; 0 disables"))
-    checkpoints_total_limit: int | None = field(default=None, metadata=_help(
-        "keep only the newest N checkpoints (as Accelerate's ProjectConfiguration.total_limit)"))
+    checkpoints_total_limit: int = field(default=2, metadata=_help(
+        "keep only the newest N checkpoints (as Accelerate's ProjectConfiguration.total_limit; the final export "
+        "in final_model/ is not a checkpoint and always stays); 0 keeps every checkpoint"))
     resume_from_checkpoint: str | None = field(default=None, metadata=_help("'latest' or a step_N directory"))
     save_final_model: bool = field(default=True, metadata=_help(
         "export the final synchronized model with save_pretrained (safetensors + tokenizer) to <output_dir>/final_model"))
@@ -130,10 +131,11 @@ class RecipeArguments:
                      "log_every", "validation_holdout_docs"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "max_eval_blocks", "checkpoints_total_limit", "preprocessing_num_workers"):
+        for name in ("max_steps", "max_eval_blocks", "preprocessing_num_workers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise RecipeError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "max_grad_norm", "weight_decay"):
+        for name in ("eval_every", "checkpoint_every", "checkpoints_total_limit", "max_grad_norm",
+                     "weight_decay"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not self.learning_rate > 0:

@@ -4,10 +4,14 @@ Every line starts with ``[fl_accel]``. It names the ``fl_accel`` that was import
 stale editable install elsewhere shows up here), explains the layout letters once, shows
 the group weights, every FLConfig value that is not a default (or that a file, variable
 or flag set) with where it came from, marking those the algorithm ignores, the model, the
-precision policy, activation checkpointing and compile, and the batch arithmetic.
+precision policy, activation checkpointing and compile, the batch arithmetic, the tokenizer
+(trained on the run's text, and where it is cached, or which), and where checkpoints and the
+final export go, about how large they are and how many checkpoints are kept.
 """
 
 from __future__ import annotations
+
+import os
 
 from fl_accel.codecs import SPARSE_BLOCK, sparse_k
 
@@ -38,11 +42,54 @@ def precision_text(policy: dict, mixed: str) -> str:
             f"(mixed_precision {mixed})")
 
 
+def size_text(nbytes: float) -> str:
+    """``57.6 MB`` / ``1.23 GB`` / ``812 kB`` (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}" if nbytes < 100 * scale else f"{nbytes / scale:,.0f} {unit}"
+    return f"{nbytes / 1e3:.0f} kB"
+
+
+def tokenizer_line(args, tokenizer) -> str:
+    """What tokenizes the data: with ``--tokenizer bpe`` the recipe's byte-level BPE trained on
+    this run's training text and the folder it is cached in (``recipes.data.train_bpe_tokenizer``:
+    ``<cache_dir>/bpe<vocab_size>-<digest of the text>``, reused by any run on the same text and
+    vocabulary size); else the named tokenizer."""
+    if args.tokenizer == "bpe":
+        return (f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained on this run's training text "
+                f"(--tokenizer bpe; a hub tokenizer: --tokenizer <name>), cached in {tokenizer.name_or_path}")
+    return f"tokenizer: {args.tokenizer} ({len(tokenizer)} tokens), loaded from {tokenizer.name_or_path}"
+
+
+def storage_line(args, fl, num_groups: int, n_params: int, param_bytes: int) -> str:
+    """Where checkpoints and the final export go and about how large they are
+    (:func:`recipes.run_folder.checkpoint_bytes`; mid-round checkpoints hold every group's
+    model), and how many checkpoints are kept (``--checkpoints_total_limit``)."""
+    from .run_folder import checkpoint_bytes, checkpoints_mid_round
+
+    export = (f"final model: {os.path.join(args.output_dir, 'final_model')} (about {size_text(n_params * param_bytes)})"
+              if args.save_final_model else "final model: not exported (--save_final_model false)")
+    if not args.checkpoint_every:
+        return f"checkpoints: none (--checkpoint_every 0); {export}"
+    synced = checkpoint_bytes(n_params, param_bytes, num_groups, fl, mid_round=False)
+    size = f"about {size_text(synced)} each"
+    if checkpoints_mid_round(fl, num_groups, args.checkpoint_every):
+        size += f" ({size_text(checkpoint_bytes(n_params, param_bytes, num_groups, fl, mid_round=True))} mid-round)"
+    keep = args.checkpoints_total_limit
+    kept = ("every one kept (--checkpoints_total_limit 0)" if not keep else
+            f"the newest {keep} kept (--checkpoints_total_limit; 0 keeps all)")
+    every = f"every {args.checkpoint_every} steps" if args.checkpoint_every > 1 else "every step"
+    return (f"checkpoints: {every} to "
+            f"{os.path.join(args.output_dir, 'checkpoints', 'step_<step>')}, {size}, {kept}; {export}")
+
+
 def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str, n_params: int, vocab: int,
                  vocab_note: str, flops_per_token: float, policy: dict, activation_checkpointing: bool,
                  compiled: bool, peak_mb: float, tokens_per_rank_step: int, tokens_per_step: int,
-                 data_line: str) -> list[str]:
-    """The banner, one string per line (without the ``[fl_accel]`` prefix)."""
+                 data_line: str, tokenizer=None, param_bytes: int = 4) -> list[str]:
+    """The banner, one string per line (without the ``[fl_accel]`` prefix). ``tokenizer``:
+    the run's (a line says what it is and, when trained on the run's text, where it is
+    cached); ``param_bytes``: bytes per stored parameter (for the checkpoint sizes)."""
     args, fl = plan.args, plan.fl
     streaming_fl = fl.is_federated and (fl.num_fragments > 1 or fl.sync_delay or fl.fragment_update_alpha
                                         or fl.sync_dtype != "fp32")
@@ -71,4 +118,6 @@ def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str
         f"{tokens_per_rank_step} tokens/rank/step; {tokens_per_step} tokens/step in total (global batch "
         f"{tokens_per_step // args.seq_len} blocks)",
         data_line,
+        *([tokenizer_line(args, tokenizer)] if tokenizer is not None else []),
+        storage_line(args, fl, layout.num_groups, n_params, param_bytes),
     ]

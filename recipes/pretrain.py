@@ -19,6 +19,8 @@ Run it (from the repository root; the embedded Shakespeare corpus needs no netwo
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 recipes/pretrain.py --algorithm fl_fsdp --num_groups 2
     # one plain process, no launcher (debugging)
     python recipes/pretrain.py --algorithm fsdp --max_steps 4
+    # an error ends with its one line instead of torchrun's ~40-line summary (scripts/launch_guard.py)
+    OMP_NUM_THREADS=1 python -m scripts.launch_guard torchrun --nproc_per_node 4 recipes/pretrain.py --num_groups 2
     # on GPUs: bf16 (gradients reduced in fp32), activation checkpointing, regional compile
     PYTORCH_ALLOC_CONF=expandable_segments:True accelerate launch --config_file ... recipes/pretrain.py \
         --config ... --mixed_precision bf16 --activation_checkpointing full --compile
@@ -155,7 +157,8 @@ def main(argv=None) -> dict:
         n_params=n_params, vocab=config.vocab_size, vocab_note=vocab_note, flops_per_token=flops,
         policy=what_ran["precision_policy"], activation_checkpointing=what_ran["activation_checkpointing"],
         compiled=what_ran["compile"], peak_mb=peak_host_mb_after_prepare, tokens_per_rank_step=tokens_per_rank_step,
-        tokens_per_step=tokens_per_step, data_line=data_line)
+        tokens_per_step=tokens_per_step, data_line=data_line, tokenizer=data.tokenizer,
+        param_bytes=next(model.parameters()).element_size())
     if accelerator.fault_tolerant:
         notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
                      f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
@@ -297,31 +300,61 @@ def round_events(run: "Run", step: int) -> bool:
 def fault_tolerance_results(accelerator, meter) -> dict:
     """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
     launch's federation group and world size, how often it healed from a live group and
-    each heal (``heal_log``: source group, step, bytes, seconds; :func:`report_heals`), the
-    synchronizer's counters (``SyncSchedule.state_dict``: global_step, num_syncs, ...),
-    the optimizer steps this launch trained itself (``steps`` minus those taken over in a
-    heal) and rank 0's host seconds in torchft's quorums and commit votes."""
+    each heal (``heal_log``: source group, step, bytes, seconds, transfer and load seconds;
+    :func:`report_heals`), the synchronizer's counters (``SyncSchedule.state_dict``:
+    global_step, num_syncs, ...), the optimizer steps this launch trained itself (``steps``
+    minus those taken over in a heal) and rank 0's host seconds in torchft's quorums and
+    commit votes. ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
+    group resumed from its checkpoint adds the counts stored there (:func:`ft_counters`)."""
     sync = accelerator.synchronizer
-    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds")}
-           for h in getattr(sync.transport, "heal_sources", [])]
+    counters = ft_counters(accelerator, meter.restored)
     return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
-            "group_world_size": accelerator.num_processes, "heals": getattr(sync.transport, "heals", 0),
-            "heal_log": log, "sync": sync.schedule.state_dict(),
-            "steps_trained": meter.tokens // meter.tokens_per_step,
-            "torchft_seconds": dict(getattr(sync.transport, "seconds", {}))}
+            "group_world_size": accelerator.num_processes, **counters, "sync": sync.schedule.state_dict(),
+            "steps_trained": meter.tokens // meter.tokens_per_step}
+
+
+def ft_counters(accelerator, restored: dict) -> dict:
+    """``heals``, ``heal_log`` and ``torchft_seconds`` of the whole run: this session's (the
+    torchft transport's) added to those a resumed checkpoint stored (``restored
+    ["fault_tolerance"]``, written by :meth:`Run.save_checkpoint`); {} outside the torchft mode."""
+    if not getattr(accelerator, "fault_tolerant", False):
+        return {}
+    transport = accelerator.synchronizer.transport
+    before = restored.get("fault_tolerance") or {}
+    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds", "transfer_seconds", "load_seconds")}
+           for h in getattr(transport, "heal_sources", [])]
+    seconds = dict(before.get("torchft_seconds") or {})
+    for k, v in getattr(transport, "seconds", {}).items():
+        seconds[k] = seconds.get(k, 0) + v
+    return {"heals": int(before.get("heals", 0)) + getattr(transport, "heals", 0),
+            "heal_log": list(before.get("heal_log") or []) + log, "torchft_seconds": seconds}
+
+
+def counters_scope(run: "Run") -> dict:
+    """all_results.json's ``counters``: what the whole-run counters (tokens, seconds, bytes,
+    calls and seconds by mesh axis, sync waits, torchft heals) cover. ``since``: "the run's
+    start" (a fresh run, or one resumed from a checkpoint, which carried them over:
+    ``carried_over_from``), or "this process's start" (an earlier session trained in this
+    folder and ended before its first checkpoint, e.g. a torchft group killed and restarted:
+    that session's counts are lost); ``steps_counted``: the optimizer steps they cover, this
+    launch's own (a torchft group that healed took over ``steps`` it did not train)."""
+    lost = bool(run.meter.restored.get("earlier_session_lost"))
+    return {"since": "this process's start" if lost else "the run's start",
+            "carried_over_from": run.plan.resume_path, "steps_counted": run.meter.data_steps}
 
 
 def heal_line(group_index: int, record: dict, step: int) -> str:
     """The line the recipe prints when its group healed: ``record`` is the transport's
     ``heal_sources`` entry (fl_accel/ft.py ``ManagedTransport._measure_heal``: source group,
-    bytes over the group's ranks, seconds of the slowest rank), ``step`` the step the group
-    continues from (the live group's count, taken over)."""
+    bytes over the group's ranks, seconds of the slowest rank, split into the transfer and the
+    load), ``step`` the step the group continues from (the live group's count, taken over)."""
     src = record.get("source_group")
-    nbytes, seconds = record.get("bytes"), record.get("seconds")
+    nbytes = record.get("bytes")
     size = "? MB" if nbytes is None else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
-    when = "?" if seconds is None else f"{seconds:.1f}"
+    when, transfer, load = ("?" if record.get(k) is None else f"{record[k]:.2f}" if record[k] < 1 else
+                            f"{record[k]:.1f}" for k in ("seconds", "transfer_seconds", "load_seconds"))
     return (f"[fl_accel] group {group_index} healed from group {'?' if src is None else src} at step {step}: "
-            f"{size} in {when} s")
+            f"{size} in {when} s (transfer {transfer} s, load {load} s)")
 
 
 def report_heals(run: "Run", step: int) -> None:
@@ -533,8 +566,10 @@ class Run:
         from recipes.run_folder import save_checkpoint
 
         self.sync_log.flush()  # a checkpoint is a world event: metrics.jsonl then holds every record up to it
-        save_checkpoint(self.accelerator, self.plan, step, self.max_steps, self.meter.checkpoint_totals(self.wandb_id),
-                        self.data.stream, rank_extra=self.meter.rank_state)
+        totals = {**self.meter.checkpoint_totals(self.wandb_id), "fault_tolerance": ft_counters(self.accelerator,
+                                                                                               self.meter.restored)}
+        save_checkpoint(self.accelerator, self.plan, step, self.max_steps, totals, self.data.stream,
+                        rank_extra=self.meter.rank_state)
 
 
 # =========================================================================== the end of a run
@@ -589,8 +624,9 @@ def finish(run: Run, recorded: dict) -> dict:
         "eval_scored": scored(fl, final=True, groups_in_last_sync=covered),
         "data": data_record(run.meter.completed_steps, run.steps_per_epoch, passes),
         **run.meter.run_figures(), "model": args.model, **recorded, "run_name": run.plan.run_name,
+        "args": dataclasses.asdict(args),
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
-        "wandb_id": run.wandb_id, **(federation_figures(run) if run.rounds else {}),
+        "wandb_id": run.wandb_id, "counters": counters_scope(run), **(federation_figures(run) if run.rounds else {}),
     }
 
 
@@ -618,6 +654,10 @@ def write_results(run: Run, results: dict) -> None:
                  **{f"rounds/arrival_share_group{f}": a for f, a in
                     enumerate(results.get("sync_arrival_share_by_group") or []) if a is not None},
                  **{f"rounds/steps_group{f}": n for f, n in enumerate(r["group_steps"])}})
+    counters = results["counters"]
+    if args.report_to != "none":  # what the whole-run counters cover, on the W&B run too
+        acc.log({"counters/since_process_start": int(counters["since"] == "this process's start"),
+                 "counters/steps_counted": counters["steps_counted"]})
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
@@ -646,7 +686,20 @@ def write_results(run: Run, results: dict) -> None:
               + (", final_model/" if args.save_final_model else "")
               + (f"\n[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
                  if args.report_to == "wandb" else "") + arrival_line(results, fl.is_federated)
-              + rounds_line(results.get("rounds")))
+              + rounds_line(results.get("rounds")) + counters_line(counters))
+
+
+def counters_line(counters: dict) -> str:
+    """The closing line saying what tokens, time and traffic cover after a resume or restart
+    (:func:`counters_scope`); "" for a run of one session."""
+    if counters["since"] == "this process's start":
+        return (f"\n[fl_accel] note: tokens, time and traffic count since this process started ("
+                f"{counters['steps_counted']} steps): an earlier session in this folder ended before its first "
+                f"checkpoint, and its counts are lost")
+    if counters["carried_over_from"]:
+        return (f"\n[fl_accel] tokens, time and traffic cover the whole run: the sessions before "
+                f"{counters['carried_over_from']} carried over from it")
+    return ""
 
 
 def arrival_line(results: dict, federated: bool) -> str:

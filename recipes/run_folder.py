@@ -457,7 +457,9 @@ def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     history up to it. Collective. Returns ``(completed_steps, totals)``: ``totals`` are the
     whole-run figures stored with the checkpoint (seconds, peak memory, W&B id) plus this
     rank's own stored figures (``rank_extra`` of :func:`save_checkpoint`); {} when starting
-    at step 0."""
+    at step 0, ``{"earlier_session_lost": True}`` when a resume found no checkpoint but
+    ``metrics.jsonl`` holds an earlier session's records (it ended before its first
+    checkpoint: its traffic and time are not carried over)."""
     args = plan.args
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     completed_steps, totals = 0, {}
@@ -473,12 +475,57 @@ def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     elif args.resume_from_checkpoint:
         accelerator.print(f"[fl_accel] no complete checkpoint in {os.path.join(args.output_dir, 'checkpoints')}; "
                           f"starting from step 0")
+        if read_metrics(metrics_path):  # an earlier session trained here and left no checkpoint
+            totals["earlier_session_lost"] = True
     if accelerator.is_main_process:
         kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= completed_steps] if completed_steps \
             else []
         with open(metrics_path, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in kept)
     return completed_steps, totals
+
+
+def checkpoint_bytes(n_params: int, param_bytes: int, num_groups: int, fl, mid_round: bool) -> int:
+    """Estimated bytes of one checkpoint's tensors (``fl_accel/checkpoint.py``'s layout).
+
+    The model's parameters (``n_params`` of ``param_bytes`` each, the stored dtype: fp32
+    unless the parameters themselves are bf16) once, or once per federation group when
+    ``mid_round`` (the groups differ); AdamW's two moments per group (once when one group,
+    or ``average_optimizer_state`` right after a sync); the sync's fp32 anchor (a kept outer
+    state: ``FLConfig.keeps_outer_state``) and outer momentum ("nesterov") once; the
+    error-feedback residuals (fp32) once per group. With ``fault_tolerance="torchft"`` each
+    group writes its own checkpoint: one group's state. RNG, scheduler and metadata files and
+    DCP's per-tensor overhead are left out: the real folder is about 1% larger on the tiny
+    preset (2.88M parameters), 6% on a 0.86M-parameter one. Measured against real checkpoints in tests/recipe/test_recipe_lifecycle.py.
+
+    Args:
+        num_groups: federation groups F of the run (1: FSDP/HSDP).
+        fl: the run's ``FLConfig``.
+    """
+    F = num_groups if fl.is_federated else 1
+    stored = 1 if fl.fault_tolerance == "torchft" else F  # torchft: each group checkpoints its own state
+    per_copy = n_params * param_bytes
+    synced = not mid_round or stored == 1
+    total = per_copy * (1 if synced else stored)
+    total += 2 * per_copy * (1 if stored == 1 or (synced and fl.average_optimizer_state) else stored)
+    if F > 1 and fl.keeps_outer_state:
+        total += 4 * n_params * (2 if fl.outer_optimizer == "nesterov" else 1)
+    if F > 1 and fl.compressed and fl.error_feedback:
+        total += 4 * n_params * stored
+    return total
+
+
+def checkpoints_mid_round(fl, num_groups: int, checkpoint_every: int) -> bool:
+    """Whether some checkpoints of the run fall where the groups differ (every group's model
+    stored): a federated run of F > 1 groups whose checkpoints are not all at full syncs
+    (``checkpoint_every`` not a multiple of H under ``sync_trigger`` "steps", or fragments /
+    alpha > 0, which leave the groups different between full syncs). The final checkpoint
+    follows the final sync."""
+    if not fl.is_federated or num_groups < 2 or not checkpoint_every:
+        return False
+    if fl.num_fragments > 1 or fl.fragment_update_alpha:
+        return True
+    return fl.sync_trigger == "steps" and checkpoint_every % fl.sync_every != 0
 
 
 def save_checkpoint(accelerator, plan: RunPlan, step: int, max_steps: int, totals: dict, stream=None,

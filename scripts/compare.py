@@ -25,6 +25,14 @@ the share of all CPUs that other processes kept busy during the run, as measured
 ``recipes.host_load.HostLoad``. A run above 0.05 is flagged: its tokens/s were shared with
 other work, and the throughput comparison is unreliable.
 
+Runs with the same setup get no verdict between them: the same layout (federated or not, the
+groups' sizes and the shard size S, so FL+HSDP with one replica per group is FL+FSDP on the
+same groups, and HSDP with one replica is FSDP) and the same exchange (the ``fl`` settings
+the algorithm reads, by ``FLConfig.ignored_fields``). Instead the verdict says they ran the
+same, and either that their recorded flags (``args``) differ only in names, folders and
+logging (:data:`NAME_FLAGS`), so their figures differ by run-to-run variation only, or which
+flags they differ in.
+
 Exit status: 0, or 2 with one ``error:`` line when the folder is missing or holds no runs.
 """
 
@@ -45,6 +53,17 @@ AXES = ("fl", "dp_replicate", "dp_shard")
 BACKGROUND_LIMIT = 0.05
 """Runs whose ``host.background_cpu_share`` exceeds this are flagged."""
 MIB = 2**20
+
+
+NAME_FLAGS = ("run_name", "experiment", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
+              "preprocessing_num_workers", "report_to", "wandb_project", "log_every", "checkpoint_every",
+              "checkpoints_total_limit", "save_final_model", "peak_tflops")
+"""Recipe flags (``args`` in all_results.json) that name a run, choose its folders, trackers,
+logging and checkpoint cadence or the peak for MFU: they do not change what trains."""
+LAYOUT_FIELDS = ("algorithm", "num_groups", "group_sizes", "hsdp_shard_size")
+"""FLConfig fields that make the layout (compared as :func:`layout_key`), not the exchange."""
+NOT_EXCHANGE_FIELDS = ("collective_timeout_s", "group_index", "lighthouse_addr", "outer_state_device")
+"""FLConfig fields that change neither the layout nor the values exchanged."""
 
 
 class CompareError(Exception):
@@ -195,7 +214,8 @@ def peak_memory(run: dict) -> str:
 
 def notes(runs: list[dict]) -> list[str]:
     """Warnings: runs that differ in world size, tokens per step, precision policy,
-    activation checkpointing or compile; runs under background load."""
+    activation checkpointing or compile; runs whose counters cover only their last process
+    (``counters.since`` in all_results.json); runs under background load."""
     out = []
     worlds = {r["name"]: r.get("world_size") for r in runs}
     if len(set(worlds.values())) > 1:
@@ -214,6 +234,12 @@ def notes(runs: list[dict]) -> list[str]:
             out.append(f"note: the runs differ in {what} (" + ", ".join(f"{n}: {v}" for n, v in values.items())
                        + "): tokens/s and memory compare different settings.")
     for r in runs:
+        counters = r.get("counters") if isinstance(r.get("counters"), dict) else {}
+        if counters.get("since") == "this process's start":
+            out.append(f"note: {r['name']}'s tokens, time and bytes count since its last process started "
+                       f"({counters.get('steps_counted')} of its {r.get('steps')} steps): an earlier session ended "
+                       f"before its first checkpoint, so its figures per step are this session's.")
+    for r in runs:
         bg = background_share(r)
         if bg is not None and bg > BACKGROUND_LIMIT:
             out.append(f"warning: other processes kept {100 * bg:.0f}% of the machine's CPUs busy during "
@@ -222,14 +248,17 @@ def notes(runs: list[dict]) -> list[str]:
 
 
 def verdict(runs: list[dict], base: dict) -> list[str]:
-    """A few sentences computed from the figures: each federated run against its baseline
+    """A few sentences computed from the figures: runs of the same setup said to be so
+    (:func:`same_setup_line`, no verdict between them), each other run against its baseline
     (throughput ratio, perplexity, bytes per step), then whether background load makes the
     throughput comparison unreliable."""
-    out = []
+    sets = same_setups(runs)
+    out = [same_setup_line(group, runs) for group in sets]
+    same = {(id(a), id(b)) for group in sets for a in group for b in group}
     others = [r for r in runs if r is not base]
     for r in others:
         ref = next((b for b in runs if b.get("algorithm") == BASELINE_OF.get(r.get("algorithm"))), base)
-        if ref is r:
+        if ref is r or (id(r), id(ref)) in same:  # the same setup: said above, no verdict
             continue
         a, b = label(r, runs), label(ref, runs)
         tps, ref_tps = r.get("tokens_per_s"), ref.get("tokens_per_s")
@@ -265,6 +294,102 @@ def verdict(runs: list[dict], base: dict) -> list[str]:
     else:
         out.append(f"Background CPU load stayed under {100 * BACKGROUND_LIMIT:.0f}% in every run.")
     return out
+
+
+def layout_key(run: dict) -> tuple | None:
+    """``(federated, group sizes, shard size S)`` of a run, or None when not recorded. The
+    algorithm's name is not part of it: HSDP with one replica (R = G / S = 1) is FSDP, and
+    FL+HSDP with one replica per group is FL+FSDP on the same groups."""
+    alg, world, shards = run.get("algorithm"), run.get("world_size"), run.get("shards")
+    sizes = run.get("group_sizes")
+    if sizes is None and isinstance(run.get("group_size"), int) and isinstance(run.get("num_groups"), int):
+        sizes = [run["group_size"]] * run["num_groups"]
+    if alg not in LABEL or not isinstance(world, int) or not isinstance(shards, int) or not sizes:
+        return None
+    return alg.startswith("fl_"), tuple(sizes), shards
+
+
+def exchange_key(run: dict) -> tuple | None:
+    """The exchange of a run: its ``fl`` settings that the algorithm reads (``FLConfig.
+    ignored_fields``, the library's rule) apart from the layout's and those that change no
+    value (:data:`LAYOUT_FIELDS`, :data:`NOT_EXCHANGE_FIELDS`), sorted; () for FSDP and HSDP
+    (nothing is exchanged between groups); None when not recorded or not readable."""
+    if not str(run.get("algorithm", "")).startswith("fl_"):
+        return ()
+    fl = run.get("fl")
+    if not isinstance(fl, dict):
+        return None
+    from fl_accel.config import FLConfig
+
+    names = set(FLConfig.field_names())
+    try:
+        ignored = FLConfig(**{k: v for k, v in fl.items() if k in names}).ignored_fields()
+    except (TypeError, ValueError):
+        return None
+    skip = set(ignored) | set(LAYOUT_FIELDS) | set(NOT_EXCHANGE_FIELDS)
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in fl.items() if k in names and k not in skip))
+
+
+def describe_layout(key: tuple) -> str:
+    """``FL+FSDP, 2 groups of 2 ranks``, ``HSDP, 2 replicas x 2 shards``, ``FSDP over 4 ranks``
+    from a :func:`layout_key`."""
+    federated, sizes, shards = key
+    uniform = len(set(sizes)) == 1
+    replicas = str(sizes[0] // shards) if uniform else "/".join(str(g // shards) for g in sizes)
+    ranks = str(sizes[0]) if uniform else "/".join(map(str, sizes))
+    hsdp = any(g != shards for g in sizes)
+    within = f"{replicas} replicas x {shards} shards" if hsdp else f"{ranks} ranks"
+    if federated:
+        return f"{'FL+HSDP' if hsdp else 'FL+FSDP'}, {len(sizes)} groups of {within}"
+    return f"HSDP, {within}" if hsdp else f"FSDP over {sizes[0]} ranks"
+
+
+def flag_differences(a: dict, b: dict) -> list[str] | None:
+    """The recipe flags (``args``) in which two runs differ, :data:`NAME_FLAGS` left out, as
+    ``"learning_rate (0.001 vs 0.0003)"``; None when either run did not record its flags."""
+    fa, fb = a.get("args"), b.get("args")
+    if not isinstance(fa, dict) or not isinstance(fb, dict):
+        return None
+    return [f"{k} ({fa.get(k)!r} vs {fb.get(k)!r})" for k in sorted(set(fa) | set(fb))
+            if k not in NAME_FLAGS and fa.get(k) != fb.get(k)]
+
+
+def same_setups(runs: list[dict]) -> list[list[dict]]:
+    """The sets of two or more runs with the same layout and exchange (:func:`layout_key`,
+    :func:`exchange_key`), in the runs' order; runs whose setup is not recorded are in none."""
+    sets: dict[tuple, list[dict]] = {}
+    for r in runs:
+        layout, exchange = layout_key(r), exchange_key(r)
+        if layout is not None and exchange is not None:
+            sets.setdefault((layout, exchange), []).append(r)
+    return [s for s in sets.values() if len(s) > 1]
+
+
+def same_setup_line(group: list[dict], runs: list[dict]) -> str:
+    """The verdict line for runs of one setup (:func:`same_setups`): what they share, and
+    whether their flags differ only in names or in what."""
+    names = [label(r, runs) for r in group]
+    layout = layout_key(group[0])
+    algs = {r.get("algorithm") for r in group}
+    why = describe_layout(layout)
+    if len(algs) > 1:
+        why += " (" + "; ".join(f"{LABEL[a]} with one replica per group is FL+FSDP" if a == "fl_hsdp" else
+                                 f"{LABEL[a]} with one replica is FSDP" for a in sorted(algs)
+                                 if a in ("fl_hsdp", "hsdp")) + ")"
+    who = " and ".join(names) if len(names) == 2 else ", ".join(names)
+    line = f"{who} ran the same layout and exchange ({why}): no verdict between them."
+    diffs = [flag_differences(group[0], r) for r in group[1:]]
+    if any(d is None for d in diffs):
+        line += " Their other settings are not recorded (results written before all_results.json held `args`)."
+    elif any(diffs):
+        line += " They differ in " + "; ".join(sorted({x for d in diffs for x in d})) + \
+            ": a comparison of those settings, not of methods."
+    else:
+        line += " Their flags differ only in names, folders and logging: the same run, so differences in their " \
+                "figures are run-to-run variation."
+    figures = ", ".join(f"{r['name']}: {_num(r.get('tokens_per_s'), ',.0f')} tokens/s, eval perplexity "
+                        f"{_num(r.get('eval_perplexity'), ',.2f')}" for r in group)
+    return line + f" ({figures})"
 
 
 def _bytes_per_step(run: dict) -> float | None:

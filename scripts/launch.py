@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Mapping, Sequence
 
 __all__ = ["free_port", "child_env", "torchrun_argv", "start", "wait", "run", "run_torchrun", "terminate",
-           "exit_code", "Result", "ADDRESS_IN_USE"]
+           "exit_code", "error_file_message", "Result", "ADDRESS_IN_USE"]
 
 ADDRESS_IN_USE = ("address already in use", "EADDRINUSE", "Address in use")
 """Substrings of a launcher's stderr that mean its rendezvous port was taken meanwhile."""
@@ -259,3 +259,30 @@ def exit_code(returncode: int | None) -> int:
     if returncode is None:
         return 1
     return 128 - returncode if returncode < 0 else returncode
+
+
+def error_file_message(path: str | os.PathLike | None) -> tuple[str | None, str | None]:
+    """``(message, traceback)`` of a torchelastic error file (``TORCHELASTIC_ERROR_FILE``: what
+    ``torch.distributed.elastic.multiprocessing.errors.record`` writes for a failed worker, and
+    what torchrun's own ``@record`` copies its first failure's file to when the launcher itself
+    was given one): ``message`` the one-line ``message.message`` (the recipe writes its
+    ``[fl_accel] error ...`` line there), ``traceback`` ``extraInfo.py_callstack`` when it is
+    more than that line. ``(None, None)`` when ``path`` is None, missing or not such a file."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None, None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str):
+        return (message.strip() or None), None
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None, None
+    text = message["message"].strip()
+    stack = (message.get("extraInfo") or {}).get("py_callstack")
+    stack = stack.strip() if isinstance(stack, str) and stack.strip() != text else None
+    return text or None, stack

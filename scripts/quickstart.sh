@@ -31,9 +31,14 @@ export OMP_NUM_THREADS=1
 export WANDB_MODE=${WANDB_MODE:-offline}
 # On GPUs: fewer out-of-memory failures from fragmentation (PyTorch's caching allocator); no effect on CPU.
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
+# the machine's load now (python -m scripts.busy): a warning when other processes keep more than 5% of the
+# CPUs busy, as scripts.compare flags each run afterwards
+python -m scripts.busy --prefix "[quickstart] " --job "the two runs" --expect "2 to 5 minutes on 2 CPU cores"
 EXP=${EXP:-quickstart-$(date +%Y%m%d-%H%M%S)}
+# accelerate launch through scripts.launch_guard: a bad input ends with the recipe's one-line error,
+# not with torchrun's failure summary (python -m scripts.launch_guard -h)
 for algorithm in fl_fsdp fsdp; do
-  accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \
+  python -m scripts.launch_guard accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \
     --config recipes/configs/cpu_fl_fsdp.yaml --algorithm "$algorithm" --experiment "$EXP" "$@"
 done
 # compare.py prints the table and a verdict computed from the two runs' figures (throughput

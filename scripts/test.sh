@@ -12,6 +12,10 @@ if [ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && [ -x .venv/bin/python ]; then
 fi
 python -m pip install -q -r requirements.txt
 export OMP_NUM_THREADS=1
+# the machine's load now, as scripts/quickstart.sh checks it (python -m scripts.busy): a warning when other
+# processes keep more than 5% of the CPUs busy; the expected time assumes idle cores
+python -m scripts.busy --prefix "[test] " --job "the test suite" \
+  --expect "roughly 7 to 15 minutes on 2 CPU cores (one tier, e.g. -m unit, less)"
 # parallel workers (pytest-xdist): one per core, 2 to 8. Most tests wait on the processes they
 # launch, but those processes are busy: on 2 cores, 4 workers took as long as 2 and more CPU
 # seconds (processes competing for the cores). Tests that share one launch stay on one worker

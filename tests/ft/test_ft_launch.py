@@ -167,8 +167,8 @@ def test_supervisor_restarts_a_killed_recipe_group_which_heals(tmp_path, default
     group 1 gets SIGKILL. The supervisor says so and restarts group 1 with
     ``--resume_from_checkpoint latest`` (no checkpoint yet: it starts from step 0, behind
     group 0's torchft step), which heals from group 0 at its first sync: the recipe prints
-    ``[fl_accel] group 1 healed from group 0 at step N: X MB in Y s`` and records the heal in
-    all_results.json. Both groups finish with equal final eval losses, and the exit status
+    ``[fl_accel] group 1 healed from group 0 at step N: X MB in Y s (transfer T s, load L s)``
+    in group 1's own log and records the heal in all_results.json. Both groups finish with equal final eval losses, and the exit status
     is 0 with ``group 1: finished after 1 restart``."""
     import io
 
@@ -224,16 +224,26 @@ def test_supervisor_restarts_a_killed_recipe_group_which_heals(tmp_path, default
     assert "group exit statuses: [0, 0]" in text, text
     assert argvs[1, 1][-2:] == ["--resume_from_checkpoint", "latest"] and (0, 1) not in argvs, argvs
     assert "no complete checkpoint in" in group_logs[1], tails  # killed before its first checkpoint
-    heal = re.findall(r"\[fl_accel\] group 1 healed from group 0 at step (\d+): ([0-9.]+) (MB|kB) in ([0-9.]+) s",
-                      group_logs[1])
+    heal = re.findall(r"\[fl_accel\] group 1 healed from group 0 at step (\d+): ([0-9.]+) (MB|kB) in ([0-9.]+) s "
+                      r"\(transfer ([0-9.]+) s, load ([0-9.]+) s\)", group_logs[1])
     assert len(heal) == 1, tails
+    print("heal line:", next(x for x in group_logs[1].splitlines() if "healed from group" in x))
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(2)]
     ft1 = results[1]["fault_tolerance"]
     assert ft1["heals"] == 1 and results[0]["fault_tolerance"]["heals"] == 0, ft1
     [record] = ft1["heal_log"]
     assert record["source_group"] == 0 and record["step"] == int(heal[0][0]) and record["bytes"] > 0, record
+    # the slowest rank's transfer and load (one rank here: they add up to its total)
+    assert record["transfer_seconds"] > 0 and record["load_seconds"] > 0, record
+    assert record["transfer_seconds"] + record["load_seconds"] == pytest.approx(record["seconds"], rel=1e-6), record
     assert abs(record["bytes"] / (1e6 if heal[0][2] == "MB" else 1e3) - float(heal[0][1])) < 0.06, (record, heal)
     assert results[0]["steps"] == results[1]["steps"] == 8
+    # issue 42: group 1's counters cover its restarted process only (its first session left no checkpoint), and
+    # say so in all_results.json and its closing lines; group 0's cover the run
+    c0, c1 = results[0]["counters"], results[1]["counters"]
+    assert c0 == {"since": "the run's start", "carried_over_from": None, "steps_counted": 8}, c0
+    assert c1["since"] == "this process's start" and c1["steps_counted"] == ft1["steps_trained"] < 8, c1
+    assert "[fl_accel] note: tokens, time and traffic count since this process started" in group_logs[1], tails
     assert results[0]["eval_loss"] == results[1]["eval_loss"], [r["eval_loss"] for r in results]
 
 
@@ -250,6 +260,34 @@ def test_heal_line_and_heal_bytes():
              "optimizer": {"state": {0: {"exp_avg": (torch.zeros(10), True), "step": 3}}, "groups": [{"lr": 0.1}]},
              "schedule": {"global_step": 4}}
     assert state_nbytes(state) == 40 + 48 + 40
-    record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83}
-    assert heal_line(1, record, 12) == "[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.8 s"
-    assert heal_line(2, {**record, "bytes": 34_600}, 6).endswith("at step 6: 34.6 kB in 0.8 s")
+    record = {"source": "fl_accel_group_0", "source_group": 0, "bytes": 1_234_567, "seconds": 0.83,
+              "transfer_seconds": 0.61, "load_seconds": 0.22}
+    assert heal_line(1, record, 12) == ("[fl_accel] group 1 healed from group 0 at step 12: 1.2 MB in 0.83 s "
+                                        "(transfer 0.61 s, load 0.22 s)")  # hundredths below a second
+    slow = {**record, "bytes": 34_600, "seconds": 2.34, "transfer_seconds": 2.04, "load_seconds": 0.3}
+    assert heal_line(2, slow, 6).endswith("at step 6: 34.6 kB in 2.3 s (transfer 2.0 s, load 0.30 s)")
+
+
+def test_bad_input_through_the_launcher_ends_with_the_one_line_error(tmp_path):
+    """Issue 42: ``python -m scripts.ft_launch`` (a Lighthouse and one real torchrun per group,
+    2 groups of 1 rank) with a bad recipe flag: every group fails before any collective, and the
+    launcher's last line is the recipe's one-line error (read from the error file each group's
+    torchrun copied its failure into: TORCHELASTIC_ERROR_FILE), after its per-group summary,
+    not torchrun's ChildFailedError summary; the exit status is the groups' (torchrun's 1)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    from _launch import launch_env
+
+    cmd = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", "1", "--",
+           "recipes/pretrain.py", "--fault_tolerance", "torchft", "--num_groups", "2", "--report_to", "none",
+           "--output_dir", str(tmp_path / "out"), "--max_steps", "-3"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    out = proc.stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert proc.returncode == 1, out[-4000:]
+    assert re.fullmatch(r"\[fl_accel\] error \(rank 0\): --max_steps must be >= 1, got -3", lines[-1]), out[-4000:]
+    assert lines[-2].startswith("[ft_launch] group exit statuses: [1, 1]"), out[-4000:]
+    assert "ChildFailedError" in out  # the groups' own torchrun summaries, above (no --log_dir: this terminal)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,6 +128,27 @@ def test_launched_bad_input_is_one_line_and_torchruns_root_cause(tmp_path):
     assert_every_rank_failed(result, "2 bad keys in --config")
     assert "did you mean 'max_steps'?" in result.stderr and "did you mean 'learning_rate'?" in result.stderr
     assert not (out_dir / "checkpoints").exists()
+
+
+def _last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def test_launch_guard_ends_a_torchrun_bad_input_with_its_one_line_error(tmp_path):
+    """Issue 42: through ``python -m scripts.launch_guard torchrun ...`` (2 ranks) the last line
+    a user sees (stdout and stderr as one terminal shows them) is the recipe's one-line error,
+    the exit status is the rank's (2: bad input), and there is no launcher traceback: torchrun's
+    ``ChildFailedError`` was caught and the failed rank's error file read."""
+    cmd = [sys.executable, "-m", "scripts.launch_guard", "torchrun", "--nproc_per_node", str(NPROC), "--master_port",
+           str(free_port()), str(RECIPE), "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+           "--max_steps", "-3"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 2, out[-4000:]
+    assert re.fullmatch(r"\[fl_accel\] error \(rank \d\): --max_steps must be >= 1, got -3", _last_line(out)), out[-4000:]
+    assert re.search(r"\[launch_guard\] .*pretrain\.py failed: rank \d ended with status 2", out), out[-4000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "Root Cause" not in out, out[-4000:]
 
 
 def test_validation_split_too_small_fails_on_every_rank(tmp_path):

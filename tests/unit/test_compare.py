@@ -107,3 +107,75 @@ def test_what_ran_mfu_and_memory_are_shown_and_differences_noted(tmp_path, capsy
     assert "note: the runs differ in precision policy (base: fp32/fp32, fl: bf16/fp32)" in out
     assert "note: the runs differ in activation checkpointing (base: off, fl: on)" in out
     assert "note: the runs differ in compile (base: off, fl: on)" in out
+
+
+def _setup(algorithm, *, F=2, S=2, run_name="r", lr=3e-4, **fl):
+    """The ``fl``, ``group_sizes`` and ``args`` entries the recipe writes (real FLConfig and
+    RecipeArguments), for :func:`_run`."""
+    import dataclasses
+
+    from fl_accel.config import FLConfig
+    from recipes.args import RecipeArguments
+
+    hsdp = {"hsdp_shard_size": S} if "hsdp" in algorithm else {}
+    config = FLConfig(algorithm=algorithm, num_groups=F, **hsdp, **fl)
+    args = dataclasses.asdict(RecipeArguments(run_name=run_name, output_dir=f"outputs/x/{run_name}",
+                                              learning_rate=lr))
+    return {"fl": config.to_dict(), "args": args}
+
+
+def test_the_same_layout_and_exchange_gets_no_verdict(tmp_path, capsys):
+    """Issue 42: FL+HSDP with one replica per group is FL+FSDP on the same groups, and HSDP
+    with one replica is FSDP. Runs of one setup whose flags differ only in names get no
+    verdict between them but a line saying they ran the same; the method verdict against the
+    FSDP baseline stays."""
+    _run(tmp_path, "fl_fsdp", "fl_fsdp", 2790.0, 3400.0, F=2, S=2, group_sizes=[2, 2],
+         **_setup("fl_fsdp", run_name="fl_fsdp"))
+    _run(tmp_path, "fl_hsdp", "fl_hsdp", 2755.0, 3400.0, F=2, R=1, S=2, group_sizes=[2, 2],
+         **_setup("fl_hsdp", run_name="fl_hsdp"))
+    _run(tmp_path, "fsdp", "fsdp", 996.0, 3307.0, S=4, group_sizes=[4], **_setup("fsdp", F=1, run_name="fsdp"))
+    _run(tmp_path, "hsdp-r1", "hsdp", 990.0, 3307.0, R=1, S=4, group_sizes=[4],
+         **_setup("hsdp", F=1, S=4, run_name="hsdp-r1"))
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    verdict = out.split("Verdict:\n")[1]
+    assert ("- FL+FSDP and FL+HSDP ran the same layout and exchange (FL+FSDP, 2 groups of 2 ranks (FL+HSDP with one "
+            "replica per group is FL+FSDP)): no verdict between them. Their flags differ only in names, folders and "
+            "logging: the same run, so differences in their figures are run-to-run variation. (fl_fsdp: 2,790 "
+            "tokens/s, eval perplexity 3,400.00, fl_hsdp: 2,755 tokens/s, eval perplexity 3,400.00)") in verdict, out
+    assert "- FSDP and HSDP ran the same layout and exchange (FSDP over 4 ranks (HSDP with one replica is FSDP))" \
+        in verdict, out
+    assert "vs FL+FSDP" not in verdict and "HSDP ran at 990" not in verdict, out  # no verdict within a setup
+    assert "FL+FSDP ran at 2,790 tokens/s vs FSDP 996 (2.80x)" in verdict, out  # the methods still compared
+    assert "FL+HSDP ran at 2,755 tokens/s vs HSDP 990 (2.78x)" in verdict, out
+
+
+def test_same_layout_with_other_settings_names_them_and_other_exchanges_get_a_verdict(tmp_path, capsys):
+    """Two FL+FSDP runs of one layout and exchange that differ in the learning rate: no method
+    verdict, the differing flag named. A different H is a different exchange: a verdict."""
+    _run(tmp_path, "a", "fl_fsdp", 2790.0, 3400.0, F=2, S=2, group_sizes=[2, 2], **_setup("fl_fsdp", run_name="a"))
+    _run(tmp_path, "b", "fl_fsdp", 2790.0, 3100.0, F=2, S=2, group_sizes=[2, 2],
+         **_setup("fl_fsdp", run_name="b", lr=1e-3))
+    _run(tmp_path, "c", "fl_fsdp", 2900.0, 3500.0, F=2, S=2, group_sizes=[2, 2],
+         **_setup("fl_fsdp", run_name="c", sync_every=16))
+    assert compare.main([str(tmp_path), "--no-plot", "--baseline", "c"]) == 0
+    verdict = capsys.readouterr().out.split("Verdict:\n")[1]
+    assert ("- FL+FSDP (a) and FL+FSDP (b) ran the same layout and exchange (FL+FSDP, 2 groups of 2 ranks): no verdict "
+            "between them. They differ in learning_rate (0.0003 vs 0.001): a comparison of those settings, not of "
+            "methods.") in verdict, verdict
+    assert "FL+FSDP (a) ran at 2,790 tokens/s vs FL+FSDP (c) 2,900" in verdict, verdict
+    assert "FL+FSDP (b) ran at 2,790 tokens/s vs FL+FSDP (c) 2,900" in verdict, verdict
+
+
+def test_counters_of_one_process_only_get_a_note(tmp_path, capsys):
+    """Issue 42: a run whose counters cover only its last process (``counters.since``, e.g. a
+    torchft group restarted without a checkpoint) is noted; a resumed run's are whole-run."""
+    _run(tmp_path, "g1", "fl_fsdp", 2790.0, 3400.0, F=2, S=2,
+         counters={"since": "this process's start", "carried_over_from": None, "steps_counted": 30})
+    _run(tmp_path, "g0", "fl_fsdp", 2790.0, 3400.0, F=2, S=2,
+         counters={"since": "the run's start", "carried_over_from": "g0/checkpoints/step_8", "steps_counted": 40})
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: g1's tokens, time and bytes count since its last process started (30 of its 40 steps): an earlier "
+            "session ended before its first checkpoint, so its figures per step are this session's.") in out, out
+    assert "note: g0's" not in out

@@ -361,3 +361,43 @@ def test_cli_json(capsys):
     assert [d["num_fragments"] for d in data] == [1, 1, 4, 4, 4] and data[0]["time"] is None
     assert data[1]["inter_node"] == pytest.approx(1.992e9, rel=1e-3)
 
+
+
+def test_intra_node_link_has_presets_and_a_stated_default(capsys):
+    """Issue 42: step times need no invented intra-node speed. Without ``--intra-node-link`` or
+    ``--intra-node-gbs`` the model uses the ``nvlink`` preset (300 GB/s per direction, the
+    paper's A100 nodes) and says so in the table's footer, the JSON and ``--help``; a preset
+    equals its figure given as ``--intra-node-gbs``; PCIe makes FL+FSDP's step (its groups within a node) slower; an
+    unknown preset, or a link without step times, is a one-line error."""
+    from _launch import assert_one_line_error
+    from fl_accel.planning.links import DEFAULT_INTRA_NODE_LINK, INTRA_NODE_LINKS, intra_node_link
+
+    assert DEFAULT_INTRA_NODE_LINK == "nvlink" and INTRA_NODE_LINKS["nvlink"].bytes_per_s == 300e9
+    assert {"nvlink", "pcie", "loopback"} <= set(INTRA_NODE_LINKS)
+    assert all(link.source and link.bytes_per_s > 0 for link in INTRA_NODE_LINKS.values())
+    with pytest.raises(ValueError, match="unknown intra-node link 'infiniband': one of nvlink"):
+        intra_node_link("infiniband")
+    times = {}
+    for name, extra in (("default", []), ("nvlink", ["--intra-node-link", "nvlink"]),
+                        ("300", ["--intra-node-gbs", "300"]), ("pcie", ["--intra-node-link", "pcie"])):
+        assert cost_cli.main(["--compute-s", "1", "--inter-node-gbs", "12.5", "--json", *extra]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        times[name] = [r["time"]["step_s"] for r in rows]
+        link = rows[0]["time"]["intra_node_link"]
+        if name == "default":
+            assert link["name"] == "nvlink" and link["default"] and link["bytes_per_s"] == 300e9, link
+        if name == "pcie":
+            assert link["bytes_per_s"] == 32e9 and not link["default"], link
+    assert times["default"] == times["nvlink"] == times["300"]
+    assert times["pcie"][1] > times["nvlink"][1]  # FL+FSDP: each group's gathers stay inside its node
+    assert cost_cli.main(["--compute-s", "1", "--inter-node-gbs", "12.5"]) == 0
+    footer = capsys.readouterr().out.splitlines()[-1]
+    assert footer.startswith("intra-node link: 300 GB/s per direction per GPU, preset nvlink (A100 SXM, NVLink 3") \
+        and "the default" in footer, footer
+    with pytest.raises(SystemExit):
+        cost_cli.main(["--help"])
+    assert "Default: nvlink" in " ".join(capsys.readouterr().out.split())
+    for bad in (["--compute-s", "1", "--inter-node-gbs", "1", "--intra-node-link", "infiniband"],
+                ["--intra-node-link", "pcie"], ["--compute-s", "1"],
+                ["--compute-s", "1", "--inter-node-gbs", "1", "--intra-node-gbs", "100", "--intra-node-link", "pcie"]):
+        assert_one_line_error(cost_cli.main, bad, capsys)

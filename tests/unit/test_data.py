@@ -8,6 +8,12 @@ rule written out, and datasets' map cache hits and misses on the right keys. Hub
 (HF_HUB_OFFLINE) failures in one line, and loads from a local directory and from a populated
 Hub cache. No process is started: the default corpus's golden blocks, the cache reused by a new
 process and packing in two processes are in tests/recipe/test_data_default_corpus.py.
+
+Every test runs under each setting of :data:`ENV_SETTINGS` (the variables clusters without
+internet commonly set: ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``, ``TRANSFORMERS_OFFLINE``,
+``WANDB_MODE``), and with none of them set, whatever the shell that started pytest set: the
+tests do not depend on them (issue 42). A test that needs the Hub reachable or unreachable says
+so with the ``online`` or ``offline`` fixture.
 """
 
 from __future__ import annotations
@@ -26,6 +32,47 @@ from recipes import data as D
 SHARD_SIZES = (3, 10, 1, 7, 4)
 SEQ_LEN = 16
 TAG = re.compile(r"\[d(\d{3})\]")
+
+
+ENV_SETTINGS = {
+    "none set": {},
+    "HF_HUB_OFFLINE=1": {"HF_HUB_OFFLINE": "1"},
+    "HF_DATASETS_OFFLINE=1": {"HF_DATASETS_OFFLINE": "1"},
+    "TRANSFORMERS_OFFLINE=1": {"TRANSFORMERS_OFFLINE": "1"},
+    "WANDB_MODE=offline": {"WANDB_MODE": "offline"},
+}
+"""The environments every test of this file runs in (ids of the ``env_setting`` parameter)."""
+ENV_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "WANDB_MODE")
+
+
+def _set_hub_mode(mp, hub_offline: bool, datasets_offline: bool) -> None:
+    """The offline switches huggingface_hub and datasets read at import (and transformers
+    through huggingface_hub's ``is_offline_mode``), set on ``mp`` (a ``pytest.MonkeyPatch``)."""
+    import datasets
+    import huggingface_hub.constants as constants
+
+    mp.setattr(constants, "HF_HUB_OFFLINE", hub_offline)
+    mp.setattr(datasets.config, "HF_HUB_OFFLINE", datasets_offline)
+    mp.setattr(datasets.config, "HF_DATASETS_OFFLINE", datasets_offline)
+
+
+@pytest.fixture(scope="module", autouse=True, params=list(ENV_SETTINGS))
+def env_setting(request):
+    """Each test under one of :data:`ENV_SETTINGS`, as if the shell had set it before Python
+    started: the variables of :data:`ENV_VARS` unset, the setting's set, and the switches
+    the libraries derive from them at import recomputed by their own rules (huggingface_hub
+    ``constants.py``: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE; datasets ``config.py``:
+    HF_DATASETS_OFFLINE when set, else the hub's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ENV_VARS:
+            mp.delenv(var, raising=False)
+        for var, value in ENV_SETTINGS[request.param].items():
+            mp.setenv(var, value)
+        true = {"1", "ON", "YES", "TRUE"}  # both libraries' ENV_VARS_TRUE_VALUES
+        hub = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper() in true
+        ds = os.environ.get("HF_DATASETS_OFFLINE")
+        _set_hub_mode(mp, hub, hub if ds is None else ds.upper() in true)
+        yield request.param
 
 
 @pytest.fixture(autouse=True)
@@ -379,11 +426,17 @@ def hub_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def offline(monkeypatch):
     """HF_HUB_OFFLINE=1, as set in the environment (huggingface_hub and datasets read it at import)."""
-    import datasets
-    import huggingface_hub.constants as constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _set_hub_mode(monkeypatch, True, True)
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+@pytest.fixture
+def online(monkeypatch):
+    """No offline switch, whatever the environment says: the Hub counts as reachable (a test
+    with this fixture must not reach it for real)."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    _set_hub_mode(monkeypatch, False, False)
 
 
 def _populate(cache, repo_type: str, repo_id: str, files: dict[str, bytes]) -> None:
@@ -412,9 +465,11 @@ def test_uncached_hub_object_fails_in_one_line_offline(hub_cache, offline, kind,
     assert f"hf download {name}" in msg and "or pass a local path" in msg
 
 
-def test_failed_download_is_one_line_naming_the_download():
+def test_failed_download_is_one_line_naming_the_download(online):
     """Control flow only (the real offline failure is above): a loader that finds nothing in the
-    cache and whose download raises gives one line with the library's first line."""
+    cache and whose download raises gives one line with the library's first line. The download
+    is only tried online (``online``: under HF_HUB_OFFLINE=1 the code rightly skips it, and the
+    offline message is tested above)."""
     calls = []
 
     def loader(name, local_files_only=False):

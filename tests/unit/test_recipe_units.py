@@ -590,3 +590,104 @@ def test_closing_lines_of_rounds_and_arrival():
                                    "group 1: 20 steps (5.0/round), in syncs 2%; 900 tokens/s = 93% of the groups' "
                                    "standalone sum")
     assert rounds_line(None) == ""
+
+
+# =========================================================== checkpoints and tokenizer in the banner (issue 42)
+def test_checkpoint_retention_defaults_to_the_newest_two_and_zero_keeps_all():
+    """``--checkpoints_total_limit`` keeps the newest 2 checkpoints unless told otherwise (0:
+    all of them); a negative limit is one line naming the flag. The pruning itself:
+    tests/recipe/test_recipe_lifecycle.py (a run with the default keeps its last two)."""
+    assert parse_args([], environ={}).args.checkpoints_total_limit == 2
+    assert parse_args(["--checkpoints_total_limit", "0"], environ={}).args.checkpoints_total_limit == 0
+    with pytest.raises(RecipeError, match=r"^--checkpoints_total_limit must be >= 0, got -1$"):
+        parse_args(["--checkpoints_total_limit", "-1"], environ={})
+
+
+def test_checkpoint_size_estimate_counts_each_stored_copy():
+    """fl_accel/checkpoint.py stores the model once after a full sync and once per group
+    mid-round, AdamW's two moments per group, the anchor and the outer momentum once, the
+    error-feedback residuals per group; a torchft group stores only its own state. Measured
+    against real checkpoints: tests/recipe/test_recipe_lifecycle.py."""
+    from recipes.run_folder import checkpoint_bytes, checkpoints_mid_round
+
+    n, b = 1000, 4
+    fl = FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=2)
+    assert checkpoint_bytes(n, b, 2, fl, mid_round=False) == n * b * (1 + 2 * 2)
+    assert checkpoint_bytes(n, b, 2, fl, mid_round=True) == n * b * (2 + 2 * 2)
+    assert checkpoint_bytes(n, b, 1, FLConfig(algorithm="fsdp"), mid_round=True) == n * b * 3
+    diloco = FLConfig(algorithm="fl_fsdp", num_groups=4, outer_optimizer="nesterov", average_optimizer_state=True)
+    assert checkpoint_bytes(n, b, 4, diloco, mid_round=False) == n * b * (1 + 2) + 2 * 4 * n
+    int8 = FLConfig(algorithm="fl_fsdp", num_groups=2, sync_dtype="int8", error_feedback=True)
+    assert checkpoint_bytes(n, 2, 2, int8, mid_round=False) == n * 2 * (1 + 4) + 4 * n + 4 * n * 2
+    ft = FLConfig(algorithm="fl_fsdp", num_groups=2, fault_tolerance="torchft", group_index=1)
+    assert checkpoint_bytes(n, b, 2, ft, mid_round=True) == n * b * 3
+    assert checkpoints_mid_round(fl, 2, 3) and not checkpoints_mid_round(fl, 2, 4)
+    assert not checkpoints_mid_round(FLConfig(algorithm="fsdp"), 1, 3) and not checkpoints_mid_round(fl, 2, 0)
+    assert checkpoints_mid_round(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=4, num_fragments=2), 2, 4)
+
+
+def test_banner_says_where_checkpoints_go_how_large_and_how_many_are_kept(tmp_path):
+    """The banner's checkpoint line (the folder, the estimate at a sync and mid-round, how many
+    are kept, the final export) and its tokenizer line (the recipe's BPE trained on the run's
+    text and its cache folder, or the named tokenizer)."""
+    parsed = parse_args(["--checkpoint_every", "3", "--sync_every", "2", "--output_dir", str(tmp_path)], environ=ENV)
+    line = banner.storage_line(parsed.args, parsed.fl, 2, 2_884_736, 4)
+    assert line == (f"checkpoints: every 3 steps to {tmp_path}/checkpoints/step_<step>, about 57.7 MB each (69.2 MB "
+                    f"mid-round), the newest 2 kept (--checkpoints_total_limit; 0 keeps all); final model: "
+                    f"{tmp_path}/final_model (about 11.5 MB)"), line
+    parsed = parse_args(["--checkpoints_total_limit", "0", "--checkpoint_every", "1", "--algorithm", "fsdp",
+                         "--save_final_model", "false", "--output_dir", str(tmp_path)], environ=ENV)
+    line = banner.storage_line(parsed.args, parsed.fl, 1, 2_884_736, 4)
+    assert line.startswith("checkpoints: every step to ") and "about 34.6 MB each, every one kept" in line, line
+    assert line.endswith("final model: not exported (--save_final_model false)"), line
+    parsed = parse_args(["--output_dir", str(tmp_path)], environ=ENV)
+    none = banner.storage_line(parsed.args, parsed.fl, 2, 10, 4)
+    assert none.startswith("checkpoints: none (--checkpoint_every 0)"), none
+    tok = type("Tok", (), {"name_or_path": "/cache/bpe8192-0123", "__len__": lambda self: 8192})()
+    assert banner.tokenizer_line(parsed.args, tok) == (
+        "tokenizer: a byte-level BPE of 8192 tokens trained on this run's training text (--tokenizer bpe; a hub "
+        "tokenizer: --tokenizer <name>), cached in /cache/bpe8192-0123")
+    hub = parse_args(["--tokenizer", "meta-llama/Llama-3.1-8B"], environ=ENV).args
+    tok = type("Tok", (), {"name_or_path": "meta-llama/Llama-3.1-8B", "__len__": lambda self: 128256})()
+    assert banner.tokenizer_line(hub, tok) == ("tokenizer: meta-llama/Llama-3.1-8B (128256 tokens), loaded from "
+                                               "meta-llama/Llama-3.1-8B")
+
+
+# =========================================================== counters after a resume or restart (issue 42)
+def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
+    """Control flow only (real resumes: tests/recipe/test_recipe_lifecycle.py, the restarted
+    torchft group: tests/ft/test_ft_launch.py): a torchft group resumed from its checkpoint
+    adds this session's heals, heal records and torchft seconds to those stored there, and
+    all_results.json's ``counters`` say what the counters cover, with a closing line."""
+    import types
+
+    from recipes.pretrain import counters_line, counters_scope, ft_counters
+
+    transport = types.SimpleNamespace(heals=1, heal_sources=[{"source_group": 0, "step": 9, "bytes": 10,
+                                                              "seconds": 0.5, "transfer_seconds": 0.4,
+                                                              "load_seconds": 0.1, "quorum_id": 3}],
+                                      seconds={"quorum": 2.0, "commit": 1.0, "quorums": 4})
+    acc = types.SimpleNamespace(fault_tolerant=True, synchronizer=types.SimpleNamespace(transport=transport))
+    before = {"heals": 1, "heal_log": [{"source_group": 1, "step": 4}],
+              "torchft_seconds": {"quorum": 1.0, "commit": 0.5, "quorums": 2}}
+    got = ft_counters(acc, {"fault_tolerance": before})
+    assert got["heals"] == 2 and [h["step"] for h in got["heal_log"]] == [4, 9]
+    assert got["heal_log"][1] == {"source_group": 0, "step": 9, "bytes": 10, "seconds": 0.5, "transfer_seconds": 0.4,
+                                  "load_seconds": 0.1}
+    assert got["torchft_seconds"] == {"quorum": 3.0, "commit": 1.5, "quorums": 6}
+    assert ft_counters(acc, {})["heals"] == 1 and ft_counters(types.SimpleNamespace(), {}) == {}
+
+    def run(restored, resume_path):
+        return types.SimpleNamespace(meter=types.SimpleNamespace(restored=restored, data_steps=6),
+                                     plan=types.SimpleNamespace(resume_path=resume_path))
+
+    fresh = counters_scope(run({}, None))
+    assert fresh == {"since": "the run's start", "carried_over_from": None, "steps_counted": 6}
+    assert counters_line(fresh) == ""
+    resumed = counters_scope(run({"train_seconds": 3.0}, "out/checkpoints/step_4"))
+    assert counters_line(resumed) == ("\n[fl_accel] tokens, time and traffic cover the whole run: the sessions "
+                                      "before out/checkpoints/step_4 carried over from it")
+    lost = counters_scope(run({"earlier_session_lost": True}, None))
+    assert lost["since"] == "this process's start"
+    assert counters_line(lost).startswith("\n[fl_accel] note: tokens, time and traffic count since this process "
+                                          "started (6 steps)")
