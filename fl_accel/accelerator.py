@@ -152,6 +152,7 @@ class FLAccelerator(Accelerator):
         self.fl_config = fl_config  # frozen and validated at construction; the layout is checked next
         self.fault_tolerant = fl_config.fault_tolerance == "torchft"
         if self.fault_tolerant:
+            compat.check_torchft_version()  # every rank, before any process group
             self._lighthouse = lighthouse_addr(fl_config)
         self.layout = FLLayout.for_launch(fl_config, world, ranks_per_node=ranks_per_node(world))
         self._mesh_layout = self.layout.launch_part(fl_config)  # torchft: this world is one federation group
