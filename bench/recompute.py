@@ -84,6 +84,40 @@ def final_loss(folder: str, run: str) -> Source:
     return Source(f"{folder}/curves.csv: last eval/loss of {run}", f)
 
 
+def seed_mean(folder: str, *runs: str) -> Source:
+    """The mean of the runs' final eval losses (one run per seed; curves.csv)."""
+    losses = [final_loss(folder, r) for r in runs]
+    return Source(f"mean over seeds of the last eval/loss in {folder}/curves.csv of {', '.join(runs)}",
+                  lambda root: statistics.fmean(x.compute(root) for x in losses))
+
+
+def seed_sd(folder: str, *runs: str) -> Source:
+    """The sample standard deviation (n - 1) of the runs' final eval losses (curves.csv)."""
+    losses = [final_loss(folder, r) for r in runs]
+    return Source(f"sample sd over seeds of the last eval/loss in {folder}/curves.csv of {', '.join(runs)}",
+                  lambda root: statistics.stdev(x.compute(root) for x in losses))
+
+
+def pooled_sd(folder: str, *configs: tuple[str, ...]) -> Source:
+    """sqrt(sum((n_i - 1) s_i^2) / sum(n_i - 1)) over the configurations (each a tuple of runs)."""
+    def f(root):
+        ss = df = 0
+        for runs in configs:
+            vals = [final_loss(folder, r).compute(root) for r in runs]
+            ss += (len(vals) - 1) * statistics.variance(vals)
+            df += len(vals) - 1
+        return (ss / df) ** 0.5
+    return Source(f"pooled sample sd over {len(configs)} configurations in {folder}/curves.csv", f)
+
+
+def scaled(a: Source, factor: float) -> Source:
+    return Source(f"{factor:g} x ({a.where})", lambda root: factor * a.compute(root))
+
+
+def difference(a: Source, b: Source) -> Source:
+    return Source(f"({a.where}) - ({b.where})", lambda root: a.compute(root) - b.compute(root))
+
+
 def ttt(folder: str, link: str, run: str, *keys: str) -> Source:
     """A field of one row of a time_to_target.json (nested keys)."""
     def f(root):
@@ -133,13 +167,16 @@ ROW_1G = "tokens/s at 1 Gbit/s"
 ROW_R2 = "FL+HSDP, 2 groups x 2 replicas x 2 shards, 100 Mbit/s"
 ROW_LIMIT = "share of the no-sync limit at 10 Mbit/s"
 ROW_SPARSE = "sparse exchange at 10 Mbit/s"
-ROW_3E4 = "final eval loss after 3.4M tokens, AdamW lr 3e-4, two seeds each"
-ROW_1E3 = "the same at FSDP's better lr 1e-3"
+ROW_3E4 = "final eval loss after 3.4M tokens, AdamW lr 3e-4, mean ± sd of two seeds"
+ROW_1E3 = "the same at lr 1e-3 (FSDP's better LR) in every row"
 ROW_TTT = "wall-clock minutes to FSDP's half-budget loss at 10 Mbit/s, trained end to end"
 ROW_SPEED = "groups at 2:1 speed (CPU quotas), 100 Mbit/s, 832 steps' tokens"
 ROW_FT = "torchft mode's cost at 100 Mbit/s"
 ROW_MEM = "peak memory model against measurement"
 N0, X2, F2, F3 = num(",.0f"), num(".2f", "x"), num(".2f"), num(".3f")
+_FSDP_1E3 = ("fsdp-lr1e-3", "fsdp-lr1e-3-seed43", "fsdp-lr1e-3-seed44")
+_AVG_1E3 = ("fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44")
+_FAST_1E3 = tuple(f"fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
 
 
 def _of_limit(folder: str, link: str, run: str) -> Source:
@@ -179,21 +216,26 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_SPARSE, "0.99", F2, _of_limit(SP, "10mbit", "fl_fsdp-p2-tau2-sparse-ef")),
     Figure(ROW_SPARSE, "0.3", num(".1f"), fl_mib(SP, "rate-10mbit/fl_fsdp-p2-tau2-sparse-ef")),
     Figure(ROW_SPARSE, "8.4", num(".1f"), fl_mib(S, "rate-10mbit/fl_fsdp-p2-tau2-int8-ef")),
-    Figure(ROW_3E4, "5.257", F3, final_loss(G, "fsdp")),
-    Figure(ROW_3E4, "5.239", F3, final_loss(G, "fsdp-seed43")),
-    Figure(ROW_3E4, "5.413", F3, final_loss(G, "fl_fsdp-h8")),
-    Figure(ROW_3E4, "5.404", F3, final_loss(G, "fl_fsdp-h8-seed43")),
-    Figure(ROW_3E4, "5.183", F3, final_loss(G, "fl_fsdp-h8-nesterov")),
-    Figure(ROW_3E4, "5.317", F3, final_loss(G, "fl_fsdp-h8-nesterov-seed43")),
+    Figure(ROW_3E4, "5.248", F3, seed_mean(G, "fsdp", "fsdp-seed43")),
+    Figure(ROW_3E4, "0.013", F3, seed_sd(G, "fsdp", "fsdp-seed43")),
+    Figure(ROW_3E4, "5.408", F3, seed_mean(G, "fl_fsdp-h8", "fl_fsdp-h8-seed43")),
+    Figure(ROW_3E4, "0.006", F3, seed_sd(G, "fl_fsdp-h8", "fl_fsdp-h8-seed43")),
+    Figure(ROW_3E4, "5.250", F3, seed_mean(G, "fl_fsdp-h8-nesterov", "fl_fsdp-h8-nesterov-seed43")),
+    Figure(ROW_3E4, "0.094", F3, seed_sd(G, "fl_fsdp-h8-nesterov", "fl_fsdp-h8-nesterov-seed43")),
     Figure(ROW_3E4, "0.134", F3, diff(final_loss(G, "fl_fsdp-h8-nesterov"),
                                       final_loss(G, "fl_fsdp-h8-nesterov-seed43"))),
-    Figure(ROW_1E3, "4.753", F3, final_loss(G, "fsdp-lr1e-3")),
-    Figure(ROW_1E3, "4.913", F3, final_loss(G, "fl_fsdp-h8-lr1e-3")),
+    Figure(ROW_1E3, "0.020", F3, scaled(pooled_sd(G, _FSDP_1E3, _AVG_1E3, _FAST_1E3), 2)),
+    Figure(ROW_1E3, "4.737", F3, seed_mean(G, *_FSDP_1E3)),
+    Figure(ROW_1E3, "0.014", F3, seed_sd(G, *_FSDP_1E3)),
+    Figure(ROW_1E3, "4.904", F3, seed_mean(G, *_AVG_1E3)),
+    Figure(ROW_1E3, "0.008", F3, seed_sd(G, *_AVG_1E3)),
+    Figure(ROW_1E3, "+0.167", num("+.3f"), difference(seed_mean(G, *_AVG_1E3), seed_mean(G, *_FSDP_1E3))),
+    Figure(ROW_1E3, "4.970", F3, seed_mean(G, *_FAST_1E3)),
+    Figure(ROW_1E3, "0.007", F3, seed_sd(G, *_FAST_1E3)),
+    Figure(ROW_1E3, "+0.233", num("+.3f"), difference(seed_mean(G, *_FAST_1E3), seed_mean(G, *_FSDP_1E3))),
+    Figure(ROW_1E3, "5.020", F3, seed_mean(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
+    Figure(ROW_1E3, "0.012", F3, seed_sd(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "5.093", F3, final_loss(G, "fl_fsdp-h8-nesterov-lr1e-3")),
-    Figure(ROW_1E3, "5.029", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3")),
-    Figure(ROW_1E3, "5.012", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
-    Figure(ROW_1E3, "4.977", F3, final_loss(G, "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")),
-    Figure(ROW_1E3, "5.182", F3, final_loss(G, "fl_fsdp-h8-p2-tau2-int8-ef-nesterov-lr1e-3")),
     Figure(ROW_TTT, "4.0", minutes, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target",
                                         "fsdp_half_budget")),
     Figure(ROW_TTT, "0.91", F2, ttt(T4, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "of_limit")),
@@ -226,6 +268,10 @@ FIGURES: tuple[Figure, ...] = (
         "quality.rows[speed-2to1].of_barrier (its wall seconds to the loss over the barrier's)")),
     Figure(ROW_FT, "2,583", N0, _ft_median("torchft")),
     Figure(ROW_FT, "2,616", N0, _ft_median("single")),
+    Figure(ROW_FT, "5.3%", num(".1%"), json_value("2026-12-02-ft/link_summary.json", lambda d: -min(d["pair_overheads"]),
+                                                  "-min(pair_overheads) (1 - torchft / single tokens/s, pair by pair)")),
+    Figure(ROW_FT, "5.4%", num(".1%"), json_value("2026-12-02-ft/link_summary.json", lambda d: max(d["pair_overheads"]),
+                                                  "max(pair_overheads)")),
     Figure(ROW_FT, "1.3%", num(".1%"), Source("1 - " + ratio(_ft_median("torchft"), _ft_median("single")).where,
                                               lambda root: 1 - ratio(_ft_median("torchft"), _ft_median("single"))
                                               .compute(root))),

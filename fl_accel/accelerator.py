@@ -376,11 +376,12 @@ class FLAccelerator(Accelerator):
         (``<project_dir>/checkpoints/checkpoint_<i>``, ``total_limit`` kept), else ValueError.
         Returns the folder. Collective."""
         output_dir = self._automatic_checkpoint_dir("save_state") if output_dir is None else output_dir
+        iteration = self.project_configuration.iteration
         with _accelerate_naming_off(self):
             out = save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                        rank_state=kwargs.get("rank_state"))
-        if self.project_configuration.automatic_checkpoint_naming:
-            self.project_configuration.iteration += 1
+        # one save, one iteration, as Accelerator.save_state counts (it also counts its own call inside)
+        self.project_configuration.iteration = iteration + 1
         return out
 
     def load_state(self, input_dir: str | None = None, **kwargs):

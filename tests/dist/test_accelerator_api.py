@@ -218,20 +218,21 @@ def test_a_second_prepare_is_refused_on_every_rank(features):
         assert rec["sync_wait_seconds"] > 0
 
 
-def test_get_state_dict_warns_when_the_groups_differ(features):
-    """accelerator.get_state_dict (behind save_model) after step 5 with H=2: one warning on every
-    rank, naming sync_if_pending, which then syncs; after it no warning, and rank 0's full
-    state dict (Accelerate gathers it to rank 0) changed. After a sync step (H=1, 1 step) no
-    warning and nothing to sync."""
+def test_get_state_dict_syncs_first_when_the_groups_differ(features):
+    """accelerator.get_state_dict (behind save_model and save_pretrained) after step 5 with H=2,
+    when the groups differ: it syncs first, on every rank, without a warning, so a
+    sync_if_pending() after it has nothing left to sync, and a second get_state_dict gives rank
+    0 the same full state dict (Accelerate gathers it to rank 0). After a sync step (H=1,
+    1 step) the groups do not differ and nothing syncs."""
     recs = features("ac_off")
     for rec in recs:
-        assert len(rec["state_dict_warnings_before"]) == 1, rec["state_dict_warnings_before"]
-        assert f"this is group {rec['group']}'s model" in rec["state_dict_warnings_before"][0]
-        assert "sync_if_pending()" in rec["state_dict_warnings_before"][0]
-        assert rec["synced_before"] is True
-        assert rec["state_dict_warnings_after"] == [] and rec["synced_after"] is False
-    assert recs[0]["state_dict_sum_before"] != recs[0]["state_dict_sum_after"]  # the sync changed group 0's model
+        assert rec["groups_differed"] is True
+        assert rec["state_dict_warnings_before"] == [] and rec["state_dict_warnings_after"] == []
+        assert rec["synced_before"] is False and rec["synced_after"] is False
+    assert recs[0]["state_dict_sum_before"] is not None
+    assert recs[0]["state_dict_sum_before"] == recs[0]["state_dict_sum_after"]
     for rec in features("precision_default"):
+        assert rec["groups_differed"] is False
         assert rec["state_dict_warnings_before"] == [] and rec["synced_before"] is False
 
 

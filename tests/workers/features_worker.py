@@ -108,6 +108,7 @@ def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, fa
     if state_dict_check:  # the groups differ after the last step unless it was a sync step
         import warnings
 
+        rec["groups_differed"] = acc._groups_differ()
         for when in ("before", "after"):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

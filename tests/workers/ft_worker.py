@@ -132,7 +132,10 @@ def run_case(spec: dict, out: Path) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch, shuffle=False)
     scheduler = None
     if spec.get("scheduler"):
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
+        # sized the Accelerate way: the prepared scheduler steps num_processes times per optimizer
+        # step (the group's processes in torchft mode, the world's in the single world)
+        per_step = acc.num_processes
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * (s // per_step)))
         model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     else:
         model, optimizer, loader = acc.prepare(model, optimizer, loader)
