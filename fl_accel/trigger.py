@@ -239,7 +239,8 @@ class RoundState:
 
     def summary(self) -> dict:
         """all_results.json's ``rounds``: per group, steps per round, the share of wall time spent
-        waiting at syncs, and tokens (rank-steps x tokens per rank-step is the caller's)."""
+        waiting at syncs (and its seconds, ``wait_s``, beside the seconds of training steps,
+        ``train_s``), and tokens (rank-steps x tokens per rank-step is the caller's)."""
         F = len(self.sizes)
         wall = [self.train_s_total[f] + self.wait_s[f] for f in range(F)]
         return {"trigger": self.trigger, "num_rounds": len(self.rounds),
@@ -247,6 +248,7 @@ class RoundState:
                 "group_steps": list(self.group_steps),
                 "wait_share": [self.wait_s[f] / wall[f] if wall[f] > 0 else 0.0 for f in range(F)],
                 "seconds_per_step": list(self.seconds_per_step), "timed_steps": list(self.timed_total),
+                "wait_s": list(self.wait_s), "train_s": list(self.train_s_total),
                 "rank_steps": self.tokens,
                 "round_end_s": list(self.ends_s)}
 

@@ -226,7 +226,10 @@ def test_slowed_group_does_fewer_steps_and_groups_stay_synced(four, scenario):
         assert all(slow[k] == 4 for k in range(1, n - 1)), rounds  # then the slow group does H, the fast one more
     assert all(0 <= w < 1 for w in rounds["wait_share"]), rounds
     if scenario == "time_slowed":  # the fast group waits at most about one slow step per 0.6 s window
-        assert rounds["wait_share"][0] < 0.6, rounds
+        # (measured in the run's own step times, not in seconds: a loaded machine stretches steps)
+        slow_step_s = rounds["train_s"][1] / rounds["timed_steps"][1]
+        assert rounds["wait_s"][0] <= 2 * n * slow_step_s + 0.05 * n, (rounds, slow_step_s)
+        assert rounds["wait_s"][0] > rounds["wait_s"][1], rounds  # the fast group is the one that waits
     for r in recs:  # the wait for the others to arrive is part of the time in syncs
         assert 0 < r["arrival_s"] <= r["sync_s"] + 1e-9, r["arrival_s"]
     assert rounds["rank_steps"] == pytest.approx(24 * WORLD, abs=2 * 2), rounds
