@@ -38,8 +38,12 @@ PLANNING = ("fl_accel.planning",)
 """The library's analytic predictors (cost, memory and FLOPs models): no runtime module imports them."""
 KNOWN_RUNTIME_TO_PLANNING: set[str] = set()
 """Runtime modules allowed to import a planning module: none. (The wire constants and helpers
-the cost model shares live in runtime modules, fl_accel.codecs, comm, exchange and schedule,
-which the planning models import.) An entry that no longer offends fails the test."""
+the cost model shares with the codecs, the exchange and the comm meter live in the torch-free
+fl_accel.wire, which both sides import.) An entry that no longer offends fails the test."""
+TORCH_FREE = ("fl_accel.planning.memory", "fl_accel.planning.cost", "fl_accel.planning.flops",
+              "fl_accel.planning.units", "fl_accel.planning.links", "fl_accel.wire")
+"""Modules whose import loads no torch (issue 41 item 5): :func:`import_closure` of each holds
+no torch and no Accelerate. In a fresh interpreter: tests/tools/test_fresh_imports.py."""
 LIBRARY_THIRD_PARTY = {"torch", "accelerate", "yaml", "torchft"}
 """What fl_accel may import besides the standard library: pyproject.toml's dependencies
 (torch, accelerate, PyYAML) and the ``ft`` extra (torchft, imported only in fault-tolerant
@@ -52,13 +56,19 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, root: Path) -> set[str]:
+def imported_modules(path: Path, root: Path, module_level: bool = False) -> set[str]:
     """Absolute names of everything ``path`` imports: ``import a.b`` gives "a.b"; ``from a
-    import b`` gives "a" and "a.b" (b may be a submodule); relative imports are resolved."""
+    import b`` gives "a" and "a.b" (b may be a submodule); relative imports are resolved.
+    ``module_level``: only what importing ``path`` runs (not the imports in function bodies)."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    if module_level:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                node.body = []
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -164,6 +174,48 @@ def test_the_checker_reports_planted_wrong_imports(tmp_path):
     ])
     assert violations(tmp_path, {"fl_accel.runtime"}) == [
         line for line in violations(tmp_path) if not line.startswith("fl_accel.runtime ")]
+
+
+def import_closure(module: str, root: Path = REPO_ROOT) -> set[str]:
+    """Every module ``import module`` runs, as far as the source says: its packages'
+    ``__init__``, their module-level imports, recursively through first-party modules (a
+    third-party name is kept, not followed)."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # a.b.c runs a, a.b, then a.b.c
+            sub = ".".join(parts[:i])
+            if sub in seen:
+                continue
+            seen.add(sub)
+            base = root.joinpath(*sub.split("."))
+            path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
+            if path.exists():
+                todo.extend(imported_modules(path, root, module_level=True))
+    return seen
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_planning_package_imports_no_torch(module):
+    """Importing a planning model (or the wire constants) runs no ``import torch`` nor
+    ``import accelerate`` at module level anywhere in its first-party closure."""
+    heavy = sorted(m for m in import_closure(module) if m.split(".")[0] in ("torch", "accelerate"))
+    assert heavy == [], f"import {module} loads {heavy}"
+
+
+def test_the_import_closure_sees_a_planted_torch_import(tmp_path):
+    """The closure follows package ``__init__``s and module-level imports, not imports inside
+    functions."""
+    _write(tmp_path, {
+        "fl_accel/__init__.py": "from .mesh import FLLayout\n",
+        "fl_accel/mesh.py": "import math\ndef f():\n    import accelerate\n",
+        "fl_accel/planning/__init__.py": "",
+        "fl_accel/planning/memory.py": "from ..wire import BLOCK\n",
+        "fl_accel/wire.py": "import torch\nBLOCK = 1\n",
+    })
+    closure = import_closure("fl_accel.planning.memory", tmp_path)
+    assert "torch" in closure and "accelerate" not in closure and "fl_accel.mesh" in closure
 
 
 @pytest.mark.parametrize("rel, level, module, want", [
