@@ -344,11 +344,11 @@ def seed_config(rid: str, ids) -> str:
     return m[1] if m and m[1] in ids else rid
 
 
-def seed_stats(losses: dict[str, list[float]]) -> dict:
+def seed_stats(losses: dict[str, list[float]], pool=None) -> dict:
     """Mean and sample standard deviation of each configuration's final eval losses over its
     seeds (``{configuration: [loss per finished seed]}``), and the pooled standard deviation
     :data:`POOLED_SD_FORMULA` over the configurations with at least 2 seeds (s_i with n_i - 1
-    in its denominator).
+    in its denominator); ``pool``: only these configurations enter the pooled sd (None: all).
 
     Returns:
         ``{"configs": {id: {"n", "mean", "sd"}}, "pooled_sd", "df", "pooled_over": [ids]}``;
@@ -359,7 +359,7 @@ def seed_stats(losses: dict[str, list[float]]) -> dict:
         vals = [v for v in vals if v is not None]
         sd = statistics.stdev(vals) if len(vals) >= 2 else None
         configs[cid] = {"n": len(vals), "mean": statistics.fmean(vals) if vals else None, "sd": sd}
-        if sd is not None:
+        if sd is not None and (pool is None or cid in pool):
             ss, df = ss + (len(vals) - 1) * sd**2, df + len(vals) - 1
             over.append(cid)
     return {"configs": configs, "pooled_sd": math.sqrt(ss / df) if df else None, "df": df, "pooled_over": over}
@@ -550,7 +550,10 @@ def seeds_of(rows: dict[str, dict], status: dict[str, dict]) -> dict:
         planned.setdefault(seed_config(rid, status), []).append(rid)
     planned = {c: ids for c, ids in planned.items() if len(ids) > 1}
     done = {c: [r for r in ids if r in rows and rows[r]["eval_loss"] is not None] for c, ids in planned.items()}
-    out = seed_stats({c: [rows[r]["eval_loss"] for r in ids] for c, ids in done.items()})
+    # the pooled sd: over the configurations planned with three seeds (issue 40's equal-footing rows), when
+    # any has two finished; each configuration's own sd stays in the table (nesterov's pair is far wider)
+    pool = [c for c in bp.CONVERGENCE_THIRD_SEEDED if len(done.get(c, [])) >= 2] or None
+    out = seed_stats({c: [rows[r]["eval_loss"] for r in ids] for c, ids in done.items()}, pool=pool)
     for c, ids in planned.items():
         out["configs"][c].update(seeds=[rows[r]["seed"] for r in done[c]],
                                  losses={r: rows[r]["eval_loss"] for r in done[c]},

@@ -370,9 +370,17 @@ def _sd_text(res: dict) -> str:
     if seeds["pooled_sd"] is None:
         return "Pooled seed sd: not available yet (needs a configuration with 2 finished seeds)."
     labels = ", ".join(f"{seeds['configs'][c]['label']} (n={seeds['configs'][c]['n']})" for c in seeds["pooled_over"])
-    return (f"Pooled seed sd = {seeds['formula']} over the {len(seeds['pooled_over'])} configurations with at least 2 "
-            f"finished seeds ({labels}; {seeds['df']} degrees of freedom) = **{seeds['pooled_sd']:.4f}** nats; a "
-            f"difference counts when |Δ| > {seeds['rule_sds']} x pooled sd = **{seeds['threshold']:.4f}** nats.")
+    left = [c for c, v in seeds["configs"].items() if v.get("sd") is not None and c not in seeds["pooled_over"]]
+    which = ("the configurations planned with three seeds" if left else
+             "the configurations with at least 2 finished seeds")
+    out = (f"Pooled seed sd = {seeds['formula']} over {which} ({labels}; {seeds['df']} degrees of freedom) = "
+           f"**{seeds['pooled_sd']:.4f}** nats; a difference counts when |Δ| > {seeds['rule_sds']} x pooled sd = "
+           f"**{seeds['threshold']:.4f}** nats.")
+    if left:
+        out += (" The other configurations with two seeds are not pooled; their own sd is in the seeds table: " +
+                ", ".join(f"{seeds['configs'][c]['label']} {seeds['configs'][c]['sd']:.4f}" for c in left) +
+                " (a row whose own sd is larger than the pooled one is noisier than the rule assumes).")
+    return out
 
 
 def _rule_header(res: dict, what: str) -> str:

@@ -727,10 +727,12 @@ def test_grid_report_on_the_synthetic_fixture(tmp_path):
     res = json.loads((dst / "bench.json").read_text())["results"]
     assert lines[4].startswith("> **Noise.**")  # issue 40's rule below issue 28's
     # seeds: fsdp 5.30/5.32, fl_fsdp-h8 5.45/5.48, fsdp-lr1e-3 5.25/5.27/5.23, fl_fsdp-h8-lr1e-3 5.40/5.42 (its
-    # seed 44 not started), nesterov one seed (its seed 43 not started: not pooled)
+    # seed 44 not started), nesterov one seed (its seed 43 not started). Pooled: the configurations planned with
+    # three seeds (fsdp and fl_fsdp-h8 keep their own sd, outside the pool)
     seeds = res["seeds"]
-    sd = ((0.0002 + 0.00045 + 2 * 0.0004 + 0.0002) / 5) ** 0.5
-    assert seeds["pooled_over"] == ["fsdp", "fl_fsdp-h8", "fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3"] and seeds["df"] == 5
+    sd = ((2 * 0.0004 + 0.0002) / 3) ** 0.5
+    assert seeds["pooled_over"] == ["fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3"] and seeds["df"] == 3
+    assert "not pooled; their own sd is in the seeds table: FSDP 0.0141" in table
     assert seeds["pooled_sd"] == pytest.approx(sd) and seeds["threshold"] == pytest.approx(2 * sd)
     three = seeds["configs"]["fsdp-lr1e-3"]
     assert (three["n"], three["seeds"], three["mean"], three["sd"]) == (3, [42, 43, 44], pytest.approx(5.25),
