@@ -228,3 +228,39 @@ def test_relative_imports_resolve_against_the_package(tmp_path, rel, level, modu
     """``from .x`` in a module is a sibling, in an ``__init__.py`` a child; ``..`` goes up."""
     _write(tmp_path, {rel: f"from {'.' * level}{module or ''} import name\n"})
     assert want in imported_modules(tmp_path / rel, tmp_path)
+
+
+STATUS_API_FOLDERS = ("recipes", "examples", "scripts")
+"""Folders that read the sync only through ``accelerator.federation`` (docs/api.md), never
+through ``accelerator.synchronizer``, an internal of fl_accel (issue 41 item 3)."""
+
+
+def synchronizer_reaches(root: Path, folders=STATUS_API_FOLDERS) -> list[str]:
+    """``"<file>:<line>: <text>"`` for every line under ``folders`` of ``root`` that reaches
+    into the synchronizer (``synchronizer.`` or an attribute ``.synchronizer``), in order."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if "synchronizer." in line or ".synchronizer" in line or '"synchronizer"' in line:
+                    found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    return found
+
+
+def test_recipes_examples_and_scripts_read_only_the_federation_status():
+    """``grep -rn "synchronizer\\." recipes examples scripts`` is empty, and no ``getattr(acc,
+    "synchronizer")`` either: what they need is on ``accelerator.federation``."""
+    reaches = synchronizer_reaches(REPO_ROOT)
+    assert reaches == [], "use accelerator.federation (docs/api.md) instead of the synchronizer:\n" + "\n".join(reaches)
+
+
+def test_the_status_check_names_file_and_line(tmp_path):
+    _write(tmp_path, {
+        "recipes/ok.py": "def hook(_synchronizer, full):\n    return accelerator.federation.step\n",
+        "examples/bad.py": "x = 1\nsteps = accelerator.synchronizer.schedule.global_step\n",
+        "scripts/bad.py": 'sync = getattr(acc, "synchronizer", None)\n',
+    })
+    assert synchronizer_reaches(tmp_path) == [
+        "examples/bad.py:2: steps = accelerator.synchronizer.schedule.global_step",
+        'scripts/bad.py:1: sync = getattr(acc, "synchronizer", None)',
+    ]
