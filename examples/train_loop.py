@@ -87,7 +87,7 @@ def main(argv=None) -> None:
                           args.seq_len, MODEL["vocab_size"], args.seed)
     loader = torch.utils.data.DataLoader(rows, batch_size=args.micro_batch_size, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    sync = accelerator.synchronizer
+    federation = accelerator.federation  # the sync's public status (docs/api.md)
 
     if accelerator.is_main_process:
         layout = accelerator.layout
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
 
     def steps_done() -> int:
         # a torchft group that healed from a live one takes over its optimizer-step count
-        return sync.schedule.global_step if sync.schedule.active else own_steps
+        return federation.step if federation.active else own_steps
 
     model.train()
     with accelerator.meter_comm():  # bytes and seconds by mesh axis ("fl", "dp_shard", ...) and "world"
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                     mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
                     if accelerator.is_main_process:
                         print(f"[train_loop] step {step}: loss {mean:.4f} (mean over this launch's ranks), "
-                              f"lr {scheduler.get_last_lr()[0]:.2e}, syncs {sync.schedule.num_syncs}", flush=True)
+                              f"lr {scheduler.get_last_lr()[0]:.2e}, syncs {federation.rounds_done}", flush=True)
                 if step >= args.max_steps:
                     break
         final_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
             by_shard.setdefault(rec["shard"], set()).add(rec["checksum"])
         result = {"algorithm": config.algorithm, "num_groups": accelerator.num_groups,
                   "group_index": accelerator.group_index, "fault_tolerance": config.fault_tolerance,
-                  "steps": steps_done(), "num_syncs": sync.schedule.num_syncs, "final_loss": final_loss,
+                  "steps": steps_done(), "num_syncs": federation.rounds_done, "final_loss": final_loss,
                   "loss_finite": math.isfinite(final_loss),
                   "comm_bytes": {axis: s["bytes"] for axis, s in accelerator.comm_stats.as_dict().items()},
                   "shards": every,

@@ -38,6 +38,7 @@ from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
 from .exchange import MeshTransport
+from .federation import Federation
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .sync import FederatedSynchronizer
 
@@ -179,6 +180,8 @@ class FLAccelerator(Accelerator):
         ranks = {tuple(sorted(self._mesh_layout.axis_ranks(a, self.process_index))): a for a in AXES}
         self._comm_meter = CommMeter(self.comm_stats, groups, {r: a for r, a in ranks.items() if len(r) > 1})
         self.synchronizer: FederatedSynchronizer | None = None
+        self.federation = Federation(self)
+        """The federation's public status (:class:`fl_accel.federation.Federation`): what loops read."""
         self._last_loss: torch.Tensor | None = None
         self._grads_accumulating = False  # micro-batch gradients wait for their optimizer step
         if self.is_main_process:
@@ -356,16 +359,18 @@ class FLAccelerator(Accelerator):
         self.sync_if_pending(final=True)
         return super().get_state_dict(model, unwrap=unwrap)
 
-    def register_pre_sync_hook(self, hook):
+    def register_pre_sync_hook(self, hook, first: bool = False):
         """Call ``hook(synchronizer, full)`` before every sync event (it may run forwards, e.g.
         an evaluation); returns a handle with ``remove()``. The hook runs inside the event (its
         time counts as sync wait); a world collective of the hook that every rank makes
         first in the event goes inside ``synchronizer.arriving()`` to be counted as the wait
-        for the other groups (:attr:`sync_arrival_seconds`). RuntimeError before ``prepare``."""
+        for the other groups (:attr:`sync_arrival_seconds`; ``federation.arriving()`` is the
+        same). ``first``: before the hooks registered earlier (else after them). RuntimeError
+        before ``prepare``."""
         if self.synchronizer is None:
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
-        hooks.insert(len(hooks) - 1, hook)  # before the reshard
+        hooks.insert(0 if first else len(hooks) - 1, hook)  # before the reshard, always the last
         return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
 
     def save_state(self, output_dir: str | None = None, **kwargs):

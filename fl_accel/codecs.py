@@ -4,8 +4,9 @@ An :class:`~fl_accel.exchange.Exchange` packs fp32 buckets and drives a codec th
 stages per bucket: :meth:`Codec.launch` (encode this rank's chunk, start the first "fl"
 collective), :meth:`Codec.advance` (a second collective, for codecs that have one) and
 :meth:`Codec.complete` (wait, write the weighted mean of the chunk over the groups into it).
-:meth:`Codec.wire` gives the bytes those collectives carry, which :mod:`fl_accel.planning.cost`
-turns into bytes per rank with the same ring formulas :mod:`fl_accel.comm` counts.
+:meth:`Codec.padding` and :meth:`Codec.wire` are :mod:`fl_accel.wire`'s formulas for the
+codec's name (torch-free: :mod:`fl_accel.planning.cost` reads the same ones), turned into
+bytes per rank with the ring formulas :mod:`fl_accel.comm` counts.
 
 * :class:`Fp32Mean` ("fp32"): an in-place SUM all-reduce, pre-scaled by w_f when the weights
   differ, else divided by F afterwards (the paper's FedAvg, arXiv 2609.20359 Sec. 3).
@@ -28,30 +29,10 @@ Every tensor stays on the input's device (NCCL takes accelerator tensors only).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-BLOCK = 256
-"""Values per fp32 absmax scale of "int8"."""
-QMAX = 127.0
-SPARSE_BLOCK = 4096
-"""Values per top-k block of "sparse" (int16 indices inside a block)."""
-SPARSE_AGGREGATIONS = ("senders", "zero_fill")
-
-
-def sparse_k(density: float, bits: int) -> int:
-    """Values kept per 4096 by "sparse": ``density`` x 4096 rounded up to a multiple of 32 /
-    ``bits`` (whole bytes of codes, fields 4-byte aligned), at least that multiple, at most 4096."""
-    q = 32 // bits
-    return min(SPARSE_BLOCK, max(q, math.ceil(density * SPARSE_BLOCK / q) * q))
-
-
-def sparse_bytes(numel: int, density: float, bits: int) -> int:
-    """"sparse" payload bytes of ``numel`` values (a multiple of 4096): per block two fp32
-    (lowest kept magnitude, level step), k int16 indices, k ``bits``-bit codes."""
-    k = sparse_k(density, bits)
-    return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
+from . import wire
+from .wire import BLOCK, QMAX, SPARSE_AGGREGATIONS, SPARSE_BLOCK, sparse_bytes, sparse_k  # noqa: F401
 
 
 class Codec:
@@ -60,15 +41,18 @@ class Codec:
     name = ""
     lossy = False
     """True: the decoded mean differs from the exact one (error feedback applies)."""
+    density, bits = 1 / 64, 2
+    """"sparse"'s fraction of values kept and bits per value (the wire formulas take them)."""
 
     def padding(self, num_groups: int, num_chunks: int) -> int:
         """A bucket's fp32 length is padded to a multiple of this (C chunks of whole blocks)."""
-        return num_chunks
+        return wire.padding(self.name, num_groups, num_chunks)
 
     def wire(self, chunk_values: int, num_groups: int) -> list[tuple[str, float]]:
         """``[(op, tensor_bytes)]``: the "fl" collectives of one chunk of ``chunk_values`` fp32
-        values over F groups, in :func:`fl_accel.comm.ring_bytes`'s terms."""
-        raise NotImplementedError
+        values over F groups, in :func:`fl_accel.wire.ring_bytes`'s terms
+        (:func:`fl_accel.wire.wire_ops`)."""
+        return wire.wire_ops(self.name, chunk_values, num_groups, self.density, self.bits)
 
     def launch(self, ex, b, mine: torch.Tensor) -> None:
         """Encode ``mine`` (this rank's chunk of bucket ``b``) and start the first collective."""
@@ -87,9 +71,6 @@ class Fp32Mean(Codec):
     a lossy mode) nothing is dropped, so they are zeroed."""
 
     name = "fp32"
-
-    def wire(self, chunk_values, num_groups):
-        return [("all_reduce", 4.0 * chunk_values)]
 
     def launch(self, ex, b, mine):
         b.piece = mine.clone() if ex.t.num_chunks > 1 else mine
@@ -115,13 +96,7 @@ class Quantized(Codec):
 
     def __init__(self, name: str):
         self.name = name
-        self.value_bytes = 2.0 if name == "bf16" else 1.0 + 4.0 / BLOCK
-
-    def padding(self, num_groups, num_chunks):
-        return num_chunks * num_groups * BLOCK
-
-    def wire(self, chunk_values, num_groups):
-        return [("all_to_all", chunk_values * self.value_bytes), ("all_gather", chunk_values * self.value_bytes)]
+        self.value_bytes = wire.VALUE_BYTES[name]
 
     def quantize(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """fp32 ``x`` (numel divisible by ``rows`` x BLOCK for int8) -> uint8 ``[rows, row_bytes]``,
@@ -181,12 +156,6 @@ class Sparse(Codec):
             raise ValueError(f"sparse aggregation must be one of {SPARSE_AGGREGATIONS}, got {aggregation!r}")
         self.density, self.bits, self.aggregation = density, bits, aggregation
         self.k, self.levels = sparse_k(density, bits), 2 ** (bits - 1)
-
-    def padding(self, num_groups, num_chunks):
-        return num_chunks * SPARSE_BLOCK
-
-    def wire(self, chunk_values, num_groups):
-        return [("all_gather", num_groups * sparse_bytes(chunk_values, self.density, self.bits))]
 
     def _shifts(self, device) -> torch.Tensor:
         return torch.arange(0, 8, self.bits, dtype=torch.int32, device=device)

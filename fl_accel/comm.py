@@ -26,22 +26,7 @@ import torch.distributed as dist
 
 from . import compat
 from .mesh import BUCKETS, WORLD
-
-RING = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1, "all_reduce": 2}
-"""A ring collective over p ranks of M bytes sends RING[op] x (p-1)/p x M bytes per rank."""
-
-
-def ring_bytes(op: str, tensor_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring ``op`` of ``tensor_bytes`` over ``group_size`` ranks
-    (``int()`` of it is the exact floor). ValueError: unknown op, bytes < 0, group_size < 1."""
-    if op not in RING:
-        raise ValueError(f"op must be one of {sorted(RING)}, got {op!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
-    if isinstance(tensor_bytes, bool) or not isinstance(tensor_bytes, (int, float)) or not tensor_bytes >= 0 \
-            or tensor_bytes == float("inf"):
-        raise ValueError(f"tensor_bytes must be a non-negative finite number, got {tensor_bytes!r}")
-    return RING[op] * float(tensor_bytes) * (group_size - 1) / group_size
+from .wire import RING, ring_bytes  # noqa: F401  (the ring formulas live torch-free in fl_accel.wire)
 
 # entry point -> (collective kind, name of the "full tensor" argument, its position)
 _OPS = {

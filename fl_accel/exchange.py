@@ -3,7 +3,7 @@
 A :class:`Transport` gives each sync a :class:`Round` (F, this group's position, the
 weights: membership may change between syncs) and three collectives over "fl".
 :class:`MeshTransport` runs them on the mesh's process groups. An :class:`Exchange` packs
-local tensors into flat fp32 buckets (:func:`plan_buckets`) and drives one
+local tensors into flat fp32 buckets (:func:`fl_accel.wire.plan_buckets`) and drives one
 :class:`~fl_accel.codecs.Codec` through its stages (what crosses "fl", its padding and its
 bytes are the codec's: :mod:`fl_accel.codecs`); collectives are issued from the caller's
 thread in program order, so every rank issues them in one order (as NCCL requires).
@@ -27,19 +27,7 @@ import torch.distributed as dist
 from . import compat
 from .codecs import Codec, make_codec
 from .mesh import DP_REPLICATE, DP_SHARD, FL
-
-
-def plan_buckets(sizes: list[int], bucket_values: int) -> list[list[int]]:
-    """The exchange's buckets: indices of ``sizes`` (fp32 values per tensor) grouped in order,
-    at most ``bucket_values`` values each (a larger tensor alone)."""
-    out, total = [], 0
-    for i, n in enumerate(sizes):
-        if not out or total + n > bucket_values:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += n
-    return out
+from .wire import plan_buckets
 
 
 @dataclass(frozen=True)

@@ -295,12 +295,12 @@ class Meter:
 
     def step_done(self) -> int:
         """Count one optimizer step; returns the run's step count. With ``--fault_tolerance
-        torchft`` that is the synchronizer's ``global_step``: a group that healed took over a
+        torchft`` that is ``accelerator.federation.step``: a group that healed took over a
         live group's count (its tokens stay the ones it trained)."""
         self.completed_steps += 1
-        sync = getattr(self.accelerator, "synchronizer", None)
-        if getattr(self.accelerator, "fault_tolerant", False) and sync is not None:
-            self.completed_steps = sync.schedule.global_step
+        federation = getattr(self.accelerator, "federation", None)
+        if getattr(self.accelerator, "fault_tolerant", False) and federation is not None and federation.prepared:
+            self.completed_steps = federation.step
         self.data_steps += 1
         self.tokens += self.tokens_per_step
         self.window_tokens += self.tokens_per_step

@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
         plan = dataclasses.replace(plan, parsed=dataclasses.replace(plan.parsed, fl=accelerator.fl_config))
         fl = plan.fl
     warmup = math.ceil(args.warmup_ratio * max_steps)
-    if accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None:
+    if accelerator.federation.triggered:
         scheduler = accelerator.prepare(federation_schedule(optimizer, accelerator, args.lr_scheduler_type, warmup,
                                                             max_steps))
     else:  # sized as Accelerate steps a prepared scheduler: num_processes times per optimizer step
@@ -166,9 +166,9 @@ def main(argv=None) -> dict:
     accelerator.print("\n".join(f"[fl_accel] {line}" for line in banner + notes))
 
     completed_steps, restored = resume(accelerator, plan, data.stream)
-    rounds = accelerator.synchronizer is not None and accelerator.synchronizer.rounds is not None
+    rounds = accelerator.federation.triggered
     if rounds:  # a checkpoint is named by the federation's step; each group counts its own
-        completed_steps = accelerator.synchronizer.schedule.global_step
+        completed_steps = accelerator.federation.step
     clock = Clock(plan.t0, restored)
     meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
               wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
     if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
-        accelerator.register_pre_sync_hook(run.sync_log.pre_sync)
+        accelerator.register_pre_sync_hook(lambda _sync, full: run.sync_log.pre_sync(accelerator.federation, full))
     if args.eval_groups and layout.num_groups > 1:
         accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
     testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch,
@@ -261,8 +261,8 @@ def round_results(run: "Run") -> dict:
     tokens per second of training, no waiting: its timed steps' mean), and the federation's
     tokens/s (every group's tokens over this process's training seconds, syncs included, as
     a "steps" run's ``tokens_per_s``) against their sum."""
-    summary = run.accelerator.synchronizer.rounds.summary()
-    rounds = run.accelerator.synchronizer.rounds
+    rounds = run.accelerator.federation.rounds
+    summary = rounds.summary()
     per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
     standalone = [g * per_rank_step / t if t > 0 else None for g, t in
                   zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.timed_total)])]
@@ -280,7 +280,7 @@ def round_events(run: "Run", step: int) -> bool:
     agreed at the sync: the only points every group shares). True once the federation has
     trained the run's tokens (``accelerator.training_done``)."""
     acc, args = run.accelerator, run.args
-    if acc.synchronizer.schedule.local_step:  # mid-round
+    if acc.federation.local_step:  # mid-round
         return False
     fed, last = acc.federation_step, run.round_step
     run.round_step = fed
@@ -293,7 +293,7 @@ def round_events(run: "Run", step: int) -> bool:
             run.evaluate(fed)
         if not done and args.checkpoint_every and fed // args.checkpoint_every > last // args.checkpoint_every:
             run.save_checkpoint(fed)
-    acc.synchronizer.restart_round_clock()  # the speeds measured are the training steps' own
+    acc.federation.restart_round_clock()  # the speeds measured are the training steps' own
     return done
 
 
@@ -301,15 +301,14 @@ def fault_tolerance_results(accelerator, meter) -> dict:
     """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
     launch's federation group and world size, how often it healed from a live group and
     each heal (``heal_log``: source group, step, bytes, seconds, transfer and load seconds;
-    :func:`report_heals`), the synchronizer's counters (``SyncSchedule.state_dict``:
+    :func:`report_heals`), the sync's counters (``accelerator.federation.counters()``:
     global_step, num_syncs, ...), the optimizer steps this launch trained itself (``steps``
     minus those taken over in a heal) and rank 0's host seconds in torchft's quorums and
     commit votes. ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
     group resumed from its checkpoint adds the counts stored there (:func:`ft_counters`)."""
-    sync = accelerator.synchronizer
     counters = ft_counters(accelerator, meter.restored)
     return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
-            "group_world_size": accelerator.num_processes, **counters, "sync": sync.schedule.state_dict(),
+            "group_world_size": accelerator.num_processes, **counters, "sync": accelerator.federation.counters(),
             "steps_trained": meter.tokens // meter.tokens_per_step}
 
 
@@ -319,14 +318,14 @@ def ft_counters(accelerator, restored: dict) -> dict:
     ["fault_tolerance"]``, written by :meth:`Run.save_checkpoint`); {} outside the torchft mode."""
     if not getattr(accelerator, "fault_tolerant", False):
         return {}
-    transport = accelerator.synchronizer.transport
+    federation = accelerator.federation
     before = restored.get("fault_tolerance") or {}
     log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds", "transfer_seconds", "load_seconds")}
-           for h in getattr(transport, "heal_sources", [])]
+           for h in federation.heal_log]
     seconds = dict(before.get("torchft_seconds") or {})
-    for k, v in getattr(transport, "seconds", {}).items():
+    for k, v in federation.membership_seconds.items():
         seconds[k] = seconds.get(k, 0) + v
-    return {"heals": int(before.get("heals", 0)) + getattr(transport, "heals", 0),
+    return {"heals": int(before.get("heals", 0)) + federation.heals,
             "heal_log": list(before.get("heal_log") or []) + log, "torchft_seconds": seconds}
 
 
@@ -365,12 +364,12 @@ def report_heals(run: "Run", step: int) -> None:
     accelerator = run.accelerator
     if not getattr(accelerator, "fault_tolerant", False):
         return
-    transport = accelerator.synchronizer.transport
-    heals = getattr(transport, "heals", 0)
+    federation = accelerator.federation
+    heals = federation.heals
     if heals <= run.heals_reported:
         return
     run.heals_reported = heals
-    record = transport.heal_sources[-1] if transport.heal_sources else {}
+    record = federation.heal_log[-1] if federation.heal_log else {}
     record["step"] = step
     if accelerator.is_main_process:
         _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
@@ -452,8 +451,7 @@ class Run:
     @property
     def rounds(self) -> bool:
         """A ``sync_trigger`` other than "steps": groups count their own steps (:func:`round_events`)."""
-        sync = self.accelerator.synchronizer
-        return sync is not None and sync.rounds is not None
+        return self.accelerator.federation.triggered
 
     @property
     def metrics_path(self) -> str:
@@ -482,7 +480,7 @@ class Run:
                              disable=not acc.is_local_main_process, desc=self.plan.run_name, dynamic_ncols=True)
         self.sync_log = SyncLog(  # several groups in this launch's world: they meet only at syncs
             deferred=acc.launch_layout.num_groups > 1, progress=self.progress,
-            until=lambda step: wait_text(acc.synchronizer.schedule, step, self.max_steps, args.checkpoint_every,
+            until=lambda step: wait_text(acc.federation, step, self.max_steps, args.checkpoint_every,
                                          self.rounds))
 
     def log(self, record: dict) -> None:
@@ -508,9 +506,9 @@ class Run:
 
         self.sync_log.add(self.meter.completed_steps if fed is None else fed, part, write)
 
-    def evaluate_groups_before_sync(self, synchronizer, full) -> None:
+    def evaluate_groups_before_sync(self, _synchronizer, full) -> None:
         """Pre-sync hook: each group's own model, scored right before the sync of an evaluation step."""
-        step = synchronizer.schedule.global_step
+        step = self.accelerator.federation.step
         if self.rounds:  # groups at different steps: --eval_groups scores at the end only
             return
         if self.eval_every and step % self.eval_every == 0 and step < self.max_steps:
@@ -519,8 +517,7 @@ class Run:
 
     def groups_in_last_sync(self) -> int | None:
         """The federation groups the last sync covered (None before any; torchft: the quorum's)."""
-        last = getattr(self.accelerator.synchronizer, "last_round", None)
-        return last.num_groups if last is not None else None
+        return self.accelerator.federation.last_num_groups
 
     def evaluate(self, step: int, final: bool = False) -> tuple | None:
         """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored

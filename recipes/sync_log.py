@@ -13,7 +13,7 @@ world at the next point where every group meets anyway:
 * a sync event: :meth:`SyncLog.pre_sync` is the first pre-sync hook
   (``accelerator.register_pre_sync_hook``), so the sums are part of the sync; the first of
   them is where a fast group waits for the slow one, and it runs inside
-  ``synchronizer.arriving()``: counted as the sync's arrival wait
+  ``accelerator.federation.arriving()``: counted as the sync's arrival wait
   (``sync_arrival_share_by_group``), as the sync's own first world collective would be;
 * a checkpoint (itself a world event: every group's state at one step), before it is
   written, so ``metrics.jsonl`` holds every record up to the checkpoint;
@@ -97,10 +97,11 @@ class SyncLog:
             self._show()
         return len(waiting)
 
-    def pre_sync(self, synchronizer, full: bool) -> None:
-        """The pre-sync hook (``accelerator.register_pre_sync_hook``): :meth:`flush`, the first
-        sum timed as the wait for the other groups (``synchronizer.arriving``)."""
-        self.flush(arriving=synchronizer.arriving)
+    def pre_sync(self, federation, full: bool) -> None:
+        """The pre-sync hook's work (``accelerator.register_pre_sync_hook``, called with
+        ``accelerator.federation``): :meth:`flush`, the first sum timed as the wait for the
+        other groups (``federation.arriving``)."""
+        self.flush(arriving=federation.arriving)
 
     def show(self, figures: str) -> None:
         """``figures`` (e.g. "loss=3.210, tok_s=1234") are the last written record's: on the bar."""

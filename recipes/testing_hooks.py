@@ -37,7 +37,6 @@ import json
 import os
 import signal
 import sys
-from types import SimpleNamespace
 
 from .args import RecipeError
 
@@ -101,7 +100,7 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
         epoch_fn: returns the data stream's epoch (``--streaming``), or None.
         group_index: this rank's federation group (``FL_ACCEL_TEST_STEP_SLEEP``).
         accelerator: the FLAccelerator (``FL_ACCEL_TEST_RECORD_WORLD``: its comm counters and
-            pre-sync hooks; ignored when it has no synchronizer).
+            pre-sync hooks; ignored before ``prepare(model, optimizer)``).
 
     Raises:
         RecipeError: a malformed ``FL_ACCEL_TEST_FAULT_INJECT``.
@@ -114,7 +113,8 @@ def install(model, optimizer, rank: int, start_step: int, epoch_fn=None, environ
     if environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         kind = None
     sleep, relative = parse_sleep(environ[SLEEP_ENV], group_index) if environ.get(SLEEP_ENV) else (0.0, False)
-    world_dir = environ.get(WORLD_ENV) if getattr(accelerator, "synchronizer", None) is not None else None
+    federation = getattr(accelerator, "federation", None)
+    world_dir = environ.get(WORLD_ENV) if federation is not None and federation.prepared else None
     if kind is None and not folder and not sleep and not world_dir:
         return []
     steps = _Steps(start_step)
@@ -175,10 +175,9 @@ def _record_world(accelerator, inner, steps: _Steps, path: str) -> list:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"at": at, "step": step, "world": accelerator.comm_stats["world"].calls}) + "\n")
 
-    def at_sync(synchronizer, full) -> None:
+    def at_sync(_synchronizer, full) -> None:
         write("sync", steps.done + 1)  # inside optimizer.step(): its step is not counted yet
 
-    hooks = accelerator.synchronizer.pre_sync_hooks
-    hooks.insert(0, at_sync)
+    sync_handle = accelerator.register_pre_sync_hook(at_sync, first=True)
     inner_handle = inner.register_step_post_hook(lambda *_: write("step", steps.done))
-    return [inner_handle, SimpleNamespace(remove=lambda: hooks.remove(at_sync) if at_sync in hooks else None)]
+    return [inner_handle, sync_handle]

@@ -1,7 +1,7 @@
 r"""Per-rank communication and step-time model of FSDP, HSDP, FL+FSDP and FL+HSDP.
 
 Method: arXiv 2609.20359 Sec. 3, with the fragmented and compressed sync of
-:mod:`fl_accel.exchange`, whose bytes on "fl" each codec states (:meth:`fl_accel.codecs.Codec.wire`). Units: bytes one rank sends per optimizer step, seconds, GB =
+:mod:`fl_accel.exchange`, whose bytes on "fl" each codec states (:func:`fl_accel.wire.wire_ops`, torch-free; the codecs read it too). Units: bytes one rank sends per optimizer step, seconds, GB =
 1e9 bytes; per group for its busiest rank; ``by_axis`` and the splits take the max over
 groups. A ring collective over p ranks of M bytes sends (p-1)/p M (all-reduce twice that;
 :func:`ring_bytes`, as :mod:`fl_accel.comm` charges).
@@ -40,14 +40,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..codecs import BLOCK, SPARSE_BLOCK, Codec, Fp32Mean, make_codec, sparse_bytes, sparse_k  # noqa: F401
-from ..comm import RING, ring_bytes  # noqa: F401
-from ..exchange import plan_buckets  # noqa: F401
 from ..mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 from ..schedule import deal_fragments
+from ..wire import (BLOCK, RING, SPARSE_BLOCK, SYNC_DTYPES, VALUE_BYTES, padding, plan_buckets,  # noqa: F401
+                    ring_bytes, sparse_bytes, sparse_k, wire_ops)
 
 GB = 1e9
-SYNC_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # bytes per value on "fl"
+SYNC_VALUE_BYTES = VALUE_BYTES  # bytes per value on "fl" of the dense codecs (fl_accel.wire)
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
@@ -117,17 +116,18 @@ class Traffic:
         return sum(self.bytes.get(axis, {}).values())
 
 
-def _sync_event(layout: FLLayout, sizes: list[int], codec: Codec, bucket_values: int) -> list[Traffic]:
-    """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values on ``codec``'s wire."""
+def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: int) -> list[Traffic]:
+    """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values on the wire
+    ``(sync_dtype, density, bits)`` (:func:`fl_accel.wire.padding`, :func:`fl_accel.wire.wire_ops`)."""
     F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
-    pad = codec.padding(F, C)
+    pad = padding(wire[0], F, C)
     out = []
     for f in range(F):
         t, R = Traffic(), layout.replicas_of(f)
         for n in buckets:
             chunk = math.ceil(n / pad) * pad // C
-            for op, nbytes in codec.wire(chunk, F):
+            for op, nbytes in wire_ops(wire[0], chunk, F, *wire[1:]):
                 t.add(FL, op, nbytes, F)
             if R == C:
                 t.add(DP_REPLICATE, "all_gather", 4 * chunk * C, R)
@@ -226,8 +226,8 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
     period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
     if H % P or tau >= period:
         raise ValueError(f"sync_every={H} must be a multiple of num_fragments={P}, and sync_delay={tau} < H/P")
-    if sync_dtype not in (*SYNC_VALUE_BYTES, "sparse"):
-        raise ValueError(f"sync_dtype must be one of {[*SYNC_VALUE_BYTES, 'sparse']}, got {sync_dtype!r}")
+    if sync_dtype not in SYNC_DTYPES:
+        raise ValueError(f"sync_dtype must be one of {list(SYNC_DTYPES)}, got {sync_dtype!r}")
     pb = _num("param_bytes", param_bytes)
     gb = pb if grad_bytes is None else _num("grad_bytes", grad_bytes)
     if ranks_per_node is not None:
@@ -247,10 +247,10 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
     if layout.is_federated and F > 1:
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in part for n in u.local_sizes(S)] for part in deal_fragments(units, P)]
-        codec = make_codec(sync_dtype, density=sync_density, value_bits=sync_value_bits)
-        exact = codec.lossy and final_sync == "exact"
-        fragments = [_sync_event(layout, s, codec, bucket) for s in sizes]
-        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], Fp32Mean() if exact else codec,
+        wire = (sync_dtype, sync_density, sync_value_bits)
+        exact = sync_dtype != "fp32" and final_sync == "exact"  # a lossy codec's last sync is fp32
+        fragments = [_sync_event(layout, s, wire, bucket) for s in sizes]
+        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], ("fp32",) if exact else wire,
                            bucket)
         weights = [1.0 / H] * P
         if total_steps is not None:

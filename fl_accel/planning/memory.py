@@ -36,7 +36,7 @@ dim. Components:
   4 n_k (``sync_bucket_mb`` buckets, all packed at once; ``buckets_in_flight`` bounds it),
   a chunk copy 4 n_k / C (fp32, C > 1) or the quantized copies 3 b n_k / C (b = 2 bf16,
   1 + 4/256 int8; "sparse": 12 n_k / C for |x|, the dense sent values and the residual's
-  difference, plus F + 1 payloads of :func:`fl_accel.codecs.sparse_bytes`, the gathered
+  difference, plus F + 1 payloads of :func:`fl_accel.wire.sparse_bytes`, the gathered
   ones and this rank's), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
   state on the host: one anchor tensor at a time instead). With ``sync_delay`` > 0 a
   fragment's exchange stays in flight during training;
@@ -59,10 +59,10 @@ from typing import Any
 
 import math
 
-from fl_accel.codecs import SPARSE_BLOCK, sparse_bytes
 from fl_accel.mesh import FLLayout
 from fl_accel.planning.cost import _int
 from fl_accel.planning.units import config_value as _get, llama_units
+from fl_accel.wire import SPARSE_BLOCK, sparse_bytes
 
 CUDA_CONTEXT_BYTES = 2 * 2**30
 """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers per rank on a GPU (an

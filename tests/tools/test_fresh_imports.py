@@ -15,6 +15,17 @@ def test_importing_config_and_mesh_does_not_load_accelerate():
     assert out.stdout.strip() == "False"
 
 
+
+@pytest.mark.parametrize("module", ["fl_accel.planning.memory", "fl_accel.planning.cost", "fl_accel.planning.flops",
+                                    "fl_accel.planning.units", "fl_accel.planning.links", "fl_accel.wire"])
+def test_the_planning_package_loads_no_torch(module):
+    """The analytic models and the wire constants they share with the codecs run without torch
+    (issue 41 item 5): ``import sys, <module>; assert 'torch' not in sys.modules``. The static
+    check of the same closure, in the unit tier: tests/unit/test_layering.py."""
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
 def test_plots_import_is_lazy():
     """``recipes.plots`` imports matplotlib only when a figure is drawn."""
     pytest.importorskip("matplotlib")

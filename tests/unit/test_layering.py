@@ -38,8 +38,12 @@ PLANNING = ("fl_accel.planning",)
 """The library's analytic predictors (cost, memory and FLOPs models): no runtime module imports them."""
 KNOWN_RUNTIME_TO_PLANNING: set[str] = set()
 """Runtime modules allowed to import a planning module: none. (The wire constants and helpers
-the cost model shares live in runtime modules, fl_accel.codecs, comm, exchange and schedule,
-which the planning models import.) An entry that no longer offends fails the test."""
+the cost model shares with the codecs, the exchange and the comm meter live in the torch-free
+fl_accel.wire, which both sides import.) An entry that no longer offends fails the test."""
+TORCH_FREE = ("fl_accel.planning.memory", "fl_accel.planning.cost", "fl_accel.planning.flops",
+              "fl_accel.planning.units", "fl_accel.planning.links", "fl_accel.wire")
+"""Modules whose import loads no torch (issue 41 item 5): :func:`import_closure` of each holds
+no torch and no Accelerate. In a fresh interpreter: tests/tools/test_fresh_imports.py."""
 LIBRARY_THIRD_PARTY = {"torch", "accelerate", "yaml", "torchft"}
 """What fl_accel may import besides the standard library: pyproject.toml's dependencies
 (torch, accelerate, PyYAML) and the ``ft`` extra (torchft, imported only in fault-tolerant
@@ -52,13 +56,19 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, root: Path) -> set[str]:
+def imported_modules(path: Path, root: Path, module_level: bool = False) -> set[str]:
     """Absolute names of everything ``path`` imports: ``import a.b`` gives "a.b"; ``from a
-    import b`` gives "a" and "a.b" (b may be a submodule); relative imports are resolved."""
+    import b`` gives "a" and "a.b" (b may be a submodule); relative imports are resolved.
+    ``module_level``: only what importing ``path`` runs (not the imports in function bodies)."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    if module_level:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                node.body = []
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -166,6 +176,48 @@ def test_the_checker_reports_planted_wrong_imports(tmp_path):
         line for line in violations(tmp_path) if not line.startswith("fl_accel.runtime ")]
 
 
+def import_closure(module: str, root: Path = REPO_ROOT) -> set[str]:
+    """Every module ``import module`` runs, as far as the source says: its packages'
+    ``__init__``, their module-level imports, recursively through first-party modules (a
+    third-party name is kept, not followed)."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # a.b.c runs a, a.b, then a.b.c
+            sub = ".".join(parts[:i])
+            if sub in seen:
+                continue
+            seen.add(sub)
+            base = root.joinpath(*sub.split("."))
+            path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
+            if path.exists():
+                todo.extend(imported_modules(path, root, module_level=True))
+    return seen
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_planning_package_imports_no_torch(module):
+    """Importing a planning model (or the wire constants) runs no ``import torch`` nor
+    ``import accelerate`` at module level anywhere in its first-party closure."""
+    heavy = sorted(m for m in import_closure(module) if m.split(".")[0] in ("torch", "accelerate"))
+    assert heavy == [], f"import {module} loads {heavy}"
+
+
+def test_the_import_closure_sees_a_planted_torch_import(tmp_path):
+    """The closure follows package ``__init__``s and module-level imports, not imports inside
+    functions."""
+    _write(tmp_path, {
+        "fl_accel/__init__.py": "from .mesh import FLLayout\n",
+        "fl_accel/mesh.py": "import math\ndef f():\n    import accelerate\n",
+        "fl_accel/planning/__init__.py": "",
+        "fl_accel/planning/memory.py": "from ..wire import BLOCK\n",
+        "fl_accel/wire.py": "import torch\nBLOCK = 1\n",
+    })
+    closure = import_closure("fl_accel.planning.memory", tmp_path)
+    assert "torch" in closure and "accelerate" not in closure and "fl_accel.mesh" in closure
+
+
 @pytest.mark.parametrize("rel, level, module, want", [
     ("fl_accel/sync.py", 1, "cost_model", "fl_accel.cost_model"),
     ("fl_accel/__init__.py", 1, "config", "fl_accel.config"),
@@ -176,3 +228,39 @@ def test_relative_imports_resolve_against_the_package(tmp_path, rel, level, modu
     """``from .x`` in a module is a sibling, in an ``__init__.py`` a child; ``..`` goes up."""
     _write(tmp_path, {rel: f"from {'.' * level}{module or ''} import name\n"})
     assert want in imported_modules(tmp_path / rel, tmp_path)
+
+
+STATUS_API_FOLDERS = ("recipes", "examples", "scripts")
+"""Folders that read the sync only through ``accelerator.federation`` (docs/api.md), never
+through ``accelerator.synchronizer``, an internal of fl_accel (issue 41 item 3)."""
+
+
+def synchronizer_reaches(root: Path, folders=STATUS_API_FOLDERS) -> list[str]:
+    """``"<file>:<line>: <text>"`` for every line under ``folders`` of ``root`` that reaches
+    into the synchronizer (``synchronizer.`` or an attribute ``.synchronizer``), in order."""
+    found = []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if "synchronizer." in line or ".synchronizer" in line or '"synchronizer"' in line:
+                    found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    return found
+
+
+def test_recipes_examples_and_scripts_read_only_the_federation_status():
+    """``grep -rn "synchronizer\\." recipes examples scripts`` is empty, and no ``getattr(acc,
+    "synchronizer")`` either: what they need is on ``accelerator.federation``."""
+    reaches = synchronizer_reaches(REPO_ROOT)
+    assert reaches == [], "use accelerator.federation (docs/api.md) instead of the synchronizer:\n" + "\n".join(reaches)
+
+
+def test_the_status_check_names_file_and_line(tmp_path):
+    _write(tmp_path, {
+        "recipes/ok.py": "def hook(_synchronizer, full):\n    return accelerator.federation.step\n",
+        "examples/bad.py": "x = 1\nsteps = accelerator.synchronizer.schedule.global_step\n",
+        "scripts/bad.py": 'sync = getattr(acc, "synchronizer", None)\n',
+    })
+    assert synchronizer_reaches(tmp_path) == [
+        "examples/bad.py:2: steps = accelerator.synchronizer.schedule.global_step",
+        'scripts/bad.py:1: sync = getattr(acc, "synchronizer", None)',
+    ]

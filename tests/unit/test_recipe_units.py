@@ -667,7 +667,9 @@ def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
                                                               "seconds": 0.5, "transfer_seconds": 0.4,
                                                               "load_seconds": 0.1, "quorum_id": 3}],
                                       seconds={"quorum": 2.0, "commit": 1.0, "quorums": 4})
-    acc = types.SimpleNamespace(fault_tolerant=True, synchronizer=types.SimpleNamespace(transport=transport))
+    federation = types.SimpleNamespace(heals=transport.heals, heal_log=transport.heal_sources,
+                                       membership_seconds=transport.seconds)  # accelerator.federation's views
+    acc = types.SimpleNamespace(fault_tolerant=True, federation=federation)
     before = {"heals": 1, "heal_log": [{"source_group": 1, "step": 4}],
               "torchft_seconds": {"quorum": 1.0, "commit": 0.5, "quorums": 2}}
     got = ft_counters(acc, {"fault_tolerance": before})

@@ -1,0 +1,166 @@
+"""The federation's public status: ``accelerator.federation``, what a training loop reads.
+
+What a script, the recipe or an example needs to know about the sync, without reaching into
+the synchronizer (:class:`fl_accel.sync.FederatedSynchronizer`, an internal): optimizer steps
+and sync events, the last round's membership and merge weights, bytes per mesh axis, whether
+the groups may differ, the fragment plan, the progress of rounds by time/speed, the sync's
+waits and torchft's heals. Every attribute is a read-only view computed when read; before
+``prepare(model, optimizer)`` (and with one group) the counters read as a run with no sync.
+Two calls act, both for loops and pre-sync hooks: :meth:`Federation.arriving` and
+:meth:`Federation.restart_round_clock`. Units: optimizer steps (after gradient
+accumulation), ring bytes this rank sent (:mod:`fl_accel.comm`), seconds.
+tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class Federation:
+    """The status of one :class:`fl_accel.FLAccelerator`'s federation (``accelerator.federation``)."""
+
+    def __init__(self, accelerator):
+        self._acc = accelerator
+
+    _sync = property(lambda self: self._acc.synchronizer)
+    config = property(lambda self: self._acc.fl_config, doc="The run's :class:`fl_accel.FLConfig`.")
+    layout = property(lambda self: self._acc.layout,
+                      doc="The federation's :class:`fl_accel.FLLayout` (every group, also in the torchft mode).")
+    group_index = property(lambda self: self._acc.group_index, doc="This rank's federation group f.")
+
+    @property
+    def prepared(self) -> bool:
+        """``prepare(model, optimizer)`` has made the synchronizer (False before)."""
+        return self._sync is not None
+
+    @property
+    def active(self) -> bool:
+        """The groups sync: F > 1, or the torchft mode (False before ``prepare``)."""
+        return self._sync is not None and self._sync.schedule.active
+
+    @property
+    def step(self) -> int:
+        """This group's optimizer steps as the sync counts them (a torchft heal takes over a live
+        group's count); 0 while not :attr:`active`."""
+        return self._sync.schedule.global_step if self.active else 0
+
+    @property
+    def rounds_done(self) -> int:
+        """Sync events completed (full and fragment syncs; ``SyncSchedule.num_syncs``)."""
+        return self._sync.schedule.num_syncs if self.active else 0
+
+    @property
+    def local_step(self) -> int:
+        """Optimizer steps since the last sync event (0: one just ended, or not :attr:`active`)."""
+        return self._sync.schedule.local_step if self.active else 0
+
+    @property
+    def round_length(self) -> int:
+        """Optimizer steps between sync events as planned now (H/P; a "time"/"speed" round's
+        planned length); ``sync_every`` while not :attr:`active`."""
+        return self._sync.schedule.round_length if self.active else self.config.sync_every
+
+    @property
+    def sync_pending(self) -> bool:
+        """The groups may differ (optimizer steps since their last full sync): ``sync_if_pending``
+        would sync now."""
+        return self.active and not self._sync.schedule.in_sync
+
+    @property
+    def last_weights(self) -> tuple[float, ...] | None:
+        """The merge weights w_g (sum 1) of the last sync event, one per group in it; None before any."""
+        last = getattr(self._sync, "last_round", None)
+        return None if last is None else tuple(last.weights)
+
+    @property
+    def last_num_groups(self) -> int | None:
+        """The groups the last sync event covered (torchft: its quorum's); None before any."""
+        last = getattr(self._sync, "last_round", None)
+        return None if last is None else last.num_groups
+
+    @property
+    def bytes_by_axis(self) -> dict[str, int]:
+        """Ring bytes this rank sent per bucket ("fl", "dp_replicate", "dp_shard", "world") while
+        ``accelerator.meter_comm()`` was entered."""
+        return {axis: stats.bytes for axis, stats in self._acc.comm_stats.items()}
+
+    @property
+    def fragment_plan(self) -> list[list[str]]:
+        """Parameter names (canonical) per fragment k, synced at fragment syncs k, k + P, ...; [] before ``prepare``."""
+        return [list(f.names) for f in self._sync.fragments] if self._sync is not None else []
+
+    @property
+    def triggered(self) -> bool:
+        """Rounds end by time or speed (``sync_trigger`` "time"/"speed"): each group counts its own steps."""
+        return getattr(self._sync, "rounds", None) is not None
+
+    @property
+    def rounds(self):
+        """``sync_trigger`` "time"/"speed": the round state (:class:`fl_accel.trigger.RoundState`;
+        read it, do not change it: steps per round, seconds per step, ``summary()``); else None."""
+        return getattr(self._sync, "rounds", None)
+
+    @property
+    def progress_step(self) -> int:
+        """The federation's progress in optimizer steps of a "steps" run: with rounds by
+        time/speed every group's rank-steps at the last sync over the world size plus this
+        group's steps since (:meth:`fl_accel.trigger.RoundState.progress_steps`, exact at syncs);
+        else this group's :attr:`step` (0 before ``prepare``)."""
+        if self._sync is None:
+            return 0
+        if self.triggered:
+            return int(self._sync.rounds.progress_steps())
+        return self._sync.schedule.global_step
+
+    @property
+    def training_done(self) -> bool:
+        """Rounds by time/speed: the run's tokens are trained (decided at a sync, so every group
+        stops after the same one). Always False otherwise (the loop counts its own steps)."""
+        return self.triggered and self._sync.rounds.done
+
+    def counters(self) -> dict:
+        """The sync's counters as a checkpoint keeps them (:meth:`fl_accel.schedule.SyncSchedule.state_dict`:
+        global_step, num_syncs, ...); {} before ``prepare``."""
+        return self._sync.schedule.state_dict() if self._sync is not None else {}
+
+    @property
+    def sync_wait_seconds(self) -> float:
+        """Seconds the training stream spent in sync events (:class:`fl_accel.comm.WaitClock`)."""
+        return self._sync.clock.seconds if self._sync is not None else 0.0
+
+    @property
+    def sync_arrival_seconds(self) -> float:
+        """Of :attr:`sync_wait_seconds`, the seconds waiting for the other groups to arrive (each
+        event's first world collective), without the exchange."""
+        return self._sync.arrival.seconds if self._sync is not None else 0.0
+
+    def arriving(self):
+        """A context manager for a pre-sync hook's first world collective: its wait for the other
+        groups counts as the sync's arrival (:attr:`sync_arrival_seconds`)."""
+        return self._sync.arriving() if self._sync is not None else contextlib.nullcontext()
+
+    def restart_round_clock(self) -> None:
+        """Rounds by time/speed: leave the time since the last optimizer step (logs, evaluations,
+        checkpoints) out of the round's training time; harmless otherwise."""
+        if self._sync is not None:
+            self._sync.restart_round_clock()
+
+    _transport = property(lambda self: self._sync.transport if self._sync is not None and
+                          self._acc.fault_tolerant else None)
+
+    @property
+    def heals(self) -> int:
+        """torchft mode: how often this group healed from a live group this session; else 0."""
+        return getattr(self._transport, "heals", 0)
+
+    @property
+    def heal_log(self) -> list[dict]:
+        """torchft mode: one record per heal this session (source group, bytes, seconds,
+        transfer and load seconds; a loop may add its ``step``); else []."""
+        return getattr(self._transport, "heal_sources", [])
+
+    @property
+    def membership_seconds(self) -> dict:
+        """torchft mode: host seconds in quorums and commit votes, and the number of quorums; else {}."""
+        return dict(getattr(self._transport, "seconds", {}))
