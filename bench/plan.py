@@ -323,7 +323,7 @@ GRID_TARGETS = (5.42, 5.50, 5.60)
 CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3")
 """Rows trained again with a second seed, for the seed statistics (the last: the fast exchange with the best
 final loss of the grid, P=2 tau=2 int8+EF with the plain average at lr 1e-3, issue 28's second seed
-of the setting measured end to end at 10 Mbit/s in bench/results/2026-12-03-ttt)."""
+of the setting measured end to end at 10 Mbit/s in an earlier time-to-target sitting)."""
 CONVERGENCE_THIRD_SEEDED = ("fsdp-lr1e-3", "fl_fsdp-h8-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")
 """Issue 40: the three rows of the equal-footing comparison (FSDP, blocking fp32 FL+FSDP ``avg`` and
 the fast int8 + error-feedback fragments at H=16, all at lr 1e-3) trained with seeds 42, 43 and 44:
