@@ -37,7 +37,7 @@ from . import compat, fsdp
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
-from .exchange import MeshTransport
+from .mesh_transport import MeshTransport
 from .federation import Federation
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .sync import FederatedSynchronizer

@@ -206,7 +206,7 @@ class FLConfig:
     outer_momentum: float = 0.9
     """"nesterov" momentum (DiLoCo: 0.9), in [0, 1)."""
     outer_lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """"nesterov" outer LR over the run (transformers' formulas: :func:`fl_accel.outer.lr_multiplier`)."""
+    """"nesterov" outer LR over the run (transformers' formulas: :func:`fl_accel.lr_schedule.lr_multiplier`)."""
     outer_lr_warmup_steps: int = 0
     """Optimizer steps of linear outer-LR warmup from 0 (any schedule)."""
     outer_lr_decay_steps: int | None = None

@@ -38,8 +38,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import comm, compat
-from .exchange import MeshTransport, Round
+from .exchange import Round
 from .fsdp import local
+from .mesh_transport import MeshTransport
 
 AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options()
 

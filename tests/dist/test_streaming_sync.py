@@ -932,8 +932,8 @@ def test_suspended_steps_do_not_advance_the_schedule():
 def _no_mesh_synchronizer(cfg, values):
     """A synchronizer of F=2 groups on 4 ranks whose transport has no process groups (no
     collective may run): for tests of what happens between syncs."""
-    from fl_accel.exchange import MeshTransport
     from fl_accel.mesh import FLLayout, FLMesh
+    from fl_accel.mesh_transport import MeshTransport
     from fl_accel.sync import FederatedSynchronizer
 
     params = [torch.nn.Parameter(v) for v in values]

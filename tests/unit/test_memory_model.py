@@ -163,7 +163,8 @@ def test_sync_buffers_are_what_a_blocking_exchange_holds(tmp_path):
     fragment."""
     import torch.distributed as dist
 
-    from fl_accel.exchange import Exchange, MeshTransport, Round
+    from fl_accel.exchange import Exchange, Round
+    from fl_accel.mesh_transport import MeshTransport
 
     bucket_mb = 1
     per_bucket = bucket_mb * 2**18  # fp32 values in one MB bucket

@@ -36,8 +36,8 @@ class _FakeFL:
 def _fake_synchronizer(monkeypatch, sync_every=3, offset=2.0, **config):
     import torch.distributed as dist
 
-    from fl_accel.exchange import MeshTransport
     from fl_accel.mesh import FLLayout, FLMesh
+    from fl_accel.mesh_transport import MeshTransport
     from fl_accel.sync import FederatedSynchronizer
 
     fake = _FakeFL(2, offset)

@@ -71,7 +71,8 @@ def scheduler(out_dir: str) -> None:
 def collectives(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from fl_accel.exchange import MeshTransport, Round, mean
+    from fl_accel.exchange import Round, mean
+    from fl_accel.mesh_transport import MeshTransport
     from recipes.pretrain import evaluate, main_first
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"), mixed_precision="bf16" if torch.cuda.is_available() else "no")
@@ -124,8 +125,8 @@ def outer_state_device(out_dir: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from fl_accel.exchange import MeshTransport
     from fl_accel.mesh import FLLayout, FLMesh
+    from fl_accel.mesh_transport import MeshTransport
     from fl_accel.sync import FederatedSynchronizer
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"))  # fp32 parameters

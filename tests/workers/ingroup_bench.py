@@ -6,7 +6,7 @@
 Layout: unequal groups [2, 4] with S = 1 on 6 gloo processes, so R = (2, 4) replicas and
 R_min = 2 (with S = 2 both rules below coincide: R_min = 1). For each buffer size (MiB
 of fp32 per rank) it times one exchange of a random buffer with
-:class:`fl_accel.exchange.MeshTransport` under two rules:
+:class:`fl_accel.mesh_transport.MeshTransport` under two rules:
 
 * "chunked" (fl_accel): C = R_min = 2 chunks; replicas 0 and 1 of each group exchange
   one chunk each over "fl"; group 0 (R = C) all-gathers, group 1 (R > C) broadcasts
@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from fl_accel.comm import CommMeter, CommStats
-from fl_accel.exchange import MeshTransport, Round, mean
+from fl_accel.exchange import Round, mean
 from fl_accel.mesh import FLLayout
+from fl_accel.mesh_transport import MeshTransport
 
 REPS = 5
 
