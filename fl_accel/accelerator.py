@@ -33,13 +33,13 @@ from accelerate.utils import (DynamoBackend, FullyShardedDataParallelPlugin, Ini
                               TorchDynamoPlugin)
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import compat, fsdp
+from . import compat, fsdp, trigger
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
-from .mesh_transport import MeshTransport
 from .federation import Federation
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
+from .mesh_transport import MeshTransport
 from .sync import FederatedSynchronizer
 
 
@@ -246,7 +246,8 @@ class FLAccelerator(Accelerator):
                 transport = _managed_transport(self, transport, [p for _, p in named])
             self.synchronizer = FederatedSynchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
-                units=fsdp.fsdp_units(model, [p for _, p in named]), group_sizes=self.layout.group_sizes)
+                units=fsdp.fsdp_units(model, [p for _, p in named]),
+                planner=trigger.make_planner(self.fl_config, transport, self.layout.group_sizes))
             models = compat.prepared(self, "models")
             self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
@@ -324,7 +325,7 @@ class FLAccelerator(Accelerator):
         if config is not self.fl_config:
             self.fl_config = self.synchronizer.config = self.synchronizer.outer.config = config
         if self.synchronizer.rounds is not None:  # groups of unequal speed: a budget of tokens, not of steps
-            self.synchronizer.set_token_budget(max_steps)
+            self.synchronizer.planner.set_token_budget(max_steps, config.sync_every)
         else:
             self.synchronizer.final_step = max_steps
 

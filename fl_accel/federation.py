@@ -143,8 +143,8 @@ class Federation:
     def restart_round_clock(self) -> None:
         """Rounds by time/speed: leave the time since the last optimizer step (logs, evaluations,
         checkpoints) out of the round's training time; harmless otherwise."""
-        if self._sync is not None:
-            self._sync.restart_round_clock()
+        if self.triggered:
+            self._sync.planner.restart_clock()
 
     _transport = property(lambda self: self._sync.transport if self._sync is not None and
                           self._acc.fault_tolerant else None)

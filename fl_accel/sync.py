@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +32,6 @@ from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .outer import OuterState
 from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule, deal_fragments
-from .trigger import RoundState
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +128,37 @@ class CommitGate:
                            schedule.global_step)
 
 
+class FixedPlanner:
+    """Round planning, the paper's fixed H (every group syncs after the schedule's H steps):
+    the interface the synchronizer calls, all no-ops here. The other planner is
+    :class:`fl_accel.trigger.TriggerPlanner` (rounds by time or speed)."""
+
+    rounds = None
+    """The planner's round state (:class:`fl_accel.trigger.RoundState`), else None."""
+
+    def before_step(self, sync) -> None:
+        """Count an optimizer step into the round (before the schedule's actions); may set
+        ``sync.schedule.round_steps``."""
+
+    def rejoin(self, schedule) -> None:
+        """This group's state was replaced by a live group's (a torchft heal)."""
+
+    def close(self, sync, rnd: Round) -> Round:
+        """A full sync's round (collective for a planner that exchanges figures): ``rnd`` with
+        the round's merge weights."""
+        return rnd
+
+    def after_sync(self) -> None:
+        """A full sync ended."""
+
+    def state_dict(self) -> dict:
+        """The planner's entries of a checkpoint's ``sync`` (JSON)."""
+        return {}
+
+    def load_state_dict(self, state: dict, schedule) -> None:
+        """Inverse of :meth:`state_dict` (``state``: the checkpoint's ``sync``)."""
+
+
 class FederatedSynchronizer:
     """Averages local shards across federation groups every H optimizer steps (a fragment
     every H/P). ``named_params``: (name, parameter) of the sharded model, one per parameter,
@@ -137,10 +166,10 @@ class FederatedSynchronizer:
     the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
     ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
     unit u into fragment u mod P (ValueError: P > units). ``pre_sync_hooks``: ``hook(synchronizer,
-    full)`` before each event. ``group_sizes``: ranks per group (the "tokens" weights of a
-    ``sync_trigger`` other than "steps"; default: equal)."""
+    full)`` before each event. ``planner``: the round planner (default :class:`FixedPlanner`;
+    ignored with one group), e.g. :func:`fl_accel.trigger.make_planner`'s."""
 
-    def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None, group_sizes=None):
+    def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None, planner=None):
         named = list(named_params)
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
@@ -165,26 +194,12 @@ class FederatedSynchronizer:
         self.final_step: int | None = None
         """The run's last optimizer step, if known (:meth:`FLAccelerator.set_max_steps`): its sync is the final one."""
         self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
-        self.rounds: RoundState | None = None
-        """The round state of ``sync_trigger`` "time"/"speed" (:mod:`fl_accel.trigger`), else None."""
-        self.round_plan_hook = None
-        """Test hook: ``hook(round_index) -> steps per group``, replacing the trigger's plan for
-        that round (a fixed schedule for exact comparisons; documented in docs/unequal_groups.md)."""
-        if config.sync_trigger != "steps" and self.schedule.active:
-            if elastic:  # torchft: the configured groups, each known by its index (positions change per quorum)
-                num, position = config.num_groups, int(transport.group_index)
-            else:
-                rnd = transport.begin()
-                num, position = rnd.num_groups, rnd.position
-            sizes = tuple(group_sizes) if group_sizes is not None else (1,) * num
-            self.rounds = RoundState(config.sync_trigger, config.sync_every, sizes, position,
-                                     window_s=config.sync_window_s)
-        self._started = time.perf_counter()
-        self._mark: float | None = None  # the last optimizer step's end (None: the next step is not timed)
+        self.planner = planner if planner is not None and self.schedule.active else FixedPlanner()
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
     device = property(lambda self: local(self.params[0]).device)
+    rounds = property(lambda self: self.planner.rounds, doc="The planner's round state, else None.")
 
     def attach(self, loss_fn=None) -> None:
         """Run :meth:`on_optimizer_step` after each inner optimizer step (none with one group);
@@ -226,15 +241,13 @@ class FederatedSynchronizer:
         """Count one optimizer step and run the actions due; True if a sync event completed."""
         if self._suspended:
             return False
-        if self.rounds is not None:
-            self._count_round_step()
+        self.planner.before_step(self)
         actions = self.schedule.step()
         with self.clock.measure(self.device) if actions else contextlib.nullcontext():
             if actions and getattr(self.transport, "elastic", False):
                 self.transport.begin()  # the quorum of this event; a heal replaces the counters
                 if self.transport.healed:
-                    if self.rounds is not None:  # it came to sync, and syncs now whatever its source's count
-                        self.schedule.round_steps = self.schedule.local_step
+                    self.planner.rejoin(self.schedule)
                     actions = self.schedule.actions()
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
@@ -250,40 +263,6 @@ class FederatedSynchronizer:
                     self.sync(alpha=self.config.fragment_update_alpha, final=final)
         return any(kind in (APPLY, FULL) for kind, _ in actions)
 
-    def _count_round_step(self) -> None:
-        """Count this step into the round and set the schedule's round length: planned steps,
-        or (by time) this step ends the round when a rank of the group saw the window pass."""
-        r, now = self.rounds, time.perf_counter()
-        if self._mark is not None:  # the step since the last one (not after a restart of the clock)
-            r.train_s += now - self._mark
-            r.timed += 1
-        self._mark = now
-        r.steps += 1
-        if r.steps == 1 and self.round_plan_hook is not None:  # a round starts: the injected plan
-            r.plan = [int(n) for n in self.round_plan_hook(len(r.rounds))]
-        planned = r.round_steps
-        if planned is None:  # by time: the group agrees (a MAX over its ranks, never across groups)
-            planned = r.steps if self.transport.group_max(float(r.time_up())) > 0 else r.steps + 1
-        self.schedule.round_steps = planned
-
-    def _close_round(self, rnd: Round) -> Round:
-        """Exchange the groups' round figures (:meth:`Transport.group_table`), close the round
-        and return it with the round's merge weights (``group_weighting``)."""
-        r = self.rounds
-        with self.arriving():
-            table = self.transport.group_table(r.vector(self.clock.seconds), rnd)
-        steps = [row[0] for row in table]
-        if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
-            table = [[0.0] + list(row[1:]) for row in table]
-            weights = r.close(table, "size", now_s=time.perf_counter() - self._started)
-        else:
-            weights = r.close(table, self.config.group_weighting, now_s=time.perf_counter() - self._started)
-        kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
-        if kept != list(weights) and sum(kept) > 0:
-            # torchft: a group that healed in this quorum is a copy of its source and keeps weight 0
-            weights = [w / sum(kept) for w in kept]
-        return Round(rnd.num_groups, rnd.position, tuple(weights))
-
     @contextlib.contextmanager
     def arriving(self):
         """Time the event's first world collective into :attr:`arrival` (later ones pass). A
@@ -295,21 +274,6 @@ class FederatedSynchronizer:
         self._arrived = True
         with self.arrival.measure(self.device):
             yield
-
-    def restart_round_clock(self) -> None:
-        """Leave out the time since the last optimizer step (or sync) from the round's training
-        time: call right after work between steps that is not training (logs, evaluations,
-        checkpoints); the next step is timed from here. (Before a run's first step, and after a
-        resume, the clock is unset: that step counts, untimed.)"""
-        self._mark = time.perf_counter()
-
-    def set_token_budget(self, max_steps: int) -> None:
-        """End the run after the rank-steps of a "steps" run of ``max_steps`` steps (``rounds``)."""
-        r = self.rounds
-        if r is not None:
-            r.budget = int(max_steps) * sum(r.sizes)
-            if not r.rounds:  # a run shorter than one round is planned as its last
-                r.plan = r._next_plan([self.config.sync_every] * len(r.sizes))
 
     @property
     def exact_final(self) -> bool:
@@ -357,8 +321,8 @@ class FederatedSynchronizer:
         for hook in list(self.pre_sync_hooks):
             hook(self, full)
         rnd = self.transport.begin()
-        if self.rounds is not None and full:
-            rnd = self._close_round(rnd)
+        if full:
+            rnd = self.planner.close(self, rnd)
         self.last_round = rnd
         exact = final and self.exact_final
         with self.gate.event(self.schedule):
@@ -386,7 +350,7 @@ class FederatedSynchronizer:
         with self.clock.measure(self.device):
             self._event(True, alpha, final=final)
             self.schedule.synced(alpha)
-        self._mark = time.perf_counter()  # the next round's training starts now
+        self.planner.after_sync()
 
     def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
         """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then
@@ -414,12 +378,9 @@ class FederatedSynchronizer:
             self._mean_into(tensors, rnd)
 
     def counters(self) -> dict:
-        """A checkpoint's ``sync``: :meth:`SyncSchedule.state_dict`, and ``round``
-        (:meth:`RoundState.state_dict`) with a ``sync_trigger`` other than "steps"."""
-        out = self.schedule.state_dict()
-        if self.rounds is not None:
-            out["round"] = self.rounds.state_dict()
-        return out
+        """A checkpoint's ``sync``: :meth:`SyncSchedule.state_dict` and the planner's entries
+        (``round``: :meth:`fl_accel.trigger.RoundState.state_dict`, rounds by time/speed)."""
+        return {**self.schedule.state_dict(), **self.planner.state_dict()}
 
     def state_tensors(self) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, torch.Tensor]]]:
         """``(shared, per_rank)`` as :meth:`OuterState.tensors`, plus "inflight" in ``shared``
@@ -433,15 +394,11 @@ class FederatedSynchronizer:
         return shared, per_rank
 
     def load_state_dict(self, state: dict, shared: dict | None = None, per_rank: dict | None = None) -> None:
-        """Restore :meth:`SyncSchedule.state_dict` counters and :meth:`state_tensors`."""
+        """Restore :meth:`counters` and :meth:`state_tensors`. ValueError: the planner's (a
+        checkpoint without the round state this run's planner keeps)."""
         shared = shared or {}
         self.schedule.load_state_dict(state)
-        if self.rounds is not None:
-            if "round" not in state:
-                raise ValueError(f"the checkpoint has no round state; it was written with sync_trigger='steps', "
-                                 f"this run has {self.config.sync_trigger!r}")
-            self.rounds.load_state_dict(state["round"])
-            self.schedule.global_step = self.rounds.group_steps[self.rounds.position]  # this group's own count
+        self.planner.load_state_dict(state, self.schedule)
         self.outer.load(shared, per_rank or {})
         for fragment in self.fragments:
             inflight = fragment.index == self.schedule.inflight

@@ -1,4 +1,9 @@
-"""When a round ends for groups of unequal speed: pure logic, no tensors, no processes.
+"""When a round ends for groups of unequal speed: the round planner of the synchronizer.
+
+:class:`RoundState` is pure logic (no tensors, no processes); :class:`TriggerPlanner` plugs
+it into the synchronizer's round-planning extension point (the interface of
+:class:`fl_accel.sync.FixedPlanner`, the paper's fixed H), and :func:`make_planner` picks it
+(``sync_trigger`` other than "steps", the one predicate).
 
 With ``sync_trigger="steps"`` (the paper's Alg. 1) every federation group syncs after the
 same H optimizer steps, so at every sync the fastest group waits for the slowest. The two
@@ -39,7 +44,9 @@ proportion to its rate, so the run ends on the budget up to rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -260,3 +267,104 @@ def check_trigger(trigger: str, window_s: float | None) -> None:
     if trigger == "time" and (window_s is None or not math.isfinite(window_s) or window_s <= 0):
         raise ValueError(f"FLConfig.sync_window_s must be a positive number of seconds with sync_trigger='time' "
                          f"(each round's training time), got {window_s!r}")
+
+
+class TriggerPlanner:
+    """The synchronizer's round planner for ``sync_trigger`` "time"/"speed" (the interface of
+    :class:`fl_accel.sync.FixedPlanner`): counts and times each optimizer step into the round,
+    sets the schedule's round length (``SyncSchedule.round_steps``), and at each full sync
+    exchanges the groups' round figures and returns the round's merge weights.
+
+    ``rounds``: the :class:`RoundState` (a checkpoint's ``sync.round``)."""
+
+    def __init__(self, rounds: RoundState):
+        self.rounds = rounds
+        self._started = time.perf_counter()
+        self._mark: float | None = None  # the last optimizer step's end (None: the next step is not timed)
+
+    def before_step(self, sync) -> None:
+        """Count this step into the round and set the schedule's round length: planned steps,
+        or (by time) this step ends the round when a rank of the group saw the window pass."""
+        r, now = self.rounds, time.perf_counter()
+        if self._mark is not None:  # the step since the last one (not after a restart of the clock)
+            r.train_s += now - self._mark
+            r.timed += 1
+        self._mark = now
+        r.steps += 1
+        planned = r.round_steps
+        if planned is None:  # by time: the group agrees (a MAX over its ranks, never across groups)
+            planned = r.steps if sync.transport.group_max(float(r.time_up())) > 0 else r.steps + 1
+        sync.schedule.round_steps = planned
+
+    def rejoin(self, schedule) -> None:
+        """This group's state was replaced by a live group's (a torchft heal): it came to sync,
+        and syncs now whatever its source's count."""
+        schedule.round_steps = schedule.local_step
+
+    def close(self, sync, rnd):
+        """Exchange the groups' round figures (``Transport.group_table``), close the round and
+        return ``rnd`` (a :class:`fl_accel.exchange.Round`) with the round's merge weights
+        (``group_weighting``)."""
+        r = self.rounds
+        with sync.arriving():
+            table = sync.transport.group_table(r.vector(sync.clock.seconds), rnd)
+        steps = [row[0] for row in table]
+        now_s = time.perf_counter() - self._started
+        if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
+            table = [[0.0] + list(row[1:]) for row in table]
+            weights = r.close(table, "size", now_s=now_s)
+        else:
+            weights = r.close(table, sync.config.group_weighting, now_s=now_s)
+        kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
+        if kept != list(weights) and sum(kept) > 0:
+            # torchft: a group that healed in this quorum is a copy of its source and keeps weight 0
+            weights = [w / sum(kept) for w in kept]
+        return dataclasses.replace(rnd, weights=tuple(weights))
+
+    def after_sync(self) -> None:
+        """A full sync ended: the next round's training starts now."""
+        self._mark = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Leave out the time since the last optimizer step (or sync) from the round's training
+        time: call right after work between steps that is not training (logs, evaluations,
+        checkpoints); the next step is timed from here. (Before a run's first step, and after a
+        resume, the clock is unset: that step counts, untimed.)"""
+        self._mark = time.perf_counter()
+
+    def set_token_budget(self, max_steps: int, sync_every: int) -> None:
+        """End the run after the rank-steps of a "steps" run of ``max_steps`` steps."""
+        r = self.rounds
+        r.budget = int(max_steps) * sum(r.sizes)
+        if not r.rounds:  # a run shorter than one round is planned as its last
+            r.plan = r._next_plan([sync_every] * len(r.sizes))
+
+    def state_dict(self) -> dict:
+        """A checkpoint's ``sync`` entries: ``round`` (:meth:`RoundState.state_dict`)."""
+        return {"round": self.rounds.state_dict()}
+
+    def load_state_dict(self, state: dict, schedule) -> None:
+        """Inverse of :meth:`state_dict`; the schedule's ``global_step`` becomes this group's
+        own count. ValueError: no round state (a checkpoint of a "steps" run) or another trigger."""
+        if "round" not in state:
+            raise ValueError(f"the checkpoint has no round state; it was written with sync_trigger='steps', "
+                             f"this run has {self.rounds.trigger!r}")
+        self.rounds.load_state_dict(state["round"])
+        schedule.global_step = self.rounds.group_steps[self.rounds.position]
+
+
+def make_planner(config, transport, group_sizes=None) -> TriggerPlanner | None:
+    """The round planner of an FLConfig: a :class:`TriggerPlanner` when ``sync_trigger`` is not
+    "steps", else None (the synchronizer's fixed H). ``transport``: this rank's (a torchft one,
+    ``elastic``, gives the configured groups, each known by its index, as positions change per
+    quorum); ``group_sizes``: ranks per group (the "tokens" weights; default equal)."""
+    if config.sync_trigger == "steps":
+        return None
+    if getattr(transport, "elastic", False):
+        num, position = config.num_groups, int(transport.group_index)
+    else:
+        rnd = transport.begin()
+        num, position = rnd.num_groups, rnd.position
+    sizes = tuple(group_sizes) if group_sizes is not None else (1,) * num
+    return TriggerPlanner(RoundState(config.sync_trigger, config.sync_every, sizes, position,
+                                     window_s=config.sync_window_s))

@@ -137,7 +137,7 @@ def simulate(recs, plan, outer=None) -> dict:
 @pytest.mark.parametrize("scenario,outer", [("avg", None), ("nesterov", (0.7, 0.9))])
 def test_rounds_of_unequal_length_equal_exact_simulation_at_every_step(four, scenario, outer):
     """With the per-round plan [[3, 1], [2, 4], [1, 3]] injected (sync_trigger "speed",
-    ``round_plan_hook``), every rank's parameters equal the single-process simulation after
+    ``_scenario.inject_round_plan``), every rank's parameters equal the single-process simulation after
     every one of its own steps (after the hook: after the sync at a round's last step), the
     merge weights are the tokens' shares (3/4, 1/4; 1/3, 2/3; 1/4, 3/4), and the run stops
     after the round that reaches the budget of 7 steps x 4 ranks. Not vacuous: the groups

@@ -8,6 +8,23 @@ world process group, as a new process would. The last scenario's end_training is
 from __future__ import annotations
 
 
+def inject_round_plan(sync, plan) -> None:
+    """Rounds of a fixed length (a test hook, for exact comparisons): round k's steps per
+    group are ``plan[min(k, len(plan) - 1)]``, replacing the trigger planner's plan
+    (:class:`fl_accel.trigger.TriggerPlanner`) as each round starts, before its first step
+    is counted."""
+    planner = sync.planner
+    count = planner.before_step
+
+    def before_step(synchronizer) -> None:
+        r = planner.rounds
+        if r.steps == 0:  # a round starts at this step
+            r.plan = [int(n) for n in plan[min(len(r.rounds), len(plan) - 1)]]
+        count(synchronizer)
+
+    planner.before_step = before_step
+
+
 def end_training(acc, last: bool) -> None:
     """``acc.end_training()``; before the last scenario, without destroying the process groups."""
     from accelerate.state import AcceleratorState

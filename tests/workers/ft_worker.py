@@ -16,7 +16,7 @@ group, ``FLAccelerator.save_state``): ``checkpoint_every`` (save
 the batches it consumed, as ``rank_state``), ``checkpoint_dir`` (default OUT_DIR/ckpt),
 ``checkpoint_groups`` (only these groups save), ``plan`` (with an ``fl.sync_trigger``
 other than "steps": the steps per group of each round, injected through
-``synchronizer.round_plan_hook``; the loop then runs until ``training_done``, the token
+``_scenario.inject_round_plan``; the loop then runs until ``training_done``, the token
 budget of ``max_steps``), ``resume`` (load the newest complete
 checkpoint of this group first, if any, and skip the batches it had consumed),
 ``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
@@ -50,6 +50,7 @@ import sys
 import time
 from pathlib import Path
 
+import _scenario
 from tests._launch import write_whole
 
 MODEL = dict(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -183,7 +184,7 @@ def run_case(spec: dict, out: Path) -> None:
 
     if sync.rounds is not None:  # a sync_trigger: a budget of tokens, this group's plan per round injected
         plan = spec["plan"]
-        sync.round_plan_hook = lambda k: plan[min(k, len(plan) - 1)]
+        _scenario.inject_round_plan(sync, plan)
         acc.set_max_steps(steps)
         rec["weights"] = []
 

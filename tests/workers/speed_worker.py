@@ -4,7 +4,7 @@
 
 FL+FSDP, 2 federation groups of 2 ranks. Each scenario (keys: ``name``, ``fl`` FLConfig
 kwargs, ``max_steps`` the token budget in steps of a "steps" run, ``plan`` steps per group
-per round injected through ``synchronizer.round_plan_hook`` or None, ``slow_factor`` per group:
+per round injected through ``_scenario.inject_round_plan`` or None, ``slow_factor`` per group:
 k, sleep k times each step's own time after it (the test hook that slows a group down),
 ``save_after_round``/``save_dir``, ``load``) trains the tiny Llama of unequal_worker with SGD
 (lr 1, no momentum) in the loop a user writes::
@@ -50,7 +50,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     sync = acc.synchronizer
     if sc.get("plan") is not None:
         plan = sc["plan"]
-        sync.round_plan_hook = lambda k: plan[min(k, len(plan) - 1)]
+        _scenario.inject_round_plan(sync, plan)
     acc.set_max_steps(sc["max_steps"])
     rec = {"scenario": sc["name"], "rank": rank, "coords": [acc.group_index, acc.replica_index, acc.shard_index],
            "index_batches": index_batches, "init": _scenario.local_shards(params), "steps": {}, "syncs": {},

@@ -25,7 +25,7 @@ kwargs), ``optimizer`` ("sgd" without momentum, or "adamw"), ``lr``, ``steps``,
 ``save_at`` (steps after which ``acc.save_state(save_dir/step_<t>)`` runs), ``save_dir``,
 ``load`` (a checkpoint to ``acc.load_state`` before training; training then starts at
 the step it records), ``expect_load_error`` (record the load's error and stop), ``plan``
-(``sync_trigger`` "speed": steps per group per round through ``round_plan_hook``, the loop
+(``sync_trigger`` "speed": steps per group per round through ``_scenario.inject_round_plan``, the loop
 runs until ``acc.training_done`` with ``steps`` as the budget; ``weights``: each round's).
 
 Each rank writes ``OUT_DIR/<scenario>/rank<k>.pt``: coordinates, the index batches,
@@ -124,7 +124,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     sync = acc.synchronizer
     if sc.get("plan") is not None:  # sync_trigger "speed" with a fixed per-round plan: rounds of unequal length
         plan = sc["plan"]
-        sync.round_plan_hook = lambda k: plan[min(k, len(plan) - 1)]
+        _scenario.inject_round_plan(sync, plan)
         acc.set_max_steps(sc["steps"])
         t = 0
         with acc.meter_comm():
