@@ -33,7 +33,7 @@ from accelerate.utils import (DynamoBackend, FullyShardedDataParallelPlugin, Ini
                               TorchDynamoPlugin)
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import compat, fsdp, trigger
+from . import compat, fsdp, fsdp_model, trigger
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
 from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
@@ -236,7 +236,7 @@ class FLAccelerator(Accelerator):
         model = next((o for o in items if isinstance(o, torch.nn.Module)), None)
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)
         if model is not None:
-            fsdp.track_forward_only(model, lambda: self._grads_accumulating)
+            fsdp_model.track_forward_only(model, lambda: self._grads_accumulating)
             _export_through_accelerator(self, model)
         if model is not None and optimizer is not None and self.synchronizer is None:
             named = list(model.named_parameters())
@@ -249,10 +249,10 @@ class FLAccelerator(Accelerator):
                 units=fsdp.fsdp_units(model, [p for _, p in named]),
                 planner=trigger.make_planner(self.fl_config, transport, self.layout.group_sizes))
             models = compat.prepared(self, "models")
-            self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp.reshard(models))  # always the last
+            self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp_model.reshard(models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
             if not any(p.is_meta for p in model.parameters()):
-                fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
+                fsdp_model.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         return result
 
     def backward(self, loss, **kwargs):
@@ -261,10 +261,10 @@ class FLAccelerator(Accelerator):
         return super().backward(loss, **kwargs)
 
     def materialize(self, model, init_fn, *, seed: int = 0) -> None:
-        """:func:`fl_accel.fsdp.materialize` a meta-prepared model, check that the groups agree
+        """:func:`fl_accel.fsdp_model.materialize` a meta-prepared model, check that the groups agree
         (ValueError: a non-deterministic ``init_fn``), take the sync's anchor."""
-        fsdp.materialize(model, init_fn, self.device, seed)
-        fsdp.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
+        fsdp_model.materialize(model, init_fn, self.device, seed)
+        fsdp_model.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
             self.synchronizer.outer.reset()
 
@@ -486,7 +486,7 @@ def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list
                           {"accelerate_step": compat.accumulation_counter(acc)})
 
     def load(state):
-        fsdp.reshard(compat.prepared(acc, "models"))
+        fsdp_model.reshard(compat.prepared(acc, "models"))
         ft.restore(acc.synchronizer, compat.prepared(acc, "schedulers"), state)
         compat.set_accumulation_counter(acc, state["extra"].get("accelerate_step", compat.accumulation_counter(acc)))
 

@@ -26,6 +26,7 @@ torchft #343: recovering rank k of group i heals from group ``(i + k) mod U``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from . import comm, compat
 from .exchange import Round
 from .fsdp import local
 from .mesh_transport import MeshTransport
+from .sync import EventHooks
 
 AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options()
 
@@ -91,6 +93,39 @@ class _AgreedClient:
                                                  else names[own]})
             self._transport._heal_started = time.perf_counter()  # the download starts after this returns
         return _Agreed(quorum, agreed)
+
+
+class CommitHooks(EventHooks):
+    """:class:`~fl_accel.sync.EventHooks` of :class:`ManagedTransport` (the synchronizer's
+    membership plug-in for torchft): sync events run even with one live group; each step with
+    sync actions opens the event's quorum first (a heal there replaces this group's state and
+    counters); an event's writes wait for the commit, and are dropped without it (groups keep
+    their values)."""
+
+    always_active = True
+
+    def __init__(self, transport: "ManagedTransport"):
+        self.transport, self.deferred = transport, None
+
+    def open(self) -> bool:
+        self.transport.begin()  # the quorum of this event; a heal replaces the counters
+        return self.transport.healed
+
+    @contextlib.contextmanager
+    def event(self, schedule):
+        self.deferred = []
+        try:
+            yield
+            writes = self.deferred
+        finally:
+            self.deferred = None
+        if self.transport.should_commit():
+            for fn in writes:
+                fn()
+        else:
+            logger.warning("sync %d (optimizer step %d) not committed: a federation group failed during the "
+                           "exchange; every group keeps its local values", schedule.num_syncs + 1,
+                           schedule.global_step)
 
 
 @dataclass
@@ -239,6 +274,10 @@ class ManagedTransport:
         if self.manager.errored() is not None or not 0 < len(live) < num:
             return (1.0 / num,) * num
         return tuple(1.0 / len(live) if g in live else 0.0 for g in range(num))
+
+    def event_hooks(self) -> CommitHooks:
+        """The synchronizer's hooks into each sync event (:class:`CommitHooks`)."""
+        return CommitHooks(self)
 
     def should_commit(self) -> bool:
         """torchft's vote of the group's ranks; closes the round. Collective."""

@@ -5,13 +5,16 @@ replaces its local shard with the weighted mean of the shards at the same coordi
 all F groups (FedAvg). No full-parameter gather: a rank exchanges its own shard
 (:mod:`fl_accel.exchange`); parameters stay DTensors, only their local tensors are
 written, in place. :class:`~fl_accel.schedule.SyncSchedule` decides when,
-:class:`~fl_accel.outer.OuterState` runs the outer step, :func:`check_finite` checks
-for NaN/Inf, :class:`CommitGate` holds writes until torchft commits.
+:class:`~fl_accel.outer.OuterState` runs the outer step, :func:`fl_accel.nonfinite.check_finite`
+checks for NaN/Inf first.
 
-Non-finite values ("reset"): any exchange in flight is completed and discarded, every
-parameter and anchor is set to the weighted mean of the healthy groups, residuals are
-zeroed, and the bad groups' optimizer state (every group's, with
-``average_optimizer_state``) to the healthy mean; counters and momentum are kept.
+Two extension points, chosen once when the synchronizer is built:
+
+* round planning: :class:`FixedPlanner` (H steps for every group), or
+  :class:`fl_accel.trigger.TriggerPlanner` (rounds by time or speed);
+* membership and transport: a :class:`~fl_accel.exchange.Transport` and its
+  :class:`EventHooks` (the world mesh's: :mod:`fl_accel.mesh_transport`, no-ops; torchft's:
+  :class:`fl_accel.ft.CommitHooks`, a quorum per event and writes held until the commit).
 
 Memory per rank besides the model (n = local numel): the outer state (4n bytes each),
 two ``sync_bucket_mb`` buckets during a blocking sync, a delayed exchange's fragment.
@@ -20,8 +23,6 @@ two ``sync_bucket_mb`` buckets during a blocking sync, a delayed exchange's frag
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,15 +30,10 @@ import torch
 from .codecs import codec_of
 from .comm import WaitClock
 from .exchange import Exchange, Round, Transport
-from .fsdp import canonical_name, local
+from .fsdp import canonical_name, local, optimizer_state_tensors
+from .nonfinite import NonFiniteError, check_finite  # noqa: F401 (NonFiniteError: its former home)
 from .outer import OuterState
 from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule, deal_fragments
-
-logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by a sync on every rank when a federation group holds NaN/Inf and on_nonfinite='abort'."""
 
 
 @dataclass
@@ -55,77 +51,31 @@ class Fragment:
         return means
 
 
-def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list:
-    """Local shards of the inner optimizer's floating-point state (AdamW ``exp_avg``, not ``step``)."""
-    out = []
-    for i in indices:
-        state = optimizer.state.get(params[i], {})
-        out += [local(state[k]) for k in sorted(state)
-                if torch.is_tensor(state[k]) and state[k].is_floating_point() and state[k].dim() > 0]
-    return out
+class EventHooks:
+    """A transport's hooks into each sync event (``transport.event_hooks()``, where it has one):
+    these no-op defaults are the world mesh's (membership fixed for the run, writes at once);
+    torchft's (membership per sync, writes held for the commit) are :class:`fl_accel.ft.CommitHooks`."""
 
+    always_active = False
+    """Sync events run even with one group (membership decided at each sync)."""
+    deferred: list | None = None
+    """The open event's writes, held for a commit (None: each write runs at once)."""
 
-def check_finite(sync: "FederatedSynchronizer", rnd: Round) -> bool:
-    """The NaN/Inf check every sync runs first: True when no group has NaN/Inf in a shard or
-    the last loss (a collective); else, under ``on_nonfinite="reset"``, the reset (module
-    docstring) and False. NonFiniteError on every rank under "abort" or when every group is bad."""
-    s, loss = sync.schedule, sync.last_loss
-    local_bad = any(not torch.isfinite(local(p)).all() for p in sync.params) or \
-        (loss is not None and not math.isfinite(loss))
-    with sync.arriving():  # the first world collective of a "steps" event: every rank waits for the last
-        bad = sync.transport.bad_groups(local_bad, rnd)
-    if bad and (sync.config.on_nonfinite == "abort" or len(bad) == rnd.num_groups):
-        raise NonFiniteError(f"non-finite parameters or loss in federation group(s) {bad} at optimizer step "
-                             f"{s.global_step} (sync {s.num_syncs + 1}); aborting. Set on_nonfinite='reset' to "
-                             f"drop such groups for the round instead.")
-    if not bad:
-        return True
-    for fragment in sync.fragments:  # complete the collectives, discard what they carried
-        if fragment.pending is not None:
-            fragment.finish()
-    mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
-    sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
-    sync.gate.write(sync.outer.zero_residuals)
-    tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
-    if tensors:
-        sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
-    logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
-                   "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
-    sync.last_loss = None
-    return False
-
-
-class CommitGate:
-    """With a transport having ``should_commit()`` (torchft), an event's writes wait for the
-    commit, and are dropped without it (groups keep their values); others write at once."""
-
-    def __init__(self, transport: Transport):
-        self.transport, self.deferred = transport, None  # deferred: the open event's writes
+    def open(self) -> bool:
+        """A step with sync actions starts; True: this group's state was just replaced (a
+        heal), so the actions due are asked again."""
+        return False
 
     def write(self, fn) -> None:
+        """Run the write ``fn()`` now, or hold it for the commit."""
         if self.deferred is None:
             fn()
         else:
             self.deferred.append(fn)
 
-    @contextlib.contextmanager
     def event(self, schedule: SyncSchedule):
-        if not hasattr(self.transport, "should_commit"):
-            yield
-            return
-        self.deferred = []
-        try:
-            yield
-            writes = self.deferred
-        finally:
-            self.deferred = None
-        if self.transport.should_commit():
-            for fn in writes:
-                fn()
-        else:
-            logger.warning("sync %d (optimizer step %d) not committed: a federation group failed during the "
-                           "exchange; every group keeps its local values", schedule.num_syncs + 1,
-                           schedule.global_step)
+        """A context manager around one sync event's exchanges and writes."""
+        return contextlib.nullcontext()
 
 
 class FixedPlanner:
@@ -177,9 +127,10 @@ class FederatedSynchronizer:
         units, P = units if units is not None else [[i] for i in range(len(self.params))], config.num_fragments
         dealt = [sorted(i for unit in part for i in unit) for part in deal_fragments(units, P)]
         self.fragments = [Fragment(k, idx, [self.names[i] for i in idx]) for k, idx in enumerate(dealt)]
-        elastic = bool(getattr(transport, "elastic", False))  # membership decided at each sync (fl_accel.ft)
+        self.hooks = transport.event_hooks() if hasattr(transport, "event_hooks") else EventHooks()
+        active = self.hooks.always_active or transport.begin().num_groups > 1
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
-                                     config.fragment_update_alpha, active=elastic or transport.begin().num_groups > 1)
+                                     config.fragment_update_alpha, active=active)
         self.outer = OuterState(self.params, config)
         self.last_round: Round | None = None  # the membership of the last sync event (torchft: it may be partial)
         self.clock = WaitClock()
@@ -190,7 +141,6 @@ class FederatedSynchronizer:
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
         self._suspended, self._hook = 0, None
-        self.gate = CommitGate(transport)
         self.final_step: int | None = None
         """The run's last optimizer step, if known (:meth:`FLAccelerator.set_max_steps`): its sync is the final one."""
         self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
@@ -244,11 +194,9 @@ class FederatedSynchronizer:
         self.planner.before_step(self)
         actions = self.schedule.step()
         with self.clock.measure(self.device) if actions else contextlib.nullcontext():
-            if actions and getattr(self.transport, "elastic", False):
-                self.transport.begin()  # the quorum of this event; a heal replaces the counters
-                if self.transport.healed:
-                    self.planner.rejoin(self.schedule)
-                    actions = self.schedule.actions()
+            if actions and self.hooks.open():  # this group's state was replaced (a heal): ask again
+                self.planner.rejoin(self.schedule)
+                actions = self.schedule.actions()
             for kind, k in actions:
                 pending = self.fragments[k].pending if k is not None else None
                 if kind == LAUNCH:
@@ -300,9 +248,9 @@ class FederatedSynchronizer:
 
     def _run(self, indices: list[int], rnd: Round, alpha: float, exact: bool = False) -> None:
         """A blocking exchange, applied bucket by bucket (gated: whole, after the commit)."""
-        if self.gate.deferred is not None:
+        if self.hooks.deferred is not None:
             means = self._exchange(indices, rnd, exact).start().finish()
-            self.gate.write(lambda: self._apply(indices, means, alpha))
+            self.hooks.write(lambda: self._apply(indices, means, alpha))
         else:
             self._exchange(indices, rnd, exact).run(
                 lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
@@ -325,7 +273,7 @@ class FederatedSynchronizer:
             rnd = self.planner.close(self, rnd)
         self.last_round = rnd
         exact = final and self.exact_final
-        with self.gate.event(self.schedule):
+        with self.hooks.event(self.schedule):
             if check_finite(self, rnd):
                 ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]
                 for f in ready:  # apply as scheduled
@@ -336,7 +284,7 @@ class FederatedSynchronizer:
 
     def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
         means = fragment.finish()
-        self.gate.write(lambda: self._apply(fragment.params, means, self.config.fragment_update_alpha))
+        self.hooks.write(lambda: self._apply(fragment.params, means, self.config.fragment_update_alpha))
         self._average_optimizer_state(fragment.params, rnd)
 
     @torch.no_grad()
@@ -363,11 +311,11 @@ class FederatedSynchronizer:
                 also(pos, means)
 
         def put(pos, means):
-            if self.gate.deferred is None:
+            if self.hooks.deferred is None:
                 copy(pos, means)
             else:  # the bucket is released after this call
                 kept = [m.clone() for m in means]
-                self.gate.deferred.append(lambda: copy(pos, kept))
+                self.hooks.deferred.append(lambda: copy(pos, kept))
 
         Exchange(self.transport, rnd, tensors, mask=mask,
                  bucket_values=max(1, self.config.sync_bucket_mb * 2**18)).run(put)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fl_accel import fsdp
+from fl_accel import fsdp, fsdp_model
 
 CONFIG = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
               num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=False)
@@ -78,7 +78,7 @@ def test_materialize_initializes_each_shard_deterministically(group):
         with torch.device("meta"):
             model = LlamaForCausalLM(LlamaConfig(**CONFIG))
         model = _shard_like_accelerate(model)
-        fsdp.materialize(model, model._init_weights, torch.device("cpu"), seed=3)
+        fsdp_model.materialize(model, model._init_weights, torch.device("cpu"), seed=3)
         models.append({n: fsdp.local(p).detach() for n, p in model.named_parameters()})
     a, b = models
     assert all(torch.equal(a[n], b[n]) and a[n].device.type == "cpu" for n in a)
