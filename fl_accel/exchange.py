@@ -225,11 +225,6 @@ class Exchange:
         return flat[:sum(sizes)].split(sizes)
 
 
-def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
-    """The weighted mean of ``tensors`` over the transport's round (for tests and tools)."""
-    return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()
-
-
 @functools.cache
 def _side_stream(device: torch.device):
     """One CUDA stream per device for packing off the compute stream."""

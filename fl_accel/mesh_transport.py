@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .exchange import Round
+from .exchange import Exchange, Round, Transport
 from .mesh import DP_REPLICATE, DP_SHARD, FL
 
 
@@ -88,3 +88,8 @@ class MeshTransport:
         table[rnd.position] = torch.tensor(vector, dtype=torch.float64)
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
         return table.tolist()
+
+
+def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
+    """The weighted mean of ``tensors`` over the transport's round (for tests and tools)."""
+    return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()

@@ -37,8 +37,8 @@ class SyncSchedule:
     in_sync: bool = True
     inflight: int | None = None
     round_steps: int | None = None
-    """This round's optimizer steps when a ``sync_trigger`` other than "steps" sets them
-    (:mod:`fl_accel.trigger`; blocking only); None: H."""
+    """This round's optimizer steps when a round planner sets them (rounds by time or speed,
+    :class:`fl_accel.trigger.TriggerPlanner`; blocking only); None: H."""
 
     period = property(lambda self: self.sync_every // self.num_fragments, doc="H/P.")
     blocking = property(lambda self: self.num_fragments == 1 and self.sync_delay == 0, doc="The paper's sync.")

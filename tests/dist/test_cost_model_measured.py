@@ -51,8 +51,8 @@ out = {"measured": measured, "model": est.step[0].bytes}
 
 # The sync's wire protocol on unequal groups of 1 and 3 ranks (S = 1, C = 1: rank 1 owns the
 # chunk of group 1 and broadcasts it to ranks 2, 3), tensors shaped like the model's parameters.
-from fl_accel.exchange import Round, mean
-from fl_accel.mesh_transport import MeshTransport
+from fl_accel.exchange import Round
+from fl_accel.mesh_transport import MeshTransport, mean
 fl = FLLayout((1, 3), 1, "fl_hsdp")
 pgs = {}
 for axis in ("fl", "dp_replicate"):

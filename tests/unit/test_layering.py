@@ -264,3 +264,18 @@ def test_the_status_check_names_file_and_line(tmp_path):
         "examples/bad.py:2: steps = accelerator.synchronizer.schedule.global_step",
         'scripts/bad.py:1: sync = getattr(acc, "synchronizer", None)',
     ]
+
+
+CORE = ("schedule", "outer", "exchange", "codecs", "sync", "fsdp")
+"""The synchronizer's core (issue 41 item 1): fl_accel/<name>.py. Optional features plug in:
+round planning (fl_accel.trigger's TriggerPlanner), membership (fl_accel.ft's CommitHooks on
+its transport), the lossy codecs (fl_accel.compress), the non-finite guard (fl_accel.nonfinite)."""
+CORE_BRANCH_WORDS = ("elastic", "healed", "should_commit", "sync_trigger", "self.rounds")
+"""Words of a branch on torchft or on the trigger kind, which the core must not hold."""
+
+
+def test_the_synchronizer_core_holds_no_torchft_or_trigger_branch():
+    found = [f"fl_accel/{name}.py:{n}: {line.strip()}" for name in CORE
+             for n, line in enumerate((REPO_ROOT / "fl_accel" / f"{name}.py").read_text().splitlines(), 1)
+             if any(word in line for word in CORE_BRANCH_WORDS)]
+    assert not found, "\n".join(found)

@@ -71,8 +71,8 @@ def scheduler(out_dir: str) -> None:
 def collectives(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from fl_accel.exchange import Round, mean
-    from fl_accel.mesh_transport import MeshTransport
+    from fl_accel.exchange import Round
+    from fl_accel.mesh_transport import MeshTransport, mean
     from recipes.pretrain import evaluate, main_first
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"), mixed_precision="bf16" if torch.cuda.is_available() else "no")

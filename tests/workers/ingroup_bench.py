@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from fl_accel.comm import CommMeter, CommStats
-from fl_accel.exchange import Round, mean
+from fl_accel.exchange import Round
 from fl_accel.mesh import FLLayout
-from fl_accel.mesh_transport import MeshTransport
+from fl_accel.mesh_transport import MeshTransport, mean
 
 REPS = 5
 
