@@ -258,7 +258,7 @@ class FLConfig:
         return self
 
     def for_launch(self, world_size: int, *, ranks_per_node: int | None = None,
-                   max_steps: int | None = None) -> "ResolvedFLConfig":
+                   max_steps: int | None = None) -> ResolvedFLConfig:
         """The one resolution of this config for a launch of ``world_size`` ranks
         (:func:`resolve_launch`): the layouts, the run's length and the config filled for it.
         ValueError naming the field, in pure Python (every rank, before any collective)."""
@@ -415,9 +415,9 @@ class ResolvedFLConfig:
     world_size: int
     """This launch's world (``WORLD_SIZE``; "torchft": one group's ranks)."""
     ranks_per_node: int | None
-    layout: "mesh.FLLayout"
+    layout: mesh.FLLayout
     """The federation's layout (every group; "torchft": F groups of ``world_size`` ranks)."""
-    launch_layout: "mesh.FLLayout"
+    launch_layout: mesh.FLLayout
     """This launch's own world: ``layout``, or with "torchft" the group alone."""
     max_steps: int | None = None
     """The run's length in optimizer steps (None: not known yet)."""
@@ -425,7 +425,7 @@ class ResolvedFLConfig:
     fault_tolerant = property(lambda self: self.config.fault_tolerance == "torchft",
                               doc='``fault_tolerance="torchft"``: each group is its own launch.')
 
-    def with_max_steps(self, max_steps: int) -> "ResolvedFLConfig":
+    def with_max_steps(self, max_steps: int) -> ResolvedFLConfig:
         """The same launch resolved for a run of ``max_steps`` (``self`` when it already is):
         :func:`resolve_launch` of ``source``. ValueError as there."""
         if max_steps == self.max_steps and not isinstance(max_steps, bool):
