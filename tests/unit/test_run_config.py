@@ -198,3 +198,25 @@ def test_no_hand_synced_copies_in_the_library_or_the_recipe():
         text = (REPO_ROOT / "recipes" / name).read_text(encoding="utf-8")
         assert "fl.with_max_steps" not in text and "fl=accelerator.fl_config" not in text, name
     assert "check_max_steps" in dir(config_module)
+
+
+def test_the_recipe_hands_its_resolved_plan_to_the_accelerator(tmp_path, monkeypatch):
+    """build_accelerator passes plan.resolved itself (no second resolution, no copy): with
+    --max_steps the accelerator's later set_max_steps of the same length keeps that object."""
+    import fl_accel
+    from recipes.pretrain import build_accelerator
+    from recipes.run_folder import plan_run
+
+    seen = []
+    monkeypatch.setattr(fl_accel, "FLAccelerator", lambda fl_config, **kwargs: seen.append(fl_config))
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    plan = plan_run(["--num_groups", "2", "--max_steps", "6", "--report_to", "none",
+                     "--output_dir", str(tmp_path / "o")], environ=env)
+    try:
+        build_accelerator(plan)
+        assert seen == [plan.resolved] and seen[0] is plan.resolved
+        acc = _bare_accelerator(plan.resolved)
+        acc.set_max_steps(6)  # the recipe's call: the same length, the same object
+        assert acc.run_config is plan.resolved
+    finally:
+        plan.lock.release()
