@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
     run = Run(plan=plan, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
-              data=data, meter=meter, max_steps=max_steps, eval_every=eval_every, config=config,
+              data=data, meter=meter, eval_every=eval_every, config=config,
               wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
     if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
@@ -432,7 +432,6 @@ class Run:
     scheduler: Any
     data: Any
     meter: Any
-    max_steps: int
     eval_every: int
     config: Any
     wandb_id: str | None = None
@@ -449,6 +448,7 @@ class Run:
         return self.plan.args
 
     fl = property(lambda self: self.accelerator.fl_config, doc="The run's FLConfig (the accelerator's run_config).")
+    max_steps = property(lambda self: self.accelerator.max_steps, doc="The run's length (the accelerator's).")
     layout = property(lambda self: self.accelerator.layout, doc="The federation's layout (the accelerator's).")
 
     @property
