@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from . import compat, fsdp, fsdp_model, trigger
 from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
 from .comm import CommMeter, CommStats
-from .config import FLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
+from .config import FLConfig, ResolvedFLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
 from .federation import Federation
 from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
 from .mesh_transport import MeshTransport
@@ -129,14 +129,33 @@ def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
         raise ValueError("FLAccelerator: Accelerate's state holds an FSDP1 plugin. " + FSDP1_FIX + ".")
     if user_policy is None:
         plugin.mixed_precision_policy = mixed_precision_policy(acc.mixed_precision)
-    compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=acc.layout.replicas_of(acc.group_index),
-                                                           dp_shard_size=acc.layout.shards), acc.device_mesh)
+    layout = acc.layout
+    compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=layout.replicas_of(acc.group_index),
+                                                           dp_shard_size=layout.shards), acc.device_mesh)
+
+
+def _resolve(fl_config: FLConfig | ResolvedFLConfig, world: int, max_steps: int | None) -> ResolvedFLConfig:
+    """The run-time config of a launch of ``world`` ranks: ``fl_config`` resolved
+    (:meth:`FLConfig.for_launch`), or a resolved one of this world taken as it is (with
+    ``max_steps``, resolved for it). ValueError, before any process group: a resolved config
+    of another world, a bad layout or run length (naming the field)."""
+    if isinstance(fl_config, ResolvedFLConfig):
+        if fl_config.world_size != world:
+            raise ValueError(f"fl_config was resolved for a world of {fl_config.world_size} ranks, but WORLD_SIZE is "
+                             f"{world}")
+        return fl_config if max_steps is None else fl_config.with_max_steps(max_steps)
+    return fl_config.for_launch(world, ranks_per_node=ranks_per_node(world), max_steps=max_steps)
 
 
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
-    ``fl_config`` defaults to ``FLConfig.from_env()``; ``accelerate_kwargs`` go to
+    ``fl_config`` defaults to ``FLConfig.from_env()``; it is resolved once, here, for this
+    launch (:func:`fl_accel.config.resolve_launch`: the layouts and, with ``max_steps`` or
+    :meth:`set_max_steps` before ``prepare``, the run's length) into :attr:`run_config`, the
+    one owner every reader reads (``fl_config``, ``layout`` and ``launch_layout`` are its
+    parts). A :class:`~fl_accel.config.ResolvedFLConfig` of this launch's world (e.g. the
+    recipe's plan) is taken as it is. ``accelerate_kwargs`` go to
     ``Accelerator`` (``cpu`` defaults to True without CUDA). ``mixed_precision="bf16"`` gives
     every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
     fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
@@ -145,18 +164,19 @@ class FLAccelerator(Accelerator):
     Everything else is Accelerate's behaviour (docs/api.md, "Accelerate's API under
     FLAccelerator")."""
 
-    def __init__(self, fl_config: FLConfig | None = None, **accelerate_kwargs):
+    def __init__(self, fl_config: FLConfig | ResolvedFLConfig | None = None, *, max_steps: int | None = None,
+                 **accelerate_kwargs):
         fl_config = FLConfig.from_env() if fl_config is None else fl_config
-        if not isinstance(fl_config, FLConfig):
+        if not isinstance(fl_config, (FLConfig, ResolvedFLConfig)):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
         world = world_size_from_env()
-        self.fl_config = fl_config  # frozen and validated at construction; the layout is checked next
-        self.fault_tolerant = fl_config.fault_tolerance == "torchft"
+        source = fl_config.source if isinstance(fl_config, ResolvedFLConfig) else fl_config
+        self.fault_tolerant = source.fault_tolerance == "torchft"
         if self.fault_tolerant:
             compat.check_torchft_version()  # every rank, before any process group
-            self._lighthouse = lighthouse_addr(fl_config)
-        self.layout = FLLayout.for_launch(fl_config, world, ranks_per_node=ranks_per_node(world))
-        self._mesh_layout = self.layout.launch_part(fl_config)  # torchft: this world is one federation group
+            self._lighthouse = lighthouse_addr(source)
+        self.run_config = _resolve(fl_config, world, max_steps)  # the one owner; every rank, no process group yet
+        fl_config = self.fl_config
         _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
         accelerate_kwargs.setdefault("cpu", not torch.cuda.is_available())
         timeout = timedelta(seconds=fl_config.collective_timeout_s)
@@ -167,9 +187,9 @@ class FLAccelerator(Accelerator):
         user_policy = getattr(plugin, "mixed_precision_policy", None)
         init_process_group("gloo" if accelerate_kwargs["cpu"] else "nccl", timeout)
         super().__init__(kwargs_handlers=handlers, **accelerate_kwargs)
-        if self.num_processes != self._mesh_layout.world_size:
+        if self.num_processes != self.launch_layout.world_size:
             raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world}")
-        self.mesh = build_mesh(self._mesh_layout, self.device.type, timeout, self.process_index)
+        self.mesh = build_mesh(self.launch_layout, self.device.type, timeout, self.process_index)
         self.device_mesh = self.mesh.device_mesh
         offset = fl_config.group_index * world if self.fault_tolerant else 0
         self._fl_rank = offset + self.process_index  # this rank in the federation's layout
@@ -177,7 +197,7 @@ class FLAccelerator(Accelerator):
         _use_fsdp2(self, plugin, user_policy)
         self.comm_stats = CommStats()
         groups = {pg: axis for axis, pg in self.mesh.groups.items()}
-        ranks = {tuple(sorted(self._mesh_layout.axis_ranks(a, self.process_index))): a for a in AXES}
+        ranks = {tuple(sorted(self.launch_layout.axis_ranks(a, self.process_index))): a for a in AXES}
         self._comm_meter = CommMeter(self.comm_stats, groups, {r: a for r, a in ranks.items() if len(r) > 1})
         self.synchronizer: FederatedSynchronizer | None = None
         self.federation = Federation(self)
@@ -188,9 +208,16 @@ class FLAccelerator(Accelerator):
             for note in start_notes(fl_config, self.layout, self.device.type, self.mixed_precision):
                 warnings.warn(f"[fl_accel] {note}", UserWarning, stacklevel=2)
 
-    num_groups = property(lambda self: self.layout.num_groups, doc="F (1 for the baselines).")
-    launch_layout = property(lambda self: self._mesh_layout,
+    run_config: ResolvedFLConfig
+    """The run-time config (:class:`fl_accel.config.ResolvedFLConfig`), resolved once: the one owner."""
+    fl_config = property(lambda self: self.run_config.config,
+                         doc="The run's :class:`FLConfig` (``run_config.config``: filled for the run's length).")
+    layout = property(lambda self: self.run_config.layout, doc="The federation's layout (``run_config.layout``).")
+    launch_layout = property(lambda self: self.run_config.launch_layout,
                              doc='The layout of this launch\'s world: ``layout``, or the group\'s alone ("torchft").')
+    max_steps = property(lambda self: self.run_config.max_steps,
+                         doc="The run's length in optimizer steps (:meth:`set_max_steps`; None: not set).")
+    num_groups = property(lambda self: self.layout.num_groups, doc="F (1 for the baselines).")
 
     @property
     def precision_policy(self) -> dict:
@@ -252,7 +279,8 @@ class FLAccelerator(Accelerator):
             self.synchronizer.pre_sync_hooks.append(lambda *_: fsdp_model.reshard(models))  # always the last
             self.synchronizer.attach(loss_fn=lambda: self._last_loss)
             if not any(p.is_meta for p in model.parameters()):
-                fsdp_model.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
+                fsdp_model.check_replicas_identical(model, self.launch_layout, self.process_index, self.device)
+            self._apply_run_length()
         return result
 
     def backward(self, loss, **kwargs):
@@ -264,7 +292,7 @@ class FLAccelerator(Accelerator):
         """:func:`fl_accel.fsdp_model.materialize` a meta-prepared model, check that the groups agree
         (ValueError: a non-deterministic ``init_fn``), take the sync's anchor."""
         fsdp_model.materialize(model, init_fn, self.device, seed)
-        fsdp_model.check_replicas_identical(model, self._mesh_layout, self.process_index, self.device)
+        fsdp_model.check_replicas_identical(model, self.launch_layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
             self.synchronizer.outer.reset()
 
@@ -310,24 +338,41 @@ class FLAccelerator(Accelerator):
         return False
 
     def set_max_steps(self, max_steps: int) -> None:
-        """The run's length in optimizer steps: the sync after step ``max_steps`` is the final
-        one, so with a lossy ``sync_dtype`` and ``final_sync="exact"`` it is the exact fp32 sync
-        (else :meth:`end_training` adds it); a decaying outer-LR schedule without
-        ``outer_lr_decay_steps`` spans the run (:meth:`FLConfig.with_max_steps`: ``fl_config``,
-        the synchronizer's and its outer state's are replaced by that copy). Raises ValueError:
-        not a positive integer, or the outer-LR warmup not shorter than the run (naming
-        ``FLConfig.outer_lr_warmup_steps``), on every rank alike; RuntimeError before ``prepare``."""
+        """The run's length in optimizer steps, resolved into :attr:`run_config` (the one
+        owner; :meth:`fl_accel.config.ResolvedFLConfig.with_max_steps`): the sync after step
+        ``max_steps`` is the final one, so with a lossy ``sync_dtype`` and ``final_sync="exact"``
+        it is the exact fp32 sync (else :meth:`end_training` adds it); with ``sync_trigger``
+        "time"/"speed" a budget of ``max_steps`` x N rank-steps; a decaying outer-LR schedule
+        without ``outer_lr_decay_steps`` spans the run (:meth:`FLConfig.with_max_steps`). Call it
+        before ``prepare(model, optimizer)`` (or pass ``FLAccelerator(..., max_steps=...)``): the
+        synchronizer is built from the resolved config. After ``prepare`` it may only set a
+        length that leaves the config as it is. Raises ValueError, on every rank alike, changing
+        nothing: not a positive integer; the outer-LR warmup not shorter than the run (naming
+        ``FLConfig.outer_lr_warmup_steps``); after ``prepare``, a length that would change the
+        synchronizer's config (naming ``FLConfig.outer_lr_decay_steps``)."""
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"set_max_steps needs a positive number of optimizer steps, got {max_steps!r}")
-        if self.synchronizer is None:
-            raise RuntimeError("set_max_steps needs prepare(model, optimizer) first")
-        config = self.fl_config.with_max_steps(max_steps)
-        if config is not self.fl_config:
-            self.fl_config = self.synchronizer.config = self.synchronizer.outer.config = config
-        if self.synchronizer.rounds is not None:  # groups of unequal speed: a budget of tokens, not of steps
-            self.synchronizer.planner.set_token_budget(max_steps, config.sync_every)
+        resolved = self.run_config.with_max_steps(max_steps)
+        if self.synchronizer is not None and resolved.config is not self.fl_config:
+            raise ValueError(f"set_max_steps({max_steps}) after prepare would make FLConfig.outer_lr_decay_steps "
+                             f"{resolved.config.outer_lr_decay_steps} (the outer-LR "
+                             f"{self.fl_config.outer_lr_schedule!r} "
+                             f"schedule spans the run), but the synchronizer was built with "
+                             f"{self.fl_config.outer_lr_decay_steps}: set the run's length before prepare(model, "
+                             f"optimizer) (set_max_steps, or FLAccelerator(..., max_steps=...)), or set "
+                             f"FLConfig.outer_lr_decay_steps")
+        self.run_config = resolved
+        self._apply_run_length()
+
+    def _apply_run_length(self) -> None:
+        """The synchronizer's end of the run, from :attr:`run_config` ``.max_steps`` (if known)."""
+        steps, sync = self.run_config.max_steps, self.synchronizer
+        if steps is None or sync is None:
+            return
+        if sync.rounds is not None:  # groups of unequal speed: a budget of tokens, not of steps
+            sync.planner.set_token_budget(steps, self.fl_config.sync_every)
         else:
-            self.synchronizer.final_step = max_steps
+            sync.final_step = steps
 
     @property
     def training_done(self) -> bool:

@@ -9,6 +9,9 @@ pure Python, so every rank raises it before any collective.
 
 An :class:`FLConfig` is frozen and validated once, at construction: a changed copy is made
 with ``dataclasses.replace`` (validated like a new one), e.g. :meth:`FLConfig.with_max_steps`.
+The run-time config is :class:`ResolvedFLConfig`, made once by :func:`resolve_launch`
+(:meth:`FLConfig.for_launch`) with the launch's layout and the run's length; ``FLAccelerator``
+holds it (``accelerator.run_config``) and every reader reads it.
 """
 
 from __future__ import annotations
@@ -254,14 +257,20 @@ class FLConfig:
             mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
         return self
 
+    def for_launch(self, world_size: int, *, ranks_per_node: int | None = None,
+                   max_steps: int | None = None) -> ResolvedFLConfig:
+        """The one resolution of this config for a launch of ``world_size`` ranks
+        (:func:`resolve_launch`): the layouts, the run's length and the config filled for it.
+        ValueError naming the field, in pure Python (every rank, before any collective)."""
+        return resolve_launch(self, world_size, ranks_per_node=ranks_per_node, max_steps=max_steps)
+
     def with_max_steps(self, max_steps: int) -> "FLConfig":
         """This config for a run of ``max_steps`` optimizer steps: a decaying outer-LR schedule
         ("cosine"/"linear") without ``outer_lr_decay_steps`` spans the run (a replaced copy with
         ``outer_lr_decay_steps=max_steps``); otherwise ``self``. Raises ValueError: ``max_steps``
         not a positive integer; the warmup not shorter than the run (naming
         ``FLConfig.outer_lr_warmup_steps`` and ``FLConfig.outer_lr_decay_steps``)."""
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive number of optimizer steps, got {max_steps!r}")
+        check_max_steps(max_steps)
         if self.outer_lr_schedule == "constant" or self.outer_lr_decay_steps is not None:
             return self
         return dataclasses.replace(self, outer_lr_decay_steps=max_steps)
@@ -380,6 +389,68 @@ class FLConfig:
             raise ValueError(f"unknown FLConfig field(s) {unknown} in {yaml_path or 'overrides'}; known: "
                              f"{cls.field_names()}")
         return cls(**values)
+
+
+def check_max_steps(max_steps: Any) -> None:
+    """ValueError unless ``max_steps`` is a positive integer (optimizer steps)."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive number of optimizer steps, got {max_steps!r}")
+
+
+@dataclass(frozen=True)
+class ResolvedFLConfig:
+    """The run-time config: an :class:`FLConfig` resolved once against the launch (its world
+    size and ranks per node) and, when known, the run's length. The one owner of the run's
+    settings: :class:`fl_accel.FLAccelerator` holds it as ``run_config`` and every reader
+    (the synchronizer, the checkpoint, ``accelerator.federation``, the recipe) reads it or
+    the objects in it, never a copy kept in step by hand. Frozen (assigning raises
+    ``dataclasses.FrozenInstanceError``); made only by :func:`resolve_launch`."""
+
+    config: FLConfig
+    """The config the run uses: ``source``, or with a decaying outer-LR schedule without
+    ``outer_lr_decay_steps`` and a known ``max_steps``, a copy spanning the run
+    (:meth:`FLConfig.with_max_steps`)."""
+    source: FLConfig
+    """The config as given (the run's identity: the fill above stays out of it)."""
+    world_size: int
+    """This launch's world (``WORLD_SIZE``; "torchft": one group's ranks)."""
+    ranks_per_node: int | None
+    layout: mesh.FLLayout
+    """The federation's layout (every group; "torchft": F groups of ``world_size`` ranks)."""
+    launch_layout: mesh.FLLayout
+    """This launch's own world: ``layout``, or with "torchft" the group alone."""
+    max_steps: int | None = None
+    """The run's length in optimizer steps (None: not known yet)."""
+
+    fault_tolerant = property(lambda self: self.config.fault_tolerance == "torchft",
+                              doc='``fault_tolerance="torchft"``: each group is its own launch.')
+
+    def with_max_steps(self, max_steps: int) -> ResolvedFLConfig:
+        """The same launch resolved for a run of ``max_steps`` (``self`` when it already is):
+        :func:`resolve_launch` of ``source``. ValueError as there."""
+        if max_steps == self.max_steps and not isinstance(max_steps, bool):
+            return self
+        return resolve_launch(self.source, self.world_size, ranks_per_node=self.ranks_per_node, max_steps=max_steps)
+
+
+def resolve_launch(config: FLConfig, world_size: int, *, ranks_per_node: int | None = None,
+                   max_steps: int | None = None) -> ResolvedFLConfig:
+    """Resolve ``config`` once for a launch of ``world_size`` ranks (``ranks_per_node``:
+    ``LOCAL_WORLD_SIZE``, default ``world_size``) and, when given, a run of ``max_steps``
+    optimizer steps: the federation's layout (:meth:`fl_accel.mesh.FLLayout.for_launch`), this
+    launch's part of it, and the config filled for the run's length. Pure Python: raises
+    ValueError naming the field (F not dividing the world, S not dividing a group, ``max_steps``
+    not a positive integer, the outer-LR warmup not shorter than the run) on every rank before
+    any process group is touched."""
+    if not isinstance(config, FLConfig):
+        raise ValueError(f"fl_config must be an FLConfig, got {type(config).__name__}")
+    layout = mesh.FLLayout.for_launch(config, world_size, ranks_per_node=ranks_per_node)
+    filled = config
+    if max_steps is not None:
+        check_max_steps(max_steps)
+        filled = config.with_max_steps(max_steps)
+    return ResolvedFLConfig(config=filled, source=config, world_size=world_size, ranks_per_node=ranks_per_node,
+                            layout=layout, launch_layout=layout.launch_part(config), max_steps=max_steps)
 
 
 def check_fields(cfg: FLConfig) -> None:

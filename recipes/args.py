@@ -377,15 +377,18 @@ def source_hint(message: str, sources: dict[str, str], fl_names: set[str]) -> st
     return f" (values from {', '.join(said)})" if said else ""
 
 
-def describe_sources(parsed: ParsedArgs, ignored: dict[str, str] | None = None) -> list[str]:
+def describe_sources(parsed: ParsedArgs, ignored: dict[str, str] | None = None,
+                     fl: FLConfig | None = None) -> list[str]:
     """One line per non-default FLConfig value (or one a file, variable or flag set), saying
     where it came from; values from ``FL_ACCEL_*`` variables are marked, since a leftover
     variable silently changes a run, and so are the fields in ``ignored`` (those the
-    algorithm and modes do not read, mapped to why: "by fsdp"), whatever their value."""
-    ignored = ignored or {}
+    algorithm and modes do not read, mapped to why: "by fsdp"), whatever their value.
+    ``fl``: the values to describe (default ``parsed.fl``; the recipe's banner gives the
+    resolved config, whose run-length fill is a default's)."""
+    ignored, fl = ignored or {}, parsed.fl if fl is None else fl
     lines = []
-    for f in fields(parsed.fl):
-        value = getattr(parsed.fl, f.name)
+    for f in fields(fl):
+        value = getattr(fl, f.name)
         if value != f.default or f.name in parsed.sources:
             where = parsed.sources.get(f.name, "default")
             if f.name in ignored:

@@ -22,10 +22,12 @@ LETTERS = ("F federation groups of G ranks each; a group is R replicas x S shard
            "H optimizer steps between syncs; P fragments; a block is seq_len tokens")
 
 
-def fl_line(parsed) -> str:
-    """``FLConfig: name=value (where); ...``, each value the algorithm and modes ignore marked
-    with why (``FLConfig.ignored_fields``, the library's rule), whatever its value."""
-    return f"FLConfig: {'; '.join(describe_sources(parsed, parsed.fl.ignored_fields())) or 'all defaults'}"
+def fl_line(parsed, fl=None) -> str:
+    """``FLConfig: name=value (where); ...`` of ``fl`` (default ``parsed.fl``; the banner's:
+    the resolved config), each value the algorithm and modes ignore marked with why
+    (``FLConfig.ignored_fields``, the library's rule), whatever its value."""
+    fl = parsed.fl if fl is None else fl
+    return f"FLConfig: {'; '.join(describe_sources(parsed, fl.ignored_fields(), fl)) or 'all defaults'}"
 
 
 def sparse_text(fl) -> str:
@@ -83,14 +85,15 @@ def storage_line(args, fl, num_groups: int, n_params: int, param_bytes: int) -> 
             f"{os.path.join(args.output_dir, 'checkpoints', 'step_<step>')}, {size}, {kept}; {export}")
 
 
-def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str, n_params: int, vocab: int,
+def banner_lines(*, plan, fl, layout, origin: dict, model_name: str, model_type: str, n_params: int, vocab: int,
                  vocab_note: str, flops_per_token: float, policy: dict, activation_checkpointing: bool,
                  compiled: bool, peak_mb: float, tokens_per_rank_step: int, tokens_per_step: int,
                  data_line: str, tokenizer=None, param_bytes: int = 4) -> list[str]:
     """The banner, one string per line (without the ``[fl_accel]`` prefix). ``tokenizer``:
     the run's (a line says what it is and, when trained on the run's text, where it is
-    cached); ``param_bytes``: bytes per stored parameter (for the checkpoint sizes)."""
-    args, fl = plan.args, plan.fl
+    cached); ``param_bytes``: bytes per stored parameter (for the checkpoint sizes). ``fl``,
+    ``layout``: the accelerator's (its ``run_config``)."""
+    args = plan.args
     streaming_fl = fl.is_federated and (fl.num_fragments > 1 or fl.sync_delay or fl.fragment_update_alpha
                                         or fl.sync_dtype != "fp32")
     layout_line = f"{layout.describe(fl.sync_every)}, outer={fl.outer_optimizer if fl.is_federated else '-'}"
@@ -106,7 +109,7 @@ def banner_lines(*, plan, layout, origin: dict, model_name: str, model_type: str
         f"fl_accel {origin['version']} from {origin['path']}",
         layout_line,
         f"  ({LETTERS})",
-        fl_line(plan.parsed),
+        fl_line(plan.parsed, fl),
         f"model {model_name} ({model_type}): {n_params / 1e6:.2f}M params, vocab {vocab}"
         + (f" ({vocab_note})" if vocab_note else "")
         + f", seq_len {args.seq_len}, {flops_per_token / 1e6:,.1f} MFLOP/token, init on {args.init_device} "

@@ -261,12 +261,14 @@ class Meter:
     wraps evaluations and checkpoints in :meth:`outside_training`.
     """
 
+    layout = property(lambda self: getattr(self.accelerator, "launch_layout", self.accelerator.layout),
+                      doc="This launch's layout, the accelerator's (torchft mode: this group's ranks).")
+
     def __init__(self, accelerator, clock: Clock, *, tokens_per_step: int, completed_steps: int,
                  flops_per_token: float, peak_tflops: float | None, restored: dict):
         import torch
 
         self.accelerator, self.clock = accelerator, clock
-        self.layout = getattr(accelerator, "launch_layout", accelerator.layout)  # torchft mode: this group's ranks
         self.tokens_per_step, self.completed_steps = tokens_per_step, completed_steps
         # optimizer steps on this launch's own data (torchft mode: a heal takes over a step count, not data)
         self.data_steps = int(restored.get("data_steps", completed_steps))

@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     except ModuleNotFoundError:
         host = None
     plan = plan_run(argv, t0=t0)
-    args, fl, layout = plan.args, plan.fl, plan.layout
+    args = plan.args
     for key, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("HF_UPDATE_DOWNLOAD_COUNTS", "0")):
         os.environ.setdefault(key, value)  # W&B never prompts for a login
 
@@ -111,25 +111,23 @@ def main(argv=None) -> dict:
     model = build_model(config, args.init_device)
     n_params, n_embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
     optimizer = build_optimizer(model, args, accelerator.device.type)
-    if data.stream is not None:
-        (model, optimizer), train_loader = accelerator.prepare(model, optimizer), data.train_loader
-    else:
-        model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)
-    if args.init_device == "meta":
-        accelerator.materialize(model, model._init_weights, seed=args.seed)
-    peak = torch.tensor([peak_host_mb()], dtype=torch.float64, device=accelerator.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    peak_host_mb_after_prepare = peak.item()
-
+    # the run's length, resolved into the accelerator's run_config before the synchronizer is built from it (the
+    # loader first: Accelerate's FSDP2 prepare prepares it before the model anyway)
+    train_loader = data.train_loader if data.stream is not None else accelerator.prepare(data.train_loader)
     per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
     max_steps = args.max_steps or args.num_epochs * per_epoch
     try:  # the last step's sync is the final (exact) one; a decaying outer LR without its steps spans the run
         accelerator.set_max_steps(max_steps)
     except ValueError as exc:
         raise run_length_error(exc, max_steps) from exc
-    if accelerator.fl_config is not fl:  # the run's config from here on (results, W&B): the accelerator's
-        plan = dataclasses.replace(plan, parsed=dataclasses.replace(plan.parsed, fl=accelerator.fl_config))
-        fl = plan.fl
+    fl, layout = accelerator.fl_config, accelerator.layout  # the run's config from here on: the accelerator's
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if args.init_device == "meta":
+        accelerator.materialize(model, model._init_weights, seed=args.seed)
+    peak = torch.tensor([peak_host_mb()], dtype=torch.float64, device=accelerator.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak_host_mb_after_prepare = peak.item()
+
     warmup = math.ceil(args.warmup_ratio * max_steps)
     if accelerator.federation.triggered:
         scheduler = accelerator.prepare(federation_schedule(optimizer, accelerator, args.lr_scheduler_type, warmup,
@@ -153,7 +151,8 @@ def main(argv=None) -> dict:
                  f"{per_epoch} steps/epoch), {max_steps} steps, " if data.stream is None
                  else f"streaming training data, {max_steps} steps, ") + f"validation {len(data.val_blocks)} blocks"
     banner = banner_lines(
-        plan=plan, layout=layout, origin=what_ran["fl_accel"], model_name=args.model, model_type=config.model_type,
+        plan=plan, fl=fl, layout=layout, origin=what_ran["fl_accel"], model_name=args.model,
+        model_type=config.model_type,
         n_params=n_params, vocab=config.vocab_size, vocab_note=vocab_note, flops_per_token=flops,
         policy=what_ran["precision_policy"], activation_checkpointing=what_ran["activation_checkpointing"],
         compiled=what_ran["compile"], peak_mb=peak_host_mb_after_prepare, tokens_per_rank_step=tokens_per_rank_step,
@@ -173,7 +172,7 @@ def main(argv=None) -> dict:
     meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
                   flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
     run = Run(plan=plan, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
-              data=data, meter=meter, max_steps=max_steps, eval_every=eval_every, config=config,
+              data=data, meter=meter, eval_every=eval_every, config=config,
               wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
     run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
     if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
@@ -263,7 +262,7 @@ def round_results(run: "Run") -> dict:
     a "steps" run's ``tokens_per_s``) against their sum."""
     rounds = run.accelerator.federation.rounds
     summary = rounds.summary()
-    per_rank_step = run.meter.tokens_per_step / run.plan.layout.world_size
+    per_rank_step = run.meter.tokens_per_step / run.layout.world_size
     standalone = [g * per_rank_step / t if t > 0 else None for g, t in
                   zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.timed_total)])]
     train_s = run.meter.clock.totals()["train_seconds"]  # this process's training time, syncs included
@@ -393,8 +392,9 @@ def build_accelerator(plan):
                           activation_checkpointing=plan.activation_checkpointing)
     extra = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)} \
         if args.compile else {}
-    accelerator = FLAccelerator(
-        plan.fl, gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=plan.mixed_precision,
+    accelerator = FLAccelerator(  # the plan's resolved config, owned by the accelerator from here on
+        plan.resolved, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=plan.mixed_precision,
         log_with=None if args.report_to == "none" else args.report_to, fsdp_plugin=plugin,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed), **extra)
@@ -432,7 +432,6 @@ class Run:
     scheduler: Any
     data: Any
     meter: Any
-    max_steps: int
     eval_every: int
     config: Any
     wandb_id: str | None = None
@@ -447,6 +446,10 @@ class Run:
     @property
     def args(self):
         return self.plan.args
+
+    fl = property(lambda self: self.accelerator.fl_config, doc="The run's FLConfig (the accelerator's run_config).")
+    max_steps = property(lambda self: self.accelerator.max_steps, doc="The run's length (the accelerator's).")
+    layout = property(lambda self: self.accelerator.layout, doc="The federation's layout (the accelerator's).")
 
     @property
     def rounds(self) -> bool:
@@ -464,17 +467,17 @@ class Run:
 
         from recipes.sync_log import SyncLog, wait_text
 
-        args, acc, layout = self.args, self.accelerator, self.plan.layout
+        args, acc, layout = self.args, self.accelerator, self.layout
         if args.report_to != "none":
             import secrets
 
             self.wandb_id = self.wandb_id or secrets.token_hex(4)  # the main process's is used (it owns the tracker)
-            run_config = {**dataclasses.asdict(args), **{f"fl/{k}": v for k, v in self.plan.fl.to_dict().items()},
+            run_config = {**dataclasses.asdict(args), **{f"fl/{k}": v for k, v in self.fl.to_dict().items()},
                           "world_size": layout.world_size, "num_groups": layout.num_groups,
                           "group_sizes": list(layout.group_sizes), "shards": layout.shards,
                           "max_steps": self.max_steps, **extra}
             init_kwargs = {"wandb": {"group": args.experiment, "name": self.plan.run_name, "dir": args.output_dir,
-                                     "tags": [self.plan.fl.algorithm], "id": self.wandb_id, "resume": "allow"}}
+                                     "tags": [self.fl.algorithm], "id": self.wandb_id, "resume": "allow"}}
             acc.init_trackers(args.wandb_project, config=run_config, init_kwargs=init_kwargs)
         self.progress = tqdm(total=self.max_steps, initial=self.meter.completed_steps, unit="step",
                              disable=not acc.is_local_main_process, desc=self.plan.run_name, dynamic_ncols=True)
@@ -525,7 +528,7 @@ class Run:
         mean NLL, tokens) when written now (always when ``final``), else None."""
         from recipes.metrics import SCORED, eval_figures, eval_totals, scored
 
-        args, layout, fl = self.args, self.plan.layout, self.plan.fl
+        args, layout, fl = self.args, self.layout, self.fl
         if final:
             self.sync_log.flush()  # the records of earlier steps first
         totals = eval_totals(self.model, self.accelerator, self.data.val_blocks, args.micro_batch_size)
@@ -581,7 +584,7 @@ def finish(run: Run, recorded: dict) -> dict:
     from recipes.metrics import scored
     from recipes.modeling import export_final_model
 
-    acc, args, fl, layout = run.accelerator, run.args, run.plan.fl, run.plan.layout
+    acc, args, fl, layout = run.accelerator, run.args, run.fl, run.layout
     passes = None
     if run.data.stream is not None:  # the most-read shard: ranks read shards of different lengths
         passes = torch.tensor([run.data.stream.epoch], dtype=torch.int64, device=acc.device)
@@ -642,7 +645,7 @@ def write_results(run: Run, results: dict) -> None:
     note instead), end of training, the closing lines."""
     from recipes.plots import plot_run_curves
 
-    acc, args, fl = run.accelerator, run.args, run.plan.fl
+    acc, args, fl = run.accelerator, run.args, run.fl
     curves = False
     if results.get("rounds") and args.report_to != "none":  # the round figures on the W&B run too
         r = results["rounds"]

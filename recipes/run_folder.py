@@ -34,8 +34,11 @@ class RunPlan:
     """What :func:`plan_run` decided, before the accelerator exists."""
 
     parsed: ParsedArgs
-    layout: Any
-    """The :class:`fl_accel.mesh.FLLayout` of the launched world."""
+    resolved: Any
+    """The :class:`fl_accel.config.ResolvedFLConfig` of the launched world (and of
+    ``--max_steps`` when given): resolved once, here, and handed to FLAccelerator, which owns
+    it from then on (``accelerator.run_config``; the run's length from ``--num_epochs`` is
+    resolved there, before the model is prepared)."""
     run_name: str
     identity: dict
     """:func:`recipes.args.run_identity`: what a checkpoint must share with this run."""
@@ -57,7 +60,13 @@ class RunPlan:
 
     @property
     def fl(self):
-        return self.parsed.fl
+        """The resolved FLConfig (``resolved.config``; ``parsed.fl`` is the config as given)."""
+        return self.resolved.config
+
+    @property
+    def layout(self):
+        """The :class:`fl_accel.mesh.FLLayout` of the launched world (``resolved.layout``)."""
+        return self.resolved.layout
 
 
 def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
@@ -76,9 +85,10 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
 
     try:
         world = world_size_from_env(environ)
-        layout = plan_layout(fl, world, ranks_per_node(world, environ))
+        resolved = plan_config(fl, world, ranks_per_node(world, environ))
     except ValueError as exc:
         raise RecipeError(f"{exc}{source_hint(str(exc), parsed.sources, set(fl.field_names()))}") from exc
+    layout = resolved.layout
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)
@@ -91,25 +101,24 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     identity = run_identity(args, fl)
     lock = take_lock(args.output_dir, run_name, environ)  # before anything reads the folder's contents
     try:
-        return _plan_rest(parsed, layout, run_name, identity, lock, environ, t0)
+        return _plan_rest(parsed, resolved, run_name, identity, lock, environ, t0)
     except BaseException:
         lock.release()  # refused: the folder is left as it was (no lock, no empty folder)
         raise
 
 
-def _plan_rest(parsed, layout, run_name, identity, lock, environ, t0) -> RunPlan:
-    args, fl = parsed.args, parsed.fl
-    if args.max_steps:  # a replaced copy: the decay it may fill stays out of the identity, like max_steps
+def _plan_rest(parsed, resolved, run_name, identity, lock, environ, t0) -> RunPlan:
+    args = parsed.args
+    if args.max_steps:  # the run's length, resolved with the launch (the decay it may fill stays out of the identity)
         try:
-            parsed = dataclasses.replace(parsed, fl=fl.with_max_steps(args.max_steps))
+            resolved = resolved.with_max_steps(args.max_steps)
         except ValueError as exc:
             raise run_length_error(exc, args.max_steps) from exc
-        fl = parsed.fl
-    resume_path = preflight(args, fl, layout, identity)
+    resume_path = preflight(args, resolved.config, resolved.layout, identity)
     mixed = resolve_mixed_precision(args.mixed_precision, environ)
     ac, ac_source = resolve_activation_checkpointing(args, environ)
     compiled, compile_source = resolve_compile(args, environ)
-    return RunPlan(parsed, layout, run_name, identity, resume_path, mixed, ac, compiled,
+    return RunPlan(parsed, resolved, run_name, identity, resume_path, mixed, ac, compiled,
                    {"activation_checkpointing": ac_source, "compile": compile_source}, t0, lock)
 
 
@@ -129,7 +138,8 @@ def take_lock(output_dir: str, run_name: str, environ):
 
 
 def run_length_error(exc: ValueError, max_steps: int) -> RecipeError:
-    """The RecipeError of ``FLConfig.with_max_steps`` (or ``FLAccelerator.set_max_steps``)
+    """The RecipeError of resolving the run's length (``ResolvedFLConfig.with_max_steps``, or
+    ``FLAccelerator.set_max_steps``)
     refusing a run of ``max_steps``: a decaying outer-LR schedule's warmup is not shorter than
     the run; it names the flags that set the run's length."""
     return RecipeError(f"{exc}: the run has {max_steps} optimizer steps (--max_steps / --num_epochs)")
@@ -155,16 +165,19 @@ def default_run_name(layout, fl) -> str:
 
 
 def plan_layout(fl, world: int, ranks_per_node: int | None = None):
-    """The federation's FLLayout for a launch of ``world`` ranks
-    (:meth:`fl_accel.mesh.FLLayout.for_launch`, FLAccelerator's), with launch hints in the error.
+    """The federation's FLLayout for a launch of ``world`` ranks (:func:`plan_config`'s)."""
+    return plan_config(fl, world, ranks_per_node).layout
+
+
+def plan_config(fl, world: int, ranks_per_node: int | None = None):
+    """``fl`` resolved for a launch of ``world`` ranks (:meth:`fl_accel.FLConfig.for_launch`,
+    the resolution FLAccelerator takes as it is), with launch hints in the error.
 
     Raises:
         RecipeError: the layout does not fit the world (naming the field).
     """
-    from fl_accel.mesh import FLLayout
-
     try:
-        return FLLayout.for_launch(fl, world, ranks_per_node=ranks_per_node)
+        return fl.for_launch(world, ranks_per_node=ranks_per_node)
     except ValueError as exc:
         hint = ""
         if world == 1 and fl.is_federated and fl.fault_tolerance != "torchft":

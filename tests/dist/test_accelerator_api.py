@@ -148,41 +148,59 @@ def test_prepared_scheduler_steps_as_accelerate_does(tmp_path):
 
 # ====================================================================== the run's length
 SET_MAX_STEPS = """
+import dataclasses
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from fl_accel import FLAccelerator, FLConfig
 
 cfg = FLConfig(num_groups=1, outer_optimizer="nesterov", outer_lr_schedule="cosine", outer_lr_warmup_steps=4)
 acc = FLAccelerator(cfg, cpu=True)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=2))
-model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+first = acc.run_config
 try:
     acc.set_max_steps(4)
 except ValueError as exc:
     print("REFUSED", exc)
-assert acc.fl_config is cfg and acc.synchronizer.final_step is None
-acc.set_max_steps(10)
+assert acc.run_config is first and acc.fl_config is cfg and acc.max_steps is None
+acc.set_max_steps(10)  # before prepare: resolved into the one owner, which the synchronizer is built from
+assert acc.fl_config.outer_lr_decay_steps == 10 and cfg.outer_lr_decay_steps is None and acc.max_steps == 10
+assert acc.run_config.source is cfg and acc.layout is acc.run_config.layout
+model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2))
+model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 sync = acc.synchronizer
-assert acc.fl_config.outer_lr_decay_steps == 10 and cfg.outer_lr_decay_steps is None
 assert sync.config is acc.fl_config and sync.outer.config is acc.fl_config and sync.final_step == 10
+assert acc.federation.config is acc.fl_config
+owner = acc.run_config
+acc.set_max_steps(10)  # the same length: nothing changes
+assert acc.run_config is owner
+try:  # another length after prepare would change the synchronizer's config: refused, nothing changed
+    acc.set_max_steps(12)
+except ValueError as exc:
+    print("AFTER PREPARE", exc)
+assert acc.run_config is owner and sync.final_step == 10 and sync.config is acc.fl_config
+try:
+    acc.run_config.max_steps = 3
+except dataclasses.FrozenInstanceError:
+    print("FROZEN")
 print("FILLED", acc.fl_config.outer_lr_decay_steps, sync.outer.lr_at(11))
 acc.end_training()
 """
 
 
-def test_set_max_steps_fills_the_outer_lr_decay_in_replaced_configs(tmp_path):
-    """One process (a world of 1, forked: tests/_forkserver.py): set_max_steps owns the fill
-    of a decaying outer-LR schedule without outer_lr_decay_steps: the accelerator's, the
-    synchronizer's and the outer state's config become one replaced copy (the caller's stays
-    as built); a warmup as long as the run raises ValueError naming the field, changing
-    nothing."""
+def test_set_max_steps_resolves_the_run_length_into_the_one_run_config(tmp_path):
+    """One process (a world of 1, forked: tests/_forkserver.py): set_max_steps resolves the
+    run's length into ``run_config``, the one owner: a decaying outer-LR schedule without
+    outer_lr_decay_steps spans the run in the config the synchronizer and its outer state are
+    then built from (the same object; the caller's stays as built); a warmup as long as the run
+    raises ValueError naming the field, changing nothing; after prepare a length that would
+    change the synchronizer's config is refused (no copy is kept in step by hand)."""
     script = tmp_path / "set_max_steps.py"
     script.write_text(SET_MAX_STEPS)
     res = run_torchrun(1, script, timeout=300)
     assert res.returncode == 0, res.tail()
     assert "REFUSED FLConfig.outer_lr_warmup_steps=4 must be shorter than the run" in res.stdout, res.stdout
-    assert "FILLED 10 0.0" in res.stdout, res.stdout
+    assert "AFTER PREPARE set_max_steps(12) after prepare" in res.stdout, res.stdout
+    assert "FROZEN" in res.stdout and "FILLED 10 0.0" in res.stdout, res.stdout
 
 
 # ====================================================================== GPU-path features, on CPU
