@@ -11,7 +11,7 @@ bytes per rank with the ring formulas :mod:`fl_accel.comm` counts.
 * :class:`Fp32Mean` ("fp32"): an in-place SUM all-reduce, pre-scaled by w_f when the weights
   differ, else divided by F afterwards (the paper's FedAvg, arXiv 2609.20359 Sec. 3).
 * the lossy codecs ("bf16", "int8", "sparse") live in :mod:`fl_accel.compress`, behind the
-  same interface (``fl_accel.codecs.Quantized`` / ``Sparse`` still name them).
+  same interface.
 
 Error feedback (a codec that loses information): the exchange adds ``decay`` x the residual
 to what it packs; the codec stores (packed - decoded(sent)) of this rank's chunk back in it.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from . import wire
-from .wire import BLOCK, QMAX, SPARSE_AGGREGATIONS, SPARSE_BLOCK, sparse_bytes, sparse_k  # noqa: F401
 
 
 class Codec:
@@ -68,8 +67,8 @@ class Fp32Mean(Codec):
         if ex.scale_first:
             w = ex.weights[ex.round.position]
             b.piece.mul_(w) if w else b.piece.zero_()  # zero, not 0 * NaN, for a dropped group
-        if ex.residuals is not None:
-            ex.store_residual(b, None)
+        for i in b.idx if ex.residuals is not None else ():
+            ex.residuals[i].zero_()
         b.work = ex.t.all_reduce(b.piece, async_op=True)
 
     def complete(self, ex, b, mine):
@@ -99,10 +98,3 @@ def codec_of(config, exact: bool = False) -> Codec:
     return make_codec(config.sync_dtype, density=config.sync_density, value_bits=config.sync_value_bits,
                       aggregation=config.sparse_aggregation)
 
-
-def __getattr__(name: str):
-    """``Quantized`` and ``Sparse``, which live in :mod:`fl_accel.compress` (imported on first use)."""
-    if name in ("Quantized", "Sparse"):
-        from . import compress
-        return getattr(compress, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

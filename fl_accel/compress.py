@@ -15,7 +15,7 @@ only the exact "fp32" mean; :func:`fl_accel.codecs.make_codec` picks these by na
 
 Error feedback: the exchange adds ``decay`` x the residual to what it packs; these codecs
 store (packed - decoded(sent)) of this rank's chunk back in it
-(:meth:`fl_accel.exchange.Exchange.store_residual`). Every tensor stays on the input's
+(:func:`store_residual`). Every tensor stays on the input's
 device (NCCL takes accelerator tensors only).
 """
 
@@ -26,6 +26,24 @@ import torch
 from . import wire
 from .codecs import Codec
 from .wire import BLOCK, QMAX, SPARSE_AGGREGATIONS, SPARSE_BLOCK, sparse_k
+
+
+def store_residual(ex, b, dropped: torch.Tensor) -> None:
+    """Error feedback: the residual of each source in bucket ``b`` of exchange ``ex`` <-
+    ``dropped`` (packed - decoded(sent), this rank's chunk) on this rank's chunk, zero
+    elsewhere. Called by a lossy codec while launching."""
+    size = b.flat.numel() // ex.t.num_chunks
+    lo, hi = ex.t.chunk_index * size, (ex.t.chunk_index + 1) * size
+    dropped = dropped.to(ex.residuals[b.idx[0]].device)
+    offset = 0
+    for i in b.idx:
+        n = ex.sizes[i]
+        a, z = max(lo, offset), min(hi, offset + n)
+        res = ex.residuals[i].view(-1)
+        res.zero_()
+        if a < z:
+            res[a - offset:z - offset].copy_(dropped[a - lo:z - lo])
+        offset += n
 
 
 class Quantized(Codec):
@@ -65,7 +83,7 @@ class Quantized(Codec):
     def launch(self, ex, b, mine):
         b.sent = self.quantize(mine, ex.round.num_groups)
         if ex.residuals is not None:
-            ex.store_residual(b, mine - self.dequantize(b.sent).view(-1))
+            store_residual(ex, b, mine - self.dequantize(b.sent).view(-1))
         b.recv = torch.empty_like(b.sent)
         b.work = ex.t.all_to_all(b.recv, b.sent, async_op=True)
 
@@ -150,7 +168,7 @@ class Sparse(Codec):
     def launch(self, ex, b, mine):
         payload, sent = self.encode(mine)
         if ex.residuals is not None:
-            ex.store_residual(b, mine - sent)
+            store_residual(ex, b, mine - sent)
         b.gathered = torch.empty(ex.round.num_groups, payload.numel(), dtype=torch.uint8, device=mine.device)
         b.sent = payload
         b.work = ex.t.all_gather(b.gathered, payload.view(1, -1), async_op=True)  # gloo: rows match

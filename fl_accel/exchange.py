@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .codecs import Codec, make_codec
+from .codecs import Codec, Fp32Mean
 from .wire import plan_buckets
 
 
@@ -86,8 +86,7 @@ class _Bucket:
 class Exchange:
     """One weighted mean of ``sources`` (tensors, or callables called one at a time while
     packing; then ``shapes`` and ``device`` are required) over ``transport`` in round ``rnd``,
-    on the wire of ``codec`` (default: :func:`~fl_accel.codecs.make_codec` of ``sync_dtype``,
-    ``density`` and ``value_bits``). ``mask``: per-group 0/1, weights renormalized over the 1s
+    on the wire of ``codec`` (default :class:`~fl_accel.codecs.Fp32Mean`). ``mask``: per-group 0/1, weights renormalized over the 1s
     (the non-finite reset); ``residuals``: error feedback, fp32 per source (maybe on the host):
     ``residual_decay`` x residual is added before encoding and replaced by what the codec
     dropped of this rank's chunk (zero for an exact codec); ``bucket_values``: fp32 values per
@@ -95,11 +94,10 @@ class Exchange:
     run a delayed exchange (all buckets at once); ``run`` a blocking one."""
 
     def __init__(self, transport: Transport, rnd: Round, sources: list, *, shapes=None, device=None,
-                 sync_dtype: str = "fp32", mask=None, residuals=None, bucket_values: int = 64 * 2**20,
-                 density: float = 1 / 64, value_bits: int = 2, codec: Codec | None = None,
+                 mask=None, residuals=None, bucket_values: int = 64 * 2**20, codec: Codec | None = None,
                  residual_decay: float = 1.0):
         self.t, self.round, self.sources, self.residuals = transport, rnd, sources, residuals
-        self.codec = codec if codec is not None else make_codec(sync_dtype, density=density, value_bits=value_bits)
+        self.codec = codec if codec is not None else Fp32Mean()
         self.residual_decay = float(residual_decay)
         self.shapes = [tuple(s) for s in (shapes if shapes is not None else [x.shape for x in sources])]
         self.device = device if device is not None else (sources[0].device if sources else torch.device("cpu"))
@@ -180,23 +178,6 @@ class Exchange:
             self.codec.launch(self, b, mine)
         self._track()
         return b
-
-    def store_residual(self, b: _Bucket, dropped: torch.Tensor | None) -> None:
-        """residual <- ``dropped`` (packed - decoded(sent)) on this rank's chunk, zero elsewhere
-        (``dropped`` None: zero everywhere). Called by the codec while launching."""
-        size = b.flat.numel() // self.t.num_chunks
-        lo, hi = self.t.chunk_index * size, (self.t.chunk_index + 1) * size
-        if dropped is not None:
-            dropped = dropped.to(self.residuals[b.idx[0]].device)
-        offset = 0
-        for i in b.idx:
-            n = self.sizes[i]
-            a, z = max(lo, offset), min(hi, offset + n)
-            res = self.residuals[i].view(-1)
-            res.zero_()
-            if dropped is not None and a < z:
-                res[a - offset:z - offset].copy_(dropped[a - lo:z - lo])
-            offset += n
 
     def _advance(self, b: _Bucket) -> None:
         if b.stage != 1 or b.work is None:

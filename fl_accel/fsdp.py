@@ -58,12 +58,3 @@ def fsdp_units(model: torch.nn.Module, params: list) -> list[list[int]]:
     ordered = [u for u in ordered if u]
     return ordered + [[i] for i in range(len(params)) if i not in {j for u in ordered for j in u}]
 
-
-def optimizer_state_tensors(optimizer, params: list, indices: list[int]) -> list:
-    """Local shards of the inner optimizer's floating-point state (AdamW ``exp_avg``, not ``step``)."""
-    out = []
-    for i in indices:
-        state = optimizer.state.get(params[i], {})
-        out += [local(state[k]) for k in sorted(state)
-                if torch.is_tensor(state[k]) and state[k].is_floating_point() and state[k].dim() > 0]
-    return out

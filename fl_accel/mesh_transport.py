@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
+from .codecs import make_codec
 from .exchange import Exchange, Round, Transport
 from .mesh import DP_REPLICATE, DP_SHARD, FL
 
@@ -92,4 +93,4 @@ class MeshTransport:
 
 def mean(transport: Transport, tensors: list[torch.Tensor], sync_dtype: str = "fp32") -> list[torch.Tensor]:
     """The weighted mean of ``tensors`` over the transport's round (for tests and tools)."""
-    return Exchange(transport, transport.begin(), tensors, sync_dtype=sync_dtype).start().finish()
+    return Exchange(transport, transport.begin(), tensors, codec=make_codec(sync_dtype)).start().finish()

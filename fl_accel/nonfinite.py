@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .fsdp import local, optimizer_state_tensors
+from .fsdp import local
+from .state_mean import mean_into, optimizer_state_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,11 @@ def check_finite(sync, rnd) -> bool:
         if fragment.pending is not None:
             fragment.finish()
     mask = tuple(0 if g in bad else 1 for g in range(rnd.num_groups))
-    sync._mean_into([local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
+    mean_into(sync, [local(p) for p in sync.params], rnd, mask, also=sync.outer.set_global)
     sync.hooks.write(sync.outer.zero_residuals)
     tensors = optimizer_state_tensors(sync.optimizer, sync.params, list(range(len(sync.params))))
     if tensors:
-        sync._mean_into(tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
+        mean_into(sync, tensors, rnd, mask, write=rnd.position in bad or sync.config.average_optimizer_state)
     logger.warning("sync %d: dropped federation group(s) %s (non-finite) and reset every group to the healthy "
                    "mean (parameters and the bad groups' optimizer state)", s.num_syncs + 1, bad)
     sync.last_loss = None

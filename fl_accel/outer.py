@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .fsdp import local
-from .lr_schedule import lr_multiplier, outer_lr  # noqa: F401 (lr_multiplier: its former home)
+from .lr_schedule import outer_lr
 
 
 class OuterState:

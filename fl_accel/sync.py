@@ -30,10 +30,11 @@ import torch
 from .codecs import codec_of
 from .comm import WaitClock
 from .exchange import Exchange, Round, Transport
-from .fsdp import canonical_name, local, optimizer_state_tensors
-from .nonfinite import NonFiniteError, check_finite  # noqa: F401 (NonFiniteError: its former home)
+from .fsdp import canonical_name, local
+from .nonfinite import check_finite
 from .outer import OuterState
 from .schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule, deal_fragments
+from .state_mean import average_optimizer_state
 
 
 @dataclass
@@ -145,6 +146,8 @@ class FederatedSynchronizer:
         """The run's last optimizer step, if known (:meth:`FLAccelerator.set_max_steps`): its sync is the final one."""
         self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
         self.planner = planner if planner is not None and self.schedule.active else FixedPlanner()
+        self.after_exchange = average_optimizer_state if config.average_optimizer_state else lambda *_: None
+        """``after_exchange(sync, indices, rnd)`` after each exchange (:mod:`fl_accel.state_mean`)."""
         if self.schedule.active and not any(local(p).is_meta for p in self.params):
             self.outer.reset()
 
@@ -254,7 +257,7 @@ class FederatedSynchronizer:
         else:
             self._exchange(indices, rnd, exact).run(
                 lambda pos, means: self._apply([indices[j] for j in pos], means, alpha))
-        self._average_optimizer_state(indices, rnd)
+        self.after_exchange(self, indices, rnd)
 
     def _apply(self, indices: list[int], means: list[torch.Tensor], alpha: float) -> None:
         self.outer.step = self.schedule.global_step
@@ -285,7 +288,7 @@ class FederatedSynchronizer:
     def _apply_pending(self, fragment: Fragment, rnd: Round) -> None:
         means = fragment.finish()
         self.hooks.write(lambda: self._apply(fragment.params, means, self.config.fragment_update_alpha))
-        self._average_optimizer_state(fragment.params, rnd)
+        self.after_exchange(self, fragment.params, rnd)
 
     @torch.no_grad()
     def sync(self, alpha: float = 0.0, final: bool = False) -> None:
@@ -299,31 +302,6 @@ class FederatedSynchronizer:
             self._event(True, alpha, final=final)
             self.schedule.synced(alpha)
         self.planner.after_sync()
-
-    def _mean_into(self, tensors: list, rnd: Round, mask=None, also=None, write: bool = True) -> None:
-        """tensors <- their fp32 weighted mean (only the collectives unless ``write``), then
-        ``also(positions, means)``."""
-        def copy(pos, means):
-            for j, m in zip(pos, means):
-                if write:
-                    tensors[j].copy_(m)
-            if also is not None:
-                also(pos, means)
-
-        def put(pos, means):
-            if self.hooks.deferred is None:
-                copy(pos, means)
-            else:  # the bucket is released after this call
-                kept = [m.clone() for m in means]
-                self.hooks.deferred.append(lambda: copy(pos, kept))
-
-        Exchange(self.transport, rnd, tensors, mask=mask,
-                 bucket_values=max(1, self.config.sync_bucket_mb * 2**18)).run(put)
-
-    def _average_optimizer_state(self, indices: list[int], rnd: Round) -> None:
-        tensors = optimizer_state_tensors(self.optimizer, self.params, indices)
-        if self.config.average_optimizer_state and tensors:
-            self._mean_into(tensors, rnd)
 
     def counters(self) -> dict:
         """A checkpoint's ``sync``: :meth:`SyncSchedule.state_dict` and the planner's entries

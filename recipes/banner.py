@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from fl_accel.codecs import SPARSE_BLOCK, sparse_k
+from fl_accel.wire import SPARSE_BLOCK, sparse_k
 
 from .args import describe_sources
 from .metrics import weights_text

@@ -52,7 +52,8 @@ import torch
 
 from _launch import WORKERS, run_torchrun, write_json
 from fl_accel import FLConfig
-from fl_accel.codecs import BLOCK, QMAX, Quantized
+from fl_accel.compress import Quantized
+from fl_accel.wire import BLOCK, QMAX
 
 
 def quantize(x, sync_dtype, rows):

@@ -539,11 +539,11 @@ def test_outer_lr_schedule_values_and_its_missing_length():
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 def test_lr_multiplier_equals_transformers_schedules(schedule):
-    """fl_accel.outer.lr_multiplier is transformers' get_scheduler multiplier, bit for bit
+    """fl_accel.lr_schedule.lr_multiplier is transformers' get_scheduler multiplier, bit for bit
     ("constant" is its "constant_with_warmup"), at every index of several lengths and warmups,
     past the end too; unknown names and a decay without its length raise ValueError."""
     transformers = pytest.importorskip("transformers")
-    from fl_accel.outer import lr_multiplier
+    from fl_accel.lr_schedule import lr_multiplier
 
     name = "constant_with_warmup" if schedule == "constant" else schedule
     for warmup, total in ((0, 1), (0, 10), (1, 10), (3, 10), (7, 8), (10, 1000), (0, 97)):

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fl_accel import FLConfig
 from fl_accel.planning import cost as cm
-from fl_accel import codecs
+from fl_accel import compress, wire
 from scripts import cost_model as cost_cli
 from fl_accel.planning import units as mu
 from fl_accel.comm import ring_bytes as measured_ring_bytes
@@ -39,10 +39,10 @@ def test_value_bytes_are_the_exchange_s():
     """The exchange quantizes in blocks of cm.BLOCK values: b bytes per value on the wire."""
     import torch
 
-    assert cm.BLOCK == codecs.BLOCK == 256
+    assert cm.BLOCK == wire.BLOCK == 256
     x = torch.randn(4 * cm.BLOCK)
     for dtype in ("bf16", "int8"):
-        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
+        assert compress.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------ the four algorithms, by hand
@@ -118,9 +118,9 @@ def test_sync_dtypes(dtype, limit):
 def test_sparse_bytes_formula_and_payload():
     """"sparse": an all-gather of (F-1) x the payload per rank, the payload being per 4096
     values 8 + 2k + k bits/8 bytes (k = density x 4096 rounded up to 32/bits); it is what
-    fl_accel.codecs.Sparse.encode really builds, and at the default density (1/64, 2
+    fl_accel.compress.Sparse.encode really builds, and at the default density (1/64, 2
     bits) it is <= 0.05x the fp32 all-reduce for F <= 10 groups (F x 0.00464)."""
-    from fl_accel.codecs import Sparse
+    from fl_accel.compress import Sparse
 
     assert [cm.sparse_k(d, b) for d, b in ((1 / 64, 2), (0.02, 2), (0.02, 8), (1e-6, 4), (1.0, 2))] == \
         [64, 96, 84, 8, 4096]

@@ -269,7 +269,10 @@ def test_the_status_check_names_file_and_line(tmp_path):
 CORE = ("schedule", "outer", "exchange", "codecs", "sync", "fsdp")
 """The synchronizer's core (issue 41 item 1): fl_accel/<name>.py. Optional features plug in:
 round planning (fl_accel.trigger's TriggerPlanner), membership (fl_accel.ft's CommitHooks on
-its transport), the lossy codecs (fl_accel.compress), the non-finite guard (fl_accel.nonfinite)."""
+its transport), the lossy codecs (fl_accel.compress), the non-finite guard (fl_accel.nonfinite),
+the mean of the inner optimizer's state (fl_accel.state_mean)."""
+CORE_MAX_LINES = 1000
+"""Issue 41's size for the core: a developer can hold it in their head."""
 CORE_BRANCH_WORDS = ("elastic", "healed", "should_commit", "sync_trigger", "self.rounds")
 """Words of a branch on torchft or on the trigger kind, which the core must not hold."""
 
@@ -279,3 +282,9 @@ def test_the_synchronizer_core_holds_no_torchft_or_trigger_branch():
              for n, line in enumerate((REPO_ROOT / "fl_accel" / f"{name}.py").read_text().splitlines(), 1)
              if any(word in line for word in CORE_BRANCH_WORDS)]
     assert not found, "\n".join(found)
+
+
+def test_the_synchronizer_core_stays_within_its_size():
+    """``wc -l`` of the core modules: a feature that grows it belongs behind an extension point."""
+    lines = {name: len((REPO_ROOT / "fl_accel" / f"{name}.py").read_text().splitlines()) for name in CORE}
+    assert sum(lines.values()) <= CORE_MAX_LINES, f"the core holds {sum(lines.values())} lines: {lines}"

@@ -135,9 +135,9 @@ def test_outer_state_and_sync_buffers_follow_the_synchronizer():
 def test_every_sync_dtype_has_its_sync_buffers(capsys):
     """The model covers every FLConfig.sync_dtype, "sparse" included (refused before): its
     exchange holds the fp32 bucket, 12 bytes per chunk value (|x| for top-k, the dense values
-    sent, the residual's difference) and F + 1 payloads of fl_accel.codecs.sparse_bytes; the
+    sent, the residual's difference) and F + 1 payloads of fl_accel.wire.sparse_bytes; the
     CLI takes it and its density."""
-    from fl_accel.codecs import sparse_bytes
+    from fl_accel.wire import sparse_bytes
 
     two = FLLayout.equal(2, 1, 2)
 

@@ -251,7 +251,7 @@ def test_sync_wait_seconds_count_sync_events_only():
 
 
 def test_nonfinite_abort_names_the_group_and_reset_drops_it():
-    from fl_accel.sync import NonFiniteError
+    from fl_accel.nonfinite import NonFiniteError
 
     sync, params = _synchronizer(FakeTransport(), sync_every=1)
     with torch.no_grad():

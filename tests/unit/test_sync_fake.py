@@ -80,7 +80,7 @@ def test_nesterov_lr1_momentum0_is_the_mean_with_fake_collective(monkeypatch):
 
 def test_nonfinite_parameters_abort_the_sync_naming_the_group(monkeypatch):
     """A NaN in this group's shard raises NonFiniteError (on_nonfinite='abort') naming group 0."""
-    from fl_accel.sync import NonFiniteError
+    from fl_accel.nonfinite import NonFiniteError
 
     sync, params, _ = _fake_synchronizer(monkeypatch, sync_every=1)
     with torch.no_grad():

@@ -91,7 +91,7 @@ def collectives(out_dir: str) -> None:
     for dtype in ("fp32", "bf16", "int8"):
         x = torch.linspace(-1, 1, 1000, device=acc.device)
         rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()
-    from fl_accel.codecs import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
+    from fl_accel.compress import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     want = Sparse(1 / 64, 2).encode(torch.nn.functional.pad(x, (0, 4096 - 1000)))[1][:1000]
