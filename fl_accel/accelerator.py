@@ -231,18 +231,6 @@ class FLAccelerator(Accelerator):
     activation_checkpointing = property(lambda self: bool(self.state.fsdp_plugin.activation_checkpointing))
     compiled = property(lambda self: self.state.dynamo_plugin.backend != DynamoBackend.NO)  # regional compilation
 
-    @property
-    def sync_wait_seconds(self) -> float:
-        """Seconds the training stream spent in sync events (:class:`fl_accel.comm.WaitClock`)."""
-        return self.synchronizer.clock.seconds if self.synchronizer is not None else 0.0
-
-    @property
-    def sync_arrival_seconds(self) -> float:
-        """Of :attr:`sync_wait_seconds`, the seconds spent waiting for the other ranks to arrive at
-        each sync (the event's first world collective), without the exchange: what a faster
-        federation group loses to a slower one."""
-        return self.synchronizer.arrival.seconds if self.synchronizer is not None else 0.0
-
     def meter_comm(self) -> CommMeter:
         """``with accelerator.meter_comm():`` counts collectives into ``comm_stats`` (:mod:`fl_accel.comm`)."""
         return self._comm_meter
@@ -374,27 +362,6 @@ class FLAccelerator(Accelerator):
         else:
             sync.final_step = steps
 
-    @property
-    def training_done(self) -> bool:
-        """With a ``sync_trigger`` other than "steps": the federation has trained the tokens of
-        :meth:`set_max_steps` (decided at a sync, so every rank of every group stops after the
-        same sync). Always False otherwise (the loop counts its own steps)."""
-        sync = self.synchronizer
-        return sync is not None and sync.rounds is not None and sync.rounds.done
-
-    @property
-    def federation_step(self) -> int:
-        """The federation's progress in optimizer steps of a "steps" run: with a ``sync_trigger``
-        other than "steps", the rank-steps of every group at the last sync over the world size,
-        plus this group's steps since (:meth:`fl_accel.trigger.RoundState.progress_steps`; exact at
-        syncs); else this rank's optimizer steps. For a schedule that follows the whole run."""
-        sync = self.synchronizer
-        if sync is None:
-            return 0
-        if sync.rounds is not None:
-            return int(sync.rounds.progress_steps())
-        return sync.schedule.global_step
-
     def get_state_dict(self, model, unwrap: bool = True):
         """The federated model's full state dict: Accelerate's for FSDP2 (the full tensors on the
         main process, an empty dict elsewhere), after :meth:`sync_if_pending` with ``final=True``
@@ -410,7 +377,7 @@ class FLAccelerator(Accelerator):
         an evaluation); returns a handle with ``remove()``. The hook runs inside the event (its
         time counts as sync wait); a world collective of the hook that every rank makes
         first in the event goes inside ``synchronizer.arriving()`` to be counted as the wait
-        for the other groups (:attr:`sync_arrival_seconds`; ``federation.arriving()`` is the
+        for the other groups (``federation.sync_arrival_seconds``; ``federation.arriving()`` is the
         same). ``first``: before the hooks registered earlier (else after them). RuntimeError
         before ``prepare``."""
         if self.synchronizer is None:

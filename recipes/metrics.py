@@ -25,9 +25,9 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   largest figure of any rank, ``comm_sum`` the sum over all ranks and ``comm_by_group[f]``
   the largest of group f's ranks (unequal groups: the groups' ranks differ).
   ``sync_time_share`` = the training thread's wait for inter-group communication
-  (``accelerator.sync_wait_seconds``, largest rank) / ``train_seconds``. Of that wait,
+  (``accelerator.federation.sync_wait_seconds``, largest rank) / ``train_seconds``. Of that wait,
   ``sync_arrival_share_by_group[f]`` is the part group f spent waiting for the other ranks
-  to arrive at the syncs (``accelerator.sync_arrival_seconds``, the largest of its ranks, over
+  to arrive at the syncs (``accelerator.federation.sync_arrival_seconds``, the largest of its ranks, over
   ``train_seconds``): what a faster group loses to a slower one, the exchange excluded.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
 
@@ -321,11 +321,11 @@ class Meter:
     # ---------------------------------------------------------------- figures
     def sync_wait_seconds(self) -> float:
         """This rank's wait for inter-group communication over the whole run (seconds)."""
-        return self.sync_wait_before + float(self.accelerator.sync_wait_seconds)
+        return self.sync_wait_before + float(self.accelerator.federation.sync_wait_seconds)
 
     def sync_arrival_seconds(self) -> float:
         """Of :meth:`sync_wait_seconds`, this rank's wait for the others to arrive at syncs (seconds)."""
-        return self.sync_arrival_before + float(self.accelerator.sync_arrival_seconds)
+        return self.sync_arrival_before + float(self.accelerator.federation.sync_arrival_seconds)
 
     def gather(self, head: list[float]):
         """All-reduce ``head`` (summed over ranks) and every rank's own figures in one

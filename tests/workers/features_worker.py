@@ -98,7 +98,7 @@ def run(name: str, out: Path, rank: int, last: bool, *, steps: int, fl: dict, fa
                 local(p).add_(1.0)  # the load must overwrite this
         acc.load_state(str(out / name / "roundtrip"))
         rec["after_load"] = _scenario.local_shards(params)
-    rec["sync_wait_seconds"] = acc.sync_wait_seconds
+    rec["sync_wait_seconds"] = acc.federation.sync_wait_seconds
     if second_prepare:
         other = build(family)
         try:

@@ -16,7 +16,7 @@ group, ``FLAccelerator.save_state``): ``checkpoint_every`` (save
 the batches it consumed, as ``rank_state``), ``checkpoint_dir`` (default OUT_DIR/ckpt),
 ``checkpoint_groups`` (only these groups save), ``plan`` (with an ``fl.sync_trigger``
 other than "steps": the steps per group of each round, injected through
-``_scenario.inject_round_plan``; the loop then runs until ``training_done``, the token
+``_scenario.inject_round_plan``; the loop then runs until ``federation.training_done``, the token
 budget of ``max_steps``), ``resume`` (load the newest complete
 checkpoint of this group first, if any, and skip the batches it had consumed),
 ``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
@@ -189,7 +189,7 @@ def run_case(spec: dict, out: Path) -> None:
         rec["weights"] = []
 
     def more() -> bool:
-        return not acc.training_done if sync.rounds is not None else sync.schedule.global_step < target()
+        return not acc.federation.training_done if sync.rounds is not None else sync.schedule.global_step < target()
 
     while more():
         skip = consumed % len(loader)

@@ -10,7 +10,7 @@ k, sleep k times each step's own time after it (the test hook that slows a group
 (lr 1, no momentum) in the loop a user writes::
 
     acc.set_max_steps(T)
-    while not acc.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
+    while not acc.federation.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
         loss = model(x).loss; acc.backward(loss); opt.step(); opt.zero_grad()
     acc.end_training()
 
@@ -62,7 +62,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     factor = (sc.get("slow_factor") or [0.0, 0.0])[acc.group_index]
     t, step_end = rec["start"], time.perf_counter()
     loop_start = step_end
-    while not acc.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
+    while not acc.federation.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
         x = tokens[index_batches[t % len(index_batches)]]
         loss = model(input_ids=x, labels=x).loss
         acc.backward(loss)
@@ -81,7 +81,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     rec["loop_s"], rec["sync_s"], rec["arrival_s"] = time.perf_counter() - loop_start, sync.clock.seconds, \
         sync.arrival.seconds
     rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
-    rec["federation_step"] = acc.federation_step
+    rec["federation_step"] = acc.federation.progress_step
     _scenario.end_training(acc, last)
     rec["final"] = _scenario.local_shards(params)
     _scenario.save_record(rec, out, sc["name"], rank, last)

@@ -26,7 +26,7 @@ kwargs), ``optimizer`` ("sgd" without momentum, or "adamw"), ``lr``, ``steps``,
 ``load`` (a checkpoint to ``acc.load_state`` before training; training then starts at
 the step it records), ``expect_load_error`` (record the load's error and stop), ``plan``
 (``sync_trigger`` "speed": steps per group per round through ``_scenario.inject_round_plan``, the loop
-runs until ``acc.training_done`` with ``steps`` as the budget; ``weights``: each round's).
+runs until ``acc.federation.training_done`` with ``steps`` as the budget; ``weights``: each round's).
 
 Each rank writes ``OUT_DIR/<scenario>/rank<k>.pt``: coordinates, the index batches,
 its local shards at init and after every step (after the hook, so after the sync at
@@ -128,7 +128,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         acc.set_max_steps(sc["steps"])
         t = 0
         with acc.meter_comm():
-            while not acc.training_done:
+            while not acc.federation.training_done:
                 x = tokens[index_batches[t]]
                 acc.backward(model(input_ids=x, labels=x).loss)
                 opt.step()
