@@ -78,23 +78,3 @@ class Fp32Mean(Codec):
         if b.piece is not mine:
             mine.copy_(b.piece)
 
-
-def make_codec(sync_dtype: str, *, density: float = 1 / 64, value_bits: int = 2,
-               aggregation: str = "senders") -> Codec:
-    """The codec of ``sync_dtype`` ("fp32", "bf16", "int8", "sparse"); ValueError otherwise."""
-    from .compress import Quantized, Sparse
-
-    makers = {"fp32": Fp32Mean, "bf16": lambda: Quantized("bf16"), "int8": lambda: Quantized("int8"),
-              "sparse": lambda: Sparse(density, value_bits, aggregation)}
-    if sync_dtype not in makers:
-        raise ValueError(f"sync_dtype must be one of {sorted(makers)}, got {sync_dtype!r}")
-    return makers[sync_dtype]()
-
-
-def codec_of(config, exact: bool = False) -> Codec:
-    """The codec an FLConfig's sync uses (``exact``: the fp32 mean, e.g. the final sync)."""
-    if exact:
-        return Fp32Mean()
-    return make_codec(config.sync_dtype, density=config.sync_density, value_bits=config.sync_value_bits,
-                      aggregation=config.sparse_aggregation)
-

@@ -1,5 +1,6 @@
 """The compressed codecs of the sync, behind :class:`fl_accel.codecs.Codec` (the core holds
-only the exact "fp32" mean; :func:`fl_accel.codecs.make_codec` picks these by name).
+only the exact "fp32" mean), and the choice of a codec by ``sync_dtype``
+(:func:`make_codec`, :func:`codec_of`).
 
 * :class:`Quantized` ("bf16", "int8"; INTELLECT-1, arXiv 2412.01152): quantize into F
   sub-chunks (int8: one fp32 absmax scale per ``BLOCK`` = 256 values), all-to-all, sum this
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import wire
-from .codecs import Codec
+from .codecs import Codec, Fp32Mean
 from .wire import BLOCK, QMAX, SPARSE_AGGREGATIONS, SPARSE_BLOCK, sparse_k
 
 
@@ -176,3 +177,22 @@ class Sparse(Codec):
     def complete(self, ex, b, mine):
         b.work.wait()
         mine.copy_(self.aggregate(b.gathered, ex.weights))
+
+
+def make_codec(sync_dtype: str, *, density: float = 1 / 64, value_bits: int = 2,
+               aggregation: str = "senders") -> Codec:
+    """The codec of ``sync_dtype`` ("fp32", "bf16", "int8", "sparse"); ValueError otherwise."""
+    makers = {"fp32": Fp32Mean, "bf16": lambda: Quantized("bf16"), "int8": lambda: Quantized("int8"),
+              "sparse": lambda: Sparse(density, value_bits, aggregation)}
+    if sync_dtype not in makers:
+        raise ValueError(f"sync_dtype must be one of {sorted(makers)}, got {sync_dtype!r}")
+    return makers[sync_dtype]()
+
+
+def codec_of(config, exact: bool = False) -> Codec:
+    """The codec an FLConfig's sync uses (``exact``: the fp32 mean, e.g. the final sync)."""
+    if exact:
+        return Fp32Mean()
+    return make_codec(config.sync_dtype, density=config.sync_density, value_bits=config.sync_value_bits,
+                      aggregation=config.sparse_aggregation)
+

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .codecs import make_codec
+from .compress import make_codec
 from .exchange import Exchange, Round, Transport
 from .mesh import DP_REPLICATE, DP_SHARD, FL
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codecs import codec_of
 from .comm import WaitClock
+from .compress import codec_of
 from .exchange import Exchange, Round, Transport
 from .fsdp import canonical_name, local
 from .nonfinite import check_finite
