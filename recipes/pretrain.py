@@ -239,19 +239,24 @@ def train(run: "Run") -> None:
 
 def federation_schedule(optimizer, accelerator, name: str, warmup_steps: int, total_steps: int):
     """Under ``sync_trigger`` "time"/"speed" the inner LR schedule follows the federation's
-    progress (``accelerator.federation_step``, in optimizer steps), not this group's own step
-    count: a fast group does more steps than ``total_steps`` and a slow one fewer, and both end
-    the schedule together. A ``LambdaLR`` whose multiplier is transformers' schedule ``name``
-    (``get_scheduler``'s, over ``warmup_steps`` and ``total_steps``) at that progress, whatever
-    the scheduler's own count (Accelerate steps it ``num_processes`` times per optimizer step).
+    progress (``accelerator.federation.progress_step``, in optimizer steps), not this group's own
+    step count: a fast group does more steps than ``total_steps`` and a slow one fewer, and both
+    end the schedule together. A ``LambdaLR`` whose multiplier is
+    :func:`fl_accel.lr_schedule.lr_multiplier` (transformers' formulas, bit for bit) of the
+    schedule that ``name`` maps to in :data:`recipes.run_folder.ROUNDS_LR_SCHEDULES` (checked by
+    ``plan_run``), over ``warmup_steps`` and ``total_steps``, at that progress, whatever the
+    scheduler's own count (Accelerate steps it ``num_processes`` times per optimizer step).
     Within a round the progress extrapolates this group's steps to every group, so a fast
     group's LR may step back slightly at a sync (exact there)."""
     import torch
-    from transformers import get_scheduler
 
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    multiplier = get_scheduler(name, probe, num_warmup_steps=warmup_steps, num_training_steps=total_steps).lr_lambdas[0]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: multiplier(accelerator.federation_step))
+    from fl_accel.lr_schedule import lr_multiplier
+    from recipes.run_folder import ROUNDS_LR_SCHEDULES
+
+    schedule, has_warmup = ROUNDS_LR_SCHEDULES[name]
+    warmup, federation = warmup_steps if has_warmup else 0, accelerator.federation
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: lr_multiplier(
+        schedule, federation.progress_step, warmup_steps=warmup, total_steps=total_steps))
 
 
 def round_results(run: "Run") -> dict:
