@@ -47,13 +47,25 @@ path: the recipe imports its siblings as ``recipes.x`` from the installed reposi
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import json
 import math
 import os
+import secrets
+import signal
 import sys
 import time
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin, set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 try:  # run as a file (accelerate launch / torchrun / python recipes/pretrain.py), the package is found
     import recipes  # noqa: F401  because it is installed (the module docstring)
@@ -61,320 +73,79 @@ except ModuleNotFoundError as exc:
     raise SystemExit("[fl_accel] error: recipes/pretrain.py imports its package 'recipes', which is not installed: "
                      "run `pip install -e .` in the repository root") from exc
 
-from recipes.args import RecipeError  # noqa: E402,F401  (re-exported)
-from recipes.inputs import main_first  # noqa: E402,F401  (re-exported: tests/workers/api_worker.py)
-from recipes.metrics import eval_batches, evaluate  # noqa: E402,F401
-from recipes.run_folder import default_run_name, plan_layout, preflight, read_metrics, \
-    resolve_mixed_precision  # noqa: E402,F401
+import fl_accel  # fl_accel.FLAccelerator is looked up when built (a unit test replaces it)
+from fl_accel.accelerator import fsdp2_plugin
+from fl_accel.lr_schedule import lr_multiplier
+from fl_accel.planning.flops import model_flops_per_token, peak_tflops
+from recipes import testing_hooks
+from recipes.banner import banner_lines
+from recipes.host_load import HostLoad
+from recipes.inputs import batches, build_data, data_record, repeat_note, steps_per_epoch, stream_note
+from recipes.metrics import SCORED, Clock, Meter, eval_figures, eval_totals, evaluate, fl_accel_origin, \
+    launch_seconds, peak_host_mb, scored
+from recipes.modeling import build_model, build_optimizer, embedding_params, export_final_model, resolve_config
+from recipes.plots import plot_run_curves
+from recipes.run_folder import ROUNDS_LR_SCHEDULES, RunPlan, plan_run, prepare_output_dir, read_metrics, resume, \
+    run_length_error, save_checkpoint
+from recipes.sync_log import SyncLog, wait_text
+
+# re-exported: tests and workers import these from the recipe
+from recipes.args import RecipeError  # noqa: F401
+from recipes.inputs import main_first  # noqa: F401  (tests/workers/api_worker.py)
+from recipes.metrics import eval_batches  # noqa: F401
+from recipes.run_folder import default_run_name, plan_layout, preflight, resolve_mixed_precision  # noqa: F401
 
 
 # =========================================================================== main
 def main(argv=None) -> dict:
     """Train as the flags, the recipe YAML and ``FL_ACCEL_*`` say; returns all_results.json's dict.
 
+    A sequence of stages, the functions below in this order, the same on every rank (so every
+    rank makes the same collectives in the same order); the training loop is the run's mode's,
+    chosen once (:func:`select_training_loop`).
+
     Raises:
         RecipeError (a ValueError): bad input, on every rank before any collective where it
             can be found without one.
     """
-    from recipes.host_load import HostLoad
-    from recipes.metrics import launch_seconds
-    from recipes.run_folder import plan_run
+    plan, host, launched = plan_session(argv)  # no collective: a bad input fails here, on every rank
+    accelerator = build_accelerator(plan)
+    prepare_output_dir(accelerator, plan.args)
+    parts = build_parts(plan, accelerator)  # data, model, optimizer; the run's length
+    parts = prepare_parts(accelerator, parts, plan.args)  # sharded, materialized
+    scheduler = build_lr_scheduler(accelerator, parts.optimizer, plan.args, parts.max_steps)
+    figures = plan_figures(plan, accelerator, parts)
+    print_banner(plan, accelerator, parts, figures)
+    run = start_run(plan, accelerator, parts, scheduler, figures)  # resumed, hooks installed; the clock starts
+    train_loop = select_training_loop(run)  # fixed steps, rounds by time/speed, or torchft
+    with accelerator.meter_comm():  # traffic by mesh axis: training and the final phase
+        train_loop(run)
+        run.progress.close()
+        results = finish(run, setup_record(plan, parts, figures))  # the final sync, evaluation and export
+    add_session_results(results, run, host, launched)
+    write_results(run, results)
+    return results
 
+
+# =========================================================================== the stages, in main's order
+def plan_session(argv) -> tuple[RunPlan, HostLoad | None, float | None]:
+    """No collective: the flags, the recipe YAML and ``FL_ACCEL_*`` planned into a
+    :class:`recipes.run_folder.RunPlan` (:func:`recipes.run_folder.plan_run`: every check that
+    needs no process group, so that a bad input raises the same RecipeError on every rank),
+    this session's host-load meter started and W&B's environment defaults set. Returns the
+    plan, the meter (None without psutil) and the launcher's start-up seconds
+    (:func:`recipes.metrics.launch_seconds`)."""
     t0, launched = time.perf_counter(), launch_seconds()
     try:  # CPU load of this session; psutil is optional (without it all_results.json's host is null)
         host = HostLoad(pid=os.getppid() if "LOCAL_RANK" in os.environ else None).start()
     except ModuleNotFoundError:
         host = None
     plan = plan_run(argv, t0=t0)
-    args = plan.args
     for key, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("HF_UPDATE_DOWNLOAD_COUNTS", "0")):
         os.environ.setdefault(key, value)  # W&B never prompts for a login
-
-    import torch
-    import torch.distributed as dist
-    from accelerate.utils import set_seed
-    from transformers import get_scheduler
-
-    from fl_accel.planning.flops import model_flops_per_token, peak_tflops
-    from recipes import testing_hooks
-    from recipes.banner import banner_lines
-    from recipes.inputs import batches, build_data, repeat_note, steps_per_epoch
-    from recipes.metrics import Clock, Meter, fl_accel_origin, peak_host_mb
-    from recipes.modeling import build_model, build_optimizer, embedding_params, resolve_config
-    from recipes.run_folder import prepare_output_dir, resume, run_length_error
-
-    accelerator = build_accelerator(plan)
-    prepare_output_dir(accelerator, args)
-    data = build_data(args, accelerator)
-    config, vocab_note = resolve_config(args.model, args.seq_len, len(data.tokenizer), args.resize_vocab)
-    set_seed(args.seed)  # right before the model: every rank (every group) builds the same weights
-    model = build_model(config, args.init_device)
-    n_params, n_embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
-    optimizer = build_optimizer(model, args, accelerator.device.type)
-    # the run's length, resolved into the accelerator's run_config before the synchronizer is built from it (the
-    # loader first: Accelerate's FSDP2 prepare prepares it before the model anyway)
-    train_loader = data.train_loader if data.stream is not None else accelerator.prepare(data.train_loader)
-    per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
-    max_steps = args.max_steps or args.num_epochs * per_epoch
-    try:  # the last step's sync is the final (exact) one; a decaying outer LR without its steps spans the run
-        accelerator.set_max_steps(max_steps)
-    except ValueError as exc:
-        raise run_length_error(exc, max_steps) from exc
-    fl, layout = accelerator.fl_config, accelerator.layout  # the run's config from here on: the accelerator's
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if args.init_device == "meta":
-        accelerator.materialize(model, model._init_weights, seed=args.seed)
-    peak = torch.tensor([peak_host_mb()], dtype=torch.float64, device=accelerator.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    peak_host_mb_after_prepare = peak.item()
-
-    warmup = math.ceil(args.warmup_ratio * max_steps)
-    if accelerator.federation.triggered:
-        scheduler = accelerator.prepare(federation_schedule(optimizer, accelerator, args.lr_scheduler_type, warmup,
-                                                            max_steps))
-    else:  # sized as Accelerate steps a prepared scheduler: num_processes times per optimizer step
-        n = accelerator.num_processes
-        scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * n,
-                                                      num_training_steps=max_steps * n))
-    eval_every, notes = plan_evaluations(args, fl, max_steps)
-    notes += [n for n in [repeat_note(max_steps, per_epoch, args.max_steps, args.num_epochs)] if n]
-    tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
-    tokens_per_step = tokens_per_rank_step * layout.world_size
-    launch_tokens_per_step = tokens_per_rank_step * accelerator.num_processes  # torchft mode: this group's
-    flops = model_flops_per_token(config, args.seq_len, num_params=n_params, embedding_params=n_embedding)
-    peak_tf = args.peak_tflops or (peak_tflops(torch.cuda.get_device_name(accelerator.device))
-                                   if accelerator.device.type == "cuda" else None)
-    what_ran = {"precision_policy": accelerator.precision_policy,
-                "activation_checkpointing": accelerator.activation_checkpointing,
-                "compile": accelerator.compiled, "fl_accel": fl_accel_origin()}
-    data_line = (f"train {data.train_size} blocks ({len(train_loader)} micro-batches per rank per epoch, "
-                 f"{per_epoch} steps/epoch), {max_steps} steps, " if data.stream is None
-                 else f"streaming training data, {max_steps} steps, ") + f"validation {len(data.val_blocks)} blocks"
-    banner = banner_lines(
-        plan=plan, fl=fl, layout=layout, origin=what_ran["fl_accel"], model_name=args.model,
-        model_type=config.model_type,
-        n_params=n_params, vocab=config.vocab_size, vocab_note=vocab_note, flops_per_token=flops,
-        policy=what_ran["precision_policy"], activation_checkpointing=what_ran["activation_checkpointing"],
-        compiled=what_ran["compile"], peak_mb=peak_host_mb_after_prepare, tokens_per_rank_step=tokens_per_rank_step,
-        tokens_per_step=tokens_per_step, data_line=data_line, tokenizer=data.tokenizer,
-        param_bytes=next(model.parameters()).element_size())
-    if accelerator.fault_tolerant:
-        notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
-                     f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
-                     f"in {args.output_dir}")
-    accelerator.print("\n".join(f"[fl_accel] {line}" for line in banner + notes))
-
-    completed_steps, restored = resume(accelerator, plan, data.stream)
-    rounds = accelerator.federation.triggered
-    if rounds:  # a checkpoint is named by the federation's step; each group counts its own
-        completed_steps = accelerator.federation.step
-    clock = Clock(plan.t0, restored)
-    meter = Meter(accelerator, clock, tokens_per_step=launch_tokens_per_step, completed_steps=completed_steps,
-                  flops_per_token=flops, peak_tflops=peak_tf, restored=restored)
-    run = Run(plan=plan, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
-              data=data, meter=meter, eval_every=eval_every, config=config,
-              wandb_id=restored.get("wandb_id"), steps_per_epoch=per_epoch)
-    run.start_trackers(n_params=n_params, tokens_per_step=tokens_per_step)
-    if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
-        accelerator.register_pre_sync_hook(lambda _sync, full: run.sync_log.pre_sync(accelerator.federation, full))
-    if args.eval_groups and layout.num_groups > 1:
-        accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
-    testing_hooks.install(model, optimizer, accelerator.process_index, completed_steps, data.epoch,
-                          group_index=accelerator.group_index, accelerator=accelerator)
-
-    clock.start_training()
-    run.batches = batches(data, train_loader, meter.data_steps, per_epoch, args.gradient_accumulation_steps,
-                          accelerator)  # this launch's own data position (torchft mode: not a healed count)
-    with accelerator.meter_comm():
-        if (not accelerator.training_done) if rounds else completed_steps < max_steps:
-            train(run)
-        run.progress.close()
-        results = finish(run, {**what_ran, "peak_host_mb_after_prepare": peak_host_mb_after_prepare,
-                               "n_params": n_params, "vocab_size": config.vocab_size,
-                               "model_type": config.model_type, "mixed_precision": plan.mixed_precision})
-    results["session"] = {"resumed_from_step": completed_steps, "steps": meter.completed_steps - completed_steps,
-                          "launch_seconds": launched, "wall_seconds": sum(clock.session.values()), **clock.session}
-    results["host"] = host.stop() if host is not None else None
-    if accelerator.fault_tolerant:
-        results["fault_tolerance"] = fault_tolerance_results(accelerator, meter)
-    write_results(run, results)
-    return results
+    return plan, host, launched
 
 
-def train(run: "Run") -> None:
-    """The training loop, in run_clm_no_trainer's shape: a step is complete when
-    ``accelerator.sync_gradients``; logging, evaluation and checkpoints follow it. The
-    federated sync runs inside ``optimizer.step()`` (FLAccelerator's hook)."""
-    accelerator, model, optimizer, meter, args = run.accelerator, run.model, run.optimizer, run.meter, run.args
-    for input_ids in run.batches:
-        with accelerator.accumulate(model):
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                meter.set_grad_norm(accelerator.clip_grad_norm_(model.parameters(),
-                                                                args.max_grad_norm or float("inf")))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        meter.micro_batch(loss)
-        if not accelerator.sync_gradients:
-            continue
-        run.scheduler.step()
-        step = meter.step_done()
-        if run.rounds:
-            if round_events(run, step):
-                break
-            continue
-        run.progress.update(step - run.progress.n)  # 1, or more after a heal (Meter.step_done)
-        report_heals(run, step)
-        if step % args.log_every == 0 or step == run.max_steps:
-            run.log_train()
-        with meter.outside_training():
-            if run.eval_every and step % run.eval_every == 0 and step < run.max_steps:
-                run.evaluate(step)
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < run.max_steps:
-                run.save_checkpoint(step)
-        if step >= run.max_steps:
-            break
-
-
-def federation_schedule(optimizer, accelerator, name: str, warmup_steps: int, total_steps: int):
-    """Under ``sync_trigger`` "time"/"speed" the inner LR schedule follows the federation's
-    progress (``accelerator.federation_step``, in optimizer steps), not this group's own step
-    count: a fast group does more steps than ``total_steps`` and a slow one fewer, and both end
-    the schedule together. A ``LambdaLR`` whose multiplier is transformers' schedule ``name``
-    (``get_scheduler``'s, over ``warmup_steps`` and ``total_steps``) at that progress, whatever
-    the scheduler's own count (Accelerate steps it ``num_processes`` times per optimizer step).
-    Within a round the progress extrapolates this group's steps to every group, so a fast
-    group's LR may step back slightly at a sync (exact there)."""
-    import torch
-    from transformers import get_scheduler
-
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    multiplier = get_scheduler(name, probe, num_warmup_steps=warmup_steps, num_training_steps=total_steps).lr_lambdas[0]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: multiplier(accelerator.federation_step))
-
-
-def round_results(run: "Run") -> dict:
-    """all_results.json's ``rounds`` (sync_trigger "time"/"speed"): per group the steps of each
-    round, the share of its wall time spent waiting at syncs, its standalone tokens/s (its
-    tokens per second of training, no waiting: its timed steps' mean), and the federation's
-    tokens/s (every group's tokens over this process's training seconds, syncs included, as
-    a "steps" run's ``tokens_per_s``) against their sum."""
-    rounds = run.accelerator.federation.rounds
-    summary = rounds.summary()
-    per_rank_step = run.meter.tokens_per_step / run.layout.world_size
-    standalone = [g * per_rank_step / t if t > 0 else None for g, t in
-                  zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.timed_total)])]
-    train_s = run.meter.clock.totals()["train_seconds"]  # this process's training time, syncs included
-    federation = summary["rank_steps"] * per_rank_step / train_s if train_s else None
-    known = [r for r in standalone if r is not None]
-    return {**summary, "standalone_tokens_per_s": standalone, "tokens_per_s": federation,
-            "of_standalone_sum": federation / sum(known) if federation and known else None}
-
-
-def round_events(run: "Run", step: int) -> bool:
-    """The loop's events under ``sync_trigger`` "time"/"speed", where each group counts its own
-    steps: logs (their figures are a world collective), evaluations and checkpoints right after the round that
-    crosses a multiple of their interval in federation steps (``accelerator.federation_step``,
-    agreed at the sync: the only points every group shares). True once the federation has
-    trained the run's tokens (``accelerator.training_done``)."""
-    acc, args = run.accelerator, run.args
-    if acc.federation.local_step:  # mid-round
-        return False
-    fed, last = acc.federation_step, run.round_step
-    run.round_step = fed
-    run.progress.update(max(0, min(fed, run.max_steps) - run.progress.n))
-    done = acc.training_done
-    if done or fed // args.log_every > last // args.log_every:  # a world collective (Meter.gather)
-        run.log_train()
-    with run.meter.outside_training():
-        if not done and run.eval_every and fed // run.eval_every > last // run.eval_every:
-            run.evaluate(fed)
-        if not done and args.checkpoint_every and fed // args.checkpoint_every > last // args.checkpoint_every:
-            run.save_checkpoint(fed)
-    acc.federation.restart_round_clock()  # the speeds measured are the training steps' own
-    return done
-
-
-def fault_tolerance_results(accelerator, meter) -> dict:
-    """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
-    launch's federation group and world size, how often it healed from a live group and
-    each heal (``heal_log``: source group, step, bytes, seconds, transfer and load seconds;
-    :func:`report_heals`), the sync's counters (``accelerator.federation.counters()``:
-    global_step, num_syncs, ...), the optimizer steps this launch trained itself (``steps``
-    minus those taken over in a heal) and rank 0's host seconds in torchft's quorums and
-    commit votes. ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
-    group resumed from its checkpoint adds the counts stored there (:func:`ft_counters`)."""
-    counters = ft_counters(accelerator, meter.restored)
-    return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
-            "group_world_size": accelerator.num_processes, **counters, "sync": accelerator.federation.counters(),
-            "steps_trained": meter.tokens // meter.tokens_per_step}
-
-
-def ft_counters(accelerator, restored: dict) -> dict:
-    """``heals``, ``heal_log`` and ``torchft_seconds`` of the whole run: this session's (the
-    torchft transport's) added to those a resumed checkpoint stored (``restored
-    ["fault_tolerance"]``, written by :meth:`Run.save_checkpoint`); {} outside the torchft mode."""
-    if not getattr(accelerator, "fault_tolerant", False):
-        return {}
-    federation = accelerator.federation
-    before = restored.get("fault_tolerance") or {}
-    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds", "transfer_seconds", "load_seconds")}
-           for h in federation.heal_log]
-    seconds = dict(before.get("torchft_seconds") or {})
-    for k, v in federation.membership_seconds.items():
-        seconds[k] = seconds.get(k, 0) + v
-    return {"heals": int(before.get("heals", 0)) + federation.heals,
-            "heal_log": list(before.get("heal_log") or []) + log, "torchft_seconds": seconds}
-
-
-def counters_scope(run: "Run") -> dict:
-    """all_results.json's ``counters``: what the whole-run counters (tokens, seconds, bytes,
-    calls and seconds by mesh axis, sync waits, torchft heals) cover. ``since``: "the run's
-    start" (a fresh run, or one resumed from a checkpoint, which carried them over:
-    ``carried_over_from``), or "this process's start" (an earlier session trained in this
-    folder and ended before its first checkpoint, e.g. a torchft group killed and restarted:
-    that session's counts are lost); ``steps_counted``: the optimizer steps they cover, this
-    launch's own (a torchft group that healed took over ``steps`` it did not train)."""
-    lost = bool(run.meter.restored.get("earlier_session_lost"))
-    return {"since": "this process's start" if lost else "the run's start",
-            "carried_over_from": run.plan.resume_path, "steps_counted": run.meter.data_steps}
-
-
-def heal_line(group_index: int, record: dict, step: int) -> str:
-    """The line the recipe prints when its group healed: ``record`` is the transport's
-    ``heal_sources`` entry (fl_accel/ft.py ``ManagedTransport._measure_heal``: source group,
-    bytes over the group's ranks, seconds of the slowest rank, split into the transfer and the
-    load), ``step`` the step the group continues from (the live group's count, taken over)."""
-    src = record.get("source_group")
-    nbytes = record.get("bytes")
-    size = "? MB" if nbytes is None else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
-    when, transfer, load = ("?" if record.get(k) is None else f"{record[k]:.2f}" if record[k] < 1 else
-                            f"{record[k]:.1f}" for k in ("seconds", "transfer_seconds", "load_seconds"))
-    return (f"[fl_accel] group {group_index} healed from group {'?' if src is None else src} at step {step}: "
-            f"{size} in {when} s (transfer {transfer} s, load {load} s)")
-
-
-def report_heals(run: "Run", step: int) -> None:
-    """In the torchft mode, after each optimizer step: if this group healed since the last
-    call, rank 0 of the group prints :func:`heal_line` (torchft's own log says "healing is
-    required"; this says it is done, from where, and what it cost) and the heal's record
-    gets its ``step``. A no-op in one world."""
-    accelerator = run.accelerator
-    if not getattr(accelerator, "fault_tolerant", False):
-        return
-    federation = accelerator.federation
-    heals = federation.heals
-    if heals <= run.heals_reported:
-        return
-    run.heals_reported = heals
-    record = federation.heal_log[-1] if federation.heal_log else {}
-    record["step"] = step
-    if accelerator.is_main_process:
-        _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
-
-
-# =========================================================================== the accelerator
 def build_accelerator(plan):
     """FLAccelerator with what the plan decided: mixed precision, the library's FSDP2 plugin
     (:func:`fl_accel.accelerator.fsdp2_plugin`: bf16 parameters and compute, gradients reduced
@@ -382,23 +153,147 @@ def build_accelerator(plan):
     regional compilation, all applied by
     Accelerate's own FSDP2 path (``Accelerator._prepare_fsdp2``: checkpointing, then compile,
     then ``fully_shard``)."""
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
-
-    from fl_accel import FLAccelerator
-    from fl_accel.accelerator import fsdp2_plugin
-
     args = plan.args
     plugin = fsdp2_plugin(mixed_precision=plan.mixed_precision, reduce_dtype=args.reduce_dtype,
                           activation_checkpointing=plan.activation_checkpointing)
     extra = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)} \
         if args.compile else {}
-    accelerator = FLAccelerator(  # the plan's resolved config, owned by the accelerator from here on
+    accelerator = fl_accel.FLAccelerator(  # the plan's resolved config, owned by the accelerator from here on
         plan.resolved, gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=plan.mixed_precision,
         log_with=None if args.report_to == "none" else args.report_to, fsdp_plugin=plugin,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed), **extra)
     return accelerator
+
+
+@dataclasses.dataclass
+class Parts:
+    """The data, the model and its optimizer (:func:`build_parts`; prepared by :func:`prepare_parts`)."""
+
+    data: Any  # recipes.inputs.Data: the tokenizer, the training data (a loader or a stream), validation blocks
+    train_loader: Any  # prepared (map-style data) or the stream's own
+    steps_per_epoch: int | None  # map-style data (None: a stream)
+    max_steps: int  # the run's length, set on the accelerator
+    config: Any  # the model's transformers config
+    vocab_note: str  # what the banner says about the vocabulary ("" when it is the tokenizer's)
+    model: Any
+    optimizer: Any
+    n_params: int
+    n_embedding: int  # embedding parameters (left out of the FLOPs per token)
+    peak_host_mb: float | None = None  # after prepare, the largest over the world (prepare_parts)
+
+
+def build_parts(plan: RunPlan, accelerator) -> Parts:
+    """The data (:func:`recipes.inputs.build_data`), the model's config, the model
+    (seeded right before it: every rank of every group builds the same weights), the optimizer,
+    and the run's length (``--max_steps``, else ``--num_epochs`` epochs of the loader) set on
+    the accelerator, into its run_config, before the synchronizer is built from it: the last
+    step's sync is the final (exact) one, and a decaying outer LR without its steps spans the
+    run. The map-style loader is prepared here, before the model: Accelerate's FSDP2 prepare
+    prepares it first anyway.
+
+    Raises:
+        RecipeError: a length the run's config refuses (:func:`recipes.run_folder.run_length_error`),
+            on every rank (each computes the same length).
+    """
+    args = plan.args
+    data = build_data(args, accelerator)
+    config, vocab_note = resolve_config(args.model, args.seq_len, len(data.tokenizer), args.resize_vocab)
+    set_seed(args.seed)  # right before the model: every rank (every group) builds the same weights
+    model = build_model(config, args.init_device)
+    n_params, n_embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
+    optimizer = build_optimizer(model, args, accelerator.device.type)
+    train_loader = data.train_loader if data.stream is not None else accelerator.prepare(data.train_loader)
+    per_epoch = None if data.stream is not None else steps_per_epoch(train_loader, args.gradient_accumulation_steps)
+    max_steps = args.max_steps or args.num_epochs * per_epoch
+    try:
+        accelerator.set_max_steps(max_steps)
+    except ValueError as exc:
+        raise run_length_error(exc, max_steps) from exc
+    return Parts(data=data, train_loader=train_loader, steps_per_epoch=per_epoch, max_steps=max_steps, config=config,
+                 vocab_note=vocab_note, model=model, optimizer=optimizer, n_params=n_params, n_embedding=n_embedding)
+
+
+def prepare_parts(accelerator, parts: Parts, args) -> Parts:
+    """Collectives: the model and optimizer prepared (FSDP2; the federation's
+    synchronizer is built from the accelerator's run_config), the weights materialized on the
+    ranks' devices (``--init_device meta``), and the peak host memory after prepare, the largest
+    over the world (an all-reduce). Returns ``parts`` with those."""
+    model, optimizer = accelerator.prepare(parts.model, parts.optimizer)
+    if args.init_device == "meta":
+        accelerator.materialize(model, model._init_weights, seed=args.seed)
+    peak = torch.tensor([peak_host_mb()], dtype=torch.float64, device=accelerator.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return dataclasses.replace(parts, model=model, optimizer=optimizer, peak_host_mb=peak.item())
+
+
+def build_lr_scheduler(accelerator, optimizer, args, max_steps: int):
+    """The inner LR schedule ``--lr_scheduler_type``, its first ``--warmup_ratio`` of
+    the run's steps a linear warmup, prepared. Under ``sync_trigger`` "time"/"speed" it follows
+    the federation's progress (:func:`federation_schedule`); otherwise it is transformers'
+    ``get_scheduler``, sized as Accelerate steps a prepared scheduler: ``num_processes`` times
+    per optimizer step."""
+    warmup = math.ceil(args.warmup_ratio * max_steps)
+    if accelerator.federation.triggered:
+        return accelerator.prepare(federation_schedule(optimizer, accelerator, args.lr_scheduler_type, warmup,
+                                                       max_steps))
+    n = accelerator.num_processes
+    return accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * n,
+                                             num_training_steps=max_steps * n))
+
+
+def federation_schedule(optimizer, accelerator, name: str, warmup_steps: int, total_steps: int):
+    """Under ``sync_trigger`` "time"/"speed" the inner LR schedule follows the federation's
+    progress (``accelerator.federation.progress_step``, in optimizer steps), not this group's own
+    step count: a fast group does more steps than ``total_steps`` and a slow one fewer, and both
+    end the schedule together. A ``LambdaLR`` whose multiplier is
+    :func:`fl_accel.lr_schedule.lr_multiplier` (transformers' formulas, bit for bit) of the
+    schedule that ``name`` maps to in :data:`recipes.run_folder.ROUNDS_LR_SCHEDULES` (checked by
+    ``plan_run``), over ``warmup_steps`` and ``total_steps``, at that progress, whatever the
+    scheduler's own count (Accelerate steps it ``num_processes`` times per optimizer step).
+    Within a round the progress extrapolates this group's steps to every group, so a fast
+    group's LR may step back slightly at a sync (exact there)."""
+    schedule, has_warmup = ROUNDS_LR_SCHEDULES[name]
+    warmup, federation = warmup_steps if has_warmup else 0, accelerator.federation
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: lr_multiplier(
+        schedule, federation.progress_step, warmup_steps=warmup, total_steps=total_steps))
+
+
+@dataclasses.dataclass
+class Figures:
+    """The run's figures per step and what ran (:func:`plan_figures`): for the banner, the
+    Meter, the trackers and all_results.json."""
+
+    eval_every: int  # optimizer steps between evaluations (federated: a multiple of H); 0: at the end only
+    notes: list[str]  # the banner's closing notes
+    tokens_per_rank_step: int
+    tokens_per_step: int  # the world's
+    launch_tokens_per_step: int  # this launch's (the torchft mode: this group's)
+    flops_per_token: float
+    peak_tflops: float | None  # of one accelerator, for MFU (None: MFU is not reported)
+    what_ran: dict  # precision policy, activation checkpointing, compile, where fl_accel was imported from
+
+
+def plan_figures(plan: RunPlan, accelerator, parts: Parts) -> Figures:
+    """No collective: the evaluation interval and the banner's notes
+    (:func:`plan_evaluations`, a repeat of the data), tokens per step, FLOPs per token, the
+    accelerator's peak TFLOPS (``--peak_tflops``, else a known CUDA device's) and what ran."""
+    args, fl, layout = plan.args, accelerator.fl_config, accelerator.layout
+    eval_every, notes = plan_evaluations(args, fl, parts.max_steps)
+    notes += [n for n in [repeat_note(parts.max_steps, parts.steps_per_epoch, args.max_steps, args.num_epochs)] if n]
+    tokens_per_rank_step = args.micro_batch_size * args.seq_len * args.gradient_accumulation_steps
+    return Figures(
+        eval_every=eval_every, notes=notes, tokens_per_rank_step=tokens_per_rank_step,
+        tokens_per_step=tokens_per_rank_step * layout.world_size,
+        launch_tokens_per_step=tokens_per_rank_step * accelerator.num_processes,
+        flops_per_token=model_flops_per_token(parts.config, args.seq_len, num_params=parts.n_params,
+                                              embedding_params=parts.n_embedding),
+        peak_tflops=args.peak_tflops or (peak_tflops(torch.cuda.get_device_name(accelerator.device))
+                                         if accelerator.device.type == "cuda" else None),
+        what_ran={"precision_policy": accelerator.precision_policy,
+                  "activation_checkpointing": accelerator.activation_checkpointing,
+                  "compile": accelerator.compiled, "fl_accel": fl_accel_origin()})
 
 
 def plan_evaluations(args, fl, max_steps: int) -> tuple[int, list[str]]:
@@ -420,6 +315,206 @@ def plan_evaluations(args, fl, max_steps: int) -> tuple[int, list[str]]:
     return eval_every, notes
 
 
+def print_banner(plan: RunPlan, accelerator, parts: Parts, figures: Figures) -> None:
+    """The start-up banner (:func:`recipes.banner.banner_lines`) and its notes, one
+    block printed by the main process."""
+    args, fl, layout, data, what_ran = plan.args, accelerator.fl_config, accelerator.layout, parts.data, figures.what_ran
+    data_line = (f"train {data.train_size} blocks ({len(parts.train_loader)} micro-batches per rank per epoch, "
+                 f"{parts.steps_per_epoch} steps/epoch), {parts.max_steps} steps, " if data.stream is None
+                 else f"streaming training data, {parts.max_steps} steps, ") + f"validation {len(data.val_blocks)} blocks"
+    banner = banner_lines(
+        plan=plan, fl=fl, layout=layout, origin=what_ran["fl_accel"], model_name=args.model,
+        model_type=parts.config.model_type, n_params=parts.n_params, vocab=parts.config.vocab_size,
+        vocab_note=parts.vocab_note, flops_per_token=figures.flops_per_token, policy=what_ran["precision_policy"],
+        activation_checkpointing=what_ran["activation_checkpointing"], compiled=what_ran["compile"],
+        peak_mb=parts.peak_host_mb, tokens_per_rank_step=figures.tokens_per_rank_step,
+        tokens_per_step=figures.tokens_per_step, data_line=data_line, tokenizer=data.tokenizer,
+        param_bytes=next(parts.model.parameters()).element_size())
+    notes = list(figures.notes)
+    if accelerator.fault_tolerant:
+        notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
+                     f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
+                     f"in {args.output_dir}")
+    accelerator.print("\n".join(f"[fl_accel] {line}" for line in banner + notes))
+
+
+def start_run(plan: RunPlan, accelerator, parts: Parts, scheduler, figures: Figures) -> Run:
+    """Collectives: the checkpoint resumed from (if any), the Meter, the :class:`Run`,
+    its trackers, the pre-sync hooks (the deferred log's, ``--eval_groups``) and the tests'
+    hooks; last, the clock's training time starts and this launch's batches begin at its own
+    data position (the torchft mode: not a healed count)."""
+    args = plan.args
+    completed_steps, restored = resume(accelerator, plan, parts.data.stream)
+    if accelerator.federation.triggered:  # a checkpoint is named by the federation's step; each group counts its own
+        completed_steps = accelerator.federation.step
+    clock = Clock(plan.t0, restored)
+    meter = Meter(accelerator, clock, tokens_per_step=figures.launch_tokens_per_step, completed_steps=completed_steps,
+                  flops_per_token=figures.flops_per_token, peak_tflops=figures.peak_tflops, restored=restored)
+    run = Run(plan=plan, accelerator=accelerator, model=parts.model, optimizer=parts.optimizer, scheduler=scheduler,
+              data=parts.data, meter=meter, eval_every=figures.eval_every, config=parts.config,
+              wandb_id=restored.get("wandb_id"), steps_per_epoch=parts.steps_per_epoch, start_step=completed_steps)
+    run.start_trackers(n_params=parts.n_params, tokens_per_step=figures.tokens_per_step)
+    if run.sync_log.deferred:  # world figures are summed at syncs (recipes/sync_log.py), the first hook
+        accelerator.register_pre_sync_hook(lambda _sync, full: run.sync_log.pre_sync(accelerator.federation, full))
+    if args.eval_groups and run.layout.num_groups > 1:
+        accelerator.register_pre_sync_hook(run.evaluate_groups_before_sync)
+    testing_hooks.install(parts.model, parts.optimizer, accelerator.process_index, completed_steps, parts.data.epoch,
+                          group_index=accelerator.group_index, accelerator=accelerator)
+    clock.start_training()
+    run.batches = batches(parts.data, parts.train_loader, meter.data_steps, parts.steps_per_epoch,
+                          args.gradient_accumulation_steps, accelerator)
+    return run
+
+
+def setup_record(plan: RunPlan, parts: Parts, figures: Figures) -> dict:
+    """all_results.json's entries on what was set up: what ran, the peak host memory after
+    prepare, the model's size, vocabulary and type, the precision."""
+    return {**figures.what_ran, "peak_host_mb_after_prepare": parts.peak_host_mb, "n_params": parts.n_params,
+            "vocab_size": parts.config.vocab_size, "model_type": parts.config.model_type,
+            "mixed_precision": plan.mixed_precision}
+
+
+def add_session_results(results: dict, run: Run, host: HostLoad | None, launched: float | None) -> None:
+    """The last stage before :func:`write_results`: all_results.json's ``session`` (this
+    session's steps and seconds), ``host`` (the host-load meter's figures; null without
+    psutil) and, in the torchft mode, ``fault_tolerance`` (:func:`fault_tolerance_results`)."""
+    meter, clock = run.meter, run.meter.clock
+    results["session"] = {"resumed_from_step": run.start_step, "steps": meter.completed_steps - run.start_step,
+                          "launch_seconds": launched, "wall_seconds": sum(clock.session.values()), **clock.session}
+    results["host"] = host.stop() if host is not None else None
+    if run.accelerator.fault_tolerant:
+        results["fault_tolerance"] = fault_tolerance_results(run.accelerator, meter)
+
+
+# =========================================================================== the training loops
+def select_training_loop(run: Run) -> Callable[[Run], None]:
+    """The training loop of the run's mode, chosen once:
+
+    * ``sync_trigger`` "time"/"speed" (``run.rounds``): :func:`train_rounds`;
+    * ``--fault_tolerance torchft``: the fixed-steps loop :func:`train_steps` with
+      ``heals=True``, its only difference in this mode: the line after a heal (:func:`report_heals`);
+    * otherwise, fixed steps: :func:`train_steps`.
+    """
+    if run.rounds:
+        return train_rounds
+    if run.accelerator.fault_tolerant:
+        return functools.partial(train_steps, heals=True)
+    return train_steps
+
+
+def optimizer_steps(run: Run) -> Iterator[int]:
+    """The part of the training loop every mode shares, in run_clm_no_trainer's shape: each
+    micro-batch's forward and backward under ``accelerator.accumulate``; a step is complete when
+    ``accelerator.sync_gradients`` (gradients clipped, the optimizer and the LR scheduler
+    stepped). The federated sync runs inside ``optimizer.step()`` (FLAccelerator's hook).
+    Yields the step count (:meth:`recipes.metrics.Meter.step_done`) after each completed step;
+    the caller's loop logs, evaluates, checkpoints and stops."""
+    accelerator, model, optimizer, meter, args = run.accelerator, run.model, run.optimizer, run.meter, run.args
+    for input_ids in run.batches:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                meter.set_grad_norm(accelerator.clip_grad_norm_(model.parameters(),
+                                                                args.max_grad_norm or float("inf")))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        meter.micro_batch(loss)
+        if accelerator.sync_gradients:
+            run.scheduler.step()
+            yield meter.step_done()
+
+
+def train_steps(run: Run, heals: bool = False) -> None:
+    """Fixed steps (``sync_trigger`` "steps"): every group does the run's ``max_steps``; logs,
+    evaluations and checkpoints every ``--log_every``, ``--eval_every`` and
+    ``--checkpoint_every`` steps of its own count. Also the torchft mode's loop, where a heal
+    takes over a live group's count (:meth:`recipes.metrics.Meter.step_done`): ``heals``
+    prints a line after each (:func:`report_heals`). Nothing to train when resumed at the end."""
+    args, meter = run.args, run.meter
+    if meter.completed_steps >= run.max_steps:
+        return
+    for step in optimizer_steps(run):
+        run.progress.update(step - run.progress.n)  # 1, or more after a heal (Meter.step_done)
+        if heals:
+            report_heals(run, step)
+        if step % args.log_every == 0 or step == run.max_steps:
+            run.log_train()
+        with meter.outside_training():
+            if run.eval_every and step % run.eval_every == 0 and step < run.max_steps:
+                run.evaluate(step)
+            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < run.max_steps:
+                run.save_checkpoint(step)
+        if step >= run.max_steps:
+            break
+
+
+def train_rounds(run: Run) -> None:
+    """Rounds by time or speed (``sync_trigger`` "time"/"speed"), where each group counts its own
+    steps: logs (their figures are a world collective), evaluations and checkpoints right after
+    the round that crosses a multiple of their interval in federation steps
+    (``accelerator.federation_step``, agreed at the sync: the only points every group shares),
+    until the federation has trained the run's tokens (``accelerator.training_done``, decided
+    at a sync: every group stops after the same one). Nothing to train when resumed at the end."""
+    acc, args = run.accelerator, run.args
+    if acc.training_done:
+        return
+    last = 0  # the federation step at the end of the last round
+    for _ in optimizer_steps(run):
+        if acc.federation.local_step:  # mid-round
+            continue
+        fed = acc.federation_step
+        run.progress.update(max(0, min(fed, run.max_steps) - run.progress.n))
+        done = acc.training_done
+        if done or crossed(args.log_every, last, fed):  # a world collective (Meter.gather)
+            run.log_train()
+        with run.meter.outside_training():
+            if not done and crossed(run.eval_every, last, fed):
+                run.evaluate(fed)
+            if not done and crossed(args.checkpoint_every, last, fed):
+                run.save_checkpoint(fed)
+        acc.federation.restart_round_clock()  # the speeds measured are the training steps' own
+        last = fed
+        if done:
+            break
+
+
+def crossed(every: int, last: int, step: int) -> bool:
+    """A multiple of ``every`` lies in (``last``, ``step``] (never for ``every`` 0)."""
+    return bool(every) and step // every > last // every
+
+
+def report_heals(run: Run, step: int) -> None:
+    """In the torchft mode, after each optimizer step: if this group healed since the last
+    call, rank 0 of the group prints :func:`heal_line` (torchft's own log says "healing is
+    required"; this says it is done, from where, and what it cost) and the heal's record
+    gets its ``step``. Called by :func:`train_steps` in the torchft mode only."""
+    accelerator = run.accelerator
+    federation = accelerator.federation
+    heals = federation.heals
+    if heals <= run.heals_reported:
+        return
+    run.heals_reported = heals
+    record = federation.heal_log[-1] if federation.heal_log else {}
+    record["step"] = step
+    if accelerator.is_main_process:
+        _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
+
+
+def heal_line(group_index: int, record: dict, step: int) -> str:
+    """The line the recipe prints when its group healed: ``record`` is the transport's
+    ``heal_sources`` entry (fl_accel/ft.py ``ManagedTransport._measure_heal``: source group,
+    bytes over the group's ranks, seconds of the slowest rank, split into the transfer and the
+    load), ``step`` the step the group continues from (the live group's count, taken over)."""
+    src = record.get("source_group")
+    nbytes = record.get("bytes")
+    size = "? MB" if nbytes is None else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+    when, transfer, load = ("?" if record.get(k) is None else f"{record[k]:.2f}" if record[k] < 1 else
+                            f"{record[k]:.1f}" for k in ("seconds", "transfer_seconds", "load_seconds"))
+    return (f"[fl_accel] group {group_index} healed from group {'?' if src is None else src} at step {step}: "
+            f"{size} in {when} s (transfer {transfer} s, load {load} s)")
+
+
 # =========================================================================== one run's state
 @dataclasses.dataclass
 class Run:
@@ -439,9 +534,9 @@ class Run:
     progress: Any = None
     group_evals: dict = dataclasses.field(default_factory=dict)
     sync_log: Any = None  # recipes.sync_log.SyncLog: records whose world figures wait for the next sync
-    round_step: int = 0  # sync_trigger "time"/"speed": the federation step of the last round's end
     heals_reported: int = 0  # torchft mode: heals already announced (report_heals)
     steps_per_epoch: int | None = None  # map-style data (None: a stream)
+    start_step: int = 0  # the step this session started from (resumed; under rounds: the federation's)
 
     @property
     def args(self):
@@ -453,7 +548,7 @@ class Run:
 
     @property
     def rounds(self) -> bool:
-        """A ``sync_trigger`` other than "steps": groups count their own steps (:func:`round_events`)."""
+        """A ``sync_trigger`` other than "steps": groups count their own steps (:func:`train_rounds`)."""
         return self.accelerator.federation.triggered
 
     @property
@@ -463,14 +558,8 @@ class Run:
     def start_trackers(self, **extra) -> None:
         """W&B (offline unless WANDB_MODE says otherwise; the run id survives resumes), the progress bar
         and the log (``sync_log``: with several groups in this launch, figures summed at syncs)."""
-        from tqdm.auto import tqdm
-
-        from recipes.sync_log import SyncLog, wait_text
-
         args, acc, layout = self.args, self.accelerator, self.layout
         if args.report_to != "none":
-            import secrets
-
             self.wandb_id = self.wandb_id or secrets.token_hex(4)  # the main process's is used (it owns the tracker)
             run_config = {**dataclasses.asdict(args), **{f"fl/{k}": v for k, v in self.fl.to_dict().items()},
                           "world_size": layout.world_size, "num_groups": layout.num_groups,
@@ -526,8 +615,6 @@ class Run:
         """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored
         (mid-run: when ``sync_log`` has summed it over the world). Returns the overall (perplexity,
         mean NLL, tokens) when written now (always when ``final``), else None."""
-        from recipes.metrics import SCORED, eval_figures, eval_totals, scored
-
         args, layout, fl = self.args, self.layout, self.fl
         if final:
             self.sync_log.flush()  # the records of earlier steps first
@@ -563,8 +650,8 @@ class Run:
         return done[0] if done else None
 
     def save_checkpoint(self, step: int) -> None:
-        from recipes.run_folder import save_checkpoint
-
+        """A checkpoint of the run at ``step`` (:func:`recipes.run_folder.save_checkpoint`), with the
+        whole-run figures so far and the torchft counters."""
         self.sync_log.flush()  # a checkpoint is a world event: metrics.jsonl then holds every record up to it
         totals = {**self.meter.checkpoint_totals(self.wandb_id), "fault_tolerance": ft_counters(self.accelerator,
                                                                                                self.meter.restored)}
@@ -576,14 +663,7 @@ class Run:
 def finish(run: Run, recorded: dict) -> dict:
     """The final sync (all groups end identical), the final evaluation, checkpoint and export,
     and the whole-run figures (collective). Returns all_results.json's dict (without ``host``
-    and ``session``, which the caller adds)."""
-    import torch
-    import torch.distributed as dist
-
-    from recipes.inputs import data_record, stream_note
-    from recipes.metrics import scored
-    from recipes.modeling import export_final_model
-
+    and ``session``, which :func:`add_session_results` adds)."""
     acc, args, fl, layout = run.accelerator, run.args, run.fl, run.layout
     passes = None
     if run.data.stream is not None:  # the most-read shard: ranks read shards of different lengths
@@ -630,7 +710,7 @@ def finish(run: Run, recorded: dict) -> dict:
     }
 
 
-def federation_figures(run: "Run") -> dict:
+def federation_figures(run: Run) -> dict:
     """all_results.json under ``sync_trigger`` "time"/"speed": ``rounds`` (:func:`round_results`),
     and ``steps``/``train_tokens``/``tokens_per_s`` of the whole federation (the same on every
     group), where :meth:`Meter.run_figures` counts this group's own steps."""
@@ -640,11 +720,72 @@ def federation_figures(run: "Run") -> dict:
             "tokens_per_s": rounds["tokens_per_s"]}
 
 
+def round_results(run: Run) -> dict:
+    """all_results.json's ``rounds`` (sync_trigger "time"/"speed"): per group the steps of each
+    round, the share of its wall time spent waiting at syncs, its standalone tokens/s (its
+    tokens per second of training, no waiting: its timed steps' mean), and the federation's
+    tokens/s (every group's tokens over this process's training seconds, syncs included, as
+    a "steps" run's ``tokens_per_s``) against their sum."""
+    rounds = run.accelerator.federation.rounds
+    summary = rounds.summary()
+    per_rank_step = run.meter.tokens_per_step / run.layout.world_size
+    standalone = [g * per_rank_step / t if t > 0 else None for g, t in
+                  zip(rounds.sizes, [s / n if n else 0.0 for s, n in zip(rounds.train_s_total, rounds.timed_total)])]
+    train_s = run.meter.clock.totals()["train_seconds"]  # this process's training time, syncs included
+    federation = summary["rank_steps"] * per_rank_step / train_s if train_s else None
+    known = [r for r in standalone if r is not None]
+    return {**summary, "standalone_tokens_per_s": standalone, "tokens_per_s": federation,
+            "of_standalone_sum": federation / sum(known) if federation and known else None}
+
+
+def fault_tolerance_results(accelerator, meter) -> dict:
+    """all_results.json's ``fault_tolerance`` entry (``--fault_tolerance torchft``): this
+    launch's federation group and world size, how often it healed from a live group and
+    each heal (``heal_log``: source group, step, bytes, seconds, transfer and load seconds;
+    :func:`report_heals`), the sync's counters (``accelerator.federation.counters()``:
+    global_step, num_syncs, ...), the optimizer steps this launch trained itself (``steps``
+    minus those taken over in a heal) and rank 0's host seconds in torchft's quorums and
+    commit votes. ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
+    group resumed from its checkpoint adds the counts stored there (:func:`ft_counters`)."""
+    counters = ft_counters(accelerator, meter.restored)
+    return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
+            "group_world_size": accelerator.num_processes, **counters, "sync": accelerator.federation.counters(),
+            "steps_trained": meter.tokens // meter.tokens_per_step}
+
+
+def ft_counters(accelerator, restored: dict) -> dict:
+    """``heals``, ``heal_log`` and ``torchft_seconds`` of the whole run: this session's (the
+    torchft transport's) added to those a resumed checkpoint stored (``restored
+    ["fault_tolerance"]``, written by :meth:`Run.save_checkpoint`); {} outside the torchft mode."""
+    if not getattr(accelerator, "fault_tolerant", False):
+        return {}
+    federation = accelerator.federation
+    before = restored.get("fault_tolerance") or {}
+    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds", "transfer_seconds", "load_seconds")}
+           for h in federation.heal_log]
+    seconds = dict(before.get("torchft_seconds") or {})
+    for k, v in federation.membership_seconds.items():
+        seconds[k] = seconds.get(k, 0) + v
+    return {"heals": int(before.get("heals", 0)) + federation.heals,
+            "heal_log": list(before.get("heal_log") or []) + log, "torchft_seconds": seconds}
+
+
+def counters_scope(run: Run) -> dict:
+    """all_results.json's ``counters``: what the whole-run counters (tokens, seconds, bytes,
+    calls and seconds by mesh axis, sync waits, torchft heals) cover. ``since``: "the run's
+    start" (a fresh run, or one resumed from a checkpoint, which carried them over:
+    ``carried_over_from``), or "this process's start" (an earlier session trained in this
+    folder and ended before its first checkpoint, e.g. a torchft group killed and restarted:
+    that session's counts are lost); ``steps_counted``: the optimizer steps they cover, this
+    launch's own (a torchft group that healed took over ``steps`` it did not train)."""
+    lost = bool(run.meter.restored.get("earlier_session_lost"))
+    return {"since": "this process's start" if lost else "the run's start",
+            "carried_over_from": run.plan.resume_path, "steps_counted": run.meter.data_steps}
+
+
 def write_results(run: Run, results: dict) -> None:
     """all_results.json and curves.png (main process; without matplotlib no curves.png, one
     note instead), end of training, the closing lines."""
-    from recipes.plots import plot_run_curves
-
     acc, args, fl = run.accelerator, run.args, run.fl
     curves = False
     if results.get("rounds") and args.report_to != "none":  # the round figures on the W&B run too
@@ -731,8 +872,6 @@ def classify_failure(exc: BaseException) -> str | None:
     """'collective' when ``exc`` came out of torch.distributed (a peer died or hung: gloo
     raises a plain RuntimeError from inside torch.distributed, NCCL a DistBackendError),
     else None."""
-    import torch.distributed as dist
-
     if isinstance(exc, (dist.DistError,)):
         return "collective"
     tb = exc.__traceback__
@@ -778,8 +917,6 @@ def _on_sigint(signum, frame):
 def _one_line_warnings() -> None:
     """fl_accel's own warnings ("[fl_accel] ...") print as their message, on one line, not as
     ``file:line: UserWarning`` plus a source line."""
-    import warnings
-
     default = warnings.formatwarning
 
     def fmt(message, category, filename, lineno, line=None):
@@ -806,11 +943,9 @@ def _record_for_launcher(message: str) -> None:
 
 def _timeout_text() -> str:
     """How the collective timeout was set (``FLConfig.collective_timeout_s``)."""
-    from fl_accel import FLConfig
-
     env = os.environ.get("FL_ACCEL_COLLECTIVE_TIMEOUT_S")
     return (f"FL_ACCEL_COLLECTIVE_TIMEOUT_S={env} s" if env else
-            f"FLConfig.collective_timeout_s, {FLConfig.collective_timeout_s:g} s unless the --config YAML sets it")
+            f"FLConfig.collective_timeout_s, {fl_accel.FLConfig.collective_timeout_s:g} s unless the --config YAML sets it")
 
 
 def _end_with_launcher() -> None:
@@ -824,9 +959,6 @@ def _end_with_launcher() -> None:
     (the rank was reparented); one gone before cli() ran (interpreter start-up) is not."""
     if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
         return
-    import ctypes
-    import signal
-
     parent = os.getppid()
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:
@@ -834,8 +966,6 @@ def _end_with_launcher() -> None:
 
 
 def cli(argv=None) -> int:
-    import signal
-
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigint)
     _end_with_launcher()

@@ -80,6 +80,7 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     environ = os.environ if environ is None else environ
     parsed = parse_args(argv, environ=environ)
     args, fl = parsed.args, parsed.fl
+    check_lr_schedule(args, fl, parsed.sources)
     check_launcher(environ)
     from fl_accel.mesh import ranks_per_node, world_size_from_env
 
@@ -200,6 +201,30 @@ def check_fault_tolerant(args) -> None:
         raise RecipeError("--eval_groups is not supported with --fault_tolerance torchft: each group's launch "
                           "holds only its own model, and every group evaluates it into its own folder "
                           "(<output_dir>/group<f>)")
+
+
+ROUNDS_LR_SCHEDULES = {"constant": ("constant", False), "constant_with_warmup": ("constant", True),
+                       "linear": ("linear", True), "cosine": ("cosine", True)}
+"""The ``--lr_scheduler_type`` names supported under ``sync_trigger`` "time"/"speed", where the
+inner LR follows the federation's progress (recipes/pretrain.py ``build_lr_scheduler``): each
+maps to the :func:`fl_accel.lr_schedule.lr_multiplier` schedule of transformers' formula of that
+name and says whether it has the ``--warmup_ratio`` warmup (transformers' "constant" has none)."""
+
+
+def check_lr_schedule(args, fl, sources: dict[str, str]) -> None:
+    """Under ``sync_trigger`` "time"/"speed" the recipe builds the inner LR schedule itself (from
+    :func:`fl_accel.lr_schedule.lr_multiplier`), for the names in :data:`ROUNDS_LR_SCHEDULES`
+    only; with "steps" any ``transformers.get_scheduler`` name goes.
+
+    Raises:
+        RecipeError: another name under "time"/"speed", naming the flag and the supported names.
+    """
+    if fl.sync_trigger == "steps" or args.lr_scheduler_type in ROUNDS_LR_SCHEDULES:
+        return
+    message = (f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported with sync_trigger="
+               f"{fl.sync_trigger!r} (the LR schedule follows the federation's progress, not a step count): "
+               f"use one of {', '.join(ROUNDS_LR_SCHEDULES)}")
+    raise RecipeError(message + source_hint(message, sources, set(fl.field_names())))
 
 
 # =========================================================================== what the launcher exported

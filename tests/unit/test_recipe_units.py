@@ -457,6 +457,25 @@ def test_outer_lr_schedule_spans_the_run_and_its_warmup_must_be_shorter(tmp_path
         plan_run(flags + ["--max_steps", "40", "--outer_lr_warmup_steps", "40"], environ=ENV)
 
 
+def test_rounds_by_time_or_speed_take_the_lr_schedules_the_recipe_builds(tmp_path):
+    """Under --sync_trigger time/speed the inner LR follows the federation's progress
+    (fl_accel.lr_schedule.lr_multiplier): --lr_scheduler_type must be one of the names it
+    builds, else a RecipeError naming the flag and those names, raised by the planning every
+    rank does before any collective; under "steps" any transformers name goes."""
+    from recipes.run_folder import ROUNDS_LR_SCHEDULES
+
+    flags = ["--algorithm", "fl_fsdp", "--num_groups", "2", "--max_steps", "8", "--output_dir", str(tmp_path / "o")]
+    with pytest.raises(RecipeError) as err:
+        plan_run(flags + ["--sync_trigger", "speed", "--lr_scheduler_type", "polynomial"], environ=ENV)
+    text = str(err.value)
+    assert text.startswith("--lr_scheduler_type 'polynomial' is not supported with sync_trigger='speed'"), text
+    assert "constant, constant_with_warmup, linear, cosine" in text and "(values from --sync_trigger)" in text
+    assert set(ROUNDS_LR_SCHEDULES) == {"constant", "constant_with_warmup", "linear", "cosine"}
+    for name in ROUNDS_LR_SCHEDULES:
+        plan_run(flags + ["--sync_trigger", "speed", "--lr_scheduler_type", name], environ=ENV).lock.release()
+    plan_run(flags + ["--lr_scheduler_type", "polynomial"], environ=ENV).lock.release()
+
+
 def test_resume_refusal_names_the_flconfig_field_that_differs():
     """A checkpoint of another run is refused naming the FLConfig field ("fl.sync_every"),
     not the whole "fl" settings (a newcomer had to diff two 25-field dicts)."""
