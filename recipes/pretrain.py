@@ -453,19 +453,19 @@ def train_rounds(run: Run) -> None:
     """Rounds by time or speed (``sync_trigger`` "time"/"speed"), where each group counts its own
     steps: logs (their figures are a world collective), evaluations and checkpoints right after
     the round that crosses a multiple of their interval in federation steps
-    (``accelerator.federation_step``, agreed at the sync: the only points every group shares),
-    until the federation has trained the run's tokens (``accelerator.training_done``, decided
+    (``accelerator.federation.progress_step``, agreed at the sync: the only points every group shares),
+    until the federation has trained the run's tokens (``accelerator.federation.training_done``, decided
     at a sync: every group stops after the same one). Nothing to train when resumed at the end."""
     acc, args = run.accelerator, run.args
-    if acc.training_done:
+    if acc.federation.training_done:
         return
     last = 0  # the federation step at the end of the last round
     for _ in optimizer_steps(run):
         if acc.federation.local_step:  # mid-round
             continue
-        fed = acc.federation_step
+        fed = acc.federation.progress_step
         run.progress.update(max(0, min(fed, run.max_steps) - run.progress.n))
-        done = acc.training_done
+        done = acc.federation.training_done
         if done or crossed(args.log_every, last, fed):  # a world collective (Meter.gather)
             run.log_train()
         with run.meter.outside_training():
@@ -587,7 +587,7 @@ class Run:
     def log_train(self) -> None:
         """This step's train record: taken now, summed over the world and written by ``sync_log``."""
         part, record = self.meter.train_snapshot(self.scheduler.get_last_lr()[0])
-        fed = self.accelerator.federation_step if self.rounds else None  # one step axis for every group
+        fed = self.accelerator.federation.progress_step if self.rounds else None  # one step axis for every group
 
         def write(summed):
             rec = record(summed)
@@ -675,7 +675,7 @@ def finish(run: Run, recorded: dict) -> dict:
         if note:
             acc.print(f"[fl_accel] {note}")
     with run.meter.outside_training():
-        step = acc.federation_step if run.rounds else run.meter.completed_steps  # the same on every group
+        step = acc.federation.progress_step if run.rounds else run.meter.completed_steps  # the same on every group
         synced = acc.sync_if_pending(final=True)
         covered = run.groups_in_last_sync()
         if scored(fl, True, covered) == "own group":
@@ -715,7 +715,7 @@ def federation_figures(run: Run) -> dict:
     and ``steps``/``train_tokens``/``tokens_per_s`` of the whole federation (the same on every
     group), where :meth:`Meter.run_figures` counts this group's own steps."""
     rounds = round_results(run)
-    step = run.accelerator.federation_step
+    step = run.accelerator.federation.progress_step
     return {"rounds": rounds, "steps": step, "train_tokens": step * run.meter.tokens_per_step,
             "tokens_per_s": rounds["tokens_per_s"]}
 
