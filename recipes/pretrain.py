@@ -459,7 +459,7 @@ def train_rounds(run: Run) -> None:
     acc, args = run.accelerator, run.args
     if acc.federation.training_done:
         return
-    last = 0  # the federation step at the end of the last round
+    last = acc.federation.progress_step  # the federation step at the end of the last round (resumed: its checkpoint's)
     for _ in optimizer_steps(run):
         if acc.federation.local_step:  # mid-round
             continue

@@ -63,7 +63,8 @@ def test_speed_trigger_run_ends_on_the_budget_with_round_figures(run):
 def test_speed_trigger_run_resumes_from_a_round_end(run, tmp_path, default_corpus_cache):
     """A copy of the run without its final checkpoint resumes from the mid-run one (a round
     end, named by its federation step) and trains to the same budget: the rounds before the
-    checkpoint are the first run's, and the run ends on the budget again."""
+    checkpoint are the first run's, and the run ends on the budget again. Its intervals count
+    from the resumed step: no checkpoint before the next multiple of --checkpoint_every."""
     import shutil
 
     out, _ = run
@@ -83,3 +84,7 @@ def test_speed_trigger_run_resumes_from_a_round_end(run, tmp_path, default_corpu
     for f in range(2):
         assert results["rounds"]["steps_per_round"][f][:done_rounds] == first["steps_per_round"][f][:done_rounds]
     assert results["rounds"]["group_steps"] != [0, 0]
+    resumed_at = ckpts[-2][0]
+    new = sorted(int(n.split("_")[1]) for n in os.listdir(os.path.join(copy, "checkpoints")) if n.startswith("step_"))
+    early = [s for s in new if resumed_at < s < 12 and s // 6 == resumed_at // 6]
+    assert not early, (resumed_at, new)
