@@ -98,8 +98,8 @@ def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> No
     if precision is not None:
         refuse_fp16(precision, f"mixed_precision={str(precision)!r}")
     else:
-        refuse_fp16(os.environ.get("ACCELERATE_MIXED_PRECISION"), f"mixed_precision='fp16' (ACCELERATE_MIXED_PRECISION,"
-                                                                   f" set by accelerate launch)")
+        refuse_fp16(os.environ.get("ACCELERATE_MIXED_PRECISION"), "mixed_precision='fp16' (ACCELERATE_MIXED_PRECISION,"
+                                                                   " set by accelerate launch)")
     backend = kwargs.get("dynamo_backend")
     dynamo = TorchDynamoPlugin(backend=backend) if backend is not None else \
         kwargs.get("dynamo_plugin") or TorchDynamoPlugin()  # as Accelerator.__init__, env included
