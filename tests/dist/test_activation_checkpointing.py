@@ -27,7 +27,11 @@ from _launch import REPO_ROOT, run_torchrun
 from recipes.run_folder import read_metrics
 
 pytestmark = pytest.mark.skipif(os.environ.get("FL_ACCEL_TEST_HEAVY") != "1",
-                                reason="heavy (3 launches of minutes each): set FL_ACCEL_TEST_HEAVY=1")
+                                reason="a memory measurement at a size where activations dominate (a 16-layer "
+                                       "Llama, 3 launches of several minutes, ~16 GB on 2 cores); the same switch's "
+                                       "losses and resume run always, on the tiny model, in tests/recipe/test_recipe.py"
+                                       "::test_activation_checkpointing_resumes_across_the_switch. Run it with "
+                                       "FL_ACCEL_TEST_HEAVY=1")
 
 RECIPE = REPO_ROOT / "recipes" / "pretrain.py"
 
