@@ -357,10 +357,7 @@ class FLAccelerator(Accelerator):
         steps, sync = self.run_config.max_steps, self.synchronizer
         if steps is None or sync is None:
             return
-        if sync.rounds is not None:  # groups of unequal speed: a budget of tokens, not of steps
-            sync.planner.set_token_budget(steps, self.fl_config.sync_every)
-        else:
-            sync.final_step = steps
+        sync.planner.set_run_length(sync, steps)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The federated model's full state dict: Accelerate's for FSDP2 (the full tensors on the

@@ -143,7 +143,7 @@ class Federation:
     def restart_round_clock(self) -> None:
         """Rounds by time/speed: leave the time since the last optimizer step (logs, evaluations,
         checkpoints) out of the round's training time; harmless otherwise."""
-        if self.triggered:
+        if self._sync is not None:
             self._sync.planner.restart_clock()
 
     _transport = property(lambda self: self._sync.transport if self._sync is not None and

@@ -102,6 +102,13 @@ class FixedPlanner:
     def after_sync(self) -> None:
         """A full sync ended."""
 
+    def restart_clock(self) -> None:
+        """Leave the time since the last step out of the round's training time (a timed planner)."""
+
+    def set_run_length(self, sync, max_steps: int) -> None:
+        """The run ends after optimizer step ``max_steps``: its sync is the final one."""
+        sync.final_step = max_steps
+
     def state_dict(self) -> dict:
         """The planner's entries of a checkpoint's ``sync`` (JSON)."""
         return {}

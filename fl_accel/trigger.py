@@ -332,12 +332,13 @@ class TriggerPlanner:
         resume, the clock is unset: that step counts, untimed.)"""
         self._mark = time.perf_counter()
 
-    def set_token_budget(self, max_steps: int, sync_every: int) -> None:
-        """End the run after the rank-steps of a "steps" run of ``max_steps`` steps."""
+    def set_run_length(self, sync, max_steps: int) -> None:
+        """A budget of tokens, not of steps (groups of unequal speed): the run ends after the
+        rank-steps of a "steps" run of ``max_steps`` steps (``rounds.done`` at that sync)."""
         r = self.rounds
         r.budget = int(max_steps) * sum(r.sizes)
         if not r.rounds:  # a run shorter than one round is planned as its last
-            r.plan = r._next_plan([sync_every] * len(r.sizes))
+            r.plan = r._next_plan([r.sync_every] * len(r.sizes))
 
     def state_dict(self) -> dict:
         """A checkpoint's ``sync`` entries: ``round`` (:meth:`RoundState.state_dict`)."""
