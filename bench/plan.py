@@ -178,7 +178,7 @@ class RunSpec:
             text += f" H={self.sync_every}"
             if self.outer_optimizer != "avg":
                 text += f" {self.outer_optimizer}({self.outer_lr:g}, {self.outer_momentum:g})"
-            if self.num_fragments > 1:
+            if self.num_fragments > 1 or self.sync_delay:
                 text += f" P={self.num_fragments} tau={self.sync_delay}"
             if self.sync_dtype != "fp32" or self.error_feedback:
                 text += f" {self.sync_dtype}" + ("+EF" if self.error_feedback else "")
@@ -237,6 +237,36 @@ def _main_rows(suite: str, link: str, s: dict) -> list[RunSpec]:
 # ---------------------------------------------------------------------- quality suites
 # One line per row: RunSpec fields over the suite's common ones (FL rows: algorithm
 # "fl_fsdp"). Rows run in this order, the second-seed rows last.
+ABLATION_ROWS: tuple[dict, ...] = (
+    dict(id="fl_fsdp-h16-lr1e-3", sync_every=16, extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h16-int8-ef-lr1e-3", sync_every=16, sync_dtype="int8", error_feedback=True,
+         extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h16-p2-lr1e-3", sync_every=16, num_fragments=2, sync_delay=0,
+         extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h16-tau2-lr1e-3", sync_every=16, sync_delay=2, extra_flags=("--learning_rate", "1e-3")),
+    dict(id="fl_fsdp-h16-tau2-a0.5-lr1e-3", sync_every=16, sync_delay=2,
+         extra_flags=("--learning_rate", "1e-3", "--fragment_update_alpha", "0.5")),
+    dict(id="fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", sync_every=16, num_fragments=2, sync_delay=2,
+         sync_dtype="int8", error_feedback=True,
+         extra_flags=("--learning_rate", "1e-3", "--fragment_update_alpha", "0.5")),
+)
+"""Issue 46 item 1: the fast row of issue 40 (``fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3``, 0.92 of the no-sync limit
+at 10 Mbit/s, +0.066 nats over blocking fp32 at H=8) taken apart over blocking fp32 at its own H and LR: the
+int8 exchange with error feedback alone, two fragments alone (no delay), the delay alone with alpha 0 and 0.5,
+and the fast row with alpha 0.5. Each trains with seeds 42 and 43 (:data:`CONVERGENCE_SEEDED`)."""
+ABLATION_BASE = "fl_fsdp-h16-lr1e-3"
+ABLATION_FAST = "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3"
+ABLATION_RULES = (
+    "Ablation rules, fixed before its runs (issue 46 item 1): every configuration trains with seeds 42 and 43 "
+    "(the fast row also 44, from issue 40) at lr 1e-3. A component's cost is its row's mean final eval loss minus "
+    "the mean of blocking fp32 at H=16 (same H, LR and bytes per sync); it counts when it exceeds 2 x the pooled "
+    "seed sd of the suite (the noise rule below), and a negative one counting is a gain. The cost of H is H=16 "
+    "minus H=8 blocking fp32. Alpha 0.5 'recovers' the delay's cost when the delay row with alpha 0 counts and "
+    "the one with alpha 0.5 does not. The components explain the fast row when the sum of their costs is within "
+    "2 pooled sd of the fast row's cost; otherwise they interact, and the report says so.")
+"""Printed at the top of the ablation section of the convergence report."""
+
+
 CONVERGENCE_ROWS: tuple[dict, ...] = (
     dict(id="fsdp", algorithm="fsdp"),
     dict(id="fl_fsdp-h8", sync_every=8),
@@ -302,6 +332,12 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     # final sync, avg), against fl_fsdp-h8-p2-tau2-sparse-ef-senders
     dict(id="fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill", sync_every=8, num_fragments=2, sync_delay=2,
          sync_dtype="sparse", error_feedback=True, extra_flags=("--sparse_aggregation", "zero_fill")),
+    # issue 46 item 1, the ablation (rules: ABLATION_RULES): the fast row (H=16 P=2 tau=2 int8+EF, lr 1e-3)
+    # taken apart, one component at a time over blocking fp32 at the same H and LR
+    *ABLATION_ROWS,
+    # issue 46 item 4, the tuned grid: each method at its best inner LR (FSDP's best so far is 1e-3)
+    dict(id="fsdp-lr2e-3", algorithm="fsdp", extra_flags=("--learning_rate", "2e-3")),
+    dict(id="fl_fsdp-h8-lr2e-3", sync_every=8, extra_flags=("--learning_rate", "2e-3")),
 )
 GRID_RULES = (
     "Decision rules, fixed before the grid's runs (issue 28): a difference between two rows counts only above "
@@ -320,7 +356,8 @@ SEED_RULE = (
     "28's fixed 0.04-nat rule is shown beside it for what it was.")
 """Printed under :data:`GRID_RULES` at the top of the convergence report."""
 GRID_TARGETS = (5.42, 5.50, 5.60)
-CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3")
+CONVERGENCE_SEEDED = ("fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3",
+                      *(r["id"] for r in ABLATION_ROWS))
 """Rows trained again with a second seed, for the seed statistics (the last: the fast exchange with the best
 final loss of the grid, P=2 tau=2 int8+EF with the plain average at lr 1e-3, issue 28's second seed
 of the setting measured end to end at 10 Mbit/s in an earlier time-to-target sitting)."""
@@ -650,6 +687,8 @@ def recipe_args(plan: dict, spec: RunSpec, out_dir: str) -> list[str]:
         args += ["--outer_momentum", f"{spec.outer_momentum:g}"] if spec.outer_momentum is not None else []
     if spec.num_fragments > 1:
         args += ["--num_fragments", str(spec.num_fragments), "--sync_delay", str(spec.sync_delay)]
+    elif spec.sync_delay:
+        args += ["--sync_delay", str(spec.sync_delay)]
     if spec.sync_dtype != "fp32":
         args += ["--sync_dtype", spec.sync_dtype]
     if spec.error_feedback:

@@ -448,7 +448,10 @@ def _flag(args, name):
 
 SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "fsdp-lr1e-3-seed43",
              "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43",
-             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", *(f"{r}-seed43" for r in (
+                 "fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
+                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3")),
+             "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
 CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
@@ -467,9 +470,12 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-nesterov-olr0.4-lr1e-3",
             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h16-p2-tau4-int8-ef-lr1e-3",
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
+    ablation = ["fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
+                "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
+                "fl_fsdp-h8-lr2e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
-                          *grid, *SEED_ROWS]
+                          *grid, *ablation, *SEED_ROWS]
     args = {k: bp.recipe_args(plan, r, f"/o/{k}") for k, r in rows.items()}
     assert rows["fl_fsdp-h8-nesterov-cosine"].extra_flags == ("--outer_lr_schedule", "cosine",
                                                              "--outer_lr_warmup_steps", "64")
@@ -510,6 +516,17 @@ def test_convergence_rows_differ_only_in_federation_flags():
                                                                        "--sync_dtype", "sparse", "--error_feedback"]
     assert fed["fl_fsdp-h8-int8-ef-nesterov"] == fed["fl_fsdp-h8"] + nesterov + ["--sync_dtype", "int8",
                                                                                  "--error_feedback"]
+    # the ablation (issue 46): one component each over blocking fp32 at H=16; the delay alone without fragments
+    h16 = ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "16"]
+    assert fed["fl_fsdp-h16-lr1e-3"] == h16
+    assert fed["fl_fsdp-h16-int8-ef-lr1e-3"] == h16 + ["--sync_dtype", "int8", "--error_feedback"]
+    assert fed["fl_fsdp-h16-p2-lr1e-3"] == h16 + ["--num_fragments", "2", "--sync_delay", "0"]
+    assert fed["fl_fsdp-h16-tau2-lr1e-3"] == fed["fl_fsdp-h16-tau2-a0.5-lr1e-3"] == h16 + ["--sync_delay", "2"]
+    assert rows["fl_fsdp-h16-tau2-a0.5-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
+                                                               "--fragment_update_alpha", "0.5")
+    assert rows["fl_fsdp-h16-tau2-lr1e-3"].label == "FL+FSDP H=16 P=1 tau=2 learning_rate 1e-3"
+    assert bp.ABLATION_BASE in rows and bp.ABLATION_FAST in rows
+    assert all(r in rows and f"{r}-seed43" in rows for r in (x["id"] for x in bp.ABLATION_ROWS))
     assert all(r.world == 4 and r.nodes == 1 and r.path == r.id for r in rows.values())
     assert rows["fl_fsdp-h8-nesterov"].label == "FL+FSDP H=8 nesterov(0.7, 0.9)"
     assert rows["fsdp-seed43"].label == "FSDP (seed 43)"
