@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                     mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
                     if accelerator.is_main_process:
                         print(f"[train_loop] step {step}: loss {mean:.4f} (mean over this launch's ranks), "
-                              f"lr {scheduler.get_last_lr()[0]:.2e}, syncs {federation.rounds_done}", flush=True)
+                              f"lr {scheduler.get_last_lr()[0]:.2e}, syncs {federation.syncs_done}", flush=True)
                 if step >= args.max_steps:
                     break
         final_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
@@ -138,12 +138,12 @@ def main(argv=None) -> None:
             by_shard.setdefault(rec["shard"], set()).add(rec["checksum"])
         result = {"algorithm": config.algorithm, "num_groups": accelerator.num_groups,
                   "group_index": accelerator.group_index, "fault_tolerance": config.fault_tolerance,
-                  "steps": steps_done(), "num_syncs": federation.rounds_done, "final_loss": final_loss,
+                  "steps": steps_done(), "num_syncs": federation.syncs_done, "final_loss": final_loss,
                   "loss_finite": math.isfinite(final_loss),
                   "comm_bytes": {axis: s["bytes"] for axis, s in accelerator.comm_stats.as_dict().items()},
                   "shards": every,
                   # one group per launch in the torchft mode: compare the groups' logs instead
-                  "groups_identical": all(len(v) == 1 for v in by_shard.values()) if not accelerator.fault_tolerant
+                  "groups_identical": all(len(v) == 1 for v in by_shard.values()) if not config.fault_tolerant
                   else None}
         print("[train_loop] result " + json.dumps(result), flush=True)
     accelerator.end_training()

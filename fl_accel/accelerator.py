@@ -17,11 +17,7 @@ on top. Every reach into Accelerate's or torch's internals is in :mod:`fl_accel.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import re
-import shutil
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
@@ -29,122 +25,18 @@ from types import SimpleNamespace
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import (DynamoBackend, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, ParallelismConfig,
-                              TorchDynamoPlugin)
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs
 
 from . import compat, fsdp, fsdp_model, trigger
-from .checkpoint import CheckpointIO, load_federated_state, save_federated_state
+from .checkpoint import (CheckpointIO, automatic_checkpoint_dir, automatic_naming_off, folder_iteration,
+                         load_federated_state, save_federated_state)
 from .comm import CommMeter, CommStats
-from .config import FLConfig, ResolvedFLConfig, lighthouse_addr, refuse_fp16, refuse_whole_model_compile, start_notes
+from .config import FLConfig, ResolvedFLConfig, resolve_for_world
 from .federation import Federation
-from .mesh import AXES, FLLayout, build_mesh, init_process_group, ranks_per_node, world_size_from_env
+from .mesh import AXES, build_mesh, init_process_group, world_size_from_env
 from .mesh_transport import MeshTransport
-from .sync import FederatedSynchronizer
-
-
-def mixed_precision_policy(mixed_precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy | None:
-    """The FSDP2 policy of a ``mixed_precision``: "bf16" gives bf16 parameters and compute with
-    gradients reduced in ``reduce_dtype`` ("fp32" or "bf16") and no output cast (the loss stays
-    fp32); anything else None (fp32). ValueError: another ``reduce_dtype``."""
-    if reduce_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"reduce_dtype must be 'fp32' or 'bf16', got {reduce_dtype!r}")
-    if mixed_precision != "bf16":
-        return None
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                reduce_dtype=torch.float32 if reduce_dtype == "fp32" else torch.bfloat16)
-
-
-def fsdp2_plugin(mixed_precision: str | None = None, reduce_dtype: str = "fp32",
-                 activation_checkpointing: bool | None = None) -> FullyShardedDataParallelPlugin:
-    """The one FSDP2 plugin fl_accel builds: ``fsdp_version=2``, the auto-wrap policy of
-    ``FSDP_AUTO_WRAP_POLICY`` (default "transformer_based_wrap"), the precision policy of
-    ``mixed_precision`` (:func:`mixed_precision_policy`; None: left for FLAccelerator to set
-    from its own ``mixed_precision``) and ``activation_checkpointing`` (None: the
-    ``FSDP_ACTIVATION_CHECKPOINTING`` that ``accelerate launch`` exports; the other
-    ``FSDP_*`` variables too). ValueError: a bad ``reduce_dtype``."""
-    policy = mixed_precision_policy(mixed_precision, reduce_dtype) if mixed_precision is not None else None
-    return FullyShardedDataParallelPlugin(
-        fsdp_version=2, activation_checkpointing=activation_checkpointing, mixed_precision_policy=policy,
-        auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
-
-
-FSDP1_FIX = ("FLAccelerator shards every federation group with FSDP2 (fully_shard). Pass "
-             "FullyShardedDataParallelPlugin(fsdp_version=2, ...) (its other options are kept), set "
-             "`fsdp_version: 2` in your accelerate config, or pass no plugin (fl_accel then builds one from the "
-             "FSDP_* variables)")
-
-
-def _refuse_fsdp1(kwargs: dict) -> None:
-    """ValueError naming the fix: a user's FSDP plugin of ``fsdp_version`` 1, or an ``accelerate
-    launch`` with FSDP and ``FSDP_VERSION`` not 2 (Accelerate would build an FSDP1 plugin)."""
-    plugin = kwargs.get("fsdp_plugin")
-    if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
-        raise ValueError(f"FLAccelerator: fsdp_plugin has fsdp_version={getattr(plugin, 'fsdp_version', None)!r}. "
-                         + FSDP1_FIX + ".")
-    # `accelerate launch` exports FSDP_VERSION with ACCELERATE_USE_FSDP; Accelerator() itself sets only the
-    # latter when given a plugin (a second FLAccelerator in one process must not be refused for it)
-    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" \
-            and os.environ.get("FSDP_VERSION") not in (None, "2"):
-        raise ValueError(f"FLAccelerator: `accelerate launch` asked for FSDP version "
-                         f"{os.environ.get('FSDP_VERSION', '1')} (FSDP_VERSION). " + FSDP1_FIX + ".")
-
-
-def _refuse_before_start(kwargs: dict, config: FLConfig, layout: FLLayout) -> None:
-    """ValueError, on every rank before any process group: fp16, a whole-model compile, CPU
-    offload with a federated algorithm, FSDP1 (:func:`_refuse_fsdp1`)."""
-    _refuse_fsdp1(kwargs)
-    precision = getattr(kwargs.get("mixed_precision"), "value", kwargs.get("mixed_precision"))
-    if precision is not None:
-        refuse_fp16(precision, f"mixed_precision={str(precision)!r}")
-    else:
-        refuse_fp16(os.environ.get("ACCELERATE_MIXED_PRECISION"), "mixed_precision='fp16' (ACCELERATE_MIXED_PRECISION,"
-                                                                   " set by accelerate launch)")
-    backend = kwargs.get("dynamo_backend")
-    dynamo = TorchDynamoPlugin(backend=backend) if backend is not None else \
-        kwargs.get("dynamo_plugin") or TorchDynamoPlugin()  # as Accelerator.__init__, env included
-    refuse_whole_model_compile(dynamo.backend != DynamoBackend.NO, dynamo.use_regional_compilation,
-                               lambda: f"the dynamo backend {dynamo.backend.value.lower()!r} (FLAccelerator's "
-                                       f"dynamo_backend / dynamo_plugin, or ACCELERATE_DYNAMO_BACKEND)")
-    plugin = kwargs.get("fsdp_plugin")
-    offload = getattr(plugin, "cpu_offload", None) if plugin is not None else \
-        os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("true", "1")
-    if layout.num_groups > 1 and (offload is True or type(offload).__name__ == "CPUOffloadPolicy"
-                                  or getattr(offload, "offload_params", False)):
-        raise ValueError(f"FLAccelerator: CPU offload (fsdp_offload_params / FSDP_OFFLOAD_PARAMS=true) is not "
-                         f"supported with algorithm {config.algorithm!r}: the sync's collectives need the parameters "
-                         f"on the accelerator. To save accelerator memory, set outer_state_device='cpu' (the sync's "
-                         f"outer state in host memory) or activation checkpointing.")
-
-
-def _use_fsdp2(acc: "FLAccelerator", plugin, user_policy) -> None:
-    """Point Accelerate's FSDP2 path at this rank's group, with the precision policy: the
-    user's FSDP2 plugin as given (its own policy kept), else Accelerate's from ``accelerate
-    launch`` (FSDP2: :func:`_refuse_fsdp1` ran), else :func:`fsdp2_plugin`."""
-    state = acc.state
-    plugin = plugin or getattr(state, "fsdp_plugin", None)
-    if plugin is None:
-        plugin = fsdp2_plugin()  # reads the FSDP_* environment variables `accelerate launch` sets
-    if getattr(plugin, "fsdp_version", 1) != 2:  # refused before start; a state that changed since
-        raise ValueError("FLAccelerator: Accelerate's state holds an FSDP1 plugin. " + FSDP1_FIX + ".")
-    if user_policy is None:
-        plugin.mixed_precision_policy = mixed_precision_policy(acc.mixed_precision)
-    layout = acc.layout
-    compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=layout.replicas_of(acc.group_index),
-                                                           dp_shard_size=layout.shards), acc.device_mesh)
-
-
-def _resolve(fl_config: FLConfig | ResolvedFLConfig, world: int, max_steps: int | None) -> ResolvedFLConfig:
-    """The run-time config of a launch of ``world`` ranks: ``fl_config`` resolved
-    (:meth:`FLConfig.for_launch`), or a resolved one of this world taken as it is (with
-    ``max_steps``, resolved for it). ValueError, before any process group: a resolved config
-    of another world, a bad layout or run length (naming the field)."""
-    if isinstance(fl_config, ResolvedFLConfig):
-        if fl_config.world_size != world:
-            raise ValueError(f"fl_config was resolved for a world of {fl_config.world_size} ranks, but WORLD_SIZE is "
-                             f"{world}")
-        return fl_config if max_steps is None else fl_config.with_max_steps(max_steps)
-    return fl_config.for_launch(world, ranks_per_node=ranks_per_node(world), max_steps=max_steps)
+from .refusals import refuse_before_start, start_notes
+from .sync import Synchronizer
 
 
 class FLAccelerator(Accelerator):
@@ -171,13 +63,12 @@ class FLAccelerator(Accelerator):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
         world = world_size_from_env()
         source = fl_config.source if isinstance(fl_config, ResolvedFLConfig) else fl_config
-        self.fault_tolerant = source.fault_tolerance == "torchft"
-        if self.fault_tolerant:
-            compat.check_torchft_version()  # every rank, before any process group
-            self._lighthouse = lighthouse_addr(source)
-        self.run_config = _resolve(fl_config, world, max_steps)  # the one owner; every rank, no process group yet
+        if source.fault_tolerant:  # torchft installed and its Lighthouse named: every rank, before any process group
+            from .ft import lighthouse_addr
+            lighthouse_addr(source)
+        self.run_config = resolve_for_world(fl_config, world, max_steps)  # the one owner; every rank, no process group
         fl_config = self.fl_config
-        _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
+        refuse_before_start(accelerate_kwargs, fl_config, self.layout)
         accelerate_kwargs.setdefault("cpu", not torch.cuda.is_available())
         timeout = timedelta(seconds=fl_config.collective_timeout_s)
         handlers = list(accelerate_kwargs.pop("kwargs_handlers", None) or [])
@@ -191,15 +82,16 @@ class FLAccelerator(Accelerator):
             raise ValueError(f"launched world size {self.num_processes} != WORLD_SIZE {world}")
         self.mesh = build_mesh(self.launch_layout, self.device.type, timeout, self.process_index)
         self.device_mesh = self.mesh.device_mesh
-        offset = fl_config.group_index * world if self.fault_tolerant else 0
+        offset = fl_config.group_index * world if self.run_config.fault_tolerant else 0
         self._fl_rank = offset + self.process_index  # this rank in the federation's layout
         self.group_index, self.replica_index, self.shard_index = self.layout.coords(self._fl_rank)
-        _use_fsdp2(self, plugin, user_policy)
+        fsdp_model.use_fsdp2(self.state, plugin, user_policy, self.mixed_precision,
+                             self.layout.replicas_of(self.group_index), self.layout.shards, self.device_mesh)
         self.comm_stats = CommStats()
         groups = {pg: axis for axis, pg in self.mesh.groups.items()}
         ranks = {tuple(sorted(self.launch_layout.axis_ranks(a, self.process_index))): a for a in AXES}
         self._comm_meter = CommMeter(self.comm_stats, groups, {r: a for r, a in ranks.items() if len(r) > 1})
-        self.synchronizer: FederatedSynchronizer | None = None
+        self.synchronizer: Synchronizer | None = None
         self.federation = Federation(self)
         """The federation's public status (:class:`fl_accel.federation.Federation`): what loops read."""
         self._last_loss: torch.Tensor | None = None
@@ -257,9 +149,10 @@ class FLAccelerator(Accelerator):
             named = list(model.named_parameters())
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
                                                 self.device)
-            if self.fault_tolerant:
-                transport = _managed_transport(self, transport, [p for _, p in named])
-            self.synchronizer = FederatedSynchronizer(
+            if self.run_config.fault_tolerant:
+                from .ft import managed_transport
+                transport = managed_transport(self, transport, [p for _, p in named])
+            self.synchronizer = Synchronizer(
                 named, getattr(optimizer, "optimizer", optimizer), transport=transport, config=self.fl_config,
                 units=fsdp.fsdp_units(model, [p for _, p in named]),
                 planner=trigger.make_planner(self.fl_config, transport, self.layout.group_sizes))
@@ -282,7 +175,7 @@ class FLAccelerator(Accelerator):
         fsdp_model.materialize(model, init_fn, self.device, seed)
         fsdp_model.check_replicas_identical(model, self.launch_layout, self.process_index, self.device)
         if self.synchronizer is not None and self.synchronizer.schedule.active:
-            self.synchronizer.outer.reset()
+            self.synchronizer.reset_anchors()
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Shard the data by ``data_sharding`` (:meth:`data_shard`); "group" always uses the
@@ -357,7 +250,7 @@ class FLAccelerator(Accelerator):
         steps, sync = self.run_config.max_steps, self.synchronizer
         if steps is None or sync is None:
             return
-        sync.planner.set_run_length(sync, steps)
+        sync.planner.set_run_length(sync.schedule, steps)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """The federated model's full state dict: Accelerate's for FSDP2 (the full tensors on the
@@ -390,9 +283,9 @@ class FLAccelerator(Accelerator):
         ``ProjectConfiguration(automatic_checkpoint_naming=True)`` naming
         (``<project_dir>/checkpoints/checkpoint_<i>``, ``total_limit`` kept), else ValueError.
         Returns the folder. Collective."""
-        output_dir = self._automatic_checkpoint_dir("save_state") if output_dir is None else output_dir
+        output_dir = self._automatic_dir("save_state") if output_dir is None else output_dir
         iteration = self.project_configuration.iteration
-        with _accelerate_naming_off(self):
+        with automatic_naming_off(self.project_configuration):
             out = save_federated_state(_checkpoint_io(self), output_dir, extra_meta=kwargs.get("extra_meta"),
                                        rank_state=kwargs.get("rank_state"))
         # one save, one iteration, as Accelerator.save_state counts (it also counts its own call inside)
@@ -403,36 +296,17 @@ class FLAccelerator(Accelerator):
         """:func:`fl_accel.checkpoint.load_federated_state`; returns the metadata. ``input_dir``
         None: the latest ``checkpoint_<i>`` of Accelerate's automatic naming, else ValueError."""
         if input_dir is None:
-            input_dir = self._automatic_checkpoint_dir("load_state")
-        with _accelerate_naming_off(self):
+            input_dir = self._automatic_dir("load_state")
+        with automatic_naming_off(self.project_configuration):
             meta = load_federated_state(_checkpoint_io(self), input_dir)
-        if self.project_configuration.automatic_checkpoint_naming:
-            digits = re.findall(r"(\d+)$", os.path.normpath(input_dir))
-            if digits:
-                self.project_configuration.iteration = int(digits[0]) + 1
+        iteration = folder_iteration(input_dir)
+        if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
+            self.project_configuration.iteration = iteration + 1
         return meta
 
-    def _automatic_checkpoint_dir(self, method: str) -> str:
-        """Accelerate's automatic checkpoint folder: the next ``checkpoint_<iteration>`` (save,
-        the oldest beyond ``total_limit`` removed by the main process) or the latest (load)."""
-        config = self.project_configuration
-        if not config.automatic_checkpoint_naming:
-            raise ValueError(f"FLAccelerator.{method} needs a folder, or Accelerator(project_config="
-                             f"ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
-        root = os.path.join(self.project_dir, "checkpoints")
-        numbered = sorted((int(m.group(1)), name) for name in (os.listdir(root) if os.path.isdir(root) else [])
-                          if (m := re.fullmatch(r"checkpoint_(\d+)", name)))
-        if method == "load_state":
-            if not numbered:
-                raise ValueError(f"FLAccelerator.load_state: no checkpoint_<i> folder in {root}")
-            return os.path.join(root, numbered[-1][1])
-        if self.is_main_process:
-            os.makedirs(root, exist_ok=True)
-            extra = len(numbered) + 1 - config.total_limit if config.total_limit is not None else 0
-            for _, name in numbered[:max(0, extra)]:
-                shutil.rmtree(os.path.join(root, name))
-        self.wait_for_everyone()
-        return os.path.join(root, f"checkpoint_{config.iteration}")
+    def _automatic_dir(self, method: str) -> str:
+        return automatic_checkpoint_dir(self.project_configuration, self.project_dir, method, self.is_main_process,
+                                        self.wait_for_everyone)
 
     def end_training(self):
         """The final sync (exact with a lossy ``sync_dtype`` and ``final_sync="exact"``: it also
@@ -441,8 +315,7 @@ class FLAccelerator(Accelerator):
         self.sync_if_pending(final=True)
         if self.synchronizer is not None:
             self.synchronizer.detach()
-            if self.fault_tolerant:
-                self.synchronizer.transport.shutdown()
+            self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()
 
@@ -470,42 +343,6 @@ def _export_through_accelerator(acc: "FLAccelerator", model) -> None:
         model.save_pretrained = save_pretrained
     if not hasattr(model, "no_sync"):
         model.no_sync = lambda: acc.no_sync(model)
-
-
-@contextlib.contextmanager
-def _accelerate_naming_off(acc: "FLAccelerator"):
-    """Accelerate's own save/load inside FLAccelerator's use the folder fl_accel chose, not its
-    automatic naming (which would pick another folder and count the iteration twice)."""
-    config = acc.project_configuration
-    automatic = config.automatic_checkpoint_naming
-    config.automatic_checkpoint_naming = False
-    try:
-        yield
-    finally:
-        config.automatic_checkpoint_naming = automatic
-
-
-def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list):
-    """The torchft transport (:mod:`fl_accel.ft`); a heal carries the synchronizer's, the
-    schedulers' and Accelerate's step state."""
-    from . import ft
-
-    def save():
-        return ft.capture(acc.synchronizer, compat.prepared(acc, "schedulers"),
-                          {"accelerate_step": compat.accumulation_counter(acc)})
-
-    def load(state):
-        fsdp_model.reshard(compat.prepared(acc, "models"))
-        ft.restore(acc.synchronizer, compat.prepared(acc, "schedulers"), state)
-        compat.set_accumulation_counter(acc, state["extra"].get("accelerate_step", compat.accumulation_counter(acc)))
-
-    transport = ft.ManagedTransport.create(
-        group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
-        lighthouse_addr=acc._lighthouse, timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
-        inside=inside, save=save, load=load, init_sum=None if any(
-            p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
-    transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
-    return transport
 
 
 def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:

@@ -16,7 +16,9 @@ Layout of ``step_N/``::
     fl_accel_checkpoint.json          written last: layout, step, counters; marks it complete
 
 A save writes ``step_N.partial`` and renames it when every rank has finished, so a crash
-never leaves a folder :func:`find_latest` would pick. With ``fault_tolerance="torchft"``
+never leaves a folder :func:`find_latest` would pick. FLAccelerator's ``save_state()`` and
+``load_state()`` without a folder follow Accelerate's automatic naming
+(:func:`automatic_checkpoint_dir`). With ``fault_tolerance="torchft"``
 each group saves its own checkpoint over its ranks, with the Manager's committed step and
 its ``group_index`` (another group's checkpoint is refused).
 """
@@ -89,6 +91,49 @@ def prune_checkpoints(checkpoints_dir: str, keep: int) -> list[str]:
     return deleted
 
 
+def automatic_checkpoint_dir(project, project_dir: str, method: str, is_main_process: bool, barrier) -> str:
+    """Accelerate's automatic checkpoint folder under ``project_dir`` (``project``: the
+    accelerator's ``ProjectConfiguration``): the next ``checkpoints/checkpoint_<iteration>``
+    (``method`` "save_state"; the main process removes the oldest beyond ``total_limit``,
+    then ``barrier()``) or the latest (``method`` "load_state"). ValueError: automatic naming
+    is off, or there is nothing to load."""
+    if not project.automatic_checkpoint_naming:
+        raise ValueError(f"FLAccelerator.{method} needs a folder, or Accelerator(project_config="
+                         f"ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
+    root = os.path.join(project_dir, "checkpoints")
+    numbered = sorted((int(m.group(1)), name) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                      if (m := re.fullmatch(r"checkpoint_(\d+)", name)))
+    if method == "load_state":
+        if not numbered:
+            raise ValueError(f"FLAccelerator.load_state: no checkpoint_<i> folder in {root}")
+        return os.path.join(root, numbered[-1][1])
+    if is_main_process:
+        os.makedirs(root, exist_ok=True)
+        extra = len(numbered) + 1 - project.total_limit if project.total_limit is not None else 0
+        for _, name in numbered[:max(0, extra)]:
+            shutil.rmtree(os.path.join(root, name))
+    barrier()
+    return os.path.join(root, f"checkpoint_{project.iteration}")
+
+
+def folder_iteration(folder: str) -> int | None:
+    """The number a folder's name ends with (``checkpoint_3``: 3), else None."""
+    digits = re.findall(r"(\d+)$", os.path.normpath(folder))
+    return int(digits[0]) if digits else None
+
+
+@contextlib.contextmanager
+def automatic_naming_off(project):
+    """Accelerate's own save/load inside FLAccelerator's use the folder fl_accel chose, not its
+    automatic naming (which would pick another folder and count the iteration twice)."""
+    automatic = project.automatic_checkpoint_naming
+    project.automatic_checkpoint_naming = False
+    try:
+        yield
+    finally:
+        project.automatic_checkpoint_naming = automatic
+
+
 def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     """Read and check ``fl_accel_checkpoint.json`` (no collectives). CheckpointError: missing
     folder or metadata, bad JSON, no DCP ``.metadata``, another format version."""
@@ -115,8 +160,8 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
 def layout_meta(config, layout) -> dict[str, Any]:
     """What a checkpoint shares with the run loading it: layout, ``FLConfig.sync_state`` and
     ("torchft") the group."""
-    per_group = {"fault_tolerance": "torchft", "group_index": config.group_index} \
-        if config.fault_tolerance == "torchft" else {}
+    per_group = {"fault_tolerance": config.fault_tolerance, "group_index": config.group_index} \
+        if config.fault_tolerant else {}
     return {**layout.as_dict(), **config.sync_state(layout.num_groups), **per_group}
 
 
@@ -156,11 +201,12 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
     if sync is not None and io.layout.num_groups > 1:
         shared, per_rank = sync.state_tensors()
         if inflight_fragment is not None:
-            for i in sync.fragments[inflight_fragment].params:
-                shared.setdefault(i, {})["inflight"] = torch.zeros_like(local(sync.params[i]), dtype=torch.float32)
+            fragment = sync.fragments[inflight_fragment]
+            for name, p in zip(fragment.names, fragment.params):
+                shared.setdefault(name, {})["inflight"] = torch.zeros_like(local(p), dtype=torch.float32)
         shard = io.layout.coords(io.rank)[2]
         for scope, key, tensors in (("shared", "fl", shared), ("group", f"replica{io.replica_index}", per_rank)):
-            entries = {f"{kind}/{sync.names[i]}/shard{shard}": t for i, kinds in tensors.items()
+            entries = {f"{kind}/{name}/shard{shard}": t for name, kinds in tensors.items()
                        for kind, t in kinds.items()}
             if entries:
                 put(scope, key, entries)
@@ -175,7 +221,7 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     output_dir = os.path.normpath(output_dir)
     tmp = output_dir + ".partial"
     sync = io.synchronizer
-    if sync is not None and sync.rounds is not None and sync.schedule.local_step:
+    if sync is not None and sync.planner.rounds is not None and sync.schedule.local_step:
         raise CheckpointError(f"with sync_trigger={io.config.sync_trigger!r} a checkpoint is taken right after a "
                               f"sync (the groups are at different steps mid-round); this group is "
                               f"{sync.schedule.local_step} step(s) into a round")
@@ -200,8 +246,9 @@ def save_federated_state(io: CheckpointIO, output_dir: str, extra_meta: dict | N
     if io.is_main_process:
         meta = {"format_version": FORMAT_VERSION, **layout_meta(io.config, io.layout), "scopes": scopes,
                 "sync": None if sync is None else sync.counters(), **(extra_meta or {})}
-        if hasattr(getattr(sync, "transport", None), "state_dict"):  # torchft mode: the Manager's step
-            meta["transport"] = sync.transport.state_dict()
+        transport = sync.transport.state_dict() if sync is not None else {}
+        if transport:  # torchft mode: the Manager's step
+            meta["transport"] = transport
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -245,13 +292,12 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
                 set_optimizer_state_dict(model, io.optimizers[i], get(scopes["optimizer"], f"optimizer_{i}"))
     sync = io.synchronizer
     if sync is not None and meta.get("sync"):
-        index = {name: i for i, name in enumerate(sync.names)}
-        parsed: list[dict[int, dict[str, torch.Tensor]]] = []
+        parsed: list[dict[str, dict[str, torch.Tensor]]] = []
         for source in (state.get("fl", {}), group_state.get(f"replica{io.replica_index}", {})):
-            out: dict[int, dict[str, torch.Tensor]] = {}
+            out: dict[str, dict[str, torch.Tensor]] = {}
             for key, t in source.items():
                 kind, name, _ = key.split("/")
-                out.setdefault(index[name], {})[kind] = t
+                out.setdefault(name, {})[kind] = t
             parsed.append(out)
         sync.load_state_dict(meta["sync"], parsed[0], parsed[1])
         if meta.get("transport") is not None:

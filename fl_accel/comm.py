@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import compat
 from .mesh import BUCKETS, WORLD
-from .wire import RING, ring_bytes  # noqa: F401  (the ring formulas live torch-free in fl_accel.wire)
+from .wire import ring_bytes
 
 # entry point -> (collective kind, name of the "full tensor" argument, its position)
 _OPS = {

@@ -6,9 +6,9 @@ warning at import (:func:`check_versions`), not an error. Where two releases dif
 below picks its path by checking what exists (``hasattr``, a signature, a source line), never
 by version number.
 
-Each reach is a function here, and :data:`REACHES` lists them: the internal, what relies on
-it, and a check that ``tests/unit/test_compat.py`` runs on the installed releases, failing with
-a message that names the internal if a release moves it. Nothing else in fl_accel reads a
+Each reach is a function here; ``tests/unit/test_compat.py`` lists them (``REACHES``: the
+internal, what relies on it, and a check it runs on the installed releases, failing with a
+message that names the internal if a release moves it). Nothing else in fl_accel reads a
 private attribute of another library (``tests/unit/test_compat.py`` greps for it).
 
 Why the FSDP2 sharding goes through Accelerate's private preparation rather than calling
@@ -33,7 +33,6 @@ import contextlib
 import inspect
 import re
 import warnings
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version as _version
 from typing import Callable
 
@@ -74,7 +73,7 @@ def version_problems(installed: dict[str, str | None] | None = None) -> list[str
 
 def check_versions() -> None:
     """Warn (``UserWarning``, once at import) when torch or accelerate is outside :data:`TESTED`;
-    never raises: an untested release may work, and :data:`REACHES` says what to check."""
+    never raises: an untested release may work, and tests/unit/test_compat.py says what to check."""
     problems = version_problems()
     if problems:
         warnings.warn("fl_accel: " + "; ".join(problems) + ". It may work; if something breaks, "
@@ -270,163 +269,3 @@ def wrap_manager_client(manager, wrap: Callable) -> None:
 def client_quorum(client, *args, **kwargs):
     """The wrapped client's ``_quorum`` call."""
     return client._quorum(*args, **kwargs)
-
-
-# ======================================================================== the list
-@dataclass(frozen=True)
-class Reach:
-    """One internal fl_accel relies on: ``internal`` (dotted name), ``used_by`` (the function
-    above and why), ``check()`` -> None or a sentence saying what moved; ``package`` to skip
-    the check when that optional package is absent."""
-
-    internal: str
-    used_by: str
-    check: Callable[[], str | None]
-    package: str | None = None
-
-
-def _has(obj_path: str, attr: str) -> str | None:
-    import importlib
-
-    module, _, name = obj_path.rpartition(".")
-    obj = getattr(importlib.import_module(module), name)
-    return None if hasattr(obj, attr) else f"{obj_path} has no attribute {attr!r}"
-
-
-def _in_source(fn_path: str, *needles: str) -> str | None:
-    import importlib
-
-    module, _, rest = fn_path.partition(":")
-    obj = importlib.import_module(module)
-    for part in rest.split("."):
-        obj = inspect.getattr_static(obj, part, None) if inspect.isclass(obj) else getattr(obj, part, None)
-        if obj is None:
-            return f"{module}:{rest} does not exist"
-    if isinstance(obj, property):
-        obj = obj.fget
-    elif isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    source = inspect.getsource(obj)
-    missing = [n for n in needles if n not in source]
-    return f"{module}:{rest} no longer contains {missing}" if missing else None
-
-
-def _shared_state() -> str | None:
-    from accelerate import PartialState
-
-    if not isinstance(getattr(PartialState, "_shared_state", None), dict):
-        return "accelerate.PartialState._shared_state is not a class-level dict"
-    return _in_source("accelerate.state:AcceleratorState.__init__", "distributed_type")
-
-
-def _state_attributes() -> str | None:
-    return _in_source("accelerate.state:AcceleratorState.__init__", "fsdp_plugin", "parallelism_config",
-                      "device_mesh") or _in_source("accelerate.state:AcceleratorState.is_fsdp2",
-                                                   "distributed_type", "fsdp_version")
-
-
-def _prepare_fsdp2() -> str | None:
-    return _in_source("accelerate.accelerator:Accelerator._prepare_fsdp2", "fsdp2_prepare_model") or \
-        _in_source("accelerate.accelerator:Accelerator.prepare", "_prepare_fsdp2")
-
-
-def _registered_lists() -> str | None:
-    return _in_source("accelerate.accelerator:Accelerator.__init__", "self._models", "self._optimizers",
-                      "self._schedulers", "self._dataloaders")
-
-
-def _save_state_loops() -> str | None:
-    return _in_source("accelerate.accelerator:Accelerator.save_state", "self._models", "self._optimizers") or \
-        _in_source("accelerate.accelerator:Accelerator.load_state", "self._models", "self._optimizers")
-
-
-def _accumulation_counter() -> str | None:
-    return _in_source("accelerate.accelerator:Accelerator._do_sync", "self.step")
-
-
-def _fully_shard_state() -> str | None:
-    from torch.distributed.fsdp import fully_shard
-
-    return None if callable(getattr(fully_shard, "state", None)) else "torch.distributed.fsdp.fully_shard.state is gone"
-
-
-def _entry_points() -> str | None:
-    import torch.distributed as dist
-
-    missing = [n for n in ("all_reduce", "all_to_all_single", "broadcast", "all_gather_into_tensor",
-                           "reduce_scatter_tensor") if not hasattr(dist, n)]
-    return f"torch.distributed lacks {missing}" if missing else None
-
-
-def _fsdp_collectives() -> str | None:
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives as c
-
-    source = inspect.getsource(c)
-    found = [n for n in COLLECTIVE_ENTRY_POINTS if f"dist.{n}(" in source]
-    return None if found else ("FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) calls none of "
-                               f"{list(COLLECTIVE_ENTRY_POINTS)} through torch.distributed: the meter misses its bytes")
-
-
-def _checkpoint_prefix() -> str | None:
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
-
-    return None if getattr(cw, "_CHECKPOINT_PREFIX", None) == "_checkpoint_wrapped_module." else \
-        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX changed"
-
-
-def _orig_mod() -> str | None:
-    return _in_source("torch._dynamo.eval_frame:OptimizedModule.__init__", "_orig_mod")
-
-
-def _module_parameters() -> str | None:
-    import torch
-
-    return None if isinstance(getattr(torch.nn.Linear(1, 1), "_parameters", None), dict) else \
-        "torch.nn.Module._parameters is not a dict"
-
-
-def _c10d_options() -> str | None:
-    try:
-        collective_options()
-    except ImportError as exc:
-        return f"torch.distributed.distributed_c10d: {exc}"
-    return None
-
-
-def _manager_client() -> str | None:
-    return _in_source("torchft.manager:Manager.__init__", "self._client") or \
-        _has("torchft._torchft.ManagerClient", "_quorum")
-
-
-REACHES: tuple[Reach, ...] = (
-    Reach("accelerate.PartialState._shared_state['distributed_type']",
-          "set_fsdp_state: FSDP on CPU too, and in every AcceleratorState() made later", _shared_state),
-    Reach("accelerate AcceleratorState.distributed_type / fsdp_plugin / parallelism_config / device_mesh",
-          "set_fsdp_state: Accelerate's FSDP2 branches read them (AcceleratorState.is_fsdp2)", _state_attributes),
-    Reach("accelerate Accelerator._prepare_fsdp2",
-          "prepare shards with fully_shard over the group's mesh (AC, regional compile, optimizer re-pointing); "
-          "meta_parameter_keys where it maps parameters by data_ptr()", _prepare_fsdp2),
-    Reach("accelerate Accelerator._models / _optimizers / _schedulers / _dataloaders",
-          "prepared(): the synchronizer, checkpoints and torchft heals reach the prepared objects", _registered_lists),
-    Reach("accelerate Accelerator.save_state / load_state iterate _models and _optimizers",
-          "without_models_and_optimizers: Accelerate saves the rest of the state beside fl_accel's checkpoint",
-          _save_state_loops),
-    Reach("accelerate Accelerator.step (the accumulation counter)",
-          "accumulation_counter: a torchft heal carries it", _accumulation_counter),
-    Reach("torch.distributed collective entry points",
-          "collective_entry_points / replace_dist_function: the comm meter wraps them", _entry_points),
-    Reach("torch FSDP2 calls torch.distributed.<collective> at call time (_fsdp_collectives.py)",
-          "the comm meter counts FSDP2's bytes by mesh axis", _fsdp_collectives),
-    Reach("torch.distributed.fsdp.fully_shard.state",
-          "fsdp_unit_key: parameters grouped by FSDP unit (fragments are whole units)", _fully_shard_state),
-    Reach("torch checkpoint_wrapper._CHECKPOINT_PREFIX",
-          "wrapper_prefixes: checkpoints resume across activation checkpointing", _checkpoint_prefix),
-    Reach("torch._dynamo OptimizedModule._orig_mod",
-          "wrapper_prefixes: checkpoints resume across compile", _orig_mod),
-    Reach("torch.nn.Module._parameters",
-          "swapped_parameters / own_parameters: meta-device materialization per module", _module_parameters),
-    Reach("torch.distributed.distributed_c10d AllgatherOptions / AllreduceOptions / AllToAllOptions",
-          "collective_options: torchft's process group takes them", _c10d_options),
-    Reach("torchft Manager._client / ManagerClient._quorum",
-          "wrap_manager_client: one heal source per group (torchft #343)", _manager_client, package="torchft"),
-)

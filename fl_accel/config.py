@@ -1,11 +1,9 @@
-"""FLConfig: the federation settings (paper Sec. 3), from YAML and the environment.
+"""FLConfig, the federation settings (paper Sec. 3), and ResolvedFLConfig, their one resolution for a launch.
 
 Precedence: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides (the
-recipe's flags); ``FL_ACCEL_TEST_*`` (test hooks) are skipped. The merge and type rules
-(:func:`resolve_sources`, :func:`check_type`) are shared with the recipe's parser, which
-accepts and refuses the same values with the same words; layout checks live in
-:mod:`fl_accel.mesh`. Every check raises ``ValueError`` naming the field (or variable), in
-pure Python, so every rank raises it before any collective.
+recipe's flags), merged and typed by :mod:`fl_accel.settings` (shared with the recipe's
+parser); layout checks live in :mod:`fl_accel.mesh`. Every check raises ``ValueError``
+naming the field (or variable), in pure Python, so every rank raises it before any collective.
 
 An :class:`FLConfig` is frozen and validated once, at construction: a changed copy is made
 with ``dataclasses.replace`` (validated like a new one), e.g. :meth:`FLConfig.with_max_steps`.
@@ -18,130 +16,21 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
-import functools
 import inspect
+import math
 import os
 import textwrap
-import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Literal, Mapping, get_args
 
-import yaml
-
-from . import mesh
-from .trigger import check_trigger
-
-
-def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
-    """A YAML mapping (empty file: ``{}``). ValueError: unreadable, invalid, not a mapping."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            loaded = yaml.safe_load(fh)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {what} {path}: {exc}") from exc
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{what} {path} must be a YAML mapping, got {type(loaded).__name__}")
-    return loaded
-
-
-@functools.lru_cache(maxsize=None)
-def _type_hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    args = get_args(hint)
-    if type(None) in args and typing.get_origin(hint) is not Literal:
-        return next(a for a in args if a is not type(None)), True
-    return hint, False
-
-
-def check_type(label: str, value: Any, hint: Any) -> None:
-    """ValueError ``"<label> must be ..."`` unless ``value`` fits ``hint``: Literal, ``X | None``,
-    ``list[int]``, bool, int, float (int or float), str (bool is no number)."""
-    hint, optional = _unwrap_optional(hint)
-    if optional and value is None:
-        return
-    if typing.get_origin(hint) is Literal:
-        if value not in get_args(hint):
-            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}")
-        return
-    if typing.get_origin(hint) is list:
-        ok, what = isinstance(value, (list, tuple)) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value), "a list of integers"
-    else:
-        ok, what = {bool: (isinstance(value, bool), "a boolean"),
-                    int: (isinstance(value, int) and not isinstance(value, bool), "an integer"),
-                    float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
-                    str: (isinstance(value, str), "a string")}.get(hint, (True, ""))
-    if not ok:
-        raise ValueError(f"{label} must be {what}, got {value!r} ({type(value).__name__})")
-
-
-def parse_env_value(var: str, raw: str, hint: Any) -> Any:
-    """Parse variable ``var``'s text as ``hint``; ValueError naming ``var``."""
-    text = raw.strip()
-    hint, optional = _unwrap_optional(hint)
-    if optional and text.lower() in ("", "none", "null"):
-        return None
-    try:
-        if typing.get_origin(hint) is list:
-            return [int(x) for x in text.replace(",", " ").split()]
-        if hint is bool:
-            return {"1": True, "true": True, "yes": True, "on": True,
-                    "0": False, "false": False, "no": False, "off": False}[text.lower()]
-        if hint in (int, float):
-            return hint(text)
-    except (KeyError, ValueError):
-        what = {bool: "a boolean", int: "an integer", float: "a number"}.get(hint, "a list of integers (e.g. '2,4')")
-        raise ValueError(f"{var}={raw!r} is not {what}") from None
-    return text
-
-
-ENV_PREFIX = "FL_ACCEL_"
-TEST_ENV_PREFIX = "FL_ACCEL_TEST_"  # test hooks (FL_ACCEL_TEST_FAULT_INJECT, ...), skipped
-
-
-def resolve_sources(cls, yaml_values: Mapping[str, Any] | None = None, yaml_source: str = "yaml",
-                    environ: Mapping[str, str] | None = None,
-                    overrides: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Merge YAML < ``FL_ACCEL_<FIELD>`` of ``environ`` (default ``os.environ``) < ``overrides``
-    (None skipped) for the dataclass ``cls``. Returns ``(values, sources)``, a source being
-    ``yaml_source``, the variable or "override". ValueError: a bad ``FL_ACCEL_*`` variable."""
-    values, sources = dict(yaml_values or {}), dict.fromkeys(yaml_values or {}, yaml_source)
-    env = env_overrides(os.environ if environ is None else environ, cls)
-    values.update(env)
-    sources.update({k: ENV_PREFIX + k.upper() for k in env})
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            values[k], sources[k] = v, "override"
-    return values, sources
-
-
-def env_overrides(environ: Mapping[str, str], cls=None) -> dict[str, Any]:
-    """``cls``'s (default FLConfig) typed values from the ``FL_ACCEL_<FIELD>`` variables.
-    ValueError: an unknown ``FL_ACCEL_*`` name or an unparsable value."""
-    cls = FLConfig if cls is None else cls
-    by_env = {ENV_PREFIX + name.upper(): name for name in cls.field_names()}
-    hints = _type_hints(cls)
-    out: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key.startswith(TEST_ENV_PREFIX):
-            continue
-        if key not in by_env:
-            close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), cls.field_names(), n=1)
-            raise ValueError(f"unknown environment variable {key}"
-                             f"{f' (did you mean {ENV_PREFIX}{close[0].upper()}?)' if close else ''}; "
-                             f"known: {sorted(by_env)}")
-        out[by_env[key]] = parse_env_value(key, raw, hints[by_env[key]])
-    return out
+from . import mesh, wire
+from .settings import check_type, read_yaml_mapping, resolve_sources, type_hints
 
 
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
 assert get_args(Algorithm) == mesh.ALGORITHMS
+SyncDtype = Literal["fp32", "bf16", "int8", "sparse"]
+assert get_args(SyncDtype) == wire.SYNC_DTYPES  # the names are the wire's (tests/unit/test_codecs.py)
 
 
 NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
@@ -184,7 +73,7 @@ class FLConfig:
     """tau, optimizer steps between launching a fragment's exchange and applying it; 0 <= tau < H/P."""
     fragment_update_alpha: float = 0.0
     """alpha in [0, 1]: a delayed result sets the parameters to global + alpha (local - global)."""
-    sync_dtype: Literal["fp32", "bf16", "int8", "sparse"] = "fp32"
+    sync_dtype: SyncDtype = "fp32"
     """What crosses "fl": "fp32" (exact mean of the parameters); "bf16", "int8" (quantized mean of the
     pseudo-gradients: ~1/2, ~1/4 of the bytes); "sparse" (SparseLoCo, arXiv 2508.15706: top-k)."""
     sync_density: float = 1 / 64
@@ -249,14 +138,6 @@ class FLConfig:
 
     _explicit = property(lambda self: {f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
-    def validate(self, world_size: int | None = None, ranks_per_node: int | None = None) -> "FLConfig":
-        """Check the layout against ``world_size`` ranks (:meth:`fl_accel.mesh.FLLayout.from_config`;
-        the fields were checked at construction, and a frozen config cannot change since).
-        Returns ``self``; ValueError naming the field (e.g. F not dividing the world)."""
-        if world_size is not None:
-            mesh.FLLayout.from_config(self, world_size, ranks_per_node=ranks_per_node)
-        return self
-
     def for_launch(self, world_size: int, *, ranks_per_node: int | None = None,
                    max_steps: int | None = None) -> ResolvedFLConfig:
         """The one resolution of this config for a launch of ``world_size`` ranks
@@ -279,9 +160,11 @@ class FLConfig:
     is_federated = property(lambda self: mesh.is_federated(self.algorithm),
                             doc='True for "fl_fsdp", "fl_hsdp" (:func:`fl_accel.mesh.is_federated`, the one test).')
 
-    fragmented = property(lambda self: self.num_fragments > 1 or self.sync_delay > 0 or self.fragment_update_alpha > 0,
-                          doc="P > 1, tau > 0 or alpha > 0.")
     compressed = property(lambda self: self.sync_dtype != "fp32", doc='``sync_dtype`` is not "fp32".')
+    fault_tolerant = property(lambda self: self.fault_tolerance == "torchft",
+                              doc='``fault_tolerance="torchft"``: each group is its own launch (:mod:`fl_accel.ft`); '
+                                  'the one test of the torchft mode, read everywhere (also as '
+                                  '``ResolvedFLConfig.fault_tolerant``).')
 
     @property
     def residual_decay(self) -> float:
@@ -315,7 +198,7 @@ class FLConfig:
              self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
             (["sync_window_s"], self.sync_trigger != "time", f"with sync_trigger {self.sync_trigger!r}",
              f"with sync_trigger {self.sync_trigger!r} (only 'time' has a window)"),
-            (["group_index", "lighthouse_addr"], self.fault_tolerance == "none", "outside torchft mode",
+            (["group_index", "lighthouse_addr"], not self.fault_tolerant, "outside torchft mode",
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
              f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),
@@ -359,11 +242,6 @@ class FLConfig:
         return {node.target.id: " ".join(nxt.value.value.split()) for node, nxt in zip(body, body[1:])
                 if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "FLConfig":
-        """:meth:`resolve` of a YAML mapping (top level, or under an ``fl:`` key) and ``overrides``."""
-        return cls.resolve(yaml_path=path, overrides=overrides)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "FLConfig":
@@ -422,8 +300,8 @@ class ResolvedFLConfig:
     max_steps: int | None = None
     """The run's length in optimizer steps (None: not known yet)."""
 
-    fault_tolerant = property(lambda self: self.config.fault_tolerance == "torchft",
-                              doc='``fault_tolerance="torchft"``: each group is its own launch.')
+    fault_tolerant = property(lambda self: self.config.fault_tolerant,
+                              doc=':attr:`FLConfig.fault_tolerant`: each group is its own launch.')
 
     def with_max_steps(self, max_steps: int) -> ResolvedFLConfig:
         """The same launch resolved for a run of ``max_steps`` (``self`` when it already is):
@@ -453,10 +331,23 @@ def resolve_launch(config: FLConfig, world_size: int, *, ranks_per_node: int | N
                             layout=layout, launch_layout=layout.launch_part(config), max_steps=max_steps)
 
 
+def resolve_for_world(fl_config: FLConfig | ResolvedFLConfig, world: int, max_steps: int | None) -> ResolvedFLConfig:
+    """The run-time config of a launch of ``world`` ranks: ``fl_config`` resolved
+    (:meth:`FLConfig.for_launch`, ``LOCAL_WORLD_SIZE`` ranks per node), or a resolved one of
+    this world taken as it is (with ``max_steps``, resolved for it). ValueError, before any
+    process group: a resolved config of another world, a bad layout or run length (naming the field)."""
+    if isinstance(fl_config, ResolvedFLConfig):
+        if fl_config.world_size != world:
+            raise ValueError(f"fl_config was resolved for a world of {fl_config.world_size} ranks, but WORLD_SIZE is "
+                             f"{world}")
+        return fl_config if max_steps is None else fl_config.with_max_steps(max_steps)
+    return fl_config.for_launch(world, ranks_per_node=mesh.ranks_per_node(world), max_steps=max_steps)
+
+
 def check_fields(cfg: FLConfig) -> None:
     """Types, ranges and constraints between the fields of ``cfg``, without a world size (run
     once, by ``FLConfig.__post_init__``). Raises ValueError naming the field."""
-    hints = _type_hints(type(cfg))
+    hints = type_hints(type(cfg))
     for f in fields(cfg):
         check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
     for name, ok, what in (*((n, getattr(cfg, n) >= 1, ">= 1") for n in ("num_groups", "sync_every", "num_fragments",
@@ -482,7 +373,10 @@ def check_fields(cfg: FLConfig) -> None:
         if decay is not None and not warmup < decay:
             raise ValueError(f"FLConfig.outer_lr_warmup_steps={warmup} must be shorter than the run "
                              f"(FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
-    check_trigger(cfg.sync_trigger, cfg.sync_window_s)
+    window = cfg.sync_window_s
+    if cfg.sync_trigger == "time" and (window is None or not math.isfinite(window) or window <= 0):
+        raise ValueError(f"FLConfig.sync_window_s must be a positive number of seconds with sync_trigger='time' "
+                         f"(each round's training time), got {window!r}")
     if cfg.sync_trigger != "steps":
         if not cfg.is_federated:
             raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} needs federation groups: algorithm "
@@ -503,7 +397,7 @@ def check_fields(cfg: FLConfig) -> None:
     if not 0 <= cfg.sync_delay < period:
         raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
                          f"{period}, got {cfg.sync_delay}")
-    if cfg.fault_tolerance == "torchft":
+    if cfg.fault_tolerant:
         if not cfg.is_federated:
             raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
                              f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
@@ -519,64 +413,3 @@ def check_fields(cfg: FLConfig) -> None:
             raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
                              f"{cfg.group_index}")
     mesh.check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)
-
-
-def lighthouse_addr(config: FLConfig) -> str:
-    """``FLConfig.lighthouse_addr`` or ``TORCHFT_LIGHTHOUSE``; ValueError (every rank, before any
-    collective) when neither is set or torchft is missing."""
-    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not addr:
-        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
-                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
-                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
-    try:
-        import torchft  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
-    return addr
-
-
-def start_notes(cfg: FLConfig, layout: "mesh.FLLayout", device_type: str, mixed_precision: str) -> list[str]:
-    """The warnings printed once at start: ignored settings, a defaulted S, slow bf16 on CPU."""
-    notes = cfg.ignored_settings()
-    if cfg.uses_hsdp and cfg.hsdp_shard_size is None:
-        notes.append(f"hsdp_shard_size not set: using S={layout.shards} (the ranks per node that divide every "
-                     f"group)" + (f"; that leaves one replica per group (R=1): set hsdp_shard_size="
-                                  f"{layout.shards // 2} (the recipe's --hsdp_shard_size {layout.shards // 2}) "
-                                  f"for 2 replicas"
-                                  if layout.max_replicas == 1 and layout.shards % 2 == 0 else ""))
-    if device_type == "cpu" and mixed_precision != "no":
-        notes.append(f"mixed_precision={mixed_precision!r} on CPU runs several times slower than fp32")
-    return notes
-
-
-# ---------------------------------------------------------------------- refusals of launcher settings
-FP16_REASON = ("fp16 needs a loss scaler, and Accelerate's per-rank GradScaler can skip an optimizer step in one "
-               "federation group only: the groups' step counters then diverge and the sync's collectives mismatch "
-               "until they time out")
-
-
-def _said(requested_by: str | Callable[[], str]) -> str:
-    return requested_by() if callable(requested_by) else requested_by
-
-
-def refuse_fp16(precision: str | None, requested_by: str | Callable[[], str]) -> None:
-    """The one fp16 refusal (FLAccelerator's and the recipe's; in this module, which imports no
-    torch, so that the recipe's planning refuses before importing it). Raises ValueError when
-    ``precision`` is "fp16", naming ``requested_by`` (where the setting came from, or a function
-    saying it, called only then) and the fix."""
-    if str(precision or "no").lower() == "fp16":
-        raise ValueError(f"fl_accel does not support fp16, requested by {_said(requested_by)}: use bf16 or 'no' "
-                         f"there ({FP16_REASON})")
-
-
-def refuse_whole_model_compile(compiles: bool, regional: bool, requested_by: str | Callable[[], str]) -> None:
-    """The one whole-model-compile refusal (FLAccelerator's and the recipe's). Raises
-    ValueError when ``compiles`` without ``regional`` compilation, naming ``requested_by`` (as
-    :func:`refuse_fp16`): a whole-model ``torch.compile`` returns an OptimizedModule that
-    bypasses FSDP2's hooks."""
-    if compiles and not regional:
-        raise ValueError(f"{_said(requested_by)} compiles the whole model, but fl_accel compiles regionally only (a "
-                         f"whole-model torch.compile returns an OptimizedModule that bypasses FSDP2's hooks): set "
-                         f"use_regional_compilation=True (TorchDynamoPlugin; in the Accelerate config "
-                         f"dynamo_use_regional_compilation: true, each decoder layer is compiled in place)")

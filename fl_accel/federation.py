@@ -1,11 +1,12 @@
 """The federation's public status: ``accelerator.federation``, what a training loop reads.
 
 What a script, the recipe or an example needs to know about the sync, without reaching into
-the synchronizer (:class:`fl_accel.sync.FederatedSynchronizer`, an internal): optimizer steps
-and sync events, the last round's membership and merge weights, bytes per mesh axis, whether
-the groups may differ, the fragment plan, the progress of rounds by time/speed, the sync's
-waits and torchft's heals. Every attribute is a read-only view computed when read; before
-``prepare(model, optimizer)`` (and with one group) the counters read as a run with no sync.
+the synchronizer (:class:`fl_accel.sync.Synchronizer`, an internal): optimizer steps and sync
+events, the last event's membership and merge weights, bytes per mesh axis, whether the
+groups may differ, the fragment plan, the progress of rounds by time/speed, the sync's waits
+and torchft's heals. Every attribute is a read-only view computed when read (what is not a
+number is a copy: changing it changes nothing); before ``prepare(model, optimizer)`` (and
+with one group) the counters read as a run with no sync.
 Two calls act, both for loops and pre-sync hooks: :meth:`Federation.arriving` and
 :meth:`Federation.restart_round_clock`. Units: optimizer steps (after gradient
 accumulation), ring bytes this rank sent (:mod:`fl_accel.comm`), seconds.
@@ -15,6 +16,7 @@ tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 
 class Federation:
@@ -46,9 +48,11 @@ class Federation:
         return self._sync.schedule.global_step if self.active else 0
 
     @property
-    def rounds_done(self) -> int:
+    def syncs_done(self) -> int:
         """Sync events completed (full and fragment syncs; ``SyncSchedule.num_syncs``)."""
         return self._sync.schedule.num_syncs if self.active else 0
+
+    rounds_done = property(lambda self: self.syncs_done, doc="Deprecated name of :attr:`syncs_done`.")
 
     @property
     def local_step(self) -> int:
@@ -70,13 +74,13 @@ class Federation:
     @property
     def last_weights(self) -> tuple[float, ...] | None:
         """The merge weights w_g (sum 1) of the last sync event, one per group in it; None before any."""
-        last = getattr(self._sync, "last_round", None)
+        last = self._sync.last_membership if self._sync is not None else None
         return None if last is None else tuple(last.weights)
 
     @property
     def last_num_groups(self) -> int | None:
         """The groups the last sync event covered (torchft: its quorum's); None before any."""
-        last = getattr(self._sync, "last_round", None)
+        last = self._sync.last_membership if self._sync is not None else None
         return None if last is None else last.num_groups
 
     @property
@@ -90,16 +94,18 @@ class Federation:
         """Parameter names (canonical) per fragment k, synced at fragment syncs k, k + P, ...; [] before ``prepare``."""
         return [list(f.names) for f in self._sync.fragments] if self._sync is not None else []
 
+    _round_state = property(lambda self: self._sync.planner.rounds if self._sync is not None else None)
+
     @property
     def triggered(self) -> bool:
         """Rounds end by time or speed (``sync_trigger`` "time"/"speed"): each group counts its own steps."""
-        return getattr(self._sync, "rounds", None) is not None
+        return self._round_state is not None
 
     @property
     def rounds(self):
-        """``sync_trigger`` "time"/"speed": the round state (:class:`fl_accel.trigger.RoundState`;
-        read it, do not change it: steps per round, seconds per step, ``summary()``); else None."""
-        return getattr(self._sync, "rounds", None)
+        """``sync_trigger`` "time"/"speed": a copy of the round state (:class:`fl_accel.trigger.RoundState`:
+        steps per round, seconds per step, ``summary()``); else None."""
+        return copy.deepcopy(self._round_state)
 
     @property
     def progress_step(self) -> int:
@@ -110,14 +116,14 @@ class Federation:
         if self._sync is None:
             return 0
         if self.triggered:
-            return int(self._sync.rounds.progress_steps())
+            return int(self._round_state.progress_steps())
         return self._sync.schedule.global_step
 
     @property
     def training_done(self) -> bool:
         """Rounds by time/speed: the run's tokens are trained (decided at a sync, so every group
         stops after the same one). Always False otherwise (the loop counts its own steps)."""
-        return self.triggered and self._sync.rounds.done
+        return self.triggered and self._round_state.done
 
     def counters(self) -> dict:
         """The sync's counters as a checkpoint keeps them (:meth:`fl_accel.schedule.SyncSchedule.state_dict`:
@@ -147,20 +153,20 @@ class Federation:
             self._sync.planner.restart_clock()
 
     _transport = property(lambda self: self._sync.transport if self._sync is not None and
-                          self._acc.fault_tolerant else None)
+                          self._acc.run_config.fault_tolerant else None)
 
     @property
     def heals(self) -> int:
         """torchft mode: how often this group healed from a live group this session; else 0."""
-        return getattr(self._transport, "heals", 0)
+        return self._transport.heals if self._transport is not None else 0
 
     @property
     def heal_log(self) -> list[dict]:
-        """torchft mode: one record per heal this session (source group, bytes, seconds,
-        transfer and load seconds; a loop may add its ``step``); else []."""
-        return getattr(self._transport, "heal_sources", [])
+        """torchft mode: a copy of the records of this session's heals, one each (source group,
+        ``step`` the group continued from, bytes, seconds, transfer and load seconds); else []."""
+        return [dict(r) for r in self._transport.heal_sources] if self._transport is not None else []
 
     @property
     def membership_seconds(self) -> dict:
         """torchft mode: host seconds in quorums and commit votes, and the number of quorums; else {}."""
-        return dict(getattr(self._transport, "seconds", {}))
+        return dict(self._transport.seconds) if self._transport is not None else {}

@@ -1,6 +1,12 @@
-"""Helpers on a federation group's FSDP2 model around Accelerate's preparation: torch only,
-functions of (model, layout, device), testable on a one-process group. Relied on (public
-API; the internals are reached through :mod:`fl_accel.compat`):
+"""A federation group's FSDP2 model around Accelerate's preparation: the plugin and policy, materialization, checks.
+
+Functions of (model, layout, device), testable on a one-process group: the one FSDP2 plugin
+and precision policy fl_accel builds and points Accelerate's state at (:func:`fsdp2_plugin`,
+:func:`use_fsdp2`), the materialization of a meta model, the reshard before writes, and the
+one check that groups and replicas hold identical parameters (:func:`shard_checksum`,
+:func:`check_identical`: over the world at ``prepare``, over torchft's first quorum in
+:mod:`fl_accel.ft`). Relied on (public API; the internals are reached through
+:mod:`fl_accel.compat`):
 
 * a DTensor's local shard is laid out as ``distribute_tensor`` with the same mesh and
   placements lays it out (:func:`materialize` keeps a rank's shard of a full init);
@@ -10,13 +16,63 @@ API; the internals are reached through :mod:`fl_accel.compat`):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import compat
 from .fsdp import local
+
+
+def mixed_precision_policy(mixed_precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy of a ``mixed_precision``: "bf16" gives bf16 parameters and compute with
+    gradients reduced in ``reduce_dtype`` ("fp32" or "bf16") and no output cast (the loss stays
+    fp32); anything else None (fp32). ValueError: another ``reduce_dtype``."""
+    if reduce_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"reduce_dtype must be 'fp32' or 'bf16', got {reduce_dtype!r}")
+    if mixed_precision != "bf16":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.float32 if reduce_dtype == "fp32" else torch.bfloat16)
+
+
+def fsdp2_plugin(mixed_precision: str | None = None, reduce_dtype: str = "fp32",
+                 activation_checkpointing: bool | None = None):
+    """The one FSDP2 plugin fl_accel builds: ``fsdp_version=2``, the auto-wrap policy of
+    ``FSDP_AUTO_WRAP_POLICY`` (default "transformer_based_wrap"), the precision policy of
+    ``mixed_precision`` (:func:`mixed_precision_policy`; None: left for FLAccelerator to set
+    from its own ``mixed_precision``) and ``activation_checkpointing`` (None: the
+    ``FSDP_ACTIVATION_CHECKPOINTING`` that ``accelerate launch`` exports; the other
+    ``FSDP_*`` variables too). ValueError: a bad ``reduce_dtype``."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    policy = mixed_precision_policy(mixed_precision, reduce_dtype) if mixed_precision is not None else None
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=activation_checkpointing, mixed_precision_policy=policy,
+        auto_wrap_policy=os.environ.get("FSDP_AUTO_WRAP_POLICY", "transformer_based_wrap"))
+
+
+def use_fsdp2(state, plugin, user_policy, mixed_precision: str, replicas: int, shards: int, device_mesh) -> None:
+    """Point Accelerate's FSDP2 path (``state``) at this rank's group (``device_mesh`` of
+    ``replicas`` x ``shards``), with the precision policy of ``mixed_precision``: the user's
+    FSDP2 plugin as given (its own ``user_policy`` kept), else Accelerate's from ``accelerate
+    launch`` (FSDP2: :func:`fl_accel.refusals.refuse_fsdp1` ran), else :func:`fsdp2_plugin`."""
+    from accelerate.utils import ParallelismConfig
+
+    from .refusals import FSDP1_FIX
+
+    plugin = plugin or getattr(state, "fsdp_plugin", None)
+    if plugin is None:
+        plugin = fsdp2_plugin()  # reads the FSDP_* environment variables `accelerate launch` sets
+    if getattr(plugin, "fsdp_version", 1) != 2:  # refused before start; a state that changed since
+        raise ValueError("FLAccelerator: Accelerate's state holds an FSDP1 plugin. " + FSDP1_FIX + ".")
+    if user_policy is None:
+        plugin.mixed_precision_policy = mixed_precision_policy(mixed_precision)
+    compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards),
+                          device_mesh)
 
 
 @torch.no_grad()
@@ -82,31 +138,45 @@ def track_forward_only(model: torch.nn.Module, accumulating) -> object | None:
 
 
 @torch.no_grad()
-def check_replicas_identical(model: torch.nn.Module, layout, rank: int, device: torch.device) -> None:
-    """ValueError on every rank unless all groups and replicas hold identical parameters:
-    fp64 sum, sum of squares and position-weighted sum per rank (in 2**20-value chunks),
-    all-reduced over the world, compared per shard coordinate. Collective."""
-    world = layout.world_size
-    sums = torch.zeros(world, 3, dtype=torch.float64, device=device)
+def shard_checksum(params, device: torch.device) -> torch.Tensor:
+    """fp64 ``[3]``: the sum, sum of squares and position-weighted sum (weights 1..97, in
+    2**20-value chunks) of this rank's local shards of ``params``, on ``device``."""
+    out = torch.zeros(3, dtype=torch.float64, device=device)
     chunk = 1 << 20
-    for p in model.parameters():
+    for p in params:
         t = local(p).detach().reshape(-1)
         for start in range(0, t.numel(), chunk):
             c = t[start:start + chunk].to(torch.float64)
             w = torch.arange(start + 1, start + c.numel() + 1, dtype=torch.float64, device=c.device).remainder_(97)
-            sums[rank] += torch.stack([c.sum(), (c * c).sum(), (c * w).sum()])
-    dist.all_reduce(sums)
-    first: dict[int, int] = {}
-    differ = set()
-    for k in range(world):
-        f, r, s = layout.coords(k)
-        if not torch.equal(sums[k], sums[first.setdefault(s, k)]):
-            differ.add((f, r))
+            out += torch.stack([c.sum(), (c * c).sum(), (c * w).sum()]).to(device)
+    return out
+
+
+def check_identical(table: torch.Tensor, keys: list, groups: list, replicas: list | None = None,
+                    context: str = "") -> None:
+    """The one identity check of the groups' (and replicas') parameters: ``table[k]`` is row
+    k's :func:`shard_checksum` (of group ``groups[k]``, HSDP replica ``replicas[k]``); rows with
+    the same ``keys`` entry (a shard coordinate) must equal the first such row. ValueError on
+    every rank holding the table, naming the differing groups (and ``context``)."""
+    first: dict = {}
+    differ = {(groups[k], None if replicas is None else replicas[k]) for k in range(len(keys))
+              if not torch.equal(table[k], table[first.setdefault(keys[k], k)])}
     if differ:
-        groups = sorted({f for f, _ in differ})
-        where = f"group(s) {groups}" + (f" (group, HSDP replica): {sorted(differ)}" if layout.uses_hsdp else "")
+        where = f"group(s) {sorted({f for f, _ in differ})}" + \
+            (f" (group, HSDP replica): {sorted(differ)}" if replicas is not None else "")
         raise ValueError(
-            f"the federation groups do not start from identical parameters: {where} differ from group 0's "
-            f"first replica. Seed identically on every rank before building the model "
-            f"(accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized models "
-            f"destroys training at the first sync.")
+            f"the federation groups do not start from identical parameters: {where} differ from group 0's first "
+            f"replica{context}. Seed identically on every rank before building the model "
+            f"(accelerate.utils.set_seed(seed), not seed + rank); averaging differently initialized models destroys "
+            f"training at the first sync.")
+
+
+def check_replicas_identical(model: torch.nn.Module, layout, rank: int, device: torch.device) -> None:
+    """:func:`check_identical` over the world (``layout``'s ranks, all-reduced): every group and
+    HSDP replica holds the same parameters at each shard coordinate. Collective."""
+    table = torch.zeros(layout.world_size, 3, dtype=torch.float64, device=device)
+    table[rank] = shard_checksum(model.parameters(), device)
+    dist.all_reduce(table)
+    coords = [layout.coords(k) for k in range(layout.world_size)]
+    check_identical(table, [s for _, _, s in coords], [f for f, _, _ in coords],
+                    [r for _, r, _ in coords] if layout.uses_hsdp else None)

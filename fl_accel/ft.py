@@ -18,10 +18,8 @@ step and schedule stay ours. Relied on (torchft 0.2.0):
   the managed group (``dist.all_gather_into_tensor`` fails: not in the world's group map).
 
 Limits handled: torchft keeps its keys in the store it is given, which ``torchrun`` keeps
-across ``--max-restarts`` attempts, so each attempt gets its own (:func:`_attempt_store`);
-torchft #343: recovering rank k of group i heals from group ``(i + k) mod U``
-(``src/manager.rs``), so with F >= 3 a group's ranks would heal from different groups:
-:class:`_AgreedClient` makes them all use rank 0's assignment.
+across ``--max-restarts`` attempts, so each attempt gets its own (:func:`_attempt_store`).
+What a heal carries and records is :mod:`fl_accel.heal`'s.
 """
 
 from __future__ import annotations
@@ -36,13 +34,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from . import comm, compat
-from .exchange import Round
-from .fsdp import local
+from .exchange import EventHooks, Membership
+from .fsdp_model import check_identical, reshard, shard_checksum
+from .heal import AgreedClient, capture, measure_heal, restore, state_nbytes
+from .mesh import merge_weights
 from .mesh_transport import MeshTransport
-from .sync import EventHooks
 
 AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options()
 
@@ -55,60 +53,20 @@ def _report(manager, exc: Exception) -> None:
     manager.report_error(exc)
 
 
-class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
-    def __init__(self, quorum, agreed: dict):
-        self._result, self._agreed = quorum, agreed
-
-    def __getattr__(self, name):
-        return self._agreed[name] if name in self._agreed else getattr(self._result, name)
-
-
-RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_address", "recover_dst_replica_ranks")
-
-
-class _AgreedClient:
-    """A Manager's ``ManagerClient`` whose quorums (on torchft's quorum thread) carry rank 0's
-    :data:`RECOVERY_FIELDS` (broadcast over ``group``, gloo) and record each heal in
-    ``transport.heal_sources`` (quorum id, the source used, the one torchft assigned)."""
-
-    def __init__(self, client, group, transport: "ManagedTransport"):
-        self._inner, self._group, self._transport = client, group, transport
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _quorum(self, *args, **kwargs):
-        quorum = compat.client_quorum(self._inner, *args, **kwargs)
-        box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
-        dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
-        agreed = box[0]
-        self._transport.behind = quorum.replica_world_size - quorum.max_world_size
-        self._transport.max_step = quorum.max_step
-        self._transport._heal_agreed = bool(agreed["heal"])
-        if agreed["heal"]:
-            names = [r.split(":")[0] for r in quorum.replica_ids]
-            src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
-            self._transport.heal_sources.append({"quorum_id": quorum.quorum_id, "max_step": quorum.max_step,
-                                                 "source": names[src], "torchft_source": None if own is None
-                                                 else names[own]})
-            self._transport._heal_started = time.perf_counter()  # the download starts after this returns
-        return _Agreed(quorum, agreed)
-
-
 class CommitHooks(EventHooks):
-    """:class:`~fl_accel.sync.EventHooks` of :class:`ManagedTransport` (the synchronizer's
-    membership plug-in for torchft): sync events run even with one live group; each step with
-    sync actions opens the event's quorum first (a heal there replaces this group's state and
-    counters); an event's writes wait for the commit, and are dropped without it (groups keep
-    their values)."""
-
-    always_active = True
+    """:class:`~fl_accel.exchange.EventHooks` of :class:`ManagedTransport` (the synchronizer's
+    membership plug-in for torchft): each step with sync actions opens the event's quorum first
+    (a heal there replaces this group's state and counters, and the heal's record gets the
+    step this group continues from); an event's writes wait for the commit, and are dropped
+    without it (groups keep their values)."""
 
     def __init__(self, transport: "ManagedTransport"):
         self.transport, self.deferred = transport, None
 
-    def open(self) -> bool:
+    def open(self, schedule) -> bool:
         self.transport.begin()  # the quorum of this event; a heal replaces the counters
+        if self.transport.healed and self.transport.heal_sources:
+            self.transport.heal_sources[-1]["step"] = schedule.global_step
         return self.transport.healed
 
     @contextlib.contextmanager
@@ -132,28 +90,29 @@ class CommitHooks(EventHooks):
 class ManagedTransport:
     """:class:`~fl_accel.exchange.Transport` over torchft's managed process group.
 
-    :meth:`begin` opens a round (a quorum; it stays open so a delayed exchange keeps its
+    :meth:`begin` opens a membership (a quorum; it stays open so a delayed exchange keeps its
     group) and :meth:`should_commit` closes it. F is the number of live groups, weights
-    1/F (0 for groups healing in the quorum, 1/(F - H) for the others). Chunks and device
-    are ``inside``'s (replica r exchanges chunk r). ``healed``: the last quorum
-    healed this group; ``heals``: how often; ``heal_sources``: one record per heal
-    (:meth:`begin` completes it: see :meth:`_measure_heal`); ``seconds``: host seconds in
-    quorums (heals included) and commit votes, and the number of quorums.
+    1/F (0 for groups healing in the quorum, 1/(F - H) for the others:
+    :func:`fl_accel.mesh.merge_weights`). Chunks and device are ``inside``'s (replica r
+    exchanges chunk r). ``healed``: the last quorum healed this group; ``heals``: how often;
+    ``heal_sources``: one record per heal (:meth:`begin` completes it: see
+    :func:`fl_accel.heal.measure_heal`; :class:`CommitHooks` adds its ``step``); ``seconds``: host seconds
+    in quorums (heals included) and commit votes, and the number of quorums.
     """
 
     manager: object
     pg: object
     inside: MeshTransport
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
-    init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
+    init_checksum: torch.Tensor | None = None  # fsdp_model.shard_checksum of the initial shards (_check_identical)
     group_index: int = 0  # this launch's federation group (FLConfig.group_index): its row in the round's table
-    elastic = True  # membership is decided at every sync
+    elastic = True  # membership is decided at every sync event, which runs even with one live group
     num_chunks = property(lambda self: self.inside.num_chunks)
     chunk_index = property(lambda self: self.inside.chunk_index)
     device = property(lambda self: self.inside.device)
 
     def __post_init__(self):
-        self.round: Round | None = None
+        self.round: Membership | None = None
         self.healed, self.heals = False, 0
         self.heal_sources: list[dict] = []
         self.behind = 0  # groups of the last quorum behind its max step (they heal in it)
@@ -166,7 +125,7 @@ class ManagedTransport:
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
                timeout: timedelta, inside: MeshTransport, save: Callable[[], dict], load: Callable[[dict], None],
-               init_sum: float | None = None) -> "ManagedTransport":
+               init_checksum: torch.Tensor | None = None) -> "ManagedTransport":
         """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
         ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
         ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
@@ -178,7 +137,7 @@ class ManagedTransport:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum, group_index=group_index)
+        transport = cls(manager=None, pg=pg, inside=inside, init_checksum=init_checksum, group_index=group_index)
 
         def on_heal(state):  # torchft calls it with the state it received (downloaded and unpickled)
             received = time.perf_counter()
@@ -196,10 +155,10 @@ class ManagedTransport:
             lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
             replica_id=f"fl_accel_group_{group_index}", init_sync=False,
             checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
-        compat.wrap_manager_client(transport.manager, lambda client: _AgreedClient(client, agree, transport))
+        compat.wrap_manager_client(transport.manager, lambda client: AgreedClient(client, agree, transport))
         return transport
 
-    def begin(self) -> Round:
+    def begin(self) -> Membership:
         """The open round, or a new quorum's (blocking; it may heal this group)."""
         if self.round is None:
             self.healed, t0 = False, time.perf_counter()
@@ -207,75 +166,51 @@ class ManagedTransport:
             self.seconds["quorum"] += time.perf_counter() - t0
             self.seconds["quorums"] += 1
             if self._heal_agreed:
-                self._measure_heal()
+                measure_heal(self)
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
                                    f"of {num})")
-            self.round = Round(num, position, (1.0 / num,) * num)
-            if num > 1 and self.max_step == 0 and self.init_sum is not None:  # no commit yet: the start-up check
+            self.round = Membership(num, position, merge_weights("uniform", None, (1,) * num))
+            if num > 1 and self.max_step == 0 and self.init_checksum is not None:  # no commit yet: the start-up check
                 self._check_identical(num, position)
             if num > 1 and self.behind:  # groups healed in this quorum: they hold a source's values
-                self.round = Round(num, position, self._weights_without_healed(num, position))
+                self.round = Membership(num, position, self._weights_without_healed(num, position))
             if num > 1 or self.healed:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
 
-    def _measure_heal(self) -> None:
-        """Complete the newest ``heal_sources`` record after a quorum that healed this group:
-        ``source_group`` (the live group it downloaded from), ``bytes`` (what the group's
-        ranks loaded, summed) and ``seconds`` (download and apply, the slowest rank).
-
-        torchft 0.2.0 reports neither the bytes nor the time of a recovery, so each rank
-        measures its own: the tensors' ``nbytes`` of the state it applied (:func:`state_nbytes`;
-        the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
-        answer to the end of the apply. The source is the replica id of the quorum's
-        ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
-        :meth:`create`), so its group index is exact. ``seconds`` splits into
-        ``transfer_seconds`` (the quorum's answer to the state received: torchft's HTTP
-        download and unpickling on its quorum thread) and ``load_seconds`` (applying it: reshard,
-        parameters, optimizer and sync state), each the slowest rank's. Every rank of the group runs this (the
-        heal decision is rank 0's, broadcast): one SUM and one MAX over the group's world; a
-        rank whose download failed counts 0 bytes (torchft then fails the round's commit).
-        Collective over the group's world."""
-        mine, self._heal_loaded, self._heal_agreed = self._heal_loaded or (0, 0.0, 0.0, 0.0), None, False
-        nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=self.device)
-        seconds = torch.tensor(list(mine[1:]), dtype=torch.float64, device=self.device)
-        dist.all_reduce(nbytes, op=dist.ReduceOp.SUM)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        if self.heal_sources:
-            record = self.heal_sources[-1]
-            name = str(record.get("source"))
-            total, transfer, load = seconds.tolist()
-            record.update(source_group=int(name.rsplit("_", 1)[1]) if name.startswith("fl_accel_group_") else None,
-                          bytes=int(nbytes.item()), seconds=total, transfer_seconds=transfer, load_seconds=load)
-
     def _check_identical(self, num: int, position: int) -> None:
-        """Before the first commit: ValueError on every rank when the groups' ``init_sum`` differ."""
-        sums = torch.zeros(num, dtype=torch.float64, device=self.device)
-        sums[position] = self.init_sum
-        self.all_reduce(sums)
-        bad = torch.tensor([float(self.manager.errored() is None and bool((sums != sums[position]).any()))],
-                           device=self.device)
+        """Before the first commit: :func:`fl_accel.fsdp_model.check_identical` of the quorum's
+        groups (their ``init_checksum``, summed over the managed group); ValueError on every rank
+        of this group when any rank saw a difference."""
+        table = torch.zeros(num, 3, dtype=torch.float64, device=self.device)
+        table[position] = self.init_checksum
+        self.all_reduce(table)
+        error = None
+        try:
+            check_identical(table, [0] * num, list(range(num)), context=" (fault_tolerance='torchft', positions in the "
+                            "first quorum: the groups started from different parameters)")
+        except ValueError as exc:
+            error = exc
+        bad = torch.tensor([float(self.manager.errored() is None and error is not None)], device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # any rank of this group
         if bad.item():
-            raise ValueError(f"fault_tolerance='torchft': the federation groups started from different parameters "
-                             f"(checksums of the local shards: {sums.tolist()}); build the model with the same seed "
-                             f"in every group (accelerate.utils.set_seed before creating it)")
+            raise error or ValueError("fault_tolerance='torchft': the federation groups started from different "
+                                      "parameters (seen by another rank of this group); seed identically")
 
     def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
-        """0 for the H groups that healed in this quorum (copies of their source, which would
-        weigh twice), 1/(F - H) for the others; every group runs the flags' SUM."""
+        """:func:`fl_accel.mesh.merge_weights` with the H groups that healed in this quorum as
+        copies (of their source, which would weigh twice): 0 for them, 1/(F - H) for the
+        others; every group runs the flags' SUM."""
         flags = torch.zeros(num, dtype=torch.float32, device=self.device)
         flags[position] = float(self.healed)
         self.all_reduce(flags)
-        live = [g for g in range(num) if flags[g].item() == 0]
-        if self.manager.errored() is not None or not 0 < len(live) < num:
-            return (1.0 / num,) * num
-        return tuple(1.0 / len(live) if g in live else 0.0 for g in range(num))
+        healed = [g for g in range(num) if flags[g].item() != 0] if self.manager.errored() is None else []
+        return merge_weights("uniform", None, (1,) * num, copies=healed)
 
-    def event_hooks(self) -> CommitHooks:
+    def hooks(self) -> CommitHooks:
         """The synchronizer's hooks into each sync event (:class:`CommitHooks`)."""
         return CommitHooks(self)
 
@@ -325,16 +260,16 @@ class ManagedTransport:
     def share_chunks(self, flat):
         self.inside.share_chunks(flat)
 
-    def bad_groups(self, local_bad, rnd):
+    def bad_groups(self, local_bad, membership):
         """A MAX over the group's world, then a SUM over the live groups; empty if the round failed."""
         flag = torch.tensor([float(local_bad)], dtype=torch.float32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        flags = torch.zeros(rnd.num_groups, dtype=torch.float32, device=self.device)
-        flags[rnd.position] = flag[0]
+        flags = torch.zeros(membership.num_groups, dtype=torch.float32, device=self.device)
+        flags[membership.position] = flag[0]
         self.all_reduce(flags)
         if self.manager.errored() is not None:
             return []
-        return [g for g in range(rnd.num_groups) if flags[g] > 0]
+        return [g for g in range(membership.num_groups) if flags[g] > 0]
 
     def group_max(self, value):
         """A MAX over the group's own world (one launch)."""
@@ -342,19 +277,19 @@ class ManagedTransport:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return float(out.item())
 
-    def group_table(self, vector, rnd):
+    def group_table(self, vector, membership):
         """A MAX over the group's world, then a SUM over the live groups. If that SUM failed
         (a peer group died: the round will not commit) only this group's row is filled in
         (the others' last field, the group index, is -1), so that the round state records
         what this group knows; the next quorum heals it from a live group if it fell behind."""
         mine = torch.tensor(vector, dtype=torch.float64, device=self.device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        table = torch.zeros(rnd.num_groups, len(vector), dtype=torch.float64, device=self.device)
-        table[rnd.position] = mine
+        table = torch.zeros(membership.num_groups, len(vector), dtype=torch.float64, device=self.device)
+        table[membership.position] = mine
         self.all_reduce(table)
         if self.manager.errored() is not None:
             unknown = [0.0] * (len(vector) - 1) + [-1.0]  # trigger.FIELDS: a negative "group" is a row not filled in
-            return [mine.tolist() if p == rnd.position else unknown for p in range(rnd.num_groups)]
+            return [mine.tolist() if p == membership.position else unknown for p in range(membership.num_groups)]
         return table.tolist()
 
     def state_dict(self) -> dict:
@@ -368,6 +303,45 @@ class ManagedTransport:
         self.manager.shutdown(wait=False)
 
 
+def lighthouse_addr(config) -> str:
+    """``FLConfig.lighthouse_addr`` or ``TORCHFT_LIGHTHOUSE``. ImportError without the tested
+    torchft (:func:`fl_accel.compat.check_torchft_version`); ValueError when neither is set or
+    torchft cannot be imported. Every rank, before any collective."""
+    compat.check_torchft_version()
+    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not addr:
+        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
+                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
+                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
+    return addr
+
+
+def managed_transport(acc, inside: MeshTransport, params: list) -> ManagedTransport:
+    """The torchft transport of FLAccelerator ``acc`` (its group, its Lighthouse, ``inside``:
+    the group's own mesh transport); a heal carries the synchronizer's, the schedulers' and
+    Accelerate's step state (:func:`capture`, :func:`restore`). Collective over the group's world."""
+    def save():
+        return capture(acc.synchronizer, compat.prepared(acc, "schedulers"),
+                       {"accelerate_step": compat.accumulation_counter(acc)})
+
+    def load(state):
+        reshard(compat.prepared(acc, "models"))
+        restore(acc.synchronizer, compat.prepared(acc, "schedulers"), state)
+        compat.set_accumulation_counter(acc, state["extra"].get("accelerate_step", compat.accumulation_counter(acc)))
+
+    transport = ManagedTransport.create(
+        group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
+        lighthouse_addr=lighthouse_addr(acc.fl_config), timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
+        inside=inside, save=save, load=load,
+        init_checksum=None if any(p.is_meta for p in params) else shard_checksum(params, inside.device))
+    transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
+    return transport
+
+
 def _attempt_store(group_rank: int, group, timeout: timedelta):
     """``(host, port, server)``: a fresh TCPStore for this attempt's torchft keys, served by
     the group's rank 0 on a free port of ``MASTER_ADDR`` (port broadcast over ``group``)."""
@@ -377,82 +351,3 @@ def _attempt_store(group_rank: int, group, timeout: timedelta):
     box = [server.port if server is not None else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return host, int(box[0]), server
-
-
-def state_nbytes(state) -> int:
-    """Bytes of the tensors in a nested state (dicts, lists, tuples), as :func:`capture` builds
-    it: the payload of a heal. Other values count 0."""
-    if torch.is_tensor(state):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_nbytes(v) for v in state)
-    return 0
-
-
-def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
-    """What a group healing from this live one takes over (the Manager's ``state_dict``, on its
-    quorum thread): cloned ``params``, ``optimizer`` (state, hyperparameters), ``outer`` (anchor,
-    momentum), ``schedule``, ``round`` (the trigger's round state, or None), ``schedulers``,
-    ``extra``; not the residuals or data position."""
-    opt = sync.optimizer
-    state = {}
-    for i, p in enumerate(sync.params):
-        st = opt.state.get(p)
-        if st:
-            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
-                        for k, v in st.items()}
-    shared, _ = sync.outer.tensors()
-    return {"params": [local(p).detach().clone() for p in sync.params],
-            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
-                                                     for g in opt.param_groups]},
-            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
-            "schedule": sync.schedule.state_dict(),
-            "round": sync.rounds.state_dict() if sync.rounds is not None else None,
-            "schedulers": [s.state_dict() for s in schedulers],
-            "extra": dict(extra or {})}
-
-
-@torch.no_grad()
-def restore(sync, schedulers: list, state: dict) -> None:
-    """Inverse of :func:`capture` (residuals zeroed, nothing in flight); the caller reshards
-    first and applies ``extra``. ValueError: parameter count or shard shapes differ."""
-    params = sync.params
-    if len(state["params"]) != len(params) or any(
-            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
-        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
-                         "shard shapes differ); every federation group must run the same model and group size")
-    for p, v in zip(params, state["params"]):
-        local(p).copy_(v)
-    opt = sync.optimizer
-    for i, p in enumerate(params):
-        saved = state["optimizer"]["state"].get(i)
-        if saved is None:
-            opt.state.pop(p, None)
-            continue
-        current = opt.state.setdefault(p, {})
-        for k, v in saved.items():
-            if not isinstance(v, tuple):
-                current[k] = v
-                continue
-            value, distributed = v
-            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
-                local(current[k]).copy_(value)
-            elif distributed:
-                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
-                                                shape=p.shape, stride=p.stride())
-            else:
-                current[k] = value.clone()
-    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
-        group.update(saved)
-    residuals = {i: {"residual": r} for i, r in enumerate(sync.outer.residuals or ())}
-    sync.outer.load(state["outer"], residuals)
-    sync.outer.zero_residuals()
-    sync.schedule.load_state_dict(state["schedule"])
-    if sync.rounds is not None and state.get("round") is not None:  # sync_trigger "time"/"speed"
-        sync.rounds.take_over(state["round"])
-    for fragment in sync.fragments:
-        fragment.pending = None
-    for scheduler, saved in zip(schedulers, state["schedulers"]):
-        scheduler.load_state_dict(saved)

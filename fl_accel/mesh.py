@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 FL, DP_REPLICATE, DP_SHARD = "fl", "dp_replicate", "dp_shard"
@@ -38,6 +38,42 @@ def is_federated(algorithm: str) -> bool:
 
 def uses_hsdp(algorithm: str) -> bool:
     return algorithm in ("hsdp", "fl_hsdp")
+
+
+WEIGHTINGS = ("tokens", "size", "uniform")
+
+
+def merge_weights(weighting: str, steps: Sequence[int] | None, sizes: Sequence[int],
+                  copies: Sequence[int] = ()) -> tuple[float, ...]:
+    """w_f of a sync's weighted mean, one per group, summing to 1: the one formula of the
+    group weights (the layout's, the rounds by time/speed, torchft's quorums).
+
+    * "tokens": ``G_f n_f / sum_g G_g n_g`` (``sizes`` G_f ranks x ``steps`` n_f of the round:
+      the tokens each group trained on, every rank training the same tokens per step; ``steps``
+      None: equal steps, the size share). A group that did no step weighs 0;
+    * "size": ``G_f / N`` whatever the steps; "uniform": ``1 / F``.
+
+    ``copies``: groups that hold a copy of another's values (torchft: healed in this quorum),
+    which would weigh twice: they weigh 0 and the others share 1 among themselves (all of
+    them copies, or no tokens left without them: ignored). ValueError: unknown weighting,
+    lengths that differ, or no tokens at all."""
+    if steps is not None and len(steps) != len(sizes):
+        raise ValueError(f"steps {list(steps)} and sizes {list(sizes)} must have one entry per group")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown group_weighting {weighting!r}: 'tokens', 'size' or 'uniform'")
+    tokens = [g * n for g, n in zip(sizes, steps)] if weighting == "tokens" and steps is not None else None
+    kept = [f for f in range(len(sizes)) if f not in set(copies)]
+    if not kept or (tokens is not None and sum(tokens[f] for f in kept) <= 0):
+        kept = list(range(len(sizes)))
+    if weighting == "uniform":
+        share = {f: 1.0 / len(kept) for f in kept}
+    elif tokens is None:
+        share = {f: sizes[f] / sum(sizes[g] for g in kept) for f in kept}
+    else:
+        if sum(tokens) <= 0:
+            raise ValueError(f"no group trained in this round (steps {list(steps)})")
+        share = {f: tokens[f] / sum(tokens[g] for g in kept) for f in kept}
+    return tuple(share.get(f, 0.0) for f in range(len(sizes)))
 
 
 def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:
@@ -141,13 +177,13 @@ class FLLayout:
         ``launch_world``) as in :meth:`from_config`. Raises ValueError naming the field, as
         :meth:`from_config`."""
         ranks_per_node = ranks_per_node or launch_world
-        world = launch_world * config.federation_size if config.fault_tolerance == "torchft" else launch_world
+        world = launch_world * config.federation_size if config.fault_tolerant else launch_world
         return cls.from_config(config, world, ranks_per_node=ranks_per_node)
 
     def launch_part(self, config: Any) -> "FLLayout":
         """The layout of one launch's own world: ``self``, or with ``fault_tolerance="torchft"``
         one group alone (``group_sizes[group_index]`` ranks, the same S), as "hsdp" or "fsdp"."""
-        if config.fault_tolerance != "torchft":
+        if not config.fault_tolerant:
             return self
         return FLLayout((self.group_sizes[config.group_index],), self.shards, "hsdp" if self.uses_hsdp else "fsdp")
 
@@ -180,10 +216,9 @@ class FLLayout:
         return sum(self.group_sizes[:f])
 
     def weights(self, weighting: str = "size") -> tuple[float, ...]:
-        """w_f of the group average: "size" -> G_f / N, "uniform" -> 1 / F (FLConfig.group_weighting). Sums to 1."""
-        if weighting == "uniform" or self.is_uniform:
-            return (1.0 / self.num_groups,) * self.num_groups
-        return tuple(g / self.world_size for g in self.group_sizes)
+        """w_f of the group average when every group does the same steps (:func:`merge_weights`
+        of ``FLConfig.group_weighting``): "tokens" and "size" G_f / N, "uniform" 1 / F. Sums to 1."""
+        return merge_weights(weighting, None, self.group_sizes)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         if not 0 <= rank < self.world_size:

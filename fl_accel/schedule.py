@@ -1,4 +1,4 @@
-"""When the federation groups synchronize: pure integer logic, no tensors, no processes.
+"""When the federation groups synchronize: the schedule's counters and the fixed-H round planner (pure logic).
 
 Paper (arXiv 2609.20359) Sec. 3, Alg. 1: after every H-th optimizer step the groups
 average. With fragments (Streaming DiLoCo, arXiv 2501.18512) fragment k mod P syncs at the
@@ -8,6 +8,8 @@ result is applied at local step H/P. P = 1, tau = 0 is the paper's blocking sync
 sync (``end_training``) completes the fragment in flight, then syncs every fragment.
 The caller runs the actions :meth:`SyncSchedule.step` returns and reports each event with
 :meth:`~SyncSchedule.applied` (a fragment) or :meth:`~SyncSchedule.synced` (a full sync).
+:class:`FixedPlanner` is the round planner of that fixed H (the synchronizer's default; the
+other is :class:`fl_accel.trigger.TriggerPlanner`). No tensors, no processes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class SyncSchedule:
     round_steps: int | None = None
     """This round's optimizer steps when a round planner sets them (rounds by time or speed,
     :class:`fl_accel.trigger.TriggerPlanner`; blocking only); None: H."""
+    final_step: int | None = None
+    """The run's last optimizer step, if known (``FLAccelerator.set_max_steps``, through the
+    planner): its sync is the final one. Not a counter: a checkpoint does not keep it."""
 
     period = property(lambda self: self.sync_every // self.num_fragments, doc="H/P.")
     blocking = property(lambda self: self.num_fragments == 1 and self.sync_delay == 0, doc="The paper's sync.")
@@ -69,6 +74,11 @@ class SyncSchedule:
     def round_length(self) -> int:
         """Steps from one event to the next: ``round_steps`` if set (blocking), else H/P."""
         return self.round_steps if self.round_steps is not None and self.blocking else self.period
+
+    @property
+    def final(self) -> bool:
+        """This step is the run's last (:attr:`final_step`): its sync is the final one."""
+        return self.final_step is not None and self.global_step >= self.final_step
 
     def due(self) -> bool:
         """The next optimizer step ends with a sync event."""
@@ -107,6 +117,47 @@ class SyncSchedule:
         self.in_sync = bool(state.get("in_sync", self.local_step == 0))
         fragment = state.get("inflight_fragment")
         self.inflight = None if fragment is None else int(fragment)
+
+
+class FixedPlanner:
+    """Round planning, the paper's fixed H (every group syncs after the schedule's H steps):
+    the interface the synchronizer calls, all no-ops here but the run's length. The other
+    planner is :class:`fl_accel.trigger.TriggerPlanner` (rounds by time or speed)."""
+
+    rounds = None
+    """The planner's round state (:class:`fl_accel.trigger.RoundState`), else None."""
+
+    def before_step(self, event) -> None:
+        """Count an optimizer step into the round (before the schedule's actions; ``event``: a
+        :class:`fl_accel.sync.SyncEvent`); may set ``event.schedule.round_steps``."""
+
+    def rejoin(self, schedule: SyncSchedule) -> None:
+        """This group's state was replaced by a live group's (a torchft heal)."""
+
+    def close(self, event):
+        """A full sync's round (collective for a planner that exchanges figures): the event's
+        membership with the round's merge weights."""
+        return event.membership
+
+    def after_sync(self) -> None:
+        """A full sync ended."""
+
+    def restart_clock(self) -> None:
+        """Leave the time since the last step out of the round's training time (a timed planner)."""
+
+    def set_run_length(self, schedule: SyncSchedule, max_steps: int) -> None:
+        """The run ends after optimizer step ``max_steps``: its sync is the final one."""
+        schedule.final_step = max_steps
+
+    def state_dict(self) -> dict:
+        """The planner's entries of a checkpoint's ``sync`` (JSON)."""
+        return {}
+
+    def load_state_dict(self, state: dict, schedule: SyncSchedule) -> None:
+        """Inverse of :meth:`state_dict` (``state``: the checkpoint's ``sync``)."""
+
+    def take_over(self, state: dict) -> None:
+        """A heal: this group continues from a live group's :meth:`state_dict` entries."""
 
 
 def deal_fragments(units: Sequence, num_fragments: int) -> list[list]:

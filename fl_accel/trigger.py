@@ -2,7 +2,7 @@
 
 :class:`RoundState` is pure logic (no tensors, no processes); :class:`TriggerPlanner` plugs
 it into the synchronizer's round-planning extension point (the interface of
-:class:`fl_accel.sync.FixedPlanner`, the paper's fixed H), and :func:`make_planner` picks it
+:class:`fl_accel.schedule.FixedPlanner`, the paper's fixed H), and :func:`make_planner` picks it
 (``sync_trigger`` other than "steps", the one predicate).
 
 With ``sync_trigger="steps"`` (the paper's Alg. 1) every federation group syncs after the
@@ -24,7 +24,7 @@ other triggers end a round by time or by speed instead (cf. Async Local-SGD, arX
 
 At each sync the groups exchange one small vector per group (:data:`FIELDS`): steps and
 training seconds of the round, the time spent waiting at syncs, and the group's index. From
-it every rank computes the same merge weights (:func:`merge_weights`), the next round's
+it every rank computes the same merge weights (:func:`fl_accel.mesh.merge_weights`), the next round's
 steps, and the federation's progress in tokens.
 
 With ``fault_tolerance="torchft"`` the table has one row per group of the sync's quorum
@@ -50,32 +50,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-TRIGGERS = ("steps", "time", "speed")
+from .mesh import merge_weights
+
 FIELDS = ("steps", "train_s", "wait_s", "timed_steps", "group")
 """The per-group vector exchanged at each sync (:meth:`RoundState.vector`)."""
-
-
-def merge_weights(weighting: str, steps: Sequence[int], sizes: Sequence[int]) -> tuple[float, ...]:
-    """w_f of the round's mean; they sum to 1.
-
-    * "tokens": ``G_f * n_f / sum_g G_g * n_g`` (ranks x steps of the round: the tokens each
-      group trained on, every rank training the same tokens per step);
-    * "size": ``G_f / N`` whatever the steps; "uniform": ``1 / F``.
-
-    A group that did no step has weight 0 under "tokens". ValueError: unknown weighting,
-    lengths that differ, or no tokens at all."""
-    if len(steps) != len(sizes):
-        raise ValueError(f"steps {list(steps)} and sizes {list(sizes)} must have one entry per group")
-    if weighting == "uniform":
-        return (1.0 / len(sizes),) * len(sizes)
-    if weighting == "size":
-        return tuple(g / sum(sizes) for g in sizes)
-    if weighting != "tokens":
-        raise ValueError(f"unknown group_weighting {weighting!r}: 'tokens', 'size' or 'uniform'")
-    tokens = [g * n for g, n in zip(sizes, steps)]
-    if sum(tokens) <= 0:
-        raise ValueError(f"no group trained in this round (steps {list(steps)})")
-    return tuple(t / sum(tokens) for t in tokens)
 
 
 def speed_steps(sync_every: int, seconds_per_step: Sequence[float]) -> list[int]:
@@ -154,14 +132,16 @@ class RoundState:
         """This group's entry of the exchange (:data:`FIELDS`); ``wait_s``: seconds at syncs so far."""
         return [float(self.steps), float(self.train_s), float(wait_s), float(self.timed), float(self.position)]
 
-    def close(self, table: Sequence[Sequence[float]], weighting: str, now_s: float | None = None) -> tuple[float, ...]:
+    def close(self, table: Sequence[Sequence[float]], weighting: str, now_s: float | None = None,
+              copies: Sequence[int] = ()) -> tuple[float, ...]:
         """End the round with the groups' vectors (``table[p]``, :data:`FIELDS`: row p of the
         round's membership, its ``group`` field the group's index; a table without that field
         has row f for group f): update the per-group counters, plan the next round from the
-        groups present; return the round's merge weights, one per row. ``now_s``: the round's
-        end in seconds from the start (for :meth:`summary`). A row whose ``group`` is negative
-        was not filled in (a failed torchft exchange): weight 0, nothing counted. ValueError: a
-        group index out of range or twice, or no row filled in."""
+        groups present; return the round's merge weights, one per row (``copies``: rows of
+        groups that healed in this quorum, weight 0: :func:`fl_accel.mesh.merge_weights`).
+        ``now_s``: the round's end in seconds from the start (for :meth:`summary`). A row whose
+        ``group`` is negative was not filled in (a failed torchft exchange): weight 0, nothing
+        counted. ValueError: a group index out of range or twice, or no row filled in."""
         F = len(self.sizes)
         every = [int(round(row[4])) if len(row) > 4 else p for p, row in enumerate(table)]
         rows = [p for p, g in enumerate(every) if g >= 0]  # a negative index: a row nobody filled in
@@ -169,7 +149,8 @@ class RoundState:
         if not rows or len(set(groups)) != len(groups) or not all(g < F for g in groups):
             raise ValueError(f"the round's table names groups {every}; expected distinct indices below {F}")
         row_steps = [int(round(table[p][0])) for p in rows]
-        kept = dict(zip(rows, merge_weights(weighting, row_steps, [self.sizes[g] for g in groups])))
+        kept = dict(zip(rows, merge_weights(weighting, row_steps, [self.sizes[g] for g in groups],
+                                            [i for i, p in enumerate(rows) if p in set(copies)])))
         weights = tuple(kept.get(p, 0.0) for p in range(len(table)))
         steps = [0] * F  # a group outside the round's membership trained nothing the federation counts
         for g, n in zip(groups, row_steps):
@@ -260,31 +241,23 @@ class RoundState:
                 "round_end_s": list(self.ends_s)}
 
 
-def check_trigger(trigger: str, window_s: float | None) -> None:
-    """ValueError naming the field: an unknown trigger, or "time" without a positive window."""
-    if trigger not in TRIGGERS:
-        raise ValueError(f"FLConfig.sync_trigger must be one of {list(TRIGGERS)}, got {trigger!r}")
-    if trigger == "time" and (window_s is None or not math.isfinite(window_s) or window_s <= 0):
-        raise ValueError(f"FLConfig.sync_window_s must be a positive number of seconds with sync_trigger='time' "
-                         f"(each round's training time), got {window_s!r}")
-
-
 class TriggerPlanner:
     """The synchronizer's round planner for ``sync_trigger`` "time"/"speed" (the interface of
-    :class:`fl_accel.sync.FixedPlanner`): counts and times each optimizer step into the round,
+    :class:`fl_accel.schedule.FixedPlanner`): counts and times each optimizer step into the round,
     sets the schedule's round length (``SyncSchedule.round_steps``), and at each full sync
     exchanges the groups' round figures and returns the round's merge weights.
 
     ``rounds``: the :class:`RoundState` (a checkpoint's ``sync.round``)."""
 
-    def __init__(self, rounds: RoundState):
-        self.rounds = rounds
+    def __init__(self, rounds: RoundState, weighting: str = "tokens"):
+        self.rounds, self.weighting = rounds, weighting
         self._started = time.perf_counter()
         self._mark: float | None = None  # the last optimizer step's end (None: the next step is not timed)
 
-    def before_step(self, sync) -> None:
+    def before_step(self, event) -> None:
         """Count this step into the round and set the schedule's round length: planned steps,
-        or (by time) this step ends the round when a rank of the group saw the window pass."""
+        or (by time) this step ends the round when a rank of the group saw the window pass
+        (``event``: a :class:`fl_accel.sync.SyncEvent`)."""
         r, now = self.rounds, time.perf_counter()
         if self._mark is not None:  # the step since the last one (not after a restart of the clock)
             r.train_s += now - self._mark
@@ -293,33 +266,31 @@ class TriggerPlanner:
         r.steps += 1
         planned = r.round_steps
         if planned is None:  # by time: the group agrees (a MAX over its ranks, never across groups)
-            planned = r.steps if sync.transport.group_max(float(r.time_up())) > 0 else r.steps + 1
-        sync.schedule.round_steps = planned
+            planned = r.steps if event.transport.group_max(float(r.time_up())) > 0 else r.steps + 1
+        event.schedule.round_steps = planned
 
     def rejoin(self, schedule) -> None:
         """This group's state was replaced by a live group's (a torchft heal): it came to sync,
         and syncs now whatever its source's count."""
         schedule.round_steps = schedule.local_step
 
-    def close(self, sync, rnd):
+    def close(self, event):
         """Exchange the groups' round figures (``Transport.group_table``), close the round and
-        return ``rnd`` (a :class:`fl_accel.exchange.Round`) with the round's merge weights
-        (``group_weighting``)."""
-        r = self.rounds
-        with sync.arriving():
-            table = sync.transport.group_table(r.vector(sync.clock.seconds), rnd)
+        return the event's membership (a :class:`fl_accel.exchange.Membership`) with the
+        round's merge weights (``group_weighting``; a group healed in this torchft quorum, weight
+        0 in the membership, is a copy of its source and keeps weight 0)."""
+        r, membership = self.rounds, event.membership
+        with event.arriving():
+            table = event.transport.group_table(r.vector(event.clock.seconds), membership)
         steps = [row[0] for row in table]
         now_s = time.perf_counter() - self._started
+        copies = [p for p, w in enumerate(membership.weights) if w <= 0]
         if not any(steps):  # nothing trained since the last sync (e.g. the exact final one)
             table = [[0.0] + list(row[1:]) for row in table]
-            weights = r.close(table, "size", now_s=now_s)
+            weights = r.close(table, "size", now_s=now_s, copies=copies)
         else:
-            weights = r.close(table, sync.config.group_weighting, now_s=now_s)
-        kept = [w if v > 0 else 0.0 for w, v in zip(weights, rnd.weights)]
-        if kept != list(weights) and sum(kept) > 0:
-            # torchft: a group that healed in this quorum is a copy of its source and keeps weight 0
-            weights = [w / sum(kept) for w in kept]
-        return dataclasses.replace(rnd, weights=tuple(weights))
+            weights = r.close(table, self.weighting, now_s=now_s, copies=copies)
+        return dataclasses.replace(membership, weights=tuple(weights))
 
     def after_sync(self) -> None:
         """A full sync ended: the next round's training starts now."""
@@ -332,7 +303,7 @@ class TriggerPlanner:
         resume, the clock is unset: that step counts, untimed.)"""
         self._mark = time.perf_counter()
 
-    def set_run_length(self, sync, max_steps: int) -> None:
+    def set_run_length(self, schedule, max_steps: int) -> None:
         """A budget of tokens, not of steps (groups of unequal speed): the run ends after the
         rank-steps of a "steps" run of ``max_steps`` steps (``rounds.done`` at that sync)."""
         r = self.rounds
@@ -353,19 +324,20 @@ class TriggerPlanner:
         self.rounds.load_state_dict(state["round"])
         schedule.global_step = self.rounds.group_steps[self.rounds.position]
 
+    def take_over(self, state: dict) -> None:
+        """A torchft heal: :meth:`RoundState.take_over` of the live group's ``round``."""
+        if state.get("round") is not None:
+            self.rounds.take_over(state["round"])
+
 
 def make_planner(config, transport, group_sizes=None) -> TriggerPlanner | None:
     """The round planner of an FLConfig: a :class:`TriggerPlanner` when ``sync_trigger`` is not
-    "steps", else None (the synchronizer's fixed H). ``transport``: this rank's (a torchft one,
-    ``elastic``, gives the configured groups, each known by its index, as positions change per
+    "steps", else None (the synchronizer's fixed H). ``transport``: this rank's (an ``elastic``
+    one, torchft's, has the configured groups, each known by its index, as positions change per
     quorum); ``group_sizes``: ranks per group (the "tokens" weights; default equal)."""
     if config.sync_trigger == "steps":
         return None
-    if getattr(transport, "elastic", False):
-        num, position = config.num_groups, int(transport.group_index)
-    else:
-        rnd = transport.begin()
-        num, position = rnd.num_groups, rnd.position
+    num = config.num_groups if transport.elastic else transport.begin().num_groups
     sizes = tuple(group_sizes) if group_sizes is not None else (1,) * num
-    return TriggerPlanner(RoundState(config.sync_trigger, config.sync_every, sizes, position,
-                                     window_s=config.sync_window_s))
+    return TriggerPlanner(RoundState(config.sync_trigger, config.sync_every, sizes, int(transport.group_index),
+                                     window_s=config.sync_window_s), config.group_weighting)

@@ -301,7 +301,7 @@ class Meter:
         live group's count (its tokens stay the ones it trained)."""
         self.completed_steps += 1
         federation = getattr(self.accelerator, "federation", None)
-        if getattr(self.accelerator, "fault_tolerant", False) and federation is not None and federation.prepared:
+        if federation is not None and federation.prepared and federation.config.fault_tolerant:
             self.completed_steps = federation.step
         self.data_steps += 1
         self.tokens += self.tokens_per_step
@@ -393,7 +393,7 @@ class Meter:
         train_s = self.clock.total("train_seconds")
         step_time = self.window_train_s / max(1, self.window_n // max(1, self._accumulation()))
         now = {"step": self.completed_steps, "tokens": self.tokens, "time_s": train_s, "lr": lr}
-        unix_time = time.time() if getattr(acc, "fault_tolerant", False) else None
+        unix_time = time.time() if acc.run_config.fault_tolerant else None
         self.window_loss.zero_()
         self.window_n = self.window_tokens = 0
         self.window_train_s = 0.0

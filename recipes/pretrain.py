@@ -74,7 +74,7 @@ except ModuleNotFoundError as exc:
                      "run `pip install -e .` in the repository root") from exc
 
 import fl_accel  # fl_accel.FLAccelerator is looked up when built (a unit test replaces it)
-from fl_accel.accelerator import fsdp2_plugin
+from fl_accel.fsdp_model import fsdp2_plugin
 from fl_accel.lr_schedule import lr_multiplier
 from fl_accel.planning.flops import model_flops_per_token, peak_tflops
 from recipes import testing_hooks
@@ -331,7 +331,7 @@ def print_banner(plan: RunPlan, accelerator, parts: Parts, figures: Figures) -> 
         tokens_per_step=figures.tokens_per_step, data_line=data_line, tokenizer=data.tokenizer,
         param_bytes=next(parts.model.parameters()).element_size())
     notes = list(figures.notes)
-    if accelerator.fault_tolerant:
+    if accelerator.run_config.fault_tolerant:
         notes.append(f"fault tolerance: torchft; this launch is federation group {fl.group_index} of "
                      f"{layout.num_groups} ({accelerator.num_processes} ranks); its tokens/s and results are its own, "
                      f"in {args.output_dir}")
@@ -382,7 +382,7 @@ def add_session_results(results: dict, run: Run, host: HostLoad | None, launched
     results["session"] = {"resumed_from_step": run.start_step, "steps": meter.completed_steps - run.start_step,
                           "launch_seconds": launched, "wall_seconds": sum(clock.session.values()), **clock.session}
     results["host"] = host.stop() if host is not None else None
-    if run.accelerator.fault_tolerant:
+    if run.accelerator.run_config.fault_tolerant:
         results["fault_tolerance"] = fault_tolerance_results(run.accelerator, meter)
 
 
@@ -397,7 +397,7 @@ def select_training_loop(run: Run) -> Callable[[Run], None]:
     """
     if run.rounds:
         return train_rounds
-    if run.accelerator.fault_tolerant:
+    if run.accelerator.run_config.fault_tolerant:
         return functools.partial(train_steps, heals=True)
     return train_steps
 
@@ -487,8 +487,8 @@ def crossed(every: int, last: int, step: int) -> bool:
 def report_heals(run: Run, step: int) -> None:
     """In the torchft mode, after each optimizer step: if this group healed since the last
     call, rank 0 of the group prints :func:`heal_line` (torchft's own log says "healing is
-    required"; this says it is done, from where, and what it cost) and the heal's record
-    gets its ``step``. Called by :func:`train_steps` in the torchft mode only."""
+    required"; this says it is done, from where, and what it cost; the library's record has
+    the step it continued from). Called by :func:`train_steps` in the torchft mode only."""
     accelerator = run.accelerator
     federation = accelerator.federation
     heals = federation.heals
@@ -496,14 +496,13 @@ def report_heals(run: Run, step: int) -> None:
         return
     run.heals_reported = heals
     record = federation.heal_log[-1] if federation.heal_log else {}
-    record["step"] = step
     if accelerator.is_main_process:
         _say(heal_line(accelerator.group_index, record, step))  # on a line of its own, past the progress bar
 
 
 def heal_line(group_index: int, record: dict, step: int) -> str:
     """The line the recipe prints when its group healed: ``record`` is the transport's
-    ``heal_sources`` entry (fl_accel/ft.py ``ManagedTransport._measure_heal``: source group,
+    ``heal_sources`` entry (fl_accel/heal.py ``measure_heal``: source group,
     bytes over the group's ranks, seconds of the slowest rank, split into the transfer and the
     load), ``step`` the step the group continues from (the live group's count, taken over)."""
     src = record.get("source_group")
@@ -757,7 +756,7 @@ def ft_counters(accelerator, restored: dict) -> dict:
     """``heals``, ``heal_log`` and ``torchft_seconds`` of the whole run: this session's (the
     torchft transport's) added to those a resumed checkpoint stored (``restored
     ["fault_tolerance"]``, written by :meth:`Run.save_checkpoint`); {} outside the torchft mode."""
-    if not getattr(accelerator, "fault_tolerant", False):
+    if not accelerator.run_config.fault_tolerant:
         return {}
     federation = accelerator.federation
     before = restored.get("fault_tolerance") or {}

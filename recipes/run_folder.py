@@ -181,7 +181,7 @@ def plan_config(fl, world: int, ranks_per_node: int | None = None):
         return fl.for_launch(world, ranks_per_node=ranks_per_node)
     except ValueError as exc:
         hint = ""
-        if world == 1 and fl.is_federated and fl.fault_tolerance != "torchft":
+        if world == 1 and fl.is_federated and not fl.fault_tolerant:
             hint = (" In the recipe: pass --num_groups 1 or --algorithm fsdp, or "
                     "launch several processes (torchrun --nproc_per_node N recipes/pretrain.py ..., or "
                     "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py ...).")
@@ -256,7 +256,7 @@ def launcher_config_file(environ=None) -> str | None:
 
 def _where(key: str, variable: str, environ) -> str:
     """``"<key>: <value> in the Accelerate config <file>"``, or the variable when no file is known."""
-    from fl_accel.config import read_yaml_mapping
+    from fl_accel.settings import read_yaml_mapping
 
     path = launcher_config_file(environ)
     value = environ.get(variable)
@@ -292,7 +292,7 @@ def check_launcher(environ) -> None:
         raise RecipeError(f"fl_accel needs FSDP2, got {_where('fsdp_version', 'FSDP_VERSION', environ)}: set "
                           f"fsdp_version: 2 under fsdp_config (accelerate_configs/cpu_4proc.yaml shows a complete one)")
     _refuse_launcher_fp16(environ)
-    from fl_accel.config import refuse_whole_model_compile
+    from fl_accel.refusals import refuse_whole_model_compile
 
     backend = environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
     regional = environ.get("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False").lower() in ("true", "1")
@@ -306,7 +306,7 @@ def check_launcher(environ) -> None:
 def _refuse_launcher_fp16(environ) -> str:
     """``ACCELERATE_MIXED_PRECISION`` in lower case; RecipeError when it is fp16, naming the
     Accelerate config key (fl_accel.config ``refuse_fp16``)."""
-    from fl_accel.config import refuse_fp16
+    from fl_accel.refusals import refuse_fp16
 
     launcher = environ.get("ACCELERATE_MIXED_PRECISION", "").lower()
     try:

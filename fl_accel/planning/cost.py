@@ -42,8 +42,7 @@ from typing import Any, Mapping, Sequence
 
 from ..mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 from ..schedule import deal_fragments
-from ..wire import (BLOCK, RING, SPARSE_BLOCK, SYNC_DTYPES, VALUE_BYTES, padding, plan_buckets,  # noqa: F401
-                    ring_bytes, sparse_bytes, sparse_k, wire_ops)
+from ..wire import SYNC_DTYPES, VALUE_BYTES, padding, plan_buckets, ring_bytes, wire_ops
 
 GB = 1e9
 SYNC_VALUE_BYTES = VALUE_BYTES  # bytes per value on "fl" of the dense codecs (fl_accel.wire)

@@ -11,7 +11,7 @@ dim. Components:
   on CUDA) one fp32 copy of every shard (``_foreach_sqrt`` of v, ``torch/optim/adam.py``)
   4n, fused 0, for-loop (CPU) two of the largest local tensor;
 - outer state (F > 1, ``outer_state_device="same"``; 0 with "cpu"; :class:`fl_accel.sync.
-  FederatedSynchronizer`): anchor 4n ("nesterov" or a compressed ``sync_dtype``), momentum
+  Synchronizer`): anchor 4n ("nesterov" or a compressed ``sync_dtype``), momentum
   4n ("nesterov"), residuals 4n (``error_feedback`` with a compressed ``sync_dtype``);
 - activations, the tensors autograd saves per decoder layer (counted tensor by tensor with
   ``saved_tensors_hooks`` on transformers 5 ``modeling_llama``; the method of Korthikanti et

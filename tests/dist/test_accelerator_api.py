@@ -57,7 +57,7 @@ def test_offload_and_whole_model_compile_are_refused_before_any_collective(monke
     from accelerate.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     from fl_accel import FLAccelerator
-    from fl_accel.accelerator import _refuse_before_start
+    from fl_accel.refusals import refuse_before_start
     from fl_accel.mesh import FLLayout
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -74,9 +74,9 @@ def test_offload_and_whole_model_compile_are_refused_before_any_collective(monke
     assert not dist.is_initialized()
     baseline = FLConfig(algorithm="fsdp")
     if case != "whole_model_compile":
-        _refuse_before_start(kwargs, baseline, FLLayout.from_config(baseline, 4))
+        refuse_before_start(kwargs, baseline, FLLayout.from_config(baseline, 4))
     regional = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)}
-    _refuse_before_start(regional, baseline, FLLayout.from_config(baseline, 4))
+    refuse_before_start(regional, baseline, FLLayout.from_config(baseline, 4))
 
 
 @pytest.mark.parametrize("how", ["plugin", "launch_env"])
@@ -168,7 +168,8 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate
                                      num_attention_heads=2, num_key_value_heads=2))
 model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 sync = acc.synchronizer
-assert sync.config is acc.fl_config and sync.outer.config is acc.fl_config and sync.final_step == 10
+assert sync.config is acc.fl_config and all(f.config is acc.fl_config for f in sync.fragments)
+assert sync.schedule.final_step == 10
 assert acc.federation.config is acc.fl_config
 owner = acc.run_config
 acc.set_max_steps(10)  # the same length: nothing changes
@@ -177,12 +178,13 @@ try:  # another length after prepare would change the synchronizer's config: ref
     acc.set_max_steps(12)
 except ValueError as exc:
     print("AFTER PREPARE", exc)
-assert acc.run_config is owner and sync.final_step == 10 and sync.config is acc.fl_config
+assert acc.run_config is owner and sync.schedule.final_step == 10 and sync.config is acc.fl_config
 try:
     acc.run_config.max_steps = 3
 except dataclasses.FrozenInstanceError:
     print("FROZEN")
-print("FILLED", acc.fl_config.outer_lr_decay_steps, sync.outer.lr_at(11))
+from fl_accel.lr_schedule import outer_lr
+print("FILLED", acc.fl_config.outer_lr_decay_steps, outer_lr(sync.fragments[0].config, 11))
 acc.end_training()
 """
 

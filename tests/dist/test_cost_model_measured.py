@@ -51,8 +51,9 @@ out = {"measured": measured, "model": est.step[0].bytes}
 
 # The sync's wire protocol on unequal groups of 1 and 3 ranks (S = 1, C = 1: rank 1 owns the
 # chunk of group 1 and broadcasts it to ranks 2, 3), tensors shaped like the model's parameters.
-from fl_accel.exchange import Round
-from fl_accel.mesh_transport import MeshTransport, mean
+from fl_accel.codecs import make_codec
+from fl_accel.exchange import Exchange, Membership
+from fl_accel.mesh_transport import MeshTransport
 fl = FLLayout((1, 3), 1, "fl_hsdp")
 pgs = {}
 for axis in ("fl", "dp_replicate"):
@@ -64,11 +65,11 @@ f, r, s = fl.coords(rank)
 tensors = [torch.randn(shape) for u in units for shape in u.shapes]
 for dtype in ("fp32", "int8"):
     t = MeshTransport(fl_group=pgs.get("fl"), replicate_group=pgs.get("dp_replicate"),
-                      round=Round(2, f, fl.weights("size")), num_chunks=1, chunk_index=0 if r == 0 else None,
+                      membership=Membership(2, f, fl.weights("size")), num_chunks=1, chunk_index=0 if r == 0 else None,
                       replicas=fl.replicas_of(f), chunk_owners=(fl.rank(f, 0, s),))
     sync_stats = CommStats()
     with CommMeter(sync_stats, {pg: a for a, pg in pgs.items()}):
-        mean(t, tensors, sync_dtype=dtype)
+        Exchange(t, t.begin(), tensors, codec=make_codec(dtype)).start().finish()
     model = cm.estimate(fl, units, sync_every=1, sync_dtype=dtype).fragments[0][f]
     out[dtype] = {"measured": {a: dict(v["by_op"]) for a, v in sync_stats.as_dict().items() if v["bytes"]},
                   "model": {a: ops for a, ops in model.bytes.items() if a != "world"}}

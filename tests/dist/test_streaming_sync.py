@@ -52,8 +52,9 @@ import torch
 
 from _launch import WORKERS, run_torchrun, write_json
 from fl_accel import FLConfig
-from fl_accel.compress import Quantized
+from fl_accel.codecs import Quantized
 from fl_accel.wire import BLOCK, QMAX
+from workers._scenario import validated
 
 
 def quantize(x, sync_dtype, rows):
@@ -909,13 +910,13 @@ def test_bad_values_raise_on_every_rank_before_any_collective(four):
 def test_valid_streaming_settings_pass():
     """The boundary values that are allowed: tau = H/P - 1, alpha 0 and 1, every sync_dtype."""
     for dtype in ("fp32", "bf16", "int8"):
-        FLConfig(sync_every=6, num_fragments=2, sync_delay=2, fragment_update_alpha=1.0, sync_dtype=dtype).validate(4)
-    FLConfig(sync_every=6, num_fragments=6, sync_delay=0, fragment_update_alpha=0.0).validate(4)
+        validated(FLConfig(sync_every=6, num_fragments=2, sync_delay=2, fragment_update_alpha=1.0, sync_dtype=dtype), 4)
+    validated(FLConfig(sync_every=6, num_fragments=6, sync_delay=0, fragment_update_alpha=0.0), 4)
     assert math.isclose(FLConfig(fragment_update_alpha=1).fragment_update_alpha, 1.0)
 
 
 def test_suspended_steps_do_not_advance_the_schedule():
-    """No processes: optimizer steps taken inside ``FederatedSynchronizer.suspended()`` (what
+    """No processes: optimizer steps taken inside ``Synchronizer.suspended()`` (what
     a checkpoint must wrap around DCP's state-initializing optimizer step) leave every
     counter alone; steps outside count. H=100, so no sync (no collective) is due."""
     sync, params = _no_mesh_synchronizer(FLConfig(sync_every=100, num_fragments=2, sync_delay=1),
@@ -935,12 +936,12 @@ def _no_mesh_synchronizer(cfg, values):
     collective may run): for tests of what happens between syncs."""
     from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.mesh_transport import MeshTransport
-    from fl_accel.sync import FederatedSynchronizer
+    from fl_accel.sync import Synchronizer
 
     params = [torch.nn.Parameter(v) for v in values]
     transport = MeshTransport.from_mesh(FLMesh(FLLayout.from_config(cfg, 4), None, {}), 0, "size", torch.device("cpu"))
-    return FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
-                                 transport=transport, config=cfg), params
+    return Synchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                        transport=transport, config=cfg), params
 
 
 def test_checkpoint_keeps_each_replicas_residual_hsdp(eight):
@@ -1016,21 +1017,24 @@ def test_outer_state_device_resume_mid_exchange_is_bitwise(four, resumed, name, 
 def test_outer_state_device_cpu_places_the_outer_state_on_the_host():
     """No processes: with outer_state_device="cpu" the anchor, the residuals and (after an outer
     step) the momentum are CPU tensors, pinned only when the parameters are on CUDA (never
-    here), all fp32, and two outer steps (``_apply`` with given means, alpha 0.5) give bitwise
+    here), all fp32, and two outer steps (the fragments' outer step with given means, alpha 0.5) give bitwise
     the parameters, anchors and momentum of outer_state_device="same"."""
+    from fl_accel.fragment import apply
+    from workers._scenario import outer_view
+
     out = {}
     for where in ("same", "cpu"):
         cfg = FLConfig(sync_every=100, num_fragments=2, sync_dtype="int8", error_feedback=True,
                        outer_state_device=where, **NESTEROV)
         gen = torch.Generator().manual_seed(0)
         sync, params = _no_mesh_synchronizer(cfg, [torch.randn(40, generator=gen), torch.randn(3, 5, generator=gen)])
-        outer = sync.outer
+        outer = outer_view(sync)
         assert outer.anchor is not None and outer.residuals is not None and not outer.on_host
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen))
             for _ in range(2):  # the second step uses the momentum taken by the first
-                sync._apply([0, 1], [torch.randn(p.shape, generator=gen) for p in params], 0.5)
+                apply(sync.parts, [torch.randn(p.shape, generator=gen) for p in params], 0.5, 0)
         momentum = [s["momentum_buffer"] for s in outer.optimizer.state.values()]
         assert len(momentum) == 2
         for t in list(outer.anchor) + outer.residuals + momentum:

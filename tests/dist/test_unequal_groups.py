@@ -33,6 +33,7 @@ from _launch import REPO_ROOT, WORKERS, free_port, launch_env, run_torchrun, wri
 from fl_accel import FLConfig
 from scripts.launch import run as run_cmd
 from fl_accel.mesh import DP_REPLICATE, DP_SHARD, FL, FLLayout
+from workers._scenario import validated
 from recipes.run_folder import read_metrics
 
 sys.path.insert(0, str(WORKERS))
@@ -195,10 +196,10 @@ LAYOUT = FLLayout((2, 4), 2, "fl_hsdp")
 # ====================================================================== 3. bad layouts, no processes
 @pytest.mark.parametrize("case,fl,needles", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
 def test_bad_layout_raises_naming_the_field(case, fl, needles):
-    """FLConfig (construction) or FLConfig.validate(world_size=6) raises ValueError whose
+    """FLConfig (construction) or its layout check for 6 ranks raises ValueError whose
     message names the field (and, for fl_fsdp, suggests fl_hsdp with an S)."""
     with pytest.raises(ValueError) as info:
-        FLConfig(**fl).validate(world_size=WORLD)
+        validated(FLConfig(**fl), WORLD)
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
 
@@ -206,7 +207,7 @@ def test_bad_layout_raises_naming_the_field(case, fl, needles):
 def test_layout_arithmetic_of_2_4():
     """Coordinates, axis groups, chunk count and weights of [2, 4] with S=2; a good
     config validates on 6 ranks and builds this layout."""
-    cfg = FLConfig(**UNEQUAL).validate(world_size=WORLD)
+    cfg = validated(FLConfig(**UNEQUAL), WORLD)
     assert FLLayout.from_config(cfg, WORLD) == LAYOUT
     assert [LAYOUT.coords(k) for k in range(6)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
     assert [LAYOUT.replicas_of(f) for f in (0, 1)] == [1, 2] and LAYOUT.min_replicas == 1
@@ -463,7 +464,7 @@ def test_unequal_recipe_yaml_parses_to_the_2_4_layout():
 
     fl = parse_args(["--config", str(UNEQUAL_YAML)], environ={"WORLD_SIZE": str(WORLD)}).fl
     assert (fl.algorithm, fl.group_sizes, fl.hsdp_shard_size, fl.group_weighting) == ("fl_hsdp", [2, 4], 2, "size")
-    assert FLLayout.from_config(fl.validate(world_size=WORLD), WORLD) == LAYOUT
+    assert FLLayout.from_config(validated(fl, WORLD), WORLD) == LAYOUT
 
 
 @pytest.mark.parametrize("name,processes", [("cpu_4proc", 4), ("cpu_6proc", 6), ("cpu_8proc", 8)])

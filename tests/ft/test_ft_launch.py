@@ -249,11 +249,11 @@ def test_supervisor_restarts_a_killed_recipe_group_which_heals(tmp_path, default
 
 def test_heal_line_and_heal_bytes():
     """The recipe's heal line (recipes/pretrain.py ``heal_line``) from a heal record, and the
-    bytes of a heal's state (fl_accel/ft.py ``state_nbytes``: tensors in nested dicts,
+    bytes of a heal's state (fl_accel/heal.py ``state_nbytes``: tensors in nested dicts,
     lists and tuples, other values 0)."""
     import torch
 
-    from fl_accel.ft import state_nbytes
+    from fl_accel.heal import state_nbytes
     from recipes.pretrain import heal_line
 
     state = {"params": [torch.zeros(10), torch.zeros(2, 3, dtype=torch.float64)],

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from fl_accel import FLConfig
-from fl_accel.codecs import Fp32Mean
-from fl_accel.compress import Quantized, Sparse, codec_of, make_codec
+from fl_accel.codecs import Fp32Mean, Quantized, Sparse, codec_of, make_codec
 from fl_accel.wire import BLOCK, QMAX, SPARSE_BLOCK, sparse_bytes, sparse_k
 
 

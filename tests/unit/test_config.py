@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fl_accel import AXES, FLConfig, FLLayout
-from fl_accel.config import env_overrides
+from fl_accel.settings import env_overrides
+from workers._scenario import validated
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +45,8 @@ def test_defaults():
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
         "collective_timeout_s": 300.0, "fault_tolerance": "none", "group_index": None, "lighthouse_addr": None,
     }
-    assert c.validate() is c
-    assert c.validate(world_size=4) is c
-    assert c.is_federated and not c.uses_hsdp and not c.fragmented and not c.compressed
+    assert validated(c, 4) is c
+    assert c.is_federated and not c.uses_hsdp and not c.compressed and not c.fault_tolerant
 
 
 def test_every_field_has_an_attribute_docstring():
@@ -76,7 +76,7 @@ def test_every_field_has_an_attribute_docstring():
 ])
 def test_layout_shape(kwargs, world, shape):
     """(F, R, S) for a world size; F*R*S == world."""
-    c = FLConfig(**kwargs).validate(world)
+    c = validated(FLConfig(**kwargs), world)
     layout = FLLayout.from_config(c, world)
     assert layout.shape == shape and layout.world_size == world
 
@@ -167,9 +167,9 @@ def test_describe():
 ])
 def test_validate_names_the_field(kwargs, world, field):
     """Each invalid value raises ValueError whose message names the offending field, at
-    construction (types, ranges, constraints between fields) or in validate(world_size)."""
+    construction (types, ranges, constraints between fields) or in the layout check for a world size."""
     with pytest.raises(ValueError, match=field):
-        FLConfig(**kwargs).validate(world)
+        validated(FLConfig(**kwargs), world)
 
 
 def test_config_is_frozen_and_replaced_copies_are_validated():
@@ -283,7 +283,7 @@ def test_yaml_top_level(tmp_path):
         outer_optimizer: nesterov
         average_optimizer_state: true
     """)
-    c = FLConfig.from_yaml(path)
+    c = FLConfig.resolve(yaml_path=path)
     assert (c.algorithm, c.num_groups, c.hsdp_shard_size, c.sync_every) == ("fl_hsdp", 4, 2, 16)
     assert c.outer_optimizer == "nesterov" and c.average_optimizer_state is True
     assert c.outer_lr == 0.7  # untouched fields keep their defaults
@@ -298,7 +298,7 @@ def test_yaml_under_fl_key(tmp_path):
           num_groups: 8
           sync_every: 4
     """)
-    c = FLConfig.from_yaml(path)
+    c = FLConfig.resolve(yaml_path=path)
     assert (c.num_groups, c.sync_every, c.algorithm) == (8, 4, "fl_fsdp")
 
 
@@ -314,27 +314,27 @@ def test_yaml_under_fl_key(tmp_path):
 ])
 def test_yaml_errors(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
-        FLConfig.from_yaml(_yaml(tmp_path, text))
+        FLConfig.resolve(yaml_path=_yaml(tmp_path, text))
 
 
 def test_empty_yaml_or_fl_section_gives_defaults(tmp_path):
-    assert FLConfig.from_yaml(_yaml(tmp_path, "")) == FLConfig()
-    assert FLConfig.from_yaml(_yaml(tmp_path, "training:\n  lr: 1.0\nfl:\n")) == FLConfig()
+    assert FLConfig.resolve(yaml_path=_yaml(tmp_path, "")) == FLConfig()
+    assert FLConfig.resolve(yaml_path=_yaml(tmp_path, "training:\n  lr: 1.0\nfl:\n")) == FLConfig()
 
 
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
-        FLConfig.from_yaml(tmp_path / "nope.yaml")
+        FLConfig.resolve(yaml_path=tmp_path / "nope.yaml")
 
 
 def test_env_values_are_typed():
     env = {"FL_ACCEL_NUM_GROUPS": "4", "FL_ACCEL_HSDP_SHARD_SIZE": "none", "FL_ACCEL_OUTER_LR": "0.5",
            "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "true", "FL_ACCEL_ALGORITHM": "fl_hsdp", "PATH": "/bin",
            "FL_ACCEL_GROUP_SIZES": "2,4", "FL_ACCEL_SYNC_DTYPE": "int8", "FL_ACCEL_FRAGMENT_UPDATE_ALPHA": "0.5"}
-    assert env_overrides(env) == {"num_groups": 4, "hsdp_shard_size": None, "outer_lr": 0.5,
+    assert env_overrides(env, FLConfig) == {"num_groups": 4, "hsdp_shard_size": None, "outer_lr": 0.5,
                                   "average_optimizer_state": True, "algorithm": "fl_hsdp", "group_sizes": [2, 4],
                                   "sync_dtype": "int8", "fragment_update_alpha": 0.5}
-    assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}) == \
+    assert env_overrides({"FL_ACCEL_HSDP_SHARD_SIZE": "2", "FL_ACCEL_AVERAGE_OPTIMIZER_STATE": "0"}, FLConfig) == \
         {"hsdp_shard_size": 2, "average_optimizer_state": False}
     assert FLConfig.from_env(environ={"FL_ACCEL_OUTER_STATE_DEVICE": "cpu"}).outer_state_device == "cpu"
     with pytest.raises(ValueError, match="outer_state_device must be one of"):
@@ -354,7 +354,7 @@ def test_sparse_fields_from_env_yaml_and_flags(tmp_path):
         FLConfig.from_env({"FL_ACCEL_SYNC_DENSITY": "0"})
     path = tmp_path / "fl.yaml"
     path.write_text("fl:\n  sync_dtype: sparse\n  error_feedback: true\n  sync_density: 0.03\n")
-    assert FLConfig.from_yaml(path).sync_density == 0.03
+    assert FLConfig.resolve(yaml_path=path).sync_density == 0.03
     parsed = parse_args(["--sync_dtype", "sparse", "--error_feedback", "--sync_density", "0.01"], environ={})
     assert (parsed.fl.sync_dtype, parsed.fl.sync_density) == ("sparse", 0.01)
     with pytest.raises((ValueError, SystemExit)):
@@ -366,10 +366,9 @@ def test_env_parser_skips_test_hooks_and_reads_the_timeout():
     """FL_ACCEL_TEST_* variables are test hooks, not settings; the collective timeout is a field."""
     env = {"FL_ACCEL_TEST_FAULT_INJECT": "kill:1:2", "FL_ACCEL_TEST_RECORD_BLOCKS": "/tmp/x",
            "FL_ACCEL_COLLECTIVE_TIMEOUT_S": "60"}
-    assert env_overrides(env) == {"collective_timeout_s": 60.0}
+    assert env_overrides(env, FLConfig) == {"collective_timeout_s": 60.0}
     assert FLConfig.from_env(environ=env).collective_timeout_s == 60.0
-    c = FLConfig(num_fragments=2, sync_every=4)
-    assert c.fragmented and not c.compressed and FLConfig(sync_dtype="int8").compressed
+    assert not FLConfig(num_fragments=2, sync_every=4).compressed and FLConfig(sync_dtype="int8").compressed
 
 
 def test_from_env_reads_os_environ(monkeypatch):
@@ -411,10 +410,10 @@ def test_precedence_defaults_yaml_env_overrides(tmp_path):
     assert FLConfig.resolve(yaml_path=path, environ=env).outer_lr == 0.25
 
 
-def test_from_yaml_applies_env_then_overrides(tmp_path, monkeypatch):
+def test_a_yaml_file_applies_env_then_overrides(tmp_path, monkeypatch):
     path = _yaml(tmp_path, "sync_every: 4\nnum_groups: 4\n")
     monkeypatch.setenv("FL_ACCEL_SYNC_EVERY", "6")
-    c = FLConfig.from_yaml(path, num_groups=2)
+    c = FLConfig.resolve(yaml_path=path, overrides={"num_groups": 2})
     assert (c.sync_every, c.num_groups) == (6, 2)
 
 
@@ -519,22 +518,21 @@ def test_node_spans_and_link_share(shape, rpn, spans, share):
 
 
 def test_outer_lr_schedule_values_and_its_missing_length():
-    """OuterState.lr_at (no process group): constant without warmup is outer_lr at every
-    step; linear decay with warmup follows the formula at index step - 1; a decaying
-    schedule without outer_lr_decay_steps raises ValueError naming the field."""
-    from fl_accel.outer import OuterState
+    """fl_accel.lr_schedule.outer_lr (what a fragment's outer step uses): constant without
+    warmup is outer_lr at every step; linear decay with warmup follows the formula at index
+    step - 1; a decaying schedule without outer_lr_decay_steps raises ValueError naming the field."""
+    from fl_accel.lr_schedule import outer_lr
 
-    params = [torch.zeros(3)]
-    assert OuterState(params, FLConfig(outer_optimizer="nesterov")).lr_at(17) == 0.7
+    assert outer_lr(FLConfig(outer_optimizer="nesterov"), 17) == 0.7
     cfg = FLConfig(outer_optimizer="nesterov", outer_lr=0.5, outer_lr_schedule="linear", outer_lr_warmup_steps=2,
                    outer_lr_decay_steps=10)
-    lrs = [OuterState(params, cfg).lr_at(s) for s in range(1, 12)]
+    lrs = [outer_lr(cfg, s) for s in range(1, 12)]
     want = [0.5 * (i / 2 if i < 2 else max(0.0, (10 - i) / 8)) for i in range(11)]
     assert lrs == pytest.approx(want, abs=1e-15)
     warm = FLConfig(outer_optimizer="nesterov", outer_lr_warmup_steps=4)  # constant after a warmup
-    assert [OuterState(params, warm).lr_at(s) for s in (1, 3, 5, 50)] == pytest.approx([0, 0.35, 0.7, 0.7])
+    assert [outer_lr(warm, s) for s in (1, 3, 5, 50)] == pytest.approx([0, 0.35, 0.7, 0.7])
     with pytest.raises(ValueError, match="outer_lr_decay_steps"):
-        OuterState(params, FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine")).lr_at(8)
+        outer_lr(FLConfig(outer_optimizer="nesterov", outer_lr_schedule="cosine"), 8)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
@@ -565,7 +563,7 @@ def test_lr_multiplier_equals_transformers_schedules(schedule):
 def test_a_defaulted_hsdp_shard_size_leaving_one_replica_names_the_field_and_the_flag():
     """fl_hsdp on one 4-rank node without hsdp_shard_size: S=2 per group of 2 leaves R=1; the
     note says so and names both the FLConfig field and the recipe's flag that give 2 replicas."""
-    from fl_accel.config import start_notes
+    from fl_accel.refusals import start_notes
 
     cfg = FLConfig(algorithm="fl_hsdp", num_groups=2)
     notes = start_notes(cfg, FLLayout.from_config(cfg, 4, ranks_per_node=4), "cpu", "no")

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fl_accel import FLConfig
 from fl_accel.planning import cost as cm
-from fl_accel import compress, wire
+from fl_accel import codecs, wire
 from scripts import cost_model as cost_cli
 from fl_accel.planning import units as mu
 from fl_accel.comm import ring_bytes as measured_ring_bytes
@@ -36,13 +36,13 @@ def test_ring_bytes_matches_comm_accounting(op, p):
 
 
 def test_value_bytes_are_the_exchange_s():
-    """The exchange quantizes in blocks of cm.BLOCK values: b bytes per value on the wire."""
+    """The exchange quantizes in blocks of wire.BLOCK values: b bytes per value on the wire."""
     import torch
 
-    assert cm.BLOCK == wire.BLOCK == 256
-    x = torch.randn(4 * cm.BLOCK)
+    assert wire.BLOCK == 256
+    x = torch.randn(4 * wire.BLOCK)
     for dtype in ("bf16", "int8"):
-        assert compress.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
+        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------ the four algorithms, by hand
@@ -118,15 +118,15 @@ def test_sync_dtypes(dtype, limit):
 def test_sparse_bytes_formula_and_payload():
     """"sparse": an all-gather of (F-1) x the payload per rank, the payload being per 4096
     values 8 + 2k + k bits/8 bytes (k = density x 4096 rounded up to 32/bits); it is what
-    fl_accel.compress.Sparse.encode really builds, and at the default density (1/64, 2
+    fl_accel.codecs.Sparse.encode really builds, and at the default density (1/64, 2
     bits) it is <= 0.05x the fp32 all-reduce for F <= 10 groups (F x 0.00464)."""
-    from fl_accel.compress import Sparse
+    from fl_accel.codecs import Sparse
 
-    assert [cm.sparse_k(d, b) for d, b in ((1 / 64, 2), (0.02, 2), (0.02, 8), (1e-6, 4), (1.0, 2))] == \
+    assert [wire.sparse_k(d, b) for d, b in ((1 / 64, 2), (0.02, 2), (0.02, 8), (1e-6, 4), (1.0, 2))] == \
         [64, 96, 84, 8, 4096]
     for density, bits in ((1 / 64, 2), (0.02, 4), (0.1, 8)):
-        payload, _ = Sparse(density, bits).encode(torch.randn(3 * cm.SPARSE_BLOCK))
-        assert payload.dtype == torch.uint8 and payload.numel() == cm.sparse_bytes(3 * cm.SPARSE_BLOCK, density, bits)
+        payload, _ = Sparse(density, bits).encode(torch.randn(3 * wire.SPARSE_BLOCK))
+        assert payload.dtype == torch.uint8 and payload.numel() == wire.sparse_bytes(3 * wire.SPARSE_BLOCK, density, bits)
     units = cm.units_from_param_count(2**22)  # local 2**21 values: a multiple of 4096
     for F in (2, 4, 10, 16):
         fp32 = est(EQ(F, 1, 2), units).sync_by_axis()["fl"]

@@ -176,10 +176,11 @@ def test_the_checker_reports_planted_wrong_imports(tmp_path):
         line for line in violations(tmp_path) if not line.startswith("fl_accel.runtime ")]
 
 
-def import_closure(module: str, root: Path = REPO_ROOT) -> set[str]:
+def import_closure(module: str, root: Path = REPO_ROOT, every_import: bool = False) -> set[str]:
     """Every module ``import module`` runs, as far as the source says: its packages'
-    ``__init__``, their module-level imports, recursively through first-party modules (a
-    third-party name is kept, not followed)."""
+    ``__init__``, their module-level imports (``every_import``: those inside a module's
+    functions too, not a package ``__init__``'s lazy ones nor :data:`OPAQUE`'s), recursively
+    through first-party modules (a third-party name is kept, not followed)."""
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
@@ -192,7 +193,8 @@ def import_closure(module: str, root: Path = REPO_ROOT) -> set[str]:
             base = root.joinpath(*sub.split("."))
             path = base / "__init__.py" if (base / "__init__.py").exists() else base.with_suffix(".py")
             if path.exists():
-                todo.extend(imported_modules(path, root, module_level=True))
+                lazy = every_import and path.name != "__init__.py" and sub not in OPAQUE
+                todo.extend(imported_modules(path, root, module_level=not lazy))
     return seen
 
 
@@ -266,25 +268,201 @@ def test_the_status_check_names_file_and_line(tmp_path):
     ]
 
 
-CORE = ("schedule", "outer", "exchange", "codecs", "sync", "fsdp")
-"""The synchronizer's core (issue 41 item 1): fl_accel/<name>.py. Optional features plug in:
-round planning (fl_accel.trigger's TriggerPlanner), membership (fl_accel.ft's CommitHooks on
-its transport), the lossy codecs (fl_accel.compress), the non-finite guard (fl_accel.nonfinite),
-the mean of the inner optimizer's state (fl_accel.state_mean)."""
-CORE_MAX_LINES = 1000
-"""Issue 41's size for the core: a developer can hold it in their head."""
-CORE_BRANCH_WORDS = ("elastic", "healed", "should_commit", "sync_trigger", "self.rounds")
-"""Words of a branch on torchft or on the trigger kind, which the core must not hold."""
+SYNCHRONIZER = "fl_accel.sync"
+"""The synchronizer (issue 47): the optimizer hook, step counting, the event, the non-finite
+detection; it drives fragments (fl_accel.fragment), the exchange and the codecs."""
+OUTSIDE_THE_SYNCHRONIZER = ("torchft", "accelerate", "fl_accel.ft", "fl_accel.trigger", "fl_accel.accelerator",
+                            "fl_accel.checkpoint", "fl_accel.planning")
+"""What the synchronizer's import closure must not hold: torchft and its wiring, the round
+planner by time/speed, the Accelerate integration, checkpoints and the analytic predictors.
+They plug in (a planner, a transport and its hooks) or sit above it."""
+OPAQUE = ("fl_accel.compat",)
+"""Modules whose imports inside functions are not followed: compat's functions are its
+reaches into each library, one per internal, called by their users only (test_compat.py)."""
 
 
-def test_the_synchronizer_core_holds_no_torchft_or_trigger_branch():
-    found = [f"fl_accel/{name}.py:{n}: {line.strip()}" for name in CORE
-             for n, line in enumerate((REPO_ROOT / "fl_accel" / f"{name}.py").read_text().splitlines(), 1)
-             if any(word in line for word in CORE_BRANCH_WORDS)]
-    assert not found, "\n".join(found)
+def test_the_synchronizer_closure_holds_no_torchft_trigger_accelerator_checkpoint_or_planning_module():
+    """Every module ``fl_accel.sync`` imports, at module level or inside a function, followed
+    through first-party modules (:func:`import_closure` with ``every_import``; :data:`OPAQUE`
+    at module level only)."""
+    closure = import_closure(SYNCHRONIZER, every_import=True)
+    found = sorted(m for m in closure if _under(m, OUTSIDE_THE_SYNCHRONIZER))
+    assert found == [], f"the synchronizer's closure holds {found}"
+    assert {"fl_accel.fragment", "fl_accel.exchange", "fl_accel.codecs"} <= closure
 
 
-def test_the_synchronizer_core_stays_within_its_size():
-    """``wc -l`` of the core modules: a feature that grows it belongs behind an extension point."""
-    lines = {name: len((REPO_ROOT / "fl_accel" / f"{name}.py").read_text().splitlines()) for name in CORE}
-    assert sum(lines.values()) <= CORE_MAX_LINES, f"the core holds {sum(lines.values())} lines: {lines}"
+def test_the_closure_check_sees_a_planted_import_inside_a_function(tmp_path):
+    _write(tmp_path, {
+        "fl_accel/__init__.py": "",
+        "fl_accel/sync.py": "from .fragment import Fragment\n",
+        "fl_accel/fragment.py": "def f():\n    from .trigger import make_planner\n",
+        "fl_accel/trigger.py": "import math\n",
+    })
+    assert "fl_accel.trigger" in import_closure("fl_accel.sync", tmp_path, every_import=True)
+    assert "fl_accel.trigger" not in import_closure("fl_accel.sync", tmp_path)
+
+
+def _plugins():
+    """Every function a plug-in offers the synchronizer, and what fragments offer it: the round
+    planners, the membership hooks, the transports, the fragment and its functions."""
+    import inspect
+
+    from fl_accel import exchange, fragment, ft, mesh_transport, schedule, trigger
+
+    classes = (schedule.FixedPlanner, trigger.TriggerPlanner, exchange.EventHooks, ft.CommitHooks,
+               mesh_transport.MeshTransport, ft.ManagedTransport, fragment.Fragment)
+    out = [(f"{c.__name__}.{name}", fn) for c in classes for name, fn in inspect.getmembers(c, inspect.isfunction)]
+    out += [(f"fragment.{f.__name__}", f) for f in (fragment.exchange, fragment.apply, fragment.reset_to_mean,
+                                                    fragment.average_inner_state)]
+    return out + [("trigger.make_planner", trigger.make_planner)]
+
+
+def test_no_plug_in_function_takes_the_synchronizer():
+    """Round planners, membership hooks, transports and fragments see a narrow, typed event
+    (``SyncEvent``, a schedule, a ``Channel``), never the synchronizer: no parameter of theirs
+    is named ``sync``/``synchronizer`` or annotated ``Synchronizer``."""
+    import inspect
+
+    found = []
+    for label, fn in _plugins():
+        for name, param in inspect.signature(fn).parameters.items():
+            if name in ("sync", "synchronizer") or "Synchronizer" in str(param.annotation):
+                found.append(f"{label}({name})")
+    assert not found, found
+    assert len(_plugins()) > 40
+
+
+def test_plug_ins_are_never_handed_the_synchronizer_at_run_time():
+    """A fake two-group run (the non-finite reset, average_optimizer_state, 2 fragments with a
+    delay, then a full sync): every call into the planner, the hooks, the transport and the
+    fragment functions is recorded, and none of them received the synchronizer."""
+    import fl_accel.fragment as fragment_module
+    from fl_accel import FLConfig
+    from fl_accel.sync import Synchronizer
+    from unit.test_schedule import FakeTransport
+
+    seen = []
+
+    def spy(label, fn):
+        def wrapped(*args, **kwargs):
+            seen.append((label, list(args) + list(kwargs.values())))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    transport = FakeTransport(num_groups=3)
+    for name in ("begin", "bad_groups", "all_reduce", "all_to_all", "all_gather", "share_chunks"):
+        setattr(transport, name, spy(f"transport.{name}", getattr(transport, name)))
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (6, 5, 4)]
+    cfg = FLConfig(sync_every=4, num_fragments=2, sync_delay=1, on_nonfinite="reset", average_optimizer_state=True,
+                   outer_optimizer="nesterov")
+    originals = {n: getattr(fragment_module, n) for n in ("exchange", "apply", "reset_to_mean", "average_inner_state")}
+    try:
+        for n, fn in originals.items():
+            setattr(fragment_module, n, spy(f"fragment.{n}", fn))
+        sync = Synchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.Adam(params, lr=0.1),
+                            transport=transport, config=cfg, units=[[0], [1], [2]])
+        for obj, names in ((sync.planner, ("before_step", "close", "rejoin", "after_sync")),
+                           (sync.hooks, ("open", "event", "write"))):
+            for name in names:
+                setattr(obj, name, spy(f"{type(obj).__name__}.{name}", getattr(obj, name)))
+        for f in sync.fragments:
+            for name in ("launch", "advance", "finish", "discard", "apply", "set_global", "inner_state"):
+                setattr(f, name, spy(f"Fragment.{name}", getattr(f, name)))
+        for step in range(6):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            sync.optimizer.step()
+            if step == 2:
+                with torch.no_grad():
+                    params[0][0] = float("nan")
+            sync.on_optimizer_step()
+        sync.sync()
+    finally:
+        for n, fn in originals.items():
+            setattr(fragment_module, n, fn)
+    labels = {label for label, _ in seen}
+    assert {"FixedPlanner.before_step", "FixedPlanner.close", "EventHooks.open", "EventHooks.event",
+            "fragment.reset_to_mean", "fragment.average_inner_state", "fragment.exchange", "Fragment.launch",
+            "Fragment.finish", "transport.bad_groups"} <= labels, labels
+    handed = sorted({label for label, args in seen if any(a is sync for a in args)})
+    assert handed == [], f"handed the synchronizer: {handed}"
+
+
+def test_transports_declare_what_they_are():
+    """No probing of a transport in the library (``hasattr``/``getattr`` on it): each
+    transport declares every member of :class:`fl_accel.exchange.Transport`, ``elastic``
+    included."""
+    from fl_accel.exchange import Transport
+    from fl_accel.ft import ManagedTransport
+    from fl_accel.mesh_transport import MeshTransport
+
+    members = {n for n in vars(Transport) if not n.startswith("_")} | set(Transport.__annotations__)
+    for cls in (MeshTransport, ManagedTransport):
+        missing = sorted(n for n in members if not hasattr(cls, n) and n not in getattr(cls, "__dataclass_fields__", {}))
+        assert not missing, (cls.__name__, missing)
+    import re
+
+    probe = re.compile(r"(hasattr|getattr)\(\s*[\w.]*transport\b")
+    probes = [f"{path.relative_to(REPO_ROOT)}:{n}: {line.strip()}" for path in sorted((REPO_ROOT / "fl_accel").rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1) if probe.search(line)]
+    assert not probes, probes
+
+
+MAX_MODULE_LINES = 350
+"""Issue 47: a library module holds one job, readable in one sitting."""
+
+
+def test_every_library_module_is_small_and_says_its_purpose_in_one_line():
+    """Each module of fl_accel/ has at most :data:`MAX_MODULE_LINES` lines and a docstring
+    whose first line is one sentence saying what it is for."""
+    found = []
+    for path in sorted((REPO_ROOT / "fl_accel").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        first = doc.splitlines()[0] if doc else ""
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{rel}: {len(text.splitlines())} lines")
+        if not first.strip() or len(first) > 120:
+            found.append(f"{rel}: no one-line purpose ({first!r})")
+    assert not found, found
+
+
+def import_layers(root: Path = REPO_ROOT) -> dict[str, int]:
+    """Module -> its layer in fl_accel's import graph (every import, inside functions too):
+    1 for a module importing no other first-party module, else 1 + the highest layer it
+    imports. A package's own ``__init__`` counts as a module importing what it names."""
+    modules = {module_name(p, root): p for p in (root / "fl_accel").rglob("*.py")}
+    deps = {m: {d for d in imported_modules(p, root) if d in modules and d != m and not
+                (m != "fl_accel" and d in ("fl_accel", "fl_accel.planning"))} for m, p in modules.items()}
+    layers: dict[str, int] = {}
+
+    def layer(m, stack=()):
+        if m in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack + (m,))}")
+        if m not in layers:
+            layers[m] = 1 + max((layer(d, stack + (m,)) for d in deps[m]), default=0)
+        return layers[m]
+
+    for m in modules:
+        layer(m)
+    return layers
+
+
+def test_the_library_has_fewer_import_layers_than_before_issue_47():
+    """Issue 47 found 9 layers (wire -> codecs -> compress -> mesh_transport/state_mean ->
+    nonfinite -> sync -> ft -> accelerator -> fl_accel); fragments that own their state and
+    plug-ins that do not import the synchronizer leave 7."""
+    layers = import_layers()
+    assert max(layers.values()) <= 7, sorted(layers.items(), key=lambda kv: kv[1])
+
+
+def test_the_code_layout_in_the_docs_names_every_module():
+    """docs/api.md's "Code layout" lists every module of fl_accel/ (planning's as one folder)."""
+    text = (REPO_ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Code layout"):]
+    missing = [p.name for p in sorted((REPO_ROOT / "fl_accel").glob("*.py"))
+               if p.name != "__init__.py" and f"  {p.name}" not in layout]
+    assert not missing, missing

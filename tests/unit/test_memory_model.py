@@ -163,7 +163,7 @@ def test_sync_buffers_are_what_a_blocking_exchange_holds(tmp_path):
     fragment."""
     import torch.distributed as dist
 
-    from fl_accel.exchange import Exchange, Round
+    from fl_accel.exchange import Exchange, Membership
     from fl_accel.mesh_transport import MeshTransport
 
     bucket_mb = 1
@@ -171,8 +171,8 @@ def test_sync_buffers_are_what_a_blocking_exchange_holds(tmp_path):
     shapes = [(per_bucket,)] * 4
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        rnd = Round(1, 0, (1.0,))  # a one-process "fl" group: the mean is the input
-        t = MeshTransport(fl_group=dist.group.WORLD, replicate_group=None, round=rnd, num_chunks=1, chunk_index=0,
+        rnd = Membership(1, 0, (1.0,))  # a one-process "fl" group: the mean is the input
+        t = MeshTransport(fl_group=dist.group.WORLD, replicate_group=None, membership=rnd, num_chunks=1, chunk_index=0,
                           replicas=1, chunk_owners=(0,))
         ex = Exchange(t, rnd, [torch.ones(s) for s in shapes], bucket_values=per_bucket)
         means = {}

@@ -688,7 +688,7 @@ def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
                                       seconds={"quorum": 2.0, "commit": 1.0, "quorums": 4})
     federation = types.SimpleNamespace(heals=transport.heals, heal_log=transport.heal_sources,
                                        membership_seconds=transport.seconds)  # accelerator.federation's views
-    acc = types.SimpleNamespace(fault_tolerant=True, federation=federation)
+    acc = types.SimpleNamespace(run_config=types.SimpleNamespace(fault_tolerant=True), federation=federation)
     before = {"heals": 1, "heal_log": [{"source_group": 1, "step": 4}],
               "torchft_seconds": {"quorum": 1.0, "commit": 0.5, "quorums": 2}}
     got = ft_counters(acc, {"fault_tolerance": before})
@@ -696,7 +696,8 @@ def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
     assert got["heal_log"][1] == {"source_group": 0, "step": 9, "bytes": 10, "seconds": 0.5, "transfer_seconds": 0.4,
                                   "load_seconds": 0.1}
     assert got["torchft_seconds"] == {"quorum": 3.0, "commit": 1.5, "quorums": 6}
-    assert ft_counters(acc, {})["heals"] == 1 and ft_counters(types.SimpleNamespace(), {}) == {}
+    one_world = types.SimpleNamespace(run_config=types.SimpleNamespace(fault_tolerant=False))
+    assert ft_counters(acc, {})["heals"] == 1 and ft_counters(one_world, {}) == {}
 
     def run(restored, resume_path):
         return types.SimpleNamespace(meter=types.SimpleNamespace(restored=restored, data_steps=6),

@@ -117,11 +117,11 @@ def _bare_accelerator(run_config: ResolvedFLConfig):
 def test_readers_see_the_one_resolved_object():
     """fl_config, layout, launch_layout, max_steps and federation.config are the run config's
     parts (the same objects); a resolved config passed in is taken as it is (the recipe's)."""
-    from fl_accel.accelerator import _resolve
+    from fl_accel.config import resolve_for_world
     from fl_accel.federation import Federation
 
     r = FLConfig(num_groups=2, outer_optimizer="nesterov", outer_lr_schedule="linear").for_launch(4, max_steps=20)
-    assert _resolve(r, 4, None) is r and _resolve(r, 4, 20) is r
+    assert resolve_for_world(r, 4, None) is r and resolve_for_world(r, 4, 20) is r
     acc = _bare_accelerator(r)
     assert acc.fl_config is r.config and acc.layout is r.layout and acc.launch_layout is r.launch_layout
     assert acc.max_steps == 20 and acc.num_groups == 2
@@ -182,7 +182,8 @@ def test_no_hand_synced_copies_in_the_library_or_the_recipe():
     copies the accelerator's config back into its plan."""
     assign = re.compile(r"\.(fl_config|layout|launch_layout|config|run_config)\s*=[^=]")
     allowed = {("fl_accel/sync.py", "self.optimizer, self.transport, self.config = optimizer, transport, config"),
-               ("fl_accel/outer.py", "self.params, self.config = params, config")}
+               ("fl_accel/fragment.py", "self.index, self.indices, self.names, self.params, self.config = index, "
+                                        "list(indices), list(names), \\")}
     found = []
     for folder in ("fl_accel", "recipes", "examples"):
         for path in sorted((REPO_ROOT / folder).rglob("*.py")):

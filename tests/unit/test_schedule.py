@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fl_accel import FLConfig
-from fl_accel.exchange import Exchange, Round
+from fl_accel.exchange import EventHooks, Exchange, Membership
+from workers._scenario import outer_view
 from fl_accel.schedule import ADVANCE, APPLY, FULL, LAUNCH, SyncSchedule
 
 
@@ -91,14 +92,17 @@ class FakeTransport:
     """F groups in one process: every other group holds this group's values plus ``offset``
     (fp32 exchange); counts every collective."""
 
-    num_chunks, chunk_index, device = 1, 0, torch.device("cpu")
+    num_chunks, chunk_index, device, group_index, elastic = 1, 0, torch.device("cpu"), 0, False
 
     def __init__(self, num_groups: int = 2, offset: float = 0.0):
-        self.round = Round(num_groups, 0, (1.0 / num_groups,) * num_groups)
+        self.round = Membership(num_groups, 0, (1.0 / num_groups,) * num_groups)
         self.offset, self.calls = offset, Counter()
 
     def begin(self):
         return self.round
+
+    def hooks(self):
+        return EventHooks()
 
     def _done(self, async_op):
         class Work:
@@ -126,19 +130,19 @@ class FakeTransport:
     def share_chunks(self, flat):
         self.calls["share_chunks"] += 1
 
-    def bad_groups(self, local_bad, rnd):
+    def bad_groups(self, local_bad, membership):
         self.calls["bad_groups"] += 1
-        return [rnd.position] if local_bad else []
+        return [membership.position] if local_bad else []
 
 
 def _synchronizer(transport, sizes=(6, 5, 4), seed=0, device="cpu", **fields):
-    from fl_accel.sync import FederatedSynchronizer
+    from fl_accel.sync import Synchronizer
 
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in sizes]
     cfg = FLConfig(**fields)
     opt = torch.optim.SGD(params, lr=0.1)
-    sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], opt, transport=transport, config=cfg)
+    sync = Synchronizer([(f"p{i}", p) for i, p in enumerate(params)], opt, transport=transport, config=cfg)
     return sync, params
 
 
@@ -193,7 +197,7 @@ def test_checkpoint_mid_exchange_resumes_bitwise():
     saved_state = ref.schedule.state_dict()
     shared, per_rank = ref.state_tensors()  # completes the exchange in flight
     counts_at_4 = Counter(ref_t.calls)
-    assert saved_state["inflight_fragment"] == 1 and all("inflight" in shared[i] for i in ref.fragments[1].params)
+    assert saved_state["inflight_fragment"] == 1 and all("inflight" in shared[n] for n in ref.fragments[1].names)
     snapshot = ([p.detach().clone() for p in ref_params],
                 {i: {k: t.clone() for k, t in d.items()} for i, d in shared.items()},
                 {i: {k: t.clone() for k, t in d.items()} for i, d in per_rank.items()})
@@ -205,8 +209,8 @@ def test_checkpoint_mid_exchange_resumes_bitwise():
     res.load_state_dict(saved_state, snapshot[1], snapshot[2])
     _train(res, res_params, 8, start=4)
     assert all(torch.equal(a, b) for a, b in zip(ref_params, res_params))
-    assert all(torch.equal(a, b) for a, b in zip(ref.outer.anchor, res.outer.anchor))
-    assert all(torch.equal(a, b) for a, b in zip(ref.outer.residuals, res.outer.residuals))
+    assert all(torch.equal(a, b) for a, b in zip(outer_view(ref).anchor, outer_view(res).anchor))
+    assert all(torch.equal(a, b) for a, b in zip(outer_view(ref).residuals, outer_view(res).residuals))
     assert res.schedule.state_dict() == ref.schedule.state_dict()
     assert Counter(ref_t.calls) - counts_at_4 == resumed_t.calls
 
@@ -215,7 +219,7 @@ def test_blocking_sync_keeps_two_buckets_in_flight(monkeypatch):
     """8 tensors of 1 MiB fp32 and sync_bucket_mb=1: a blocking sync holds at most two
     buckets (2 MiB) of exchange buffers at once, a delayed exchange of the same tensors all
     eight; both give the same means."""
-    import fl_accel.sync as sync_module
+    import fl_accel.exchange as exchange_module
 
     made = []
 
@@ -224,7 +228,7 @@ def test_blocking_sync_keeps_two_buckets_in_flight(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(sync_module, "Exchange", Recording)
+    monkeypatch.setattr(exchange_module, "Exchange", Recording)
     mib = 2**18
     transport = FakeTransport(offset=1.0)
     sync, params = _synchronizer(transport, sizes=(mib,) * 8, sync_every=1, sync_bucket_mb=1)
@@ -251,7 +255,7 @@ def test_sync_wait_seconds_count_sync_events_only():
 
 
 def test_nonfinite_abort_names_the_group_and_reset_drops_it():
-    from fl_accel.nonfinite import NonFiniteError
+    from fl_accel.sync import NonFiniteError
 
     sync, params = _synchronizer(FakeTransport(), sync_every=1)
     with torch.no_grad():
@@ -270,16 +274,16 @@ def test_nonfinite_abort_names_the_group_and_reset_drops_it():
 def test_a_synchronizer_built_on_meta_syncs_after_materialization():
     """Built while the model is on the meta device (prepare before materialize): no anchor
     yet, and the first sync after the shards were allocated runs on their device."""
-    from fl_accel.sync import FederatedSynchronizer
+    from fl_accel.sync import Synchronizer
 
     params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in (6, 5)]
     transport = FakeTransport(offset=2.0)
-    sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
-                                 transport=transport, config=FLConfig(sync_every=1, outer_optimizer="nesterov",
-                                                                      outer_lr=1.0, outer_momentum=0.0))
-    assert sync.outer.anchor is None and sync.device.type == "meta"
+    sync = Synchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                        transport=transport, config=FLConfig(sync_every=1, outer_optimizer="nesterov",
+                                                             outer_lr=1.0, outer_momentum=0.0))
+    assert sync.fragments[0].anchor is None and sync.device.type == "meta"
     for p in params:  # as FSDP2's to_empty: the same parameter objects, new storage
         torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros(p.shape)))
-    sync.outer.reset()
+    sync.reset_anchors()
     assert sync.on_optimizer_step() is True
     assert all(torch.equal(p.detach(), torch.ones(p.shape)) for p in params)  # mean of 0 and 0 + 2

@@ -1,4 +1,4 @@
-"""FederatedSynchronizer.on_optimizer_step without processes: the "fl" all-reduce is faked
+"""Synchronizer.on_optimizer_step without processes: the "fl" all-reduce is faked
 (the other groups hold this group's parameters plus an offset), so the schedule, the in-place
 mean, the outer Nesterov step and the non-finite abort run in this process. The same path on
 real gloo launches: tests/dist/test_sync_gloo.py."""
@@ -38,16 +38,16 @@ def _fake_synchronizer(monkeypatch, sync_every=3, offset=2.0, **config):
 
     from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.mesh_transport import MeshTransport
-    from fl_accel.sync import FederatedSynchronizer
+    from fl_accel.sync import Synchronizer
 
     fake = _FakeFL(2, offset)
     monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
     params = [torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3)), torch.nn.Parameter(torch.ones(5))]
-    cfg = FLConfig(sync_every=sync_every, **config).validate()
+    cfg = FLConfig(sync_every=sync_every, **config)
     mesh = FLMesh(FLLayout.equal(2, 1, 1), None, {"fl": object()})  # the fake collective ignores the group
     transport = MeshTransport.from_mesh(mesh, 0, cfg.group_weighting, torch.device("cpu"))
-    sync = FederatedSynchronizer(list(zip(["a", "b"], params)), torch.optim.SGD(params, lr=0.1),
-                                 transport=transport, config=cfg)
+    sync = Synchronizer(list(zip(["a", "b"], params)), torch.optim.SGD(params, lr=0.1), transport=transport,
+                        config=cfg)
     return sync, params, fake
 
 
@@ -80,7 +80,7 @@ def test_nesterov_lr1_momentum0_is_the_mean_with_fake_collective(monkeypatch):
 
 def test_nonfinite_parameters_abort_the_sync_naming_the_group(monkeypatch):
     """A NaN in this group's shard raises NonFiniteError (on_nonfinite='abort') naming group 0."""
-    from fl_accel.nonfinite import NonFiniteError
+    from fl_accel.sync import NonFiniteError
 
     sync, params, _ = _fake_synchronizer(monkeypatch, sync_every=1)
     with torch.no_grad():

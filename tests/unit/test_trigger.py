@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fl_accel.trigger import RoundState, last_round, merge_weights, speed_steps
+from fl_accel.mesh import merge_weights
+from fl_accel.trigger import RoundState, last_round, speed_steps
 
 
 def test_merge_weights_by_tokens_size_and_uniform():

@@ -63,3 +63,53 @@ def save_record(rec: dict, out, name: str, rank: int, last: bool) -> None:
     torch.save(rec, out / name / f"rank{rank}.pt")
     if not last:
         reset_for_next_scenario()
+
+
+class _OuterView:
+    def __init__(self, sync):
+        self.sync = sync
+
+    def _gather(self, kind):
+        parts, first = self.sync.parts, self.sync.fragments[0]
+        return None if getattr(first, kind) is None else [getattr(f, kind)[j] for f, j in parts]
+
+    anchor = property(lambda self: self._gather("anchor"))
+    residuals = property(lambda self: self._gather("residuals"))
+    on_host = property(lambda self: self.sync.fragments[0].on_host)
+
+    @property
+    def optimizer(self):
+        from types import SimpleNamespace
+
+        parts, first = self.sync.parts, self.sync.fragments[0]
+        if first.outer is None:
+            return None
+        return SimpleNamespace(state={i: f.outer.state[f.anchor[j]] for i, (f, j) in enumerate(parts)
+                                      if f.anchor[j] in f.outer.state}, param_groups=first.outer.param_groups)
+
+
+def outer_view(sync):
+    """The synchronizer's outer state by parameter index (the model's order), gathered from its
+    fragments (:class:`fl_accel.fragment.Fragment` owns its own) when read: ``anchor``,
+    ``residuals`` (lists, or None when not kept), ``on_host`` and ``optimizer`` (None without
+    "nesterov"; ``state``: each stepped anchor's SGD state, ``param_groups``: fragment 0's,
+    e.g. the outer LR)."""
+    return _OuterView(sync)
+
+
+def exchange_mean(transport, tensors, sync_dtype: str = "fp32"):
+    """The weighted mean of ``tensors`` over the transport's membership, on ``sync_dtype``'s codec."""
+    from fl_accel.codecs import make_codec
+    from fl_accel.exchange import Exchange
+
+    return Exchange(transport, transport.begin(), tensors, codec=make_codec(sync_dtype)).start().finish()
+
+
+def validated(config, world_size: int | None = None, ranks_per_node: int | None = None):
+    """``config`` after the layout check for ``world_size`` ranks (FLLayout.from_config: ValueError
+    naming the field, e.g. F not dividing the world); the fields were checked at construction."""
+    from fl_accel.mesh import FLLayout
+
+    if world_size is not None:
+        FLLayout.from_config(config, world_size, ranks_per_node=ranks_per_node)
+    return config

@@ -14,7 +14,7 @@ NCCL group, which rejects CPU tensors as a multi-GPU job would): the recipe's ev
 and main_first(), the sync's exchange in fp32/bf16/int8, its non-finite check, the
 start-up checksum, a federated checkpoint save and load. MODE ``outer_state_device``: the
 synchronizer's outer step with ``outer_state_device`` "same" and "cpu" on this device (a
-1-process group, driven through its ``_exchange``/``_apply``; see :func:`outer_state_device`).
+1-process group, driven through its fragments' exchange and outer step; see :func:`outer_state_device`).
 Each rank writes ``OUT_DIR/<mode>-rank<k>.json``.
 """
 
@@ -71,8 +71,9 @@ def scheduler(out_dir: str) -> None:
 def collectives(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from fl_accel.exchange import Round
-    from fl_accel.mesh_transport import MeshTransport, mean
+    from _scenario import exchange_mean as mean
+    from fl_accel.exchange import Membership
+    from fl_accel.mesh_transport import MeshTransport
     from recipes.pretrain import evaluate, main_first
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"), mixed_precision="bf16" if torch.cuda.is_available() else "no")
@@ -86,12 +87,12 @@ def collectives(out_dir: str) -> None:
     rec["eval"] = evaluate(model, acc, blocks, 2)[0]
     rec["eval_per_group"] = evaluate(model, acc, blocks, 2, per_group=True)[0]
     world = dist.group.WORLD
-    t = MeshTransport(fl_group=world, replicate_group=None, round=Round(1, 0, (1.0,)), num_chunks=1, chunk_index=0,
+    t = MeshTransport(fl_group=world, replicate_group=None, membership=Membership(1, 0, (1.0,)), num_chunks=1, chunk_index=0,
                       replicas=1, chunk_owners=(0,), device=acc.device)
     for dtype in ("fp32", "bf16", "int8"):
         x = torch.linspace(-1, 1, 1000, device=acc.device)
         rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()
-    from fl_accel.compress import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
+    from fl_accel.codecs import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     want = Sparse(1 / 64, 2).encode(torch.nn.functional.pad(x, (0, 4096 - 1000)))[1][:1000]
@@ -125,9 +126,12 @@ def outer_state_device(out_dir: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from _scenario import outer_view
+    from fl_accel.exchange import Channel
+    from fl_accel.fragment import apply, exchange
     from fl_accel.mesh import FLLayout, FLMesh
     from fl_accel.mesh_transport import MeshTransport
-    from fl_accel.sync import FederatedSynchronizer
+    from fl_accel.sync import Synchronizer
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"))  # fp32 parameters
     dev = acc.device
@@ -159,9 +163,9 @@ def outer_state_device(out_dir: str) -> None:
         base = torch.cuda.memory_allocated(dev) if cuda else 0
         mesh = FLMesh(FLLayout.from_config(cfg, 1), None, {"fl": dist.group.WORLD})  # F=1 on the world group
         transport = MeshTransport.from_mesh(mesh, 0, "size", dev)
-        sync = FederatedSynchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
-                                     transport=transport, config=cfg)
-        sync.outer.reset()  # F=1: the constructor takes none
+        sync = Synchronizer([(f"p{i}", p) for i, p in enumerate(params)], torch.optim.SGD(params, lr=0.1),
+                            transport=transport, config=cfg)
+        sync.reset_anchors()  # F=1: the constructor takes none
         return sync, params, base, gen
 
     def where_is(tensors):
@@ -182,8 +186,8 @@ def outer_state_device(out_dir: str) -> None:
 
             for k in range(4):
                 move()
-                idx = sync.fragments[k % len(sync.fragments)].params
-                ex = sync._exchange(idx).start()
+                frag = sync.fragments[k % len(sync.fragments)]
+                ex = exchange(frag.parts, Channel(sync.transport, sync.transport.begin(), sync.hooks, 2**26)).start()
                 if ex.stream is not None:  # in training a forward and backward separate packing from the next write
                     torch.cuda.current_stream().wait_stream(ex.stream)
                 run["buffers"] += [str(b.flat.device) for b in ex.buckets]
@@ -192,7 +196,7 @@ def outer_state_device(out_dir: str) -> None:
                 move()
                 means = ex.finish()
                 run["means"] += [str(m.device) for m in means]
-                sync._apply(idx, means, setting["alpha"])
+                apply(frag.parts, means, setting["alpha"], sync.schedule.global_step)
                 del ex, means
                 run["params"].append([p.detach().cpu().tolist() for p in params])
             if cuda:  # release the exchange buffers still awaiting their streams' events
@@ -201,9 +205,10 @@ def outer_state_device(out_dir: str) -> None:
             run["state_bytes_on_device"] = (torch.cuda.memory_allocated(dev) - base) if cuda else 0
             run["param_devices"] = sorted({str(p.device) for p in params})
             run["collective_devices"] = sorted(set(seen))
-            run["anchor"] = where_is(list(sync.outer.anchor))
-            run["momentum"] = where_is([s["momentum_buffer"] for s in sync.outer.optimizer.state.values()])
-            run["residual"] = where_is(sync.outer.residuals)
+            outer = outer_view(sync)
+            run["anchor"] = where_is(list(outer.anchor))
+            run["momentum"] = where_is([s["momentum_buffer"] for s in outer.optimizer.state.values()])
+            run["residual"] = where_is(outer.residuals)
             rec["runs"][f"{label}/{where}"] = run
             syncs[(label, where)] = sync
     rec["numel"] = numel
@@ -219,7 +224,7 @@ def outer_state_device(out_dir: str) -> None:
         rec["state_round_trip_equal"][f"{src}->{dst}"] = all(
             torch.equal(got[j][i][kind].cpu(), want[j][i][kind].cpu())
             for j in range(2) for i in want[j] for kind in want[j][i]) and \
-            {t.device.type for t in b.outer.anchor} == {"cpu" if dst == "cpu" else dev.type}
+            {t.device.type for t in outer_view(b).anchor} == {"cpu" if dst == "cpu" else dev.type}
 
     # DCP: a host tensor of a sharded parameter's local shape, keyed by shard as the
     # checkpoint keeps the sync's state, is saved and loaded where it is

@@ -95,8 +95,9 @@ def run(mode: str, out_dir: str, extra: str, last: bool) -> None:
         rec["losses"][step + 1] = loss.item()
         # the LR each group actually uses, and the scheduler's value
         rec["lr"][step + 1] = (opt.param_groups[0]["lr"], sched.get_last_lr()[0])
-        if (step + 1) % H == 0 and acc.synchronizer.outer.optimizer is not None:  # the outer LR of this sync
-            rec.setdefault("outer_lr", {})[step + 1] = acc.synchronizer.outer.optimizer.param_groups[0]["lr"]
+        outer = _scenario.outer_view(acc.synchronizer)
+        if (step + 1) % H == 0 and outer.optimizer is not None:  # the outer LR of this sync
+            rec.setdefault("outer_lr", {})[step + 1] = outer.optimizer.param_groups[0]["lr"]
         if mode == "full" and step + 1 in (3, 4):
             acc.save_state(f"{out_dir}/step_{step + 1}", extra_meta={"completed_steps": step + 1})
         if mode in ("nan", "opt_state") and step + 1 == 3:

@@ -67,10 +67,10 @@ def full_state(acc, optimizer, scheduler) -> dict:
     for i, p in enumerate(sync.params):
         st = optimizer.state.get(p, {})
         opt_state[i] = {k: local(v).detach().clone() if hasattr(v, "shape") else v for k, v in st.items()}
-    outer = sync.outer
-    shared, _ = outer.tensors()
+    shared = {n: d for fragment in sync.fragments for n, d in fragment.outer_state().items()}
     return {"params": [local(p).detach().clone() for p in sync.params], "optimizer": opt_state,
-            "outer": {i: {k: v.detach().clone() for k, v in d.items()} for i, d in shared.items()},
+            "outer": {i: {k: v.detach().clone() for k, v in shared[n].items()} for i, n in enumerate(sync.names)
+                      if n in shared},
             "schedule": sync.schedule.state_dict(), "lr": [g["lr"] for g in optimizer.param_groups],
             "scheduler": scheduler.state_dict() if scheduler is not None else None}
 
@@ -145,7 +145,7 @@ def run_case(spec: dict, out: Path) -> None:
     rec = {"group": f, "rank": rank, "attempt": attempt, "steps": [], "quorums": [], "times": []}
 
     transport = sync.transport
-    if getattr(transport, "elastic", False):
+    if transport.elastic:
         real_begin = transport.begin
 
         def spy_begin():
@@ -155,7 +155,8 @@ def run_case(spec: dict, out: Path) -> None:
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
                                        "state": full_state(acc, torch_opt, scheduler),
-                                       "round": sync.rounds.state_dict() if sync.rounds is not None else None})
+                                       "round": sync.planner.rounds.state_dict() if sync.planner.rounds is not None
+                                       else None})
             if opened and transport.healed:  # the records so far (a later kill loses the final ones), then the mark
                 rec["heals"], rec["heal_sources"] = transport.heals, list(transport.heal_sources)
                 torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.heal.pt")
@@ -167,7 +168,7 @@ def run_case(spec: dict, out: Path) -> None:
         transport.begin = spy_begin
 
     progress = out / "progress" / f"g{f}_r{rank}"
-    ckpt_dir = Path(spec.get("checkpoint_dir") or out / "ckpt") / (f"g{f}" if acc.fault_tolerant else "world")
+    ckpt_dir = Path(spec.get("checkpoint_dir") or out / "ckpt") / (f"g{f}" if acc.run_config.fault_tolerant else "world")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rec.update(restart_count=restart, resumed=None)
     consumed = 0  # this rank's data position: batches taken from its loader
@@ -182,14 +183,14 @@ def run_case(spec: dict, out: Path) -> None:
         stop = out / "stop_at"
         return int(stop.read_text()) if spec.get("stop_file") and stop.exists() else steps
 
-    if sync.rounds is not None:  # a sync_trigger: a budget of tokens, this group's plan per round injected
+    if sync.planner.rounds is not None:  # a sync_trigger: a budget of tokens, this group's plan per round injected
         plan = spec["plan"]
         _scenario.inject_round_plan(sync, plan)
         acc.set_max_steps(steps)
         rec["weights"] = []
 
     def more() -> bool:
-        return not acc.federation.training_done if sync.rounds is not None else sync.schedule.global_step < target()
+        return not acc.federation.training_done if sync.planner.rounds is not None else sync.schedule.global_step < target()
 
     while more():
         skip = consumed % len(loader)
@@ -215,8 +216,8 @@ def run_case(spec: dict, out: Path) -> None:
             write_whole(progress, f"{step} {now} {attempt}")  # the test reads it mid-run: never torn
             if spec.get("step_sleep"):
                 time.sleep(float(spec["step_sleep"]))
-            if sync.rounds is not None and sync.schedule.local_step == 0:  # this step ended a round
-                rec["weights"].append((step, list(sync.last_round.weights)))
+            if sync.planner.rounds is not None and sync.schedule.local_step == 0:  # this step ended a round
+                rec["weights"].append((step, list(sync.last_membership.weights)))
             if not more():
                 break
     acc.end_training()
@@ -224,7 +225,7 @@ def run_case(spec: dict, out: Path) -> None:
     rec["batches"] = consumed
     rec["heals"] = getattr(transport, "heals", 0)
     rec["heal_sources"] = list(getattr(transport, "heal_sources", []))
-    rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
+    rec["rounds"] = sync.planner.rounds.summary() if sync.planner.rounds is not None else None
     torch.save(rec, out / f"g{f}_r{rank}_a{attempt}.pt")
 
 

@@ -29,10 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from _scenario import exchange_mean as mean
 from fl_accel.comm import CommMeter, CommStats
-from fl_accel.exchange import Round
+from fl_accel.exchange import Membership
 from fl_accel.mesh import FLLayout
-from fl_accel.mesh_transport import MeshTransport, mean
+from fl_accel.mesh_transport import MeshTransport
 
 REPS = 5
 
@@ -64,7 +65,7 @@ def main() -> None:
     for name, chunks in (("chunked", layout.min_replicas), ("one_exchanger", 1)):
         fl, rep = groups(chunks)
         rules[name] = (MeshTransport(fl_group=fl if r < chunks else None, replicate_group=rep,
-                                     round=Round(2, f, weights), num_chunks=chunks,
+                                     membership=Membership(2, f, weights), num_chunks=chunks,
                                      chunk_index=r if r < chunks else None, replicas=layout.replicas_of(f),
                                      chunk_owners=tuple(layout.rank(f, c, 0) for c in range(chunks))),
                        fl, rep)

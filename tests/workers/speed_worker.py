@@ -10,7 +10,7 @@ k, sleep k times each step's own time after it (the test hook that slows a group
 (lr 1, no momentum) in the loop a user writes::
 
     acc.set_max_steps(T)
-    while not acc.federation.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
+    while not acc.federation.training_done and (acc.federation.triggered or t < sc["max_steps"]):
         loss = model(x).loss; acc.backward(loss); opt.step(); opt.zero_grad()
     acc.end_training()
 
@@ -62,7 +62,8 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     factor = (sc.get("slow_factor") or [0.0, 0.0])[acc.group_index]
     t, step_end = rec["start"], time.perf_counter()
     loop_start = step_end
-    while not acc.federation.training_done and (sync.rounds is not None or t < sc["max_steps"]):  # "steps": counted here
+    while not acc.federation.training_done and (sync.planner.rounds is not None
+                                                 or t < sc["max_steps"]):  # "steps": counted here
         x = tokens[index_batches[t % len(index_batches)]]
         loss = model(input_ids=x, labels=x).loss
         acc.backward(loss)
@@ -72,15 +73,15 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         rec["steps"][t] = _scenario.local_shards(params)
         rec["syncs"][t] = sync.schedule.num_syncs
         if sync.schedule.local_step == 0:  # this step ended a round
-            rec["weights"][t] = list(sync.last_round.weights)
-            if sync.rounds is not None and sc.get("save_after_round") == len(sync.rounds.rounds):
-                acc.save_state(sc["save_dir"], extra_meta={"group_steps": list(sync.rounds.group_steps)})
+            rec["weights"][t] = list(sync.last_membership.weights)
+            if sync.planner.rounds is not None and sc.get("save_after_round") == len(sync.planner.rounds.rounds):
+                acc.save_state(sc["save_dir"], extra_meta={"group_steps": list(sync.planner.rounds.group_steps)})
         if factor:  # sleep k times this step's own time: k + 1 times slower under any load
             time.sleep(factor * (time.perf_counter() - step_end))
         step_end = time.perf_counter()
     rec["loop_s"], rec["sync_s"], rec["arrival_s"] = time.perf_counter() - loop_start, sync.clock.seconds, \
         sync.arrival.seconds
-    rec["rounds"] = sync.rounds.summary() if sync.rounds is not None else None
+    rec["rounds"] = sync.planner.rounds.summary() if sync.planner.rounds is not None else None
     rec["federation_step"] = acc.federation.progress_step
     _scenario.end_training(acc, last)
     rec["final"] = _scenario.local_shards(params)

@@ -21,8 +21,8 @@ rank only, so a resumed run reads the same data). It writes
 after every optimizer step and after ``end_training``, the losses, the batches, the
 cumulative ``comm_stats`` after every step, the fragments, and with ``spy`` what the
 exchange saw: the pseudo-gradients and error-feedback residuals at every launch and
-the means at every apply (by wrapping ``_exchange``/``_apply`` on the synchronizer
-instance; nothing else changes), and where the synchronizer's outer state lives
+the means at every apply (by wrapping :func:`fl_accel.fragment.exchange` and
+:func:`fl_accel.fragment.apply` for the scenario; nothing else changes), and where the synchronizer's outer state lives
 (``state_devices``: the devices and pinned flags of the anchor, momentum and residuals).
 
 Scenario keys: ``name``, ``fl`` (FLConfig fields), ``steps``, ``lr``, optional
@@ -116,7 +116,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     def snap():
         return _scenario.local_shards(params)
 
-    outer, schedule = sync.outer, sync.schedule
+    outer, schedule = _scenario.outer_view(sync), sync.schedule
 
     def sync_tensors():
         return {"params": snap(),
@@ -125,14 +125,15 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
 
     rec = {"scenario": sc["name"], "rank": rank, "coords": [acc.group_index, acc.replica_index, acc.shard_index],
            "layout": list(acc.layout.shape), "names": list(sync.names),
-           "fragment_indices": [list(f.params) for f in sync.fragments], "init": snap(),
+           "fragment_indices": [list(f.indices) for f in sync.fragments], "init": snap(),
            "steps": [], "launches": [], "applies": [], "saved": [], "start": 0}
 
-    if sc.get("spy"):  # launches and applies alternate: one exchange in flight at most
-        real_exchange, real_apply = sync._exchange, sync._apply
+    import fl_accel.fragment as fragment_module
 
-        def spy_exchange(indices, rnd=None, exact=False):
-            indices = list(indices)
+    real_exchange, real_apply = fragment_module.exchange, fragment_module.apply
+    if sc.get("spy"):  # launches and applies alternate: one exchange in flight at most
+        def spy_exchange(parts, channel, exact=False):
+            indices = [f.indices[j] for f, j in parts]
             with torch.no_grad():
                 rec["launches"].append({
                     "step": schedule.global_step, "indices": indices,
@@ -140,18 +141,19 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     "anchor": None if outer.anchor is None else [outer.anchor[i].detach().clone() for i in indices],
                     "residual_before": None if outer.residuals is None else
                     [outer.residuals[i].clone() for i in indices], "exact": exact})
-            return real_exchange(indices, rnd, exact)
+            return real_exchange(parts, channel, exact)
 
-        def spy_apply(indices, means, alpha):
+        def spy_apply(parts, means, alpha, step):
+            indices = [f.indices[j] for f, j in parts]
             launch = rec["launches"][-1]
             if "residual_after" not in launch:  # the exchange quantized (and kept the residuals) at its launch
                 launch["residual_after"] = None if outer.residuals is None else \
                     [outer.residuals[i].clone() for i in launch["indices"]]
             rec["applies"].append({"step": schedule.global_step, "indices": list(indices), "alpha": alpha,
                                    "means": [m.detach().clone() for m in means]})
-            return real_apply(indices, means, alpha)
+            return real_apply(parts, means, alpha, step)
 
-        sync._exchange, sync._apply = spy_exchange, spy_apply
+        fragment_module.exchange, fragment_module.apply = spy_exchange, spy_apply
 
     start, steps = 0, sc["steps"]
     rec["load_error"] = None
@@ -187,6 +189,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                     acc.load_state(str(out / sc["name"] / f"step_{step + 1}"))
                     rec["roundtrip"] = {"step": step + 1, "before": before, "after": sync_tensors()}
         _scenario.end_training(acc, last)
+    fragment_module.exchange, fragment_module.apply = real_exchange, real_apply
     rec["final"] = snap()
     rec["state_devices"] = state_devices(sync)
     rec["final_comm"] = acc.comm_stats.as_dict()
@@ -197,7 +200,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
 
 def state_devices(sync) -> dict:
     """``{kind: [sorted device names, any pinned]}`` of the synchronizer's outer state (None: none kept)."""
-    outer = sync.outer
+    outer = _scenario.outer_view(sync)
     momentum = None if outer.optimizer is None else \
         [s["momentum_buffer"] for s in outer.optimizer.state.values() if "momentum_buffer" in s]
 

@@ -136,7 +136,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
                 t += 1
                 rec["steps"][t] = snap()
                 if sync.schedule.local_step == 0:
-                    rec.setdefault("weights", {})[t] = list(sync.last_round.weights)
+                    rec.setdefault("weights", {})[t] = list(sync.last_membership.weights)
     elif rec["load_error"] is None:
         with acc.meter_comm():
             for t in range(start, sc["steps"]):

@@ -1,0 +1,164 @@
+"""torchft heals: one source per group, the state a healing group takes over, and the record of what it cost.
+
+A group that falls behind the quorum's committed step heals: torchft's Manager downloads a
+live group's state (:func:`capture` there) and applies it here (:func:`restore`). Relied on
+(torchft 0.2.0, ``src/manager.rs``): recovering rank k of group i heals from group
+``(i + k) mod U`` (torchft #343), so with F >= 3 a group's ranks would heal from different
+groups: :class:`AgreedClient` makes them all use rank 0's assignment and records each heal;
+:func:`measure_heal` completes the record (source group, bytes, seconds), which torchft does
+not report. :class:`fl_accel.ft.ManagedTransport` wires them in.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import compat
+from .fsdp import local
+
+
+class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
+    def __init__(self, quorum, agreed: dict):
+        self._result, self._agreed = quorum, agreed
+
+    def __getattr__(self, name):
+        return self._agreed[name] if name in self._agreed else getattr(self._result, name)
+
+
+RECOVERY_FIELDS = ("heal", "recover_src_replica_rank", "recover_src_manager_address", "recover_dst_replica_ranks")
+
+
+class AgreedClient:
+    """A Manager's ``ManagerClient`` whose quorums (on torchft's quorum thread) carry rank 0's
+    :data:`RECOVERY_FIELDS` (broadcast over ``group``, gloo) and record each heal in
+    ``transport.heal_sources`` (a :class:`fl_accel.ft.ManagedTransport`'s: quorum id, the
+    source used, the one torchft assigned)."""
+
+    def __init__(self, client, group, transport):
+        self._inner, self._group, self._transport = client, group, transport
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _quorum(self, *args, **kwargs):
+        quorum = compat.client_quorum(self._inner, *args, **kwargs)
+        box = [{k: getattr(quorum, k) for k in RECOVERY_FIELDS}]
+        dist.broadcast_object_list(box, src=0, group=self._group)  # rank 0 of this group decides
+        agreed = box[0]
+        self._transport.behind = quorum.replica_world_size - quorum.max_world_size
+        self._transport.max_step = quorum.max_step
+        self._transport._heal_agreed = bool(agreed["heal"])
+        if agreed["heal"]:
+            names = [r.split(":")[0] for r in quorum.replica_ids]
+            src, own = agreed["recover_src_replica_rank"], quorum.recover_src_replica_rank
+            self._transport.heal_sources.append({"quorum_id": quorum.quorum_id, "max_step": quorum.max_step,
+                                                 "source": names[src], "torchft_source": None if own is None
+                                                 else names[own]})
+            self._transport._heal_started = time.perf_counter()  # the download starts after this returns
+        return _Agreed(quorum, agreed)
+
+
+def measure_heal(transport) -> None:
+    """Complete the newest ``heal_sources`` record of ``transport`` (a
+    :class:`fl_accel.ft.ManagedTransport`) after a quorum that healed this group:
+    ``source_group`` (the live group it downloaded from), ``bytes`` (what the group's
+    ranks loaded, summed) and ``seconds`` (download and apply, the slowest rank).
+
+    torchft 0.2.0 reports neither the bytes nor the time of a recovery, so each rank
+    measures its own: the tensors' ``nbytes`` of the state it applied (:func:`state_nbytes`;
+    the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
+    answer to the end of the apply. The source is the replica id of the quorum's
+    ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
+    :meth:`fl_accel.ft.ManagedTransport.create`), so its group index is exact. ``seconds``
+    splits into ``transfer_seconds`` (the quorum's answer to the state received: torchft's
+    HTTP download and unpickling on its quorum thread) and ``load_seconds`` (applying it:
+    reshard, parameters, optimizer and sync state), each the slowest rank's. Every rank of
+    the group runs this (the heal decision is rank 0's, broadcast): one SUM and one MAX over
+    the group's world; a rank whose download failed counts 0 bytes (torchft then fails the
+    round's commit). Collective over the group's world."""
+    mine = transport._heal_loaded or (0, 0.0, 0.0, 0.0)
+    transport._heal_loaded, transport._heal_agreed = None, False
+    nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=transport.device)
+    seconds = torch.tensor(list(mine[1:]), dtype=torch.float64, device=transport.device)
+    dist.all_reduce(nbytes, op=dist.ReduceOp.SUM)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if transport.heal_sources:
+        record = transport.heal_sources[-1]
+        name = str(record.get("source"))
+        total, transfer, load = seconds.tolist()
+        record.update(source_group=int(name.rsplit("_", 1)[1]) if name.startswith("fl_accel_group_") else None,
+                      bytes=int(nbytes.item()), seconds=total, transfer_seconds=transfer, load_seconds=load)
+
+
+def state_nbytes(state) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples), as :func:`capture` builds
+    it: the payload of a heal. Other values count 0."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0
+
+
+def capture(sync, schedulers: list, extra: dict | None = None) -> dict:
+    """What a group healing from this live one takes over (the Manager's ``state_dict``, on its
+    quorum thread): cloned ``params``, ``optimizer`` (state, hyperparameters), the
+    synchronizer's ``outer`` (anchor, momentum) and ``sync`` (counters, the trigger's round
+    state: :meth:`fl_accel.sync.Synchronizer.heal_state`), ``schedulers``, ``extra``; not the
+    residuals or data position."""
+    opt = sync.optimizer
+    state = {}
+    for i, p in enumerate(sync.params):
+        st = opt.state.get(p)
+        if st:
+            state[i] = {k: (local(v).detach().clone(), hasattr(v, "to_local")) if torch.is_tensor(v) else v
+                        for k, v in st.items()}
+    return {"params": [local(p).detach().clone() for p in sync.params],
+            "optimizer": {"state": state, "groups": [{k: v for k, v in g.items() if k != "params"}
+                                                     for g in opt.param_groups]},
+            **sync.heal_state(),
+            "schedulers": [s.state_dict() for s in schedulers],
+            "extra": dict(extra or {})}
+
+
+@torch.no_grad()
+def restore(sync, schedulers: list, state: dict) -> None:
+    """Inverse of :func:`capture` (residuals zeroed, nothing in flight); the caller reshards
+    first and applies ``extra``. ValueError: parameter count or shard shapes differ."""
+    params = sync.params
+    if len(state["params"]) != len(params) or any(
+            tuple(v.shape) != tuple(local(p).shape) for v, p in zip(state["params"], params)):
+        raise ValueError("torchft heal: the live group's parameters do not match this group's model (count or "
+                         "shard shapes differ); every federation group must run the same model and group size")
+    for p, v in zip(params, state["params"]):
+        local(p).copy_(v)
+    opt = sync.optimizer
+    for i, p in enumerate(params):
+        saved = state["optimizer"]["state"].get(i)
+        if saved is None:
+            opt.state.pop(p, None)
+            continue
+        current = opt.state.setdefault(p, {})
+        for k, v in saved.items():
+            if not isinstance(v, tuple):
+                current[k] = v
+                continue
+            value, distributed = v
+            if torch.is_tensor(current.get(k)) and local(current[k]).shape == value.shape:
+                local(current[k]).copy_(value)
+            elif distributed:
+                current[k] = DTensor.from_local(value.to(local(p).device), p.device_mesh, p.placements,
+                                                shape=p.shape, stride=p.stride())
+            else:
+                current[k] = value.clone()
+    for group, saved in zip(opt.param_groups, state["optimizer"]["groups"]):
+        group.update(saved)
+    sync.take_over(state)
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(saved)
