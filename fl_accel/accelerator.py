@@ -17,7 +17,6 @@ on top. Every reach into Accelerate's or torch's internals is in :mod:`fl_accel.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
@@ -42,19 +41,13 @@ from .sync import Synchronizer
 class FLAccelerator(Accelerator):
     """Accelerator for FSDP / HSDP / FL+FSDP / FL+HSDP (paper Sec. 3).
 
-    ``fl_config`` defaults to ``FLConfig.from_env()``; it is resolved once, here, for this
-    launch (:func:`fl_accel.config.resolve_launch`: the layouts and, with ``max_steps`` or
-    :meth:`set_max_steps` before ``prepare``, the run's length) into :attr:`run_config`, the
-    one owner every reader reads (``fl_config``, ``layout`` and ``launch_layout`` are its
-    parts). A :class:`~fl_accel.config.ResolvedFLConfig` of this launch's world (e.g. the
-    recipe's plan) is taken as it is. ``accelerate_kwargs`` go to
-    ``Accelerator`` (``cpu`` defaults to True without CUDA). ``mixed_precision="bf16"`` gives
-    every unit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the loss stays
-    fp32) unless the ``fsdp_plugin`` has a policy, which is kept. ValueError on every rank
-    before any collective: an invalid ``fl_config`` (naming the field) or a refused setting
-    (fp16, a whole-model compile, CPU offload with a federated algorithm, an FSDP1 plugin).
-    Everything else is Accelerate's behaviour (docs/api.md, "Accelerate's API under
-    FLAccelerator")."""
+    ``fl_config`` (default ``FLConfig.from_env()``; a resolved one of this world is taken as it
+    is) is resolved once, here, into :attr:`run_config` (:func:`fl_accel.config.resolve_for_world`),
+    the one owner every reader reads. ``accelerate_kwargs`` go to ``Accelerator`` (``cpu``
+    defaults to True without CUDA); ``mixed_precision="bf16"``: param bf16, reduce fp32, the
+    loss fp32, unless the ``fsdp_plugin`` has a policy. ValueError on every rank before any
+    collective: an invalid ``fl_config`` or a refused setting (:mod:`fl_accel.refusals`).
+    Everything else is Accelerate's behaviour (docs/api.md)."""
 
     def __init__(self, fl_config: FLConfig | ResolvedFLConfig | None = None, *, max_steps: int | None = None,
                  **accelerate_kwargs):
@@ -144,7 +137,7 @@ class FLAccelerator(Accelerator):
         optimizer = next((o for o in items if isinstance(o, torch.optim.Optimizer)), None)
         if model is not None:
             fsdp_model.track_forward_only(model, lambda: self._grads_accumulating)
-            _export_through_accelerator(self, model)
+            fsdp_model.export_through(model, lambda m: self.get_state_dict(m), lambda m: self.no_sync(m))
         if model is not None and optimizer is not None and self.synchronizer is None:
             named = list(model.named_parameters())
             transport = MeshTransport.from_mesh(self.mesh, self.process_index, self.fl_config.group_weighting,
@@ -219,16 +212,13 @@ class FLAccelerator(Accelerator):
         return False
 
     def set_max_steps(self, max_steps: int) -> None:
-        """The run's length in optimizer steps, resolved into :attr:`run_config` (the one
-        owner; :meth:`fl_accel.config.ResolvedFLConfig.with_max_steps`): the sync after step
-        ``max_steps`` is the final one, so with a lossy ``sync_dtype`` and ``final_sync="exact"``
-        it is the exact fp32 sync (else :meth:`end_training` adds it); with ``sync_trigger``
-        "time"/"speed" a budget of ``max_steps`` x N rank-steps; a decaying outer-LR schedule
-        without ``outer_lr_decay_steps`` spans the run (:meth:`FLConfig.with_max_steps`). Call it
-        before ``prepare(model, optimizer)`` (or pass ``FLAccelerator(..., max_steps=...)``): the
-        synchronizer is built from the resolved config. After ``prepare`` it may only set a
-        length that leaves the config as it is. Raises ValueError, on every rank alike, changing
-        nothing: not a positive integer; the outer-LR warmup not shorter than the run (naming
+        """The run's length in optimizer steps, resolved into :attr:`run_config`: the sync after
+        step ``max_steps`` is the final one (exact with a lossy ``sync_dtype`` and
+        ``final_sync="exact"``); with ``sync_trigger`` "time"/"speed" a budget of ``max_steps`` x
+        N rank-steps; a decaying outer-LR schedule without ``outer_lr_decay_steps`` spans the run.
+        Call it before ``prepare`` (or pass ``FLAccelerator(..., max_steps=...)``); after, only a
+        length that leaves the config as it is. ValueError on every rank, changing nothing: not a
+        positive integer; the outer-LR warmup not shorter than the run (naming
         ``FLConfig.outer_lr_warmup_steps``); after ``prepare``, a length that would change the
         synchronizer's config (naming ``FLConfig.outer_lr_decay_steps``)."""
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
@@ -263,13 +253,12 @@ class FLAccelerator(Accelerator):
         return super().get_state_dict(model, unwrap=unwrap)
 
     def register_pre_sync_hook(self, hook, first: bool = False):
-        """Call ``hook(synchronizer, full)`` before every sync event (it may run forwards, e.g.
-        an evaluation); returns a handle with ``remove()``. The hook runs inside the event (its
-        time counts as sync wait); a world collective of the hook that every rank makes
-        first in the event goes inside ``synchronizer.arriving()`` to be counted as the wait
-        for the other groups (``federation.sync_arrival_seconds``; ``federation.arriving()`` is the
-        same). ``first``: before the hooks registered earlier (else after them). RuntimeError
-        before ``prepare``."""
+        """Call ``hook(event, full)`` before every sync event (``event``: a
+        :class:`fl_accel.sync.SyncEvent`; the hook may run forwards, e.g. an evaluation);
+        returns a handle with ``remove()``. The hook's time counts as sync wait; its first world
+        collective, made by every rank, goes inside ``federation.arriving()`` to count as the
+        wait for the other groups (``federation.sync_arrival_seconds``). ``first``: before the
+        hooks registered earlier. RuntimeError before ``prepare``."""
         if self.synchronizer is None:
             raise RuntimeError("register_pre_sync_hook needs prepare(model, optimizer) first")
         hooks = self.synchronizer.pre_sync_hooks
@@ -318,31 +307,6 @@ class FLAccelerator(Accelerator):
             self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()
-
-
-def _export_through_accelerator(acc: "FLAccelerator", model) -> None:
-    """Give the prepared model the two calls Accelerate's users make on it directly (instance
-    attributes; the class is untouched):
-
-    * ``save_pretrained(dir, ...)`` without ``state_dict`` passes
-      :meth:`FLAccelerator.get_state_dict`'s (the federated model, synced first): transformers
-      would read the model's own state dict, FSDP2's DTensor shards, and fail writing them
-      ("Attempted to access the data pointer on an invalid python storage"). Collective, like
-      Accelerate's FSDP2 gather: every rank calls it (the canonical scripts do, with
-      ``is_main_process``); transformers writes on rank 0.
-    * ``no_sync()`` (DDP's, which FSDP2 modules lack; Accelerate's autoregressive
-      gradient-accumulation example calls it) is ``accelerator.no_sync(model)``."""
-    original = getattr(model, "save_pretrained", None)
-    if callable(original):
-        @functools.wraps(original)
-        def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-            if state_dict is None:
-                state_dict = acc.get_state_dict(model)
-            return original(save_directory, *args, state_dict=state_dict, **kwargs)
-
-        model.save_pretrained = save_pretrained
-    if not hasattr(model, "no_sync"):
-        model.no_sync = lambda: acc.no_sync(model)
 
 
 def _checkpoint_io(acc: "FLAccelerator") -> CheckpointIO:

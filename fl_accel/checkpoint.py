@@ -16,11 +16,9 @@ Layout of ``step_N/``::
     fl_accel_checkpoint.json          written last: layout, step, counters; marks it complete
 
 A save writes ``step_N.partial`` and renames it when every rank has finished, so a crash
-never leaves a folder :func:`find_latest` would pick. FLAccelerator's ``save_state()`` and
-``load_state()`` without a folder follow Accelerate's automatic naming
-(:func:`automatic_checkpoint_dir`). With ``fault_tolerance="torchft"``
-each group saves its own checkpoint over its ranks, with the Manager's committed step and
-its ``group_index`` (another group's checkpoint is refused).
+never leaves a folder :func:`find_latest` would pick; without a folder, Accelerate's automatic
+naming (:func:`automatic_checkpoint_dir`). With ``fault_tolerance="torchft"`` each group saves
+its own checkpoint, with the Manager's committed step and its ``group_index``.
 """
 
 from __future__ import annotations

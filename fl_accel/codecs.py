@@ -1,14 +1,11 @@
 """The sync's codecs: what one ``sync_dtype`` puts on the "fl" wire, stage by stage.
 
-An :class:`~fl_accel.exchange.Exchange` packs fp32 buckets and drives one codec through three
-stages per bucket: :meth:`Codec.launch` (encode this rank's chunk, start the first "fl"
-collective), :meth:`Codec.advance` (a second collective, for codecs that have one) and
-:meth:`Codec.complete` (wait, write the weighted mean of the chunk over the groups into it).
-A codec sees the exchange's :class:`Peers` (collectives, groups, weights) and keeps what it has
-in flight in its own :class:`Flight`; it writes nothing of the exchange's. Padding and bytes
-are :mod:`fl_accel.wire`'s formulas for the codec's name (torch-free, shared with
-:mod:`fl_accel.planning.cost`). Every tensor stays on the input's device (NCCL takes
-accelerator tensors only).
+An :class:`~fl_accel.exchange.Exchange` drives one codec per bucket: :meth:`Codec.launch`
+(encode this rank's chunk, start the first collective), :meth:`Codec.advance` (a second one,
+if any) and :meth:`Codec.complete` (wait, write the weighted mean into the chunk). A codec sees
+the exchange's :class:`Peers` and keeps what it has in flight in its own :class:`Flight`; it
+writes nothing of the exchange's. Padding and bytes are :mod:`fl_accel.wire`'s formulas
+(torch-free, shared with the cost model); every tensor stays on the input's device.
 
 * :class:`Fp32Mean` ("fp32"): an in-place SUM all-reduce, pre-scaled by w_f when the weights
   differ, else divided by F afterwards (the paper's FedAvg, arXiv 2609.20359 Sec. 3).
@@ -26,8 +23,7 @@ accelerator tensors only).
   [codes (nb k bits/8)].
 
 Error feedback: a lossy codec returns what it dropped of this rank's chunk (packed -
-decoded(sent)) in :attr:`Flight.dropped`; the exchange keeps it as the residual
-(:meth:`fl_accel.exchange.Exchange.keep_residual`).
+decoded(sent)) in :attr:`Flight.dropped`; the exchange keeps it (``Exchange.keep_residual``).
 """
 
 from __future__ import annotations
@@ -80,8 +76,7 @@ class Codec:
         return wire.padding(self.name, num_groups, num_chunks)
 
     def wire(self, chunk_values: int, num_groups: int) -> list[tuple[str, float]]:
-        """``[(op, tensor_bytes)]``: the "fl" collectives of one chunk of ``chunk_values`` fp32
-        values over F groups (:func:`fl_accel.wire.wire_ops`)."""
+        """:func:`fl_accel.wire.wire_ops`: ``[(op, bytes)]`` of one chunk over F groups."""
         return wire.wire_ops(self.name, chunk_values, num_groups, self.density, self.bits)
 
     def launch(self, mine: torch.Tensor, peers: Peers) -> Flight:

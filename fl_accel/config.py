@@ -1,15 +1,11 @@
 """FLConfig, the federation settings (paper Sec. 3), and ResolvedFLConfig, their one resolution for a launch.
 
-Precedence: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides (the
-recipe's flags), merged and typed by :mod:`fl_accel.settings` (shared with the recipe's
-parser); layout checks live in :mod:`fl_accel.mesh`. Every check raises ``ValueError``
-naming the field (or variable), in pure Python, so every rank raises it before any collective.
-
-An :class:`FLConfig` is frozen and validated once, at construction: a changed copy is made
-with ``dataclasses.replace`` (validated like a new one), e.g. :meth:`FLConfig.with_max_steps`.
-The run-time config is :class:`ResolvedFLConfig`, made once by :func:`resolve_launch`
-(:meth:`FLConfig.for_launch`) with the launch's layout and the run's length; ``FLAccelerator``
-holds it (``accelerator.run_config``) and every reader reads it.
+Precedence: defaults < YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides, merged and
+typed by :mod:`fl_accel.settings`. An :class:`FLConfig` is frozen and checked once, at
+construction (:mod:`fl_accel.config_checks`; ``ValueError`` naming the field, in pure Python,
+on every rank before any collective); ``dataclasses.replace`` makes a checked copy. The
+run-time config is :class:`ResolvedFLConfig`, made once by :func:`resolve_launch` with the
+launch's layout and the run's length; ``FLAccelerator`` holds it (``run_config``).
 """
 
 from __future__ import annotations
@@ -17,14 +13,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import math
 import os
 import textwrap
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Mapping, get_args
 
 from . import mesh, wire
-from .settings import check_type, read_yaml_mapping, resolve_sources, type_hints
+from .config_checks import check_fields
+from .settings import read_yaml_mapping, resolve_sources
 
 
 Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
@@ -125,8 +121,8 @@ class FLConfig:
     """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
 
     def __post_init__(self) -> None:
-        """Validate every field once (:func:`check_fields`); ``group_sizes`` given as a tuple is
-        stored as a list. ValueError naming the field."""
+        """Validate every field once (:func:`fl_accel.config_checks.check_fields`); ``group_sizes``
+        given as a tuple is stored as a list. ValueError naming the field."""
         if isinstance(self.group_sizes, tuple):
             object.__setattr__(self, "group_sizes", list(self.group_sizes))
         check_fields(self)
@@ -277,12 +273,10 @@ def check_max_steps(max_steps: Any) -> None:
 
 @dataclass(frozen=True)
 class ResolvedFLConfig:
-    """The run-time config: an :class:`FLConfig` resolved once against the launch (its world
-    size and ranks per node) and, when known, the run's length. The one owner of the run's
-    settings: :class:`fl_accel.FLAccelerator` holds it as ``run_config`` and every reader
-    (the synchronizer, the checkpoint, ``accelerator.federation``, the recipe) reads it or
-    the objects in it, never a copy kept in step by hand. Frozen (assigning raises
-    ``dataclasses.FrozenInstanceError``); made only by :func:`resolve_launch`."""
+    """The run-time config: an :class:`FLConfig` resolved once against the launch and, when
+    known, the run's length. The one owner of the run's settings: ``FLAccelerator.run_config``,
+    read by every reader (never a copy kept in step by hand). Frozen; made only by
+    :func:`resolve_launch`."""
 
     config: FLConfig
     """The config the run uses: ``source``, or with a decaying outer-LR schedule without
@@ -313,13 +307,11 @@ class ResolvedFLConfig:
 
 def resolve_launch(config: FLConfig, world_size: int, *, ranks_per_node: int | None = None,
                    max_steps: int | None = None) -> ResolvedFLConfig:
-    """Resolve ``config`` once for a launch of ``world_size`` ranks (``ranks_per_node``:
-    ``LOCAL_WORLD_SIZE``, default ``world_size``) and, when given, a run of ``max_steps``
-    optimizer steps: the federation's layout (:meth:`fl_accel.mesh.FLLayout.for_launch`), this
-    launch's part of it, and the config filled for the run's length. Pure Python: raises
-    ValueError naming the field (F not dividing the world, S not dividing a group, ``max_steps``
-    not a positive integer, the outer-LR warmup not shorter than the run) on every rank before
-    any process group is touched."""
+    """Resolve ``config`` once for a launch of ``world_size`` ranks (``ranks_per_node`` default
+    ``world_size``) and, when given, a run of ``max_steps`` steps: the federation's layout, this
+    launch's part of it, the config filled for the run's length. Pure Python: ValueError naming
+    the field (F not dividing the world, S not dividing a group, a bad ``max_steps``, the
+    outer-LR warmup not shorter than the run) on every rank before any process group."""
     if not isinstance(config, FLConfig):
         raise ValueError(f"fl_config must be an FLConfig, got {type(config).__name__}")
     layout = mesh.FLLayout.for_launch(config, world_size, ranks_per_node=ranks_per_node)
@@ -342,74 +334,3 @@ def resolve_for_world(fl_config: FLConfig | ResolvedFLConfig, world: int, max_st
                              f"{world}")
         return fl_config if max_steps is None else fl_config.with_max_steps(max_steps)
     return fl_config.for_launch(world, ranks_per_node=mesh.ranks_per_node(world), max_steps=max_steps)
-
-
-def check_fields(cfg: FLConfig) -> None:
-    """Types, ranges and constraints between the fields of ``cfg``, without a world size (run
-    once, by ``FLConfig.__post_init__``). Raises ValueError naming the field."""
-    hints = type_hints(type(cfg))
-    for f in fields(cfg):
-        check_type(f"FLConfig.{f.name}", getattr(cfg, f.name), hints[f.name])
-    for name, ok, what in (*((n, getattr(cfg, n) >= 1, ">= 1") for n in ("num_groups", "sync_every", "num_fragments",
-                                                                          "sync_bucket_mb")),
-                           ("outer_lr", cfg.outer_lr > 0, "> 0"),
-                           ("outer_momentum", 0 <= cfg.outer_momentum < 1, "in [0, 1)"),
-                           ("fragment_update_alpha", 0 <= cfg.fragment_update_alpha <= 1, "in [0, 1]"),
-                           ("sync_density", 1 / 4096 <= cfg.sync_density <= 1,
-                            "in [1/4096, 1] (at least one value of every 4096 is sent)"),
-                           ("error_feedback_decay", cfg.error_feedback_decay is None
-                            or 0 < cfg.error_feedback_decay <= 1, "None or in (0, 1]"),
-                           ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
-                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds")):
-        if not ok:
-            raise ValueError(f"FLConfig.{name} must be {what}, got {getattr(cfg, name)}")
-    warmup, decay = cfg.outer_lr_warmup_steps, cfg.outer_lr_decay_steps
-    if cfg.outer_lr_schedule != "constant" or warmup:
-        if cfg.outer_optimizer != "nesterov":
-            raise ValueError(f"FLConfig.outer_lr_schedule={cfg.outer_lr_schedule!r} with outer_lr_warmup_steps="
-                             f"{warmup} needs outer_optimizer='nesterov' ('avg' has no outer LR)")
-        if warmup < 0:
-            raise ValueError(f"FLConfig.outer_lr_warmup_steps must be >= 0, got {warmup}")
-        if decay is not None and not warmup < decay:
-            raise ValueError(f"FLConfig.outer_lr_warmup_steps={warmup} must be shorter than the run "
-                             f"(FLConfig.outer_lr_decay_steps={decay} optimizer steps)")
-    window = cfg.sync_window_s
-    if cfg.sync_trigger == "time" and (window is None or not math.isfinite(window) or window <= 0):
-        raise ValueError(f"FLConfig.sync_window_s must be a positive number of seconds with sync_trigger='time' "
-                         f"(each round's training time), got {window!r}")
-    if cfg.sync_trigger != "steps":
-        if not cfg.is_federated:
-            raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} needs federation groups: algorithm "
-                             f"{cfg.algorithm!r} has one group spanning the world (use 'fl_fsdp' or 'fl_hsdp')")
-        for name, value, plain in (("num_fragments", cfg.num_fragments, 1), ("sync_delay", cfg.sync_delay, 0),
-                                   ("fragment_update_alpha", cfg.fragment_update_alpha, 0.0)):
-            if value != plain:
-                raise ValueError(f"FLConfig.{name}={value} is not supported with sync_trigger={cfg.sync_trigger!r}: "
-                                 f"rounds of unequal length run the blocking sync only (num_fragments=1, "
-                                 f"sync_delay=0, fragment_update_alpha=0)")
-    if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
-        raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
-                         "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
-    if cfg.sync_every % cfg.num_fragments:
-        raise ValueError(f"FLConfig.sync_every={cfg.sync_every} must be a multiple of "
-                         f"FLConfig.num_fragments={cfg.num_fragments} (one fragment syncs every H/P steps)")
-    period = cfg.sync_every // cfg.num_fragments
-    if not 0 <= cfg.sync_delay < period:
-        raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
-                         f"{period}, got {cfg.sync_delay}")
-    if cfg.fault_tolerant:
-        if not cfg.is_federated:
-            raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
-                             f"'fl_hsdp'), got algorithm={cfg.algorithm!r}")
-        if cfg.group_sizes is not None and len(set(cfg.group_sizes)) > 1:
-            raise ValueError(f"FLConfig.fault_tolerance='torchft' does not support unequal groups (group_sizes="
-                             f"{cfg.group_sizes}): torchft pairs the ranks of the live groups by their rank inside "
-                             f"the group, and a group heals rank by rank from a peer of the same size. Use equal "
-                             f"groups (num_groups) or fault_tolerance='none'.")
-        if cfg.group_index is None:
-            raise ValueError("FLConfig.group_index must be set with fault_tolerance='torchft' (each federation "
-                             "group is its own launch): FL_ACCEL_GROUP_INDEX=f or --group_index f")
-        if not 0 <= cfg.group_index < cfg.federation_size:
-            raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
-                             f"{cfg.group_index}")
-    mesh.check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)

@@ -1,15 +1,13 @@
 """The wire protocol of the sync: a weighted mean across federation groups, shard by shard.
 
 A :class:`Transport` gives each sync event a :class:`Membership` (F, this group's position,
-the weights: membership may change between events), three collectives over "fl", and its
-:class:`EventHooks` (when a write may happen). :class:`fl_accel.mesh_transport.MeshTransport`
-runs them on the launched world's process groups, :class:`fl_accel.ft.ManagedTransport` on
-torchft's; each declares what it is (:attr:`Transport.elastic`) instead of being probed. A
-:class:`Channel` is one event's link as a fragment uses it. An :class:`Exchange` packs local
-tensors into flat fp32 buckets (:func:`fl_accel.wire.plan_buckets`) and drives one
-:class:`~fl_accel.codecs.Codec` through its stages (what crosses "fl", its padding and its
-bytes are the codec's); collectives are issued from the caller's thread in program order, so
-every rank issues them in one order (as NCCL requires).
+the weights), three collectives over "fl" and its :class:`EventHooks` (when a write may
+happen); the world mesh's (:mod:`fl_accel.mesh_transport`) and torchft's (:mod:`fl_accel.ft`)
+declare what they are (:attr:`Transport.elastic`) instead of being probed. A :class:`Channel`
+is one event's link as fragments use it. An :class:`Exchange` packs local tensors into flat
+fp32 buckets (:func:`fl_accel.wire.plan_buckets`) and drives one
+:class:`~fl_accel.codecs.Codec` through its stages, issuing collectives from the caller's
+thread in program order (every rank in one order, as NCCL requires).
 
 Chunking (FL+HSDP's 1/R rule, unequal groups): a buffer is cut into ``C = R_min`` chunks;
 replica ``c < C`` of every group exchanges chunk c over "fl", then the group's replicas
@@ -41,17 +39,15 @@ class Membership:
 
 
 class EventHooks:
-    """A transport's hooks into each sync event: these no-op defaults are the world mesh's
-    (membership fixed for the run, writes at once); torchft's (a quorum per event, writes held
-    for the commit) are :class:`fl_accel.ft.CommitHooks`."""
+    """A transport's hooks into each sync event: the world mesh's no-ops (writes at once);
+    torchft's are :class:`fl_accel.ft.CommitHooks` (a quorum per event, writes held for the commit)."""
 
     deferred: list | None = None
     """The open event's writes, held for a commit (None: each write runs at once)."""
 
     def open(self, schedule) -> bool:
-        """A step with sync actions starts (``schedule``: the
-        :class:`~fl_accel.schedule.SyncSchedule`); True: this group's state was just replaced
-        (a heal), so the actions due are asked again."""
+        """A step with sync actions starts (``schedule``: its counters); True: this group's state
+        was just replaced (a heal), so the actions due are asked again."""
         return False
 
     def write(self, fn: Callable[[], None]) -> None:
@@ -106,10 +102,9 @@ class Transport(Protocol):
         """Row f: group f's ``vector`` (non-negative; the MAX over its ranks), on every rank."""
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the transport ({}: nothing)."""
+        """What a checkpoint keeps of the transport ({}: nothing); ``load_state_dict`` its inverse."""
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict`."""
+    def load_state_dict(self, state: dict) -> None: ...
 
     def shutdown(self) -> None:
         """Release what the transport started (end of training)."""
@@ -117,9 +112,8 @@ class Transport(Protocol):
 
 @dataclass(frozen=True)
 class Channel:
-    """One sync event's link to the other groups, as fragments use it: the ``transport``, the
-    event's ``membership``, its ``hooks`` (writes at once or held for a commit) and
-    ``bucket_values`` (fp32 values per exchange bucket)."""
+    """One sync event's link to the other groups, as fragments use it (``bucket_values``: fp32
+    values per exchange bucket)."""
 
     transport: Transport
     membership: Membership
@@ -130,9 +124,7 @@ class Channel:
         """An :class:`Exchange` of ``sources`` over this event (``kwargs`` as there)."""
         return Exchange(self.transport, self.membership, sources, bucket_values=self.bucket_values, **kwargs)
 
-    def write(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` now, or at the commit (:meth:`EventHooks.write`)."""
-        self.hooks.write(fn)
+    write = property(lambda self: self.hooks.write, doc="``write(fn)``: :meth:`EventHooks.write`.")
 
     def mean_into(self, tensors: list[torch.Tensor], mask=None, also=None, write: bool = True) -> None:
         """``tensors`` <- their exact fp32 weighted mean over the event's groups (``mask``:
@@ -170,15 +162,13 @@ class _Bucket:
 
 
 class Exchange:
-    """One weighted mean of ``sources`` (tensors, or callables called one at a time while
-    packing; then ``shapes`` and ``device`` are required) over ``transport`` for
-    ``membership``, on the wire of ``codec`` (default :class:`~fl_accel.codecs.Fp32Mean`).
-    ``mask``: per-group 0/1, weights renormalized over the 1s (the non-finite reset);
-    ``residuals``: error feedback, fp32 per source (maybe on the host): ``residual_decay`` x
-    residual is added before encoding and replaced by what the codec dropped of this rank's
-    chunk (:meth:`keep_residual`; zero for an exact codec); ``bucket_values``: fp32 values per
-    bucket. ``peak_bytes``: the most the buffers held at once. ``start``/``advance``/``finish``
-    run a delayed exchange (all buckets at once); ``run`` a blocking one."""
+    """One weighted mean of ``sources`` (tensors, or callables called while packing; then
+    ``shapes`` and ``device`` are required) over ``transport`` for ``membership``, on ``codec``'s
+    wire (default fp32). ``mask``: per-group 0/1, weights renormalized over the 1s;
+    ``residuals``: error feedback, fp32 per source: ``residual_decay`` x residual is added
+    before encoding and replaced by what the codec dropped (:meth:`keep_residual`);
+    ``bucket_values``: fp32 values per bucket; ``peak_bytes``: the most the buffers held.
+    ``start``/``advance``/``finish``: a delayed exchange; ``run``: a blocking one."""
 
     def __init__(self, transport: Transport, membership: Membership, sources: list, *, shapes=None, device=None,
                  mask=None, residuals=None, bucket_values: int = 64 * 2**20, codec: Codec | None = None,

@@ -1,16 +1,12 @@
 """The federation's public status: ``accelerator.federation``, what a training loop reads.
 
-What a script, the recipe or an example needs to know about the sync, without reaching into
-the synchronizer (:class:`fl_accel.sync.Synchronizer`, an internal): optimizer steps and sync
-events, the last event's membership and merge weights, bytes per mesh axis, whether the
-groups may differ, the fragment plan, the progress of rounds by time/speed, the sync's waits
-and torchft's heals. Every attribute is a read-only view computed when read (what is not a
-number is a copy: changing it changes nothing); before ``prepare(model, optimizer)`` (and
-with one group) the counters read as a run with no sync.
-Two calls act, both for loops and pre-sync hooks: :meth:`Federation.arriving` and
-:meth:`Federation.restart_round_clock`. Units: optimizer steps (after gradient
-accumulation), ring bytes this rank sent (:mod:`fl_accel.comm`), seconds.
-tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
+What a script, the recipe or an example reads about the sync instead of the synchronizer (an
+internal): steps and sync events, the last event's membership, bytes per axis, the fragment
+plan, rounds by time/speed, waits and torchft's heals. Every attribute is a read-only view
+computed when read (what is not a number is a copy); before ``prepare`` and with one group
+the counters read as a run with no sync. Two calls act: :meth:`Federation.arriving` and
+:meth:`Federation.restart_round_clock`. Units: optimizer steps, ring bytes this rank sent,
+seconds. tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
 """
 
 from __future__ import annotations

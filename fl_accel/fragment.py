@@ -1,11 +1,10 @@
 """A fragment of the model and the sync state it owns: anchor, outer momentum, residuals, exchange in flight.
 
-Fragment k holds the FSDP units u with u mod P = k (:func:`fl_accel.schedule.deal_fragments`;
-P = 1: the whole model) and, for its parameters' local shards, everything the sync keeps
-between events: the anchor (this rank's fp32 copy after their last sync, kept for "nesterov"
-and for a compressed exchange, which sends Delta = anchor - theta), its outer optimizer (SGD
-over its anchors), the error-feedback residuals and its exchange in flight (or that
-exchange's means, after a checkpoint). With the weighted mean over groups of what was sent::
+Fragment k holds the FSDP units u with u mod P = k (:func:`fl_accel.schedule.deal_fragments`)
+and, for its parameters' local shards, the anchor (the fp32 copy after their last sync, kept
+for "nesterov" and for a compressed exchange, which sends Delta = anchor - theta), its outer
+optimizer (SGD over its anchors), the error-feedback residuals and its exchange in flight
+(after a checkpoint: that exchange's means). With the weighted mean over groups of what was sent::
 
     global = anchor - mean(Delta)        compressed, "avg"
     global = mean(theta)                 "fp32", "avg" (the paper's FedAvg, no anchor)
@@ -13,17 +12,13 @@ exchange's means, after a checkpoint). With the weighted mean over groups of wha
                                          g = mean(Delta), or anchor - mean(theta) for "fp32"
     anchor <- global;  theta <- global + alpha (theta - global)
 
-A collective may span several fragments: the module's functions take ``parts``,
-(fragment, position) pairs in the model's parameter order, and pack them into one exchange
-(a full sync, the non-finite reset), as a fragment's own methods do with its own parts.
-
-``outer_state_device="cpu"`` keeps the state in host memory (anchor and residuals pinned
-with CUDA parameters). Collectives see accelerator tensors only (NCCL rejects CPU ones):
-Delta is computed there per tensor while packing (a ``non_blocking`` copy of the anchor,
-minus theta); the means come back to the host for the outer step. Values equal "same"
-(bitwise on CPU; on CUDA up to host fp32 rounding). CUDA events recorded after each copy
-out of the host state fence the host's next write. Memory per rank besides the model
-(n = local numel): 4n bytes per kept tensor (anchor, momentum, residual).
+The module's functions take ``parts``, (fragment, position) pairs in the model's order, so one
+exchange may span fragments (a full sync, the non-finite reset) as it always has.
+``outer_state_device="cpu"`` keeps the state in host memory (pinned with CUDA parameters):
+Delta is computed on the accelerator while packing (NCCL rejects CPU tensors), the means come
+back to the host for the outer step; values equal "same" (bitwise on CPU), and CUDA events
+after each copy out of the host state fence its next write. Memory per rank besides the
+model (n = local numel): 4n bytes per kept tensor.
 """
 
 from __future__ import annotations
@@ -39,11 +34,10 @@ from .lr_schedule import outer_lr
 
 
 class Fragment:
-    """Fragment ``index``: ``indices`` (positions in the model's parameter order), their
-    canonical ``names`` and ``params``, and their sync state as the FLConfig asks (module
-    docstring): ``anchor``, ``outer`` (the outer optimizer), ``residuals`` (fp32, shaped like
-    each local shard; None when not kept) and ``pending`` (the exchange in flight, or its
-    means after a checkpoint; None)."""
+    """Fragment ``index``: ``indices`` (positions in the model's order), canonical ``names``,
+    ``params``, and their sync state as the FLConfig asks: ``anchor``, ``outer`` (the outer
+    optimizer), ``residuals`` (fp32 like each local shard; None: not kept) and ``pending``
+    (the exchange in flight, or its means after a checkpoint; None)."""
 
     def __init__(self, index: int, indices: list[int], names: list[str], params: list, config):
         self.index, self.indices, self.names, self.params, self.config = index, list(indices), list(names), \
@@ -212,8 +206,7 @@ class Fragment:
         return {name: {"residual": r} for name, r in zip(self.names, self.residuals or ())}
 
     def inflight_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """By parameter name: "inflight", the means of the exchange in flight (completed here,
-        a collective: no value changes); {} when none is."""
+        """By parameter name: "inflight", the means of the exchange in flight (a collective)."""
         if self.pending is None:
             return {}
         self.pending = self.finish()
@@ -221,8 +214,8 @@ class Fragment:
 
     @torch.no_grad()
     def load_state(self, shared: dict, per_rank: dict | None = None, inflight: bool = False) -> None:
-        """Inverse of :meth:`outer_state` (``shared``), :meth:`residual_state` (``per_rank``, None:
-        keep the residuals) and, with ``inflight``, :meth:`inflight_state` (else nothing is in flight)."""
+        """Inverse of the three above (``per_rank`` None: residuals kept; nothing in flight
+        unless ``inflight``)."""
         self.fence()
         if self.anchor is not None:
             for name, a in zip(self.names, self.anchor):
@@ -249,7 +242,7 @@ def exchange(parts: list, channel: Channel, exact: bool = False) -> Exchange:
 
 def _by_fragment(parts: list, values: list):
     """``(fragment, positions, values)`` for each run of consecutive ``parts`` in one fragment."""
-    for fragment, run in groupby(zip(parts, values), key=lambda pv: id(pv[0][0])):
+    for _, run in groupby(zip(parts, values), key=lambda pv: id(pv[0][0])):
         run = list(run)
         yield run[0][0][0], [j for (_, j), _ in run], [v for _, v in run]
 

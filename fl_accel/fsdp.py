@@ -1,5 +1,6 @@
-"""The synchronizer's FSDP2 shard plumbing (``torch.distributed.fsdp.fully_shard``): local
-shards, canonical names, units; torch only, testable on a one-process group. (Helpers on a
+"""The synchronizer's FSDP2 shard plumbing: local shards, canonical parameter names, FSDP units.
+
+Torch only (``torch.distributed.fsdp.fully_shard``), testable on a one-process group. (The
 group's model around Accelerate's preparation: :mod:`fl_accel.fsdp_model`.) Relied on
 (public API; the internals are reached through :mod:`fl_accel.compat`):
 

@@ -1,12 +1,8 @@
 """A federation group's FSDP2 model around Accelerate's preparation: the plugin and policy, materialization, checks.
 
-Functions of (model, layout, device), testable on a one-process group: the one FSDP2 plugin
-and precision policy fl_accel builds and points Accelerate's state at (:func:`fsdp2_plugin`,
-:func:`use_fsdp2`), the materialization of a meta model, the reshard before writes, and the
-one check that groups and replicas hold identical parameters (:func:`shard_checksum`,
-:func:`check_identical`: over the world at ``prepare``, over torchft's first quorum in
-:mod:`fl_accel.ft`). Relied on (public API; the internals are reached through
-:mod:`fl_accel.compat`):
+Functions of (model, layout, device), testable on a one-process group; the replica check
+(:func:`check_identical`) runs over the world at ``prepare`` and over torchft's first quorum.
+Relied on (public API; the internals are reached through :mod:`fl_accel.compat`):
 
 * a DTensor's local shard is laid out as ``distribute_tensor`` with the same mesh and
   placements lays it out (:func:`materialize` keeps a rank's shard of a full init);
@@ -16,6 +12,7 @@ one check that groups and replicas hold identical parameters (:func:`shard_check
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -73,6 +70,31 @@ def use_fsdp2(state, plugin, user_policy, mixed_precision: str, replicas: int, s
         plugin.mixed_precision_policy = mixed_precision_policy(mixed_precision)
     compat.set_fsdp_state(state, plugin, ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shards),
                           device_mesh)
+
+
+def export_through(model, get_state_dict, no_sync) -> None:
+    """Give the prepared ``model`` the two calls Accelerate's users make on it directly (instance
+    attributes; the class is untouched):
+
+    * ``save_pretrained(dir, ...)`` without ``state_dict`` passes ``get_state_dict(model)``
+      (:meth:`fl_accel.FLAccelerator.get_state_dict`: the federated model, synced first):
+      transformers would read the model's own state dict, FSDP2's DTensor shards, and fail writing them
+      ("Attempted to access the data pointer on an invalid python storage"). Collective, like
+      Accelerate's FSDP2 gather: every rank calls it (the canonical scripts do, with
+      ``is_main_process``); transformers writes on rank 0.
+    * ``no_sync()`` (DDP's, which FSDP2 modules lack; Accelerate's autoregressive
+      gradient-accumulation example calls it) is ``no_sync(model)`` (the accelerator's)."""
+    original = getattr(model, "save_pretrained", None)
+    if callable(original):
+        @functools.wraps(original)
+        def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+            if state_dict is None:
+                state_dict = get_state_dict(model)
+            return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+        model.save_pretrained = save_pretrained
+    if not hasattr(model, "no_sync"):
+        model.no_sync = lambda: no_sync(model)
 
 
 @torch.no_grad()

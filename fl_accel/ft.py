@@ -91,14 +91,12 @@ class ManagedTransport:
     """:class:`~fl_accel.exchange.Transport` over torchft's managed process group.
 
     :meth:`begin` opens a membership (a quorum; it stays open so a delayed exchange keeps its
-    group) and :meth:`should_commit` closes it. F is the number of live groups, weights
-    1/F (0 for groups healing in the quorum, 1/(F - H) for the others:
-    :func:`fl_accel.mesh.merge_weights`). Chunks and device are ``inside``'s (replica r
-    exchanges chunk r). ``healed``: the last quorum healed this group; ``heals``: how often;
-    ``heal_sources``: one record per heal (:meth:`begin` completes it: see
-    :func:`fl_accel.heal.measure_heal`; :class:`CommitHooks` adds its ``step``); ``seconds``: host seconds
-    in quorums (heals included) and commit votes, and the number of quorums.
-    """
+    group) and :meth:`should_commit` closes it. F is the number of live groups, weights 1/F
+    (0 for groups healing in the quorum, 1/(F - H) for the others: :func:`fl_accel.mesh.merge_weights`).
+    Chunks and device are ``inside``'s (replica r exchanges chunk r). ``healed``: the last
+    quorum healed this group; ``heals``: how often; ``heal_sources``: one record per heal
+    (:func:`fl_accel.heal.measure_heal` completes it, :class:`CommitHooks` adds its ``step``);
+    ``seconds``: host seconds in quorums (heals included) and commit votes, and the number of quorums."""
 
     manager: object
     pg: object

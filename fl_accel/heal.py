@@ -1,12 +1,10 @@
 """torchft heals: one source per group, the state a healing group takes over, and the record of what it cost.
 
-A group that falls behind the quorum's committed step heals: torchft's Manager downloads a
-live group's state (:func:`capture` there) and applies it here (:func:`restore`). Relied on
-(torchft 0.2.0, ``src/manager.rs``): recovering rank k of group i heals from group
-``(i + k) mod U`` (torchft #343), so with F >= 3 a group's ranks would heal from different
-groups: :class:`AgreedClient` makes them all use rank 0's assignment and records each heal;
-:func:`measure_heal` completes the record (source group, bytes, seconds), which torchft does
-not report. :class:`fl_accel.ft.ManagedTransport` wires them in.
+A group behind the quorum's committed step downloads a live group's state (:func:`capture`
+there) and applies it (:func:`restore`). torchft 0.2.0 (#343, ``src/manager.rs``) heals
+recovering rank k of group i from group ``(i + k) mod U``: :class:`AgreedClient` makes every
+rank of a group use rank 0's source and records the heal; :func:`measure_heal` completes the
+record (bytes, seconds: torchft reports neither). :mod:`fl_accel.ft` wires them in.
 """
 
 from __future__ import annotations
@@ -65,21 +63,14 @@ class AgreedClient:
 def measure_heal(transport) -> None:
     """Complete the newest ``heal_sources`` record of ``transport`` (a
     :class:`fl_accel.ft.ManagedTransport`) after a quorum that healed this group:
-    ``source_group`` (the live group it downloaded from), ``bytes`` (what the group's
-    ranks loaded, summed) and ``seconds`` (download and apply, the slowest rank).
-
-    torchft 0.2.0 reports neither the bytes nor the time of a recovery, so each rank
-    measures its own: the tensors' ``nbytes`` of the state it applied (:func:`state_nbytes`;
-    the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
-    answer to the end of the apply. The source is the replica id of the quorum's
-    ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
-    :meth:`fl_accel.ft.ManagedTransport.create`), so its group index is exact. ``seconds``
-    splits into ``transfer_seconds`` (the quorum's answer to the state received: torchft's
-    HTTP download and unpickling on its quorum thread) and ``load_seconds`` (applying it:
-    reshard, parameters, optimizer and sync state), each the slowest rank's. Every rank of
-    the group runs this (the heal decision is rank 0's, broadcast): one SUM and one MAX over
-    the group's world; a rank whose download failed counts 0 bytes (torchft then fails the
-    round's commit). Collective over the group's world."""
+    ``source_group`` (from the source's replica id ``fl_accel_group_<f>``, after the #343
+    guard: exact), ``bytes`` (the tensors' ``nbytes`` each rank applied, :func:`state_nbytes`,
+    summed; the HTTP transfer is that plus pickling) and ``seconds`` from the quorum's answer to
+    the applied state, split into ``transfer_seconds`` (torchft's download and unpickling on its
+    quorum thread) and ``load_seconds`` (reshard, parameters, optimizer and sync state), each
+    the slowest rank's. A rank whose download failed counts 0 bytes (the commit then fails).
+    Collective over the group's world (one SUM, one MAX; every rank runs it, the heal decision
+    is rank 0's)."""
     mine = transport._heal_loaded or (0, 0.0, 0.0, 0.0)
     transport._heal_loaded, transport._heal_agreed = None, False
     nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=transport.device)

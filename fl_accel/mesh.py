@@ -1,5 +1,7 @@
-"""The only module that knows the layout of the world (sizes, coordinates, axes, nodes),
-and the process bootstrap (default process group, every mesh sub-group).
+"""The layout of the world (sizes, coordinates, axes, nodes, group weights) and the process bootstrap.
+
+The only module that knows the layout; it also creates the default process group and every
+mesh sub-group, and owns the one formula of the groups' merge weights (:func:`merge_weights`).
 
 Federation groups are contiguous rank blocks (paper Sec. 3). Group ``f`` holds ``G_f =
 R_f * S`` ranks (``R_f`` HSDP replicas of ``S`` shards); its global rank ``k = o_f + r*S
@@ -45,18 +47,13 @@ WEIGHTINGS = ("tokens", "size", "uniform")
 
 def merge_weights(weighting: str, steps: Sequence[int] | None, sizes: Sequence[int],
                   copies: Sequence[int] = ()) -> tuple[float, ...]:
-    """w_f of a sync's weighted mean, one per group, summing to 1: the one formula of the
-    group weights (the layout's, the rounds by time/speed, torchft's quorums).
-
-    * "tokens": ``G_f n_f / sum_g G_g n_g`` (``sizes`` G_f ranks x ``steps`` n_f of the round:
-      the tokens each group trained on, every rank training the same tokens per step; ``steps``
-      None: equal steps, the size share). A group that did no step weighs 0;
-    * "size": ``G_f / N`` whatever the steps; "uniform": ``1 / F``.
-
-    ``copies``: groups that hold a copy of another's values (torchft: healed in this quorum),
-    which would weigh twice: they weigh 0 and the others share 1 among themselves (all of
-    them copies, or no tokens left without them: ignored). ValueError: unknown weighting,
-    lengths that differ, or no tokens at all."""
+    """w_f of a sync's weighted mean, one per group, summing to 1: the one formula of the group
+    weights (the layout's, the rounds by time/speed, torchft's quorums). "tokens": ``G_f n_f /
+    sum_g G_g n_g`` (``sizes`` G_f ranks x ``steps`` n_f, the tokens each group trained on;
+    ``steps`` None: equal steps); "size": ``G_f / N``; "uniform": ``1 / F``. ``copies``: groups
+    holding another's values (torchft: healed in this quorum) weigh 0 and the others share 1
+    (all copies, or no tokens without them: ignored). ValueError: unknown weighting, lengths
+    that differ, or no tokens at all."""
     if steps is not None and len(steps) != len(sizes):
         raise ValueError(f"steps {list(steps)} and sizes {list(sizes)} must have one entry per group")
     if weighting not in WEIGHTINGS:
@@ -74,35 +71,6 @@ def merge_weights(weighting: str, steps: Sequence[int] | None, sizes: Sequence[i
             raise ValueError(f"no group trained in this round (steps {list(steps)})")
         share = {f: tokens[f] / sum(tokens[g] for g in kept) for f in kept}
     return tuple(share.get(f, 0.0) for f in range(len(sizes)))
-
-
-def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:
-    """The layout checks of an FLConfig that need no world size. Raises ValueError naming the
-    field: bad ``group_sizes``, S < 1 or not dividing a size, ``num_groups`` (given) not
-    ``len(group_sizes)``, unequal sizes with "fl_fsdp" or without S."""
-    sizes, shards = config.group_sizes, config.hsdp_shard_size
-    if shards is not None and shards < 1:
-        raise ValueError(f"FLConfig.hsdp_shard_size must be >= 1, got {shards}")
-    if sizes is None:
-        return
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"FLConfig.group_sizes must list positive group sizes, got {sizes}")
-    if not is_federated(config.algorithm):
-        return
-    if explicit_num_groups and config.num_groups != len(sizes):
-        raise ValueError(f"FLConfig.num_groups={config.num_groups} disagrees with FLConfig.group_sizes="
-                         f"{sizes} ({len(sizes)} groups)")
-    if len(set(sizes)) > 1:
-        if config.algorithm == "fl_fsdp":
-            raise ValueError(f"FLConfig.group_sizes={sizes} are unequal: algorithm 'fl_fsdp' needs equal groups; "
-                             f"use algorithm='fl_hsdp' with an hsdp_shard_size S dividing every size "
-                             f"(e.g. S={math.gcd(*sizes)})")
-        if shards is None:
-            raise ValueError(f"FLConfig.hsdp_shard_size must be set for unequal group_sizes={sizes} "
-                             f"(a shard size dividing every group size, e.g. {math.gcd(*sizes)})")
-    if shards is not None and uses_hsdp(config.algorithm) and any(g % shards for g in sizes):
-        raise ValueError(f"FLConfig.hsdp_shard_size={shards} must divide every group size; it does not divide "
-                         f"{[g for g in sizes if g % shards]} of group_sizes={sizes}")
 
 
 @dataclass(frozen=True)
@@ -165,7 +133,7 @@ class FLLayout:
                 what = "group size" if len(sizes) > 1 or federated else "world size"
                 raise ValueError(f"FLConfig.hsdp_shard_size={shards} does not divide the {what} {bad[0]} "
                                  f"(world size {world_size}, group sizes {list(sizes)})")
-        else:  # unequal sizes need HSDP (check_group_fields)
+        else:  # unequal sizes need HSDP (fl_accel.config_checks.check_group_fields)
             shards = sizes[0]
         return cls(sizes, shards, config.algorithm)
 

@@ -120,9 +120,8 @@ class SyncSchedule:
 
 
 class FixedPlanner:
-    """Round planning, the paper's fixed H (every group syncs after the schedule's H steps):
-    the interface the synchronizer calls, all no-ops here but the run's length. The other
-    planner is :class:`fl_accel.trigger.TriggerPlanner` (rounds by time or speed)."""
+    """Round planning at the paper's fixed H: the interface the synchronizer calls, no-ops but
+    the run's length (the other planner: :class:`fl_accel.trigger.TriggerPlanner`)."""
 
     rounds = None
     """The planner's round state (:class:`fl_accel.trigger.RoundState`), else None."""

@@ -1,12 +1,9 @@
 """Typed settings from YAML and ``FL_ACCEL_*`` variables, for FLConfig and the recipe's parser alike.
 
 Precedence: YAML < ``FL_ACCEL_<FIELD>`` variables < keyword overrides (None: not given);
-``FL_ACCEL_TEST_*`` (test hooks) are skipped. The merge (:func:`resolve_sources`) and the type
-rules (:func:`check_type`, :func:`parse_env_value`) are shared by :class:`fl_accel.FLConfig`
-and the recipe's argument parser (``recipes/args.py``), which accept and refuse the same
-values with the same words. Every check raises ``ValueError`` naming the field or variable,
-in pure Python (every rank raises it before any collective). A dataclass ``cls`` given here
-has ``field_names()``.
+``FL_ACCEL_TEST_*`` (test hooks) are skipped. FLConfig and ``recipes/args.py`` share the merge
+and the type rules, so they accept and refuse the same values with the same words
+(``ValueError`` naming the field or variable, in pure Python, on every rank).
 """
 
 from __future__ import annotations

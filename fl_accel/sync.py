@@ -1,23 +1,14 @@
 """The synchronizer: the optimizer hook that counts steps and drives fragments through each sync event.
 
-Paper (arXiv 2609.20359) Sec. 3, Alg. 1: after every H-th optimizer step each rank
-replaces its local shard with the weighted mean of the shards at the same coordinate in
-all F groups (FedAvg). No full-parameter gather: a rank exchanges its own shard; parameters
-stay DTensors, only their local tensors are written, in place. One sync event reads in three
-files: this one (:class:`Synchronizer`: when, the non-finite check, which fragments),
-:mod:`fl_accel.fragment` (what each fragment sends and how its outer step applies the means)
-and :mod:`fl_accel.exchange` / :mod:`fl_accel.codecs` (how the mean crosses the wire).
-:class:`~fl_accel.schedule.SyncSchedule` says when.
-
-Two plug-ins, chosen once when the synchronizer is built, each seeing a :class:`SyncEvent`
-(never the synchronizer):
-
-* round planning: :class:`~fl_accel.schedule.FixedPlanner` (H steps for every group), or
-  :class:`fl_accel.trigger.TriggerPlanner` (rounds by time or speed);
-* membership: the :class:`~fl_accel.exchange.Transport` and its
-  :class:`~fl_accel.exchange.EventHooks` (the world mesh's: :mod:`fl_accel.mesh_transport`,
-  no-ops; torchft's: :class:`fl_accel.ft.CommitHooks`, a quorum per event and writes held
-  until the commit).
+Paper (arXiv 2609.20359) Sec. 3, Alg. 1: after every H-th optimizer step each rank replaces
+its local shard with the weighted mean of the shards at the same coordinate in all F groups
+(FedAvg); parameters stay DTensors, only their local tensors are written, in place. One sync
+event reads in three files: this one (when, the non-finite check, which fragments),
+:mod:`fl_accel.fragment` (what a fragment sends, its outer step) and :mod:`fl_accel.exchange`
+/ :mod:`fl_accel.codecs` (the mean across the wire). Two plug-ins, each seeing a
+:class:`SyncEvent`, never the synchronizer: the round planner
+(:class:`~fl_accel.schedule.FixedPlanner`, or :class:`fl_accel.trigger.TriggerPlanner`) and
+the transport's :class:`~fl_accel.exchange.EventHooks` (torchft's: :class:`fl_accel.ft.CommitHooks`).
 """
 
 from __future__ import annotations
@@ -47,10 +38,9 @@ class NonFiniteError(RuntimeError):
 
 @dataclass(frozen=True)
 class SyncEvent:
-    """What a plug-in (round planner, pre-sync hook) sees of an optimizer step or sync event:
-    the ``schedule`` (counters), the ``transport``, the event's ``membership`` (None before the
-    event opens), the ``clock`` of seconds in sync events, and ``arriving()``, the context
-    manager that times an event's first world collective as the wait for the other groups."""
+    """What a plug-in (round planner, pre-sync hook) sees of a step or sync event: counters,
+    transport, the event's ``membership`` (None before it opens), the ``clock`` of seconds in
+    sync events, ``arriving()`` (times a first world collective as the wait for the others)."""
 
     schedule: SyncSchedule
     transport: Transport
@@ -60,14 +50,11 @@ class SyncEvent:
 
 
 class Synchronizer:
-    """Averages local shards across federation groups every H optimizer steps (a fragment
-    every H/P). ``named_params``: (name, parameter) of the sharded model, one per parameter,
-    one order on every rank (names via :func:`fl_accel.fsdp.canonical_name`); ``optimizer``:
-    the inner one; ``transport``: this rank's :class:`~fl_accel.exchange.Transport`;
-    ``units``: parameter indices per FSDP unit in forward order (default one per parameter),
-    unit u into fragment u mod P (ValueError: P > units). ``pre_sync_hooks``: ``hook(event,
-    full)`` before each event (``event``: a :class:`SyncEvent`). ``planner``: the round planner
-    (default :class:`~fl_accel.schedule.FixedPlanner`; ignored with one group), e.g. :func:`fl_accel.trigger.make_planner`'s."""
+    """Averages local shards across groups every H optimizer steps (a fragment every H/P).
+    ``named_params``: the sharded model's, one order on every rank; ``units``: parameter indices
+    per FSDP unit in forward order (unit u into fragment u mod P; ValueError: P > units);
+    ``planner``: None (or one group) is :class:`~fl_accel.schedule.FixedPlanner`.
+    ``pre_sync_hooks``: ``hook(event, full)`` before each event."""
 
     def __init__(self, named_params, optimizer, *, transport: Transport, config, units=None, planner=None):
         named = list(named_params)
@@ -78,11 +65,8 @@ class Synchronizer:
         dealt = [sorted(i for unit in part for i in unit) for part in deal_fragments(units, P)]
         self.fragments = [fr.Fragment(k, idx, [self.names[i] for i in idx], [self.params[i] for i in idx], config)
                           for k, idx in enumerate(dealt)]
-        self.parts = [None] * len(self.params)
+        self.parts = sorted((part for f in self.fragments for part in f.parts), key=lambda fj: fj[0].indices[fj[1]])
         """(fragment, position) of every parameter, in the model's order (a full sync's exchange)."""
-        for f in self.fragments:
-            for j, i in enumerate(f.indices):
-                self.parts[i] = (f, j)
         self.hooks = transport.hooks()
         active = transport.elastic or transport.begin().num_groups > 1
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
@@ -176,9 +160,8 @@ class Synchronizer:
 
     @contextlib.contextmanager
     def arriving(self):
-        """Time the event's first world collective into :attr:`arrival` (later ones pass). A
-        pre-sync hook whose world collective comes first (e.g. a recipe's deferred log sums)
-        wraps it in this, so that the wait for the last group is counted as arrival."""
+        """Time the event's first world collective into :attr:`arrival` (later ones pass; a
+        pre-sync hook whose world collective comes first wraps it in this)."""
         if self._arrived:
             yield
             return
@@ -192,9 +175,8 @@ class Synchronizer:
         return self.config.final_sync == "exact" and codec_of(self.config).lossy
 
     def needs_final_sync(self) -> bool:
-        """True when :meth:`sync` with ``final=True`` would change something: the groups have trained
-        since their last full sync, or residuals of a lossy exchange wait for the exact final sync.
-        The same answer on every rank (it reads counters and settings only)."""
+        """:meth:`sync` with ``final=True`` would change something: the groups trained since their
+        last full sync, or residuals wait for the exact final sync. The same on every rank."""
         if not self.schedule.active:
             return False
         waiting = self.exact_final and self.fragments[0].residuals is not None and not self.final_synced \
@@ -244,14 +226,12 @@ class Synchronizer:
             fr.average_inner_state(parts, self.optimizer, channel)
 
     def _check_finite(self, channel: Channel) -> bool:
-        """The NaN/Inf check every sync event runs first (one MAX over the world): True when no
-        group has NaN/Inf in a shard or the last loss. Else, under ``on_nonfinite="reset"``, the
-        bad groups are dropped for the event: exchanges in flight are completed and discarded,
-        every parameter and anchor is set to the weighted mean of the healthy groups, residuals
-        are zeroed, and the bad groups' optimizer state (every group's, with
-        ``average_optimizer_state``) to the healthy mean (:func:`fl_accel.fragment.reset_to_mean`);
-        counters and momentum are kept; returns False. NonFiniteError on every rank under
-        "abort" or when every group is bad."""
+        """The NaN/Inf check every event runs first (one MAX over the world): True when no group
+        has NaN/Inf in a shard or the last loss. Else, under "reset": exchanges in flight are
+        discarded, parameters and anchors set to the healthy groups' mean, residuals zeroed, the
+        bad groups' optimizer state (every group's, with ``average_optimizer_state``) averaged;
+        counters and momentum kept; False. NonFiniteError on every rank under "abort" or when
+        every group is bad."""
         s, loss, membership = self.schedule, self.last_loss, channel.membership
         local_bad = any(not torch.isfinite(local(p)).all() for p in self.params) or \
             (loss is not None and not math.isfinite(loss))
@@ -294,9 +274,8 @@ class Synchronizer:
         return {**self.schedule.state_dict(), **self.planner.state_dict()}
 
     def state_tensors(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """``(shared, per_rank)`` by parameter name: every fragment's :meth:`~fl_accel.fragment.Fragment.outer_state`
-        and :meth:`~fl_accel.fragment.Fragment.inflight_state` (an exchange in flight is completed
-        here: a collective; no value changes), and its :meth:`~fl_accel.fragment.Fragment.residual_state`."""
+        """``(shared, per_rank)`` by parameter name: the fragments' ``outer_state`` and
+        ``inflight_state`` (a collective: an exchange in flight completes), their ``residual_state``."""
         shared: dict = {}
         for f in self.fragments:
             shared.update(f.outer_state())
@@ -313,8 +292,7 @@ class Synchronizer:
             f.load_state(shared or {}, per_rank or {}, inflight=f.index == self.schedule.inflight)
 
     def heal_state(self) -> dict:
-        """What a group healing from this one takes over of the sync (cloned): ``outer`` (the
-        fragments' outer state by name) and ``sync`` (:meth:`counters`); not the residuals."""
+        """What a group healing from this one takes over (cloned): ``outer`` (by name), ``sync``."""
         outer = {n: {k: v.detach().clone() for k, v in d.items()} for f in self.fragments
                  for n, d in f.outer_state().items()}
         return {"outer": outer, "sync": self.counters()}

@@ -15,17 +15,14 @@ other triggers end a round by time or by speed instead (cf. Async Local-SGD, arX
   since the round began, then all sync. The ranks of one group agree on "time is up" by a
   one-value MAX over the group at each optimizer step (never across groups).
 * ``"speed"``: group f trains ``H_f = max(1, round(H * t_max / t_f))`` steps, ``t_f`` its
-  mean seconds per optimizer step in the last round: the slowest group does H, a group k
-  times faster k H, and all arrive together. A round lasts H of the slowest group's steps,
-  as under ``"steps"`` (the same syncs per hour as the barrier), and the fast groups train
-  where they would have waited. Rounding to whole steps misses the common arrival by at most
-  half of a fast group's step (with the fastest group doing H, it would be half of a *slow*
-  group's step: 6% of the round at H=8 and 2:1). The first round is H for every group.
+  mean seconds per optimizer step in the last round: the slowest group does H (the syncs per
+  hour of the barrier), a group k times faster k H, and all arrive together (up to half of a
+  fast group's step). The first round is H for every group.
 
 At each sync the groups exchange one small vector per group (:data:`FIELDS`): steps and
 training seconds of the round, the time spent waiting at syncs, and the group's index. From
-it every rank computes the same merge weights (:func:`fl_accel.mesh.merge_weights`), the next round's
-steps, and the federation's progress in tokens.
+it every rank computes the same merge weights (:func:`fl_accel.mesh.merge_weights`), the
+next round's steps, and the federation's progress in tokens.
 
 With ``fault_tolerance="torchft"`` the table has one row per group of the sync's quorum
 (torchft's ``participating_rank`` order, which may change between quorums), so the rows
@@ -35,11 +32,9 @@ from the groups present. A group that heals takes over a live group's state
 (:meth:`RoundState.take_over`) and enters the round with no steps of its own, so its merge
 weight is 0, as torchft's healed groups have in the "steps" mode.
 
-Run length: a run of T optimizer steps under a non-"steps" trigger trains the tokens a
-"steps" run of T steps would, ``T x sum_f G_f`` rank-steps (every rank trains the same
-tokens per optimizer step, Accelerate's per-process batch). When the next round would
-reach that budget it is planned in steps, each group's share of what is left in
-proportion to its rate, so the run ends on the budget up to rounding.
+Run length: T optimizer steps become the tokens of a "steps" run, ``T x sum_f G_f``
+rank-steps; the round that reaches them is planned in steps, shared in proportion to the
+groups' rates (docs/unequal_groups.md).
 """
 
 from __future__ import annotations
@@ -189,11 +184,9 @@ class RoundState:
         return rates if self.trigger == "speed" else None
 
     def take_over(self, state: dict) -> None:
-        """A torchft heal: this group becomes a copy of a live group, whose round state
-        (:meth:`state_dict`) it loads, keeping its own index (``position``). It enters the
-        current round with no steps of its own: it trained nothing the federation counts since
-        the last sync, so the round's "tokens" weight is 0 (a copy would weigh twice). The
-        rounds' end times (``ends_s``) up to the heal are the source's clock."""
+        """A torchft heal: load a live group's round state (:meth:`state_dict`), keeping this
+        group's index; it enters the round with no steps of its own ("tokens" weight 0: a copy
+        would weigh twice). The rounds' end times up to the heal are the source's clock."""
         self.load_state_dict(state)
         self.steps, self.train_s, self.timed = 0, 0.0, 0
 

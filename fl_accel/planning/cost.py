@@ -17,7 +17,7 @@ every H/P steps, n fp32 values per bucket (:func:`plan_buckets`), padded as the 
 pads; a world all-reduce of F fp32 flags checks for NaN/Inf::
 
     fl = 2 (F-1)/F n/C b  (b = 4 fp32, 2 bf16, 1 + 4/256 int8);  dp_replicate = (R_f-1)/R_f 4n;  world = 2 (N-1)/N 4F
-    sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`sparse_k`)
+    sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`fl_accel.wire.sparse_k`)
 
 With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched in its tau-step
 window, and ``end_training``'s full sync unless step T ended one (P = 1). With a lossy

@@ -1,5 +1,7 @@
-"""FSDP units of a model as shapes, without torch (the input of :func:`fl_accel.planning.cost.estimate`
-and of :func:`fl_accel.planning.memory.estimate`): a Llama from its config (shapes as
+"""FSDP units of a model as shapes, without torch: the input of the cost and memory models.
+
+The input of :func:`fl_accel.planning.cost.estimate` and of
+:func:`fl_accel.planning.memory.estimate`: a Llama from its config (shapes as
 transformers' ``modeling_llama.py``), or any module as accelerate 1.15 ``fsdp2_prepare_model``
 wraps it. Used by the planning models, the CLIs, the bench's analysis and the tests; the
 library's runtime only needs :class:`fl_accel.planning.cost.ShardUnit`.

@@ -141,3 +141,14 @@ def test_step_sleep_hook_spec():
     for bad in ("fast", "0,-1", "0,x-2"):
         with pytest.raises(RecipeError, match="FL_ACCEL_TEST_STEP_SLEEP"):
             parse_sleep(bad, 0)
+
+
+def test_merge_weights_drop_the_copies_of_a_heal():
+    """Groups healed in a torchft quorum hold their source's values: weight 0, the others share
+    1 as if they were all (1/(F - H) exactly under "uniform"); all copies, or no tokens left
+    without them: the copies are ignored."""
+    assert merge_weights("uniform", None, (1,) * 5, copies=[1, 3]) == (1 / 3, 0.0, 1 / 3, 0.0, 1 / 3)
+    assert merge_weights("tokens", [4, 0, 4], [2, 2, 2], copies=[1]) == (0.5, 0.0, 0.5)
+    assert merge_weights("size", None, [2, 4], copies=[0]) == (0.0, 1.0)
+    assert merge_weights("size", None, [2, 4], copies=[0, 1]) == pytest.approx((1 / 3, 2 / 3))
+    assert merge_weights("tokens", [0, 4], [2, 2], copies=[1]) == (0.0, 1.0)
