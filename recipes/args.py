@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from fl_accel.config import NOT_IDENTITY_FIELDS, FLConfig
-from fl_accel.settings import ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
 from fl_accel.mesh import world_size_from_env
+from fl_accel.settings import ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
 
 
 class RecipeError(ValueError):
