@@ -40,7 +40,6 @@ groups' rates (docs/unequal_groups.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence

@@ -154,7 +154,7 @@ class RecipeArguments:
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
     """Raise RecipeError ``--<name> must be ...`` unless ``value`` fits the annotation: the
-    type rules of ``fl_accel.config.check_type`` (one owner), shared with FLConfig."""
+    type rules of ``fl_accel.settings.check_type`` (one owner), shared with FLConfig."""
     try:
         check_type(f"--{name}", value, hint)
     except ValueError as exc:
@@ -163,7 +163,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
 
 def fl_values(fl_yaml: dict, config: str | None, environ, fl_cls=FLConfig) -> tuple[dict, dict]:
     """FLConfig values of the YAML's ``fl:`` section < ``FL_ACCEL_<FIELD>`` variables, and where
-    each came from, by ``fl_accel.config.resolve_sources`` (the library's merge; flags are
+    each came from, by ``fl_accel.settings.resolve_sources`` (the library's merge; flags are
     applied on top by argparse).
 
     Raises:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_accel import FLConfig
+from fl_accel import FLConfig, wire
 from fl_accel.codecs import Fp32Mean, Quantized, Sparse, codec_of, make_codec
 from fl_accel.wire import BLOCK, QMAX, SPARSE_BLOCK, sparse_bytes, sparse_k
 
@@ -169,3 +169,13 @@ def test_codec_choice_and_errors():
     cfg = FLConfig(sync_dtype="sparse", error_feedback=True, sync_density=0.02)
     assert isinstance(codec_of(cfg), Sparse) and codec_of(cfg).density == 0.02
     assert isinstance(codec_of(cfg, exact=True), Fp32Mean)  # the exact final sync
+
+
+def test_the_config_s_sync_dtypes_are_the_wire_s_names():
+    """One home for the names: FLConfig.sync_dtype's choices are fl_accel.wire.SYNC_DTYPES (in
+    order), and every one of them has a codec of that name."""
+    import typing
+
+    choices = typing.get_args(typing.get_type_hints(FLConfig)["sync_dtype"])
+    assert choices == wire.SYNC_DTYPES
+    assert [make_codec(name).name for name in choices] == list(wire.SYNC_DTYPES)
