@@ -93,7 +93,7 @@ def plan_run(argv=None, environ=None, t0: float | None = None) -> RunPlan:
     run_name = args.run_name or default_run_name(layout, fl)
     if args.output_dir is None:
         args.output_dir = os.path.join("outputs", args.experiment, run_name)
-    if fl.fault_tolerance == "torchft":  # each group is its own launch, with its own folder and results
+    if fl.fault_tolerant:  # each group is its own launch, with its own folder and results
         check_fault_tolerant(args)
         args.output_dir = os.path.join(args.output_dir, f"group{fl.group_index}")
     from .modeling import check_model
@@ -541,7 +541,7 @@ def checkpoint_bytes(n_params: int, param_bytes: int, num_groups: int, fl, mid_r
         fl: the run's ``FLConfig``.
     """
     F = num_groups if fl.is_federated else 1
-    stored = 1 if fl.fault_tolerance == "torchft" else F  # torchft: each group checkpoints its own state
+    stored = 1 if fl.fault_tolerant else F  # torchft: each group checkpoints its own state
     per_copy = n_params * param_bytes
     synced = not mid_round or stored == 1
     total = per_copy * (1 if synced else stored)

@@ -466,3 +466,17 @@ def test_the_code_layout_in_the_docs_names_every_module():
     missing = [p.name for p in sorted((REPO_ROOT / "fl_accel").glob("*.py"))
                if p.name != "__init__.py" and f"  {p.name}" not in layout]
     assert not missing, missing
+
+
+def test_the_torchft_mode_has_one_spelling():
+    """``FLConfig.fault_tolerant`` (also ``ResolvedFLConfig.fault_tolerant``) is the one test of
+    the torchft mode: no other comparison of ``fault_tolerance`` with "torchft", no probing of
+    an accelerator for it, in the library, the recipe, the scripts or the examples."""
+    import re
+
+    spelled = re.compile(r"""fault_tolerance\s*[!=]=|[!=]=\s*["']torchft["']|getattr\([^)]*["']fault_tolerant["']""")
+    found = [f"{path.relative_to(REPO_ROOT)}: {line.strip()}"
+             for folder in ("fl_accel", "recipes", "scripts", "examples")
+             for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+             for line in path.read_text(encoding="utf-8").splitlines() if spelled.search(line)]
+    assert found == ['fl_accel/config.py: fault_tolerant = property(lambda self: self.fault_tolerance == "torchft",'], found
