@@ -127,9 +127,12 @@ def build_model(tokenizer, ra):
 
 
 def fsdp_units(model) -> list:
-    """The model's FSDP units in forward order, as ``torch.nn.Module``s: each decoder layer, then
-    the root's own parameters (embedding, final norm, LM head) in one ``ModuleList``. The recipe's
-    fragments are these units dealt round-robin (Streaming DiLoCo's strided assignment).
+    """The units fl_accel deals its fragments from, in forward order, as ``torch.nn.Module``s: the
+    input embedding, each decoder layer, then the final norm with the LM head. They are the FSDP2
+    units of fl_accel's model (Accelerate 1.15's FSDP2 path shards each decoder layer and carves
+    the embedding and the tail [final norm, LM head] into units of their own; with P = 2 fl_accel's
+    ``federation.fragment_plan`` for the ``tiny`` preset is [embedding, layers 1, 3] and [layers
+    0, 2, norm, LM head]), so the peers' fragments hold the same parameters as fl_accel's.
 
     Raises:
         ValueError: the units do not hold every parameter exactly once (a model of another shape).
@@ -137,11 +140,11 @@ def fsdp_units(model) -> list:
     import torch
 
     inner = model.model
-    units = list(inner.layers) + [torch.nn.ModuleList([inner.embed_tokens, inner.norm, model.lm_head])]
+    units = [inner.embed_tokens, *inner.layers, torch.nn.ModuleList([inner.norm, model.lm_head])]
     seen = [id(p) for u in units for p in u.parameters()]
     if sorted(seen) != sorted(id(p) for p in model.parameters()) or len(set(seen)) != len(seen):
-        raise ValueError("the decoder layers and the root (embed_tokens, norm, lm_head) do not hold every parameter "
-                         "exactly once: not a Llama-shaped causal LM")
+        raise ValueError("the embedding, the decoder layers and the tail (norm, lm_head) do not hold every parameter "
+                         "exactly once: not a Llama-shaped causal LM with untied embeddings")
     return units
 
 

@@ -20,9 +20,11 @@ The setup follows the verified recipe for torchft 0.2.0 on this project's machin
 * FSDP2 (``fully_shard`` per decoder layer, then the root) on the group's own mesh; the managed
   process group pairs each rank with the rank of the same group rank in the other groups, so
   each all-reduce averages one shard (torchft averages ``DTensor`` local shards).
-* Fragments: the model's FSDP units (decoder layers, then the root's embedding, norm and LM
-  head) dealt round-robin into ``--num_fragments`` ``nn.ModuleList``s, as fl_accel deals them;
-  one outer optimizer per fragment (torchtitan's semi-sync setup). torchft syncs one fragment
+* Fragments: the units fl_accel deals its fragments from (the embedding, each decoder layer,
+  the final norm with the LM head: :func:`bench.peers_workers.common.fsdp_units`) dealt
+  round-robin into ``--num_fragments`` ``nn.ModuleList``s, so each fragment holds the
+  parameters of fl_accel's fragment of the same index; one outer optimizer per fragment
+  (torchtitan's semi-sync setup). torchft syncs one fragment
   every ``H / P`` steps, launching its all-reduce ``--sync_delay`` steps before
   (``fragment_sync_delay`` must stay below ``H / P``: torchft's own check).
 * The first quorum is formed before the timed loop (``manager.start_quorum()``), so that a
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     loader = common.train_loader(train_set, args.micro_batch_size, world, world_rank, args.seed)
     model = common.build_model(tokenizer, ra)
     n_params = sum(p.numel() for p in model.parameters())
-    units = common.fsdp_units(model)  # before sharding: the modules stay the same objects
+    units = common.fsdp_units(model)  # fully_shard keeps the module objects
     common.shard(model, init_device_mesh("cpu", (size,)))
     inner, scheduler = common.inner_optimizer(model, ra)
     fragments = common.deal(units, args.num_fragments)
