@@ -20,8 +20,9 @@ peers suite differs from an fl_accel row only in the library that federates it.
   group's model (as the recipe's "own group per rank" does while groups differ).
 * **Records** (:class:`Records`): ``metrics.jsonl`` lines with the recipe's keys (``step``,
   ``tokens`` of the whole world, ``time_s`` = training seconds, ``wall_s`` = seconds since the
-  worker's start, ``train/loss``, ``eval/loss``) plus ``eval/nll_sum`` and ``eval/tokens`` (so
-  that the bench can add the groups' parts), and ``all_results.json`` at the end.
+  worker's start after its imports (the recipe's clock starts there too), ``train/loss``,
+  ``eval/loss``) plus ``eval/nll_sum`` and ``eval/tokens`` (so that the bench can add the
+  groups' parts), and ``all_results.json`` at the end.
 
 ``python -m bench.peers_workers.common --cache_dir DIR`` fills the corpus and tokenizer cache
 once (the bench runs it before its first launch, so that concurrent workers only read it).
