@@ -254,12 +254,16 @@ def _load(x: Sequence[float] | None) -> str:
 
 def sitting_text(launches: Mapping[str, dict], sittings: Mapping[str, dict]) -> str:
     used = sorted({r["sitting"] for r in launches.values() if r.get("sitting")})
+    links = "; ".join(f"{link} {m['achieved_bits_per_s'] / 1e6:.2f} Mbit/s" for sid in used
+                      for link, m in (sittings.get(sid, {}).get("links") or {}).items() if "achieved_bits_per_s" in m)
+    measured = f" Links measured when their emulator came up (one TCP stream, node 0 to node 1): {links}." \
+        if links else ""
     if len(used) == 1:
         info = sittings.get(used[0], {})
         return (f"**One sitting**: every launch below ran in the invocation started {used[0]} (ended "
-                f"{info.get('ended', 'running')}).")
+                f"{info.get('ended', 'running')}).{measured}")
     return (f"**Not one sitting**: the launches come from {len(used)} invocations ({', '.join(used)}): a resumed "
-            "sitting; compare figures within one invocation (launches table, column sitting).")
+            f"sitting; compare figures within one invocation (launches table, column sitting).{measured}")
 
 
 def write_table(plan: dict, summary: dict, launches: Mapping[str, dict], sittings: Mapping[str, dict],

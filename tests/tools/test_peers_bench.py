@@ -208,6 +208,8 @@ def test_report_from_a_work_folder_and_from_the_committed_files(tmp_path, monkey
                       dt=10.0 * rep)
         _write_launch(p, f"10mbit/fl_accel-h8/rep{rep}", "fl_accel", losses["fl_accel-h8"], fl_tps, 29_000_000, dt=5.0)
     assert all(peers.finished(p, x) for x in peers.launch_order(p))
+    json.dump({"S1": {"ended": "t9", "links": {"10mbit": {"achieved_bits_per_s": 9.5e6}}}},
+              open(os.path.join(p["work"], peers.SITTINGS), "w"))
     pr.report(p)
     doc = json.load(open(os.path.join(p["results"], pr.PEERS_JSON)))
     s = doc["summary"]["10mbit"]
@@ -229,7 +231,7 @@ def test_report_from_a_work_folder_and_from_the_committed_files(tmp_path, monkey
     assert c["equal_tokens_before_end"] == [8 * 4096, 16 * 4096, 24 * 4096]
     assert c["time_to_peer_target_speedup"] == pytest.approx(641.0 / 160.0)
     table = open(os.path.join(p["results"], "table.md")).read()
-    assert "**One sitting**" in table and "sudo python -m bench.peers" in table and "## 10mbit" in table
+    assert "**One sitting**" in table and "(ended t9)" in table and "10mbit 9.50 Mbit/s" in table and "sudo python -m bench.peers" in table and "## 10mbit" in table
     assert "1,500 [1,400-1,600]" in table and "60.0" in table and "## Launches" in table
     assert len(open(os.path.join(p["results"], pr.CURVES)).read().splitlines()) == 1 + 6 * 4
     assert os.path.isfile(os.path.join(p["results"], pr.PLOT))
