@@ -61,6 +61,7 @@ from bench.launch import DryEmulator, _read_json, _write_json, measure_link
 from recipes.host_load import HostLoad
 from scripts import launch as sl
 from scripts import netemu
+from scripts.ft_launch import lighthouse_argv
 
 WORKERS = os.path.join(bp.REPO, "bench", "peers_workers")
 TOOLS = {"fl_accel": "fl_accel", "torchft": "torchft", "accelerate": "Accelerate"}
@@ -359,7 +360,7 @@ def commands(plan: dict, row: PeerRow, out_dir: str, emu, port: int, link: str) 
     torchft: one world per replica group on its own node) and torchft's Lighthouse."""
     if row.tool == "torchft":
         lh_port = port + 1
-        out = {"lighthouse": netemu_lighthouse_argv(lh_port, emu.address(0), plan["lighthouse"])}
+        out = {"lighthouse": lighthouse_argv(lh_port, emu.address(0), **plan["lighthouse"])}
         for k in range(NODES):
             out[f"node{k}"] = sl.torchrun_argv(NPROC, *torchft_args(plan, row, out_dir, k, emu.address(k)), port=port,
                                                master_addr=emu.address(k))
@@ -367,12 +368,6 @@ def commands(plan: dict, row: PeerRow, out_dir: str, emu, port: int, link: str) 
     args = fl_accel_args(plan, row, out_dir, link) if row.tool == "fl_accel" else localsgd_args(plan, row, out_dir)
     return {f"node{k}": sl.torchrun_argv(NPROC, *args, port=port, master_addr=emu.address(0), nnodes=NODES,
                                          node_rank=k) for k in range(NODES)}
-
-
-def netemu_lighthouse_argv(port: int, host: str, options: dict) -> list[str]:
-    from scripts.ft_launch import lighthouse_argv
-
-    return lighthouse_argv(port, host, **options)
 
 
 # ---------------------------------------------------------------------- running
@@ -537,7 +532,6 @@ def _save_sitting(plan: dict, sitting: str, **fields) -> None:
 def dry_run(plan: dict) -> None:
     """Print every launch, in order, with its command lines (addresses shown as <nodeK>)."""
     emu = DryEmulator(NODES, None)
-    emu.ifname = lambda k: f"<veth{k}>"  # noqa: E731 (the dry emulator names only)
     rows = rows_by_id(plan)
     for i, launch in enumerate(launch_order(plan), 1):
         row = rows[launch.row]
