@@ -565,6 +565,52 @@ def seeds_of(rows: dict[str, dict], status: dict[str, dict]) -> dict:
     return out
 
 
+def ablation_of(seeds: dict) -> dict | None:
+    """Issue 46's ablation by its pre-registered rules (:data:`bench.plan.ABLATION_RULES`) from the
+    seed statistics (:func:`seeds_of`): per component (:data:`bench.plan.ABLATION_COMPONENTS`) the cost
+    = the configuration's mean final eval loss minus its reference's, in nats and pooled sd, and whether
+    it counts; per combined row (:data:`bench.plan.ABLATION_SUMS`) the sum of its components' costs
+    against its own cost. None before the base configuration has a finished seed.
+
+    Returns:
+        ``{"components": [{"what", "ref", "id", "n", "mean", "sd", "cost", "cost_in_sd", "counts"}],
+        "sums": [{"id", "parts", "sum", "cost", "gap", "explained"}], "alpha_recovers": bool | None,
+        "threshold", "pooled_sd"}``; a cost is None while either mean is missing.
+    """
+    from bench import plan as bp
+
+    cfg, sd, thr = seeds["configs"], seeds["pooled_sd"], seeds["threshold"]
+    if (cfg.get(bp.ABLATION_BASE) or {}).get("mean") is None:
+        return None
+
+    def mean(cid):
+        return (cfg.get(cid) or {}).get("mean")
+
+    def cost(ref, cid):
+        return mean(cid) - mean(ref) if mean(cid) is not None and mean(ref) is not None else None
+
+    comps = []
+    for what, ref, cid in bp.ABLATION_COMPONENTS:
+        c = cost(ref, cid)
+        comps.append({"what": what, "ref": ref, "id": cid, "n": (cfg.get(cid) or {}).get("n", 0), "mean": mean(cid),
+                      "sd": (cfg.get(cid) or {}).get("sd"), "cost": c, "cost_in_sd": in_sd(c, sd),
+                      "counts": counts(c, thr)})
+    sums = []
+    for cid, parts in bp.ABLATION_SUMS:
+        costs = [cost(bp.ABLATION_BASE, p) for p in parts]
+        total = sum(costs) if all(c is not None for c in costs) else None
+        own = cost(bp.ABLATION_BASE, cid)
+        gap = own - total if own is not None and total is not None else None
+        sums.append({"id": cid, "parts": list(parts), "sum": total, "cost": own, "gap": gap,
+                     "explained": None if gap is None or thr is None else abs(gap) <= thr})
+    delay = {c["id"]: c for c in comps}
+    a0, a5 = delay.get("fl_fsdp-h16-tau2-lr1e-3"), delay.get("fl_fsdp-h16-tau2-a0.5-lr1e-3")
+    recovers = None
+    if a0 and a5 and a0["counts"] is not None and a5["counts"] is not None:
+        recovers = bool(a0["counts"] and a0["cost"] > 0 and not a5["counts"])
+    return {"components": comps, "sums": sums, "alpha_recovers": recovers, "threshold": thr, "pooled_sd": sd}
+
+
 def counts(diff: float | None, threshold: float | None) -> bool | None:
     """Whether ``|diff|`` exceeds ``threshold`` (None when either is missing)."""
     return abs(diff) > threshold if diff is not None and threshold is not None else None
@@ -638,7 +684,8 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
                          "background_cpu_share": (run.get("host") or {}).get("background_cpu_share"),
                          "fl_bytes_per_param": fl_bytes(run, spec), "n_params": run.get("n_params")}
     seeds = seeds_of(rows, status)
-    out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "seeds": seeds}
+    out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "seeds": seeds,
+                           "ablation": ablation_of(seeds) if suite == "convergence" else None}
     fsdp_id = bp.CONVERGENCE_FSDP if suite == "convergence" else bp.PAPER_REGIME_FSDP
     fsdp = rows.get(fsdp_id)
     target = None

@@ -38,6 +38,12 @@ RUN = dict(nproc=4, num_groups=2, sync_every=2, seq_len=512, micro_batch_size=8,
 MALLOC = {"default": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 TOLERANCE = 0.25
 """Issue 17: the model matches the CPU measurements within 25%."""
+LIVE_TOLERANCE = 0.02
+"""The README's claim (issue 46 item 7): within 2% of the bytes in use (malloc, sampled) in every run, and of
+the resident-memory growth where malloc returns freed tensors (mmap threshold fixed); measured within 1.2%."""
+RSS_KEPT_HEAP = (-0.5, 0.0)
+"""With glibc's default malloc the resident memory keeps freed heap, so it is larger than the bytes in use:
+the model's error against it lies in this interval (measured -0.34 to -0.47), never above 0."""
 
 
 def case_name(layers: int, ac: str, malloc: str) -> str:

@@ -265,6 +265,23 @@ ABLATION_RULES = (
     "the one with alpha 0.5 does not. The components explain the fast row when the sum of their costs is within "
     "2 pooled sd of the fast row's cost; otherwise they interact, and the report says so.")
 """Printed at the top of the ablation section of the convergence report."""
+ABLATION_COMPONENTS = (
+    ("H=16 instead of H=8 (blocking fp32)", "fl_fsdp-h8-lr1e-3", ABLATION_BASE),
+    ("int8 + error feedback", ABLATION_BASE, "fl_fsdp-h16-int8-ef-lr1e-3"),
+    ("2 fragments (no delay)", ABLATION_BASE, "fl_fsdp-h16-p2-lr1e-3"),
+    ("delay 2, alpha 0", ABLATION_BASE, "fl_fsdp-h16-tau2-lr1e-3"),
+    ("delay 2, alpha 0.5", ABLATION_BASE, "fl_fsdp-h16-tau2-a0.5-lr1e-3"),
+    ("the fast row (all three, alpha 0)", ABLATION_BASE, ABLATION_FAST),
+    ("the fast row with alpha 0.5", ABLATION_BASE, "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3"),
+)
+"""``(component, reference configuration, configuration)``: each cost is the configuration's mean minus the
+reference's (:func:`bench.analysis.ablation_of`)."""
+ABLATION_SUMS = (
+    (ABLATION_FAST, ("fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3")),
+    ("fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3",
+     ("fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-a0.5-lr1e-3")),
+)
+"""``(combined row, its single-component rows)``: do the components' costs add up to the combined row's?"""
 
 
 CONVERGENCE_ROWS: tuple[dict, ...] = (

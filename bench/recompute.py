@@ -129,6 +129,46 @@ def ttt(folder: str, link: str, run: str, *keys: str) -> Source:
     return Source(f"{folder}/time_to_target.json rows[{link}/{run}].{'.'.join(keys)}", f)
 
 
+def _ttt_curve(root: str, folder: str, link: str, run: str) -> list[dict]:
+    """The evaluations of one row of a time-to-target folder's curves.csv, in step order (read here with
+    the csv module, not with the benchmark's reader, so the recomputation shares no code with it)."""
+    import csv
+
+    with open(os.path.join(root, folder, "curves.csv"), encoding="utf-8", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if (r["run"], r["link"]) == (run, link)]
+    return sorted(({"step": int(r["step"]), "wall_s": float(r["wall_s"]), "loss": float(r["eval_loss"])}
+                   for r in rows), key=lambda r: r["step"])
+
+
+def ttt_seconds(folder: str, link: str, run: str, target: Source) -> Source:
+    """Wall-clock seconds at which the row's eval loss first reaches ``target`` (curves.csv; linear between
+    the evaluation at or below it and the one before; None if never)."""
+    def f(root):
+        goal, prev = target.compute(root), None
+        for e in _ttt_curve(root, folder, link, run):
+            if e["loss"] <= goal:
+                if prev is None:
+                    return e["wall_s"]
+                return prev["wall_s"] + (prev["loss"] - goal) / (prev["loss"] - e["loss"]) * (e["wall_s"] - prev["wall_s"])
+            prev = e
+        return None
+    return Source(f"{folder}/curves.csv [{link}/{run}]: first wall_s at eval_loss <= ({target.where}), linear", f)
+
+
+def ttt_final_loss(folder: str, link: str, run: str) -> Source:
+    """The row's last eval loss in a time-to-target folder's curves.csv."""
+    return Source(f"{folder}/curves.csv [{link}/{run}]: last eval_loss",
+                  lambda root: _ttt_curve(root, folder, link, run)[-1]["loss"])
+
+
+def loss_at_step(folder: str, run: str, step: int) -> Source:
+    """A grid run's eval loss at ``step`` (curves.csv; the half-budget target is FSDP's at half its steps)."""
+    def f(root):
+        return next(r["eval/loss"] for r in _curves(os.path.join(root, folder, "curves.csv"))[run]
+                    if r["step"] == step and "eval/loss" in r)
+    return Source(f"{folder}/curves.csv: eval/loss of {run} at step {step}", f)
+
+
 def json_value(path: str, get: Callable[[dict], float | None], what: str) -> Source:
     return Source(f"{path} {what}", lambda root: get(_json(os.path.join(root, path))))
 
@@ -178,6 +218,9 @@ N0, X2, F2, F3 = num(",.0f"), num(".2f", "x"), num(".2f"), num(".3f")
 _FSDP_1E3 = ("fsdp-lr1e-3", "fsdp-lr1e-3-seed43", "fsdp-lr1e-3-seed44")
 _AVG_1E3 = ("fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44")
 _FAST_1E3 = tuple(f"fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
+_HALF_1E3 = loss_at_step(G, "fsdp-lr1e-3", 416)
+"""FSDP's eval loss at half its budget (832 steps) at lr 1e-3: the time-to-target sitting's target."""
+_T542 = Source("the grid's fixed target 5.42", lambda root: 5.42)
 
 
 def _of_limit(folder: str, link: str, run: str) -> Source:
@@ -237,33 +280,35 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_1E3, "5.020", F3, seed_mean(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "0.012", F3, seed_sd(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "5.093", F3, final_loss(G, "fl_fsdp-h8-nesterov-lr1e-3")),
-    Figure(ROW_TTT, "4.967", F3, json_value(T5 + "/time_to_target.json", lambda d: d["targets"]["half_budget"], "targets.half_budget")),
+    Figure(ROW_TTT, "4.967", F3, _HALF_1E3),
     Figure(ROW_TTT, "5.42", F2, json_value(T5 + "/time_to_target.json", lambda d: d["targets"]["5.42"], "targets['5.42'] (the grid's fixed target)")),
-    Figure(ROW_TTT, "31.2", minutes, ttt(T5, "10mbit", "fl_fsdp-h8-lr1e-3", "to_target", "half_budget")),
+    Figure(ROW_TTT, "31.2", minutes, ttt_seconds(T5, "10mbit", "fl_fsdp-h8-lr1e-3", _HALF_1E3)),
     Figure(ROW_TTT, "0.55", F2, ttt(T5, "10mbit", "fl_fsdp-h8-lr1e-3", "of_limit")),
     Figure(ROW_TTT, "0.06", F2, ttt(T5, "10mbit", "fsdp-lr1e-3", "of_limit")),
     Figure(ROW_TTT, "20.1", minutes, ttt(T5, "10mbit", "fsdp-lr1e-3", "to_target_lower_bound_s", "half_budget")),
     Figure(ROW_TTT, "210", whole_minutes, ttt(T5, "10mbit", "fsdp-lr1e-3", "extrapolated_to_target", "half_budget")),
     Figure(ROW_TTT, "0.92", F2, ttt(T5, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "of_limit")),
-    Figure(ROW_TTT, "4.977", F3, ttt(T5, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "final_eval_loss")),
-    Figure(ROW_TTT, "9.8", minutes, ttt(T5, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target", "5.42")),
-    Figure(ROW_TTT, "12.4", minutes, ttt(T5, "10mbit", "fl_fsdp-h8-lr1e-3", "to_target", "5.42")),
+    Figure(ROW_TTT, "4.977", F3, ttt_final_loss(T5, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3")),
+    Figure(ROW_TTT, "4.964", F3, final_loss(G, "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43")),
+    Figure(ROW_TTT, "9.8", minutes, ttt_seconds(T5, "10mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", _T542)),
+    Figure(ROW_TTT, "12.4", minutes, ttt_seconds(T5, "10mbit", "fl_fsdp-h8-lr1e-3", _T542)),
     Figure(ROW_TTT, "98", whole_minutes, ttt(T5, "10mbit", "fsdp-lr1e-3", "extrapolated_to_target", "5.42")),
-    Figure(ROW_TTT, "26.8", minutes, ttt(T5, "100mbit", "fl_fsdp-h8-lr1e-3", "to_target", "half_budget")),
+    Figure(ROW_TTT, "26.8", minutes, ttt_seconds(T5, "100mbit", "fl_fsdp-h8-lr1e-3", _HALF_1E3)),
     Figure(ROW_TTT, "0.75", F2, ttt(T5, "100mbit", "fl_fsdp-h8-lr1e-3", "of_limit")),
     Figure(ROW_TTT, "25.0", minutes, ttt(T5, "100mbit", "fsdp-lr1e-3", "to_target_lower_bound_s", "half_budget")),
     Figure(ROW_TTT, "0.36", F2, ttt(T5, "100mbit", "fsdp-lr1e-3", "of_limit")),
     Figure(ROW_TTT, "38", whole_minutes, ttt(T5, "100mbit", "fsdp-lr1e-3", "extrapolated_to_target", "half_budget")),
-    Figure(ROW_TTT, "8.7", minutes, ttt(T5, "100mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "to_target", "5.42")),
+    Figure(ROW_TTT, "8.7", minutes, ttt_seconds(T5, "100mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", _T542)),
     Figure(ROW_TTT, "0.89", F2, ttt(T5, "100mbit", "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3", "of_limit")),
-    Figure(ROW_TTT, "11.5", minutes, ttt(T5, "100mbit", "fl_fsdp-h8-lr1e-3", "to_target", "5.42")),
-    Figure(ROW_TTT, "17.7", minutes, ttt(T5, "100mbit", "fsdp-lr1e-3", "to_target", "5.42")),
+    Figure(ROW_TTT, "11.5", minutes, ttt_seconds(T5, "100mbit", "fl_fsdp-h8-lr1e-3", _T542)),
+    Figure(ROW_TTT, "17.7", minutes, ttt_seconds(T5, "100mbit", "fsdp-lr1e-3", _T542)),
     Figure(ROW_SPEED, "1,545", N0, _speed("steps-2to1", "tokens_per_s")),
     Figure(ROW_SPEED, "47%", num(".0%"), _speed("steps-2to1", "arrival_share", 0)),
     Figure(ROW_SPEED, "2,321", N0, _speed("speed-2to1", "tokens_per_s")),
     Figure(ROW_SPEED, "1.50x", X2, ratio(_speed("speed-2to1", "tokens_per_s"), _speed("steps-2to1", "tokens_per_s"))),
     Figure(ROW_SPEED, "92%", num(".0%"), _speed("speed-2to1", "of_standalone_sum")),
     Figure(ROW_SPEED, "2%", num(".0%"), _speed("speed-2to1", "arrival_share", 0)),
+    Figure(ROW_SPEED, "5.4225", num(".4f"), loss_at_step(G, "fsdp", 416)),
     Figure(ROW_SPEED, "0.58x", X2, json_value(
         f"{SQ}/speed.json", lambda d: next(r for r in d["quality"]["rows"] if r["run"] == "speed-2to1")["of_barrier"],
         "quality.rows[speed-2to1].of_barrier (its wall seconds to the loss over the barrier's)")),

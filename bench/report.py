@@ -416,6 +416,39 @@ def seed_section(res: dict) -> list[str]:
             + (f" (`{res['best_fsdp']}`)" if res.get("best_fsdp") else "") + ".", ""]
 
 
+def ablation_section(res: dict) -> list[str]:
+    """Issue 46's ablation (:func:`bench.analysis.ablation_of`) under its pre-registered rules."""
+    ab = res.get("ablation")
+    if not ab:
+        return []
+
+    def verdict(c):
+        if c["counts"] is None:
+            return "-"
+        return ("gain" if c["cost"] < 0 else "costs") if c["counts"] else "within noise"
+
+    table = [[c["what"], f"`{c['ref']}`", f"`{c['id']}`", c["n"],
+              "-" if c["mean"] is None else f"{c['mean']:.4f}" + (f" ± {c['sd']:.4f}" if c["sd"] is not None else ""),
+              _signed(c["cost"]), _signed(c["cost_in_sd"], "{:+.1f}"), verdict(c)] for c in ab["components"]]
+    L = ["## Ablation of the fast exchange (issue 46)", "", f"> **Rules.** {bp.ABLATION_RULES}", "",
+         _md(table, ["component", "reference", "configuration", "seeds", "mean ± sd (nats)", "cost (nats)",
+                     "cost (pooled sd)", _rule_header(res, "verdict")]), ""]
+    for s in ab["sums"]:
+        if s["gap"] is None:
+            L.append(f"- `{s['id']}`: not all of its rows have finished yet.")
+            continue
+        L.append(f"- `{s['id']}`: its cost {s['cost']:+.4f} nats; the sum of its components' costs "
+                 f"({', '.join(f'`{p}`' for p in s['parts'])}) {s['sum']:+.4f}; the difference {s['gap']:+.4f} is "
+                 + ("within 2 pooled sd: the components explain it." if s["explained"] else
+                    "beyond 2 pooled sd: the components interact."))
+    rec = ab["alpha_recovers"]
+    L += ["- Alpha 0.5 and the delay: " + ("not decided yet." if rec is None else
+                                            "alpha 0.5 recovers the delay's cost." if rec else
+                                            "alpha 0.5 does not recover a counted cost of the delay (or the delay "
+                                            "costs nothing at alpha 0)."), ""]
+    return L
+
+
 def _counts(flag: bool | None) -> str:
     return "-" if flag is None else ("counts" if flag else "within noise")
 
@@ -486,6 +519,7 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
     tgt = res.get("target")
     if res["suite"] == "convergence":
         L += seed_section(res)
+        L += ablation_section(res)
         L += ["## Final eval loss, differences in pooled seed sd, tokens to target", ""]
         fsdp_ttt = res["rows"].get("fsdp", {}).get("tokens_to_target")
         table = []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import analysis, compact, plan as bp, run_bench as rb
+from bench import analysis, compact, plan as bp, report as rp, run_bench as rb
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "results")
@@ -1226,3 +1226,35 @@ def test_speed_bench_settings_and_quality_check(tmp_path):
     assert sb.standalone_rates(new) == [1000.0, 500.0]
     old = {k: v for k, v in new.items() if k != "timed_steps"}
     assert sb.standalone_rates(old) == pytest.approx([1000.0 * 90 / 100, 500.0 * 40 / 50])
+
+
+def test_ablation_by_its_preregistered_rules():
+    """Issue 46's ablation: each component's cost over its reference, in pooled sd, counted by the 2-sd rule;
+    the sum of the components against the combined row; whether alpha 0.5 recovers the delay's cost."""
+    from bench.analysis import ablation_of, seed_stats
+
+    means = {"fl_fsdp-h8-lr1e-3": [4.90, 4.91], bp.ABLATION_BASE: [4.93, 4.94],
+             "fl_fsdp-h16-int8-ef-lr1e-3": [4.96, 4.97], "fl_fsdp-h16-p2-lr1e-3": [4.935, 4.935],
+             "fl_fsdp-h16-tau2-lr1e-3": [4.975, 4.985], "fl_fsdp-h16-tau2-a0.5-lr1e-3": [4.94, 4.94],
+             bp.ABLATION_FAST: [5.03, 5.04]}
+    seeds = seed_stats(means)
+    seeds.update(threshold=2 * seeds["pooled_sd"])
+    assert ablation_of({**seeds, "configs": {}}) is None  # nothing before the base has finished
+    ab = ablation_of(seeds)
+    comp = {c["id"]: c for c in ab["components"]}
+    thr = seeds["threshold"]
+    assert comp[bp.ABLATION_BASE]["cost"] == pytest.approx(0.03) and comp[bp.ABLATION_BASE]["ref"] == \
+        "fl_fsdp-h8-lr1e-3"
+    assert comp["fl_fsdp-h16-int8-ef-lr1e-3"]["cost"] == pytest.approx(0.03)
+    assert comp["fl_fsdp-h16-int8-ef-lr1e-3"]["counts"] is (0.03 > thr)
+    assert comp["fl_fsdp-h16-p2-lr1e-3"]["cost"] == pytest.approx(0.0) and not comp["fl_fsdp-h16-p2-lr1e-3"]["counts"]
+    assert comp["fl_fsdp-h16-tau2-lr1e-3"]["cost_in_sd"] == pytest.approx(0.045 / seeds["pooled_sd"])
+    assert comp["fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3"]["cost"] is None  # not run: no cost, no verdict
+    assert ab["alpha_recovers"] is True  # the delay at alpha 0 counts (+0.045), at alpha 0.5 not (+0.005)
+    fast = next(s for s in ab["sums"] if s["id"] == bp.ABLATION_FAST)
+    assert fast["sum"] == pytest.approx(0.03 + 0.0 + 0.045) and fast["cost"] == pytest.approx(0.10)
+    assert fast["gap"] == pytest.approx(0.025) and fast["explained"] is (0.025 <= thr)
+    assert next(s for s in ab["sums"] if s["id"] != bp.ABLATION_FAST)["gap"] is None
+    text = "\n".join(rp.ablation_section({"ablation": ab, "seeds": seeds}))
+    assert bp.ABLATION_RULES in text and "| int8 + error feedback |" in text.replace("  ", "")
+    assert "alpha 0.5 recovers the delay's cost." in text and "not all of its rows have finished yet" in text

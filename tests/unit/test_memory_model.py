@@ -266,12 +266,13 @@ def test_docs_memory_table_is_the_cli_output():
 
 
 # ------------------------------------------------------------------ measured
-def test_committed_cpu_validation_is_within_25_percent():
+def test_committed_cpu_validation_is_within_2_percent():
     """bench/results/*-memory (bench/memory_validation.py): 4 gloo ranks, FL+FSDP, 8 and 16
     layers, checkpointing off and on. The model, re-run on the committed measurements, is
-    within 25% of the bytes in use (malloc, sampled) in every run and of the resident-memory
-    growth where malloc returns freed tensors (mmap threshold fixed); with glibc's default the
-    resident memory is larger (freed heap memory is kept), never smaller by more than 25%."""
+    within 2% (both ways; the README says 1.2%) of the bytes in use (malloc, sampled) in every run
+    and of the resident-memory growth where malloc returns freed tensors (mmap threshold fixed);
+    with glibc's default the resident memory is larger (freed heap memory is kept): the model
+    lies below it, by at most half."""
     import glob
 
     from bench import memory_validation as mv
@@ -285,11 +286,12 @@ def test_committed_cpu_validation_is_within_25_percent():
     assert {(r["layers"], r["activation_checkpointing"]) for r in rows} >= {(8, "none"), (8, "full"),
                                                                           (16, "none"), (16, "full")}
     for r in rows:
-        assert abs(r["error_vs_live"]) <= mv.TOLERANCE, r
+        assert abs(r["error_vs_live"]) <= mv.LIVE_TOLERANCE, r
         if r["malloc"] == "mmap":
-            assert abs(r["error_vs_rss"]) <= mv.TOLERANCE, r
+            assert abs(r["error_vs_rss"]) <= mv.LIVE_TOLERANCE, r
         else:
-            assert r["error_vs_rss"] <= mv.TOLERANCE, r
+            low, high = mv.RSS_KEPT_HEAP
+            assert low <= r["error_vs_rss"] <= high, r
 
 
 def test_paper_configs_switch_on_what_fits_an_a100_64gb():
