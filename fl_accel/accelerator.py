@@ -175,6 +175,9 @@ class FLAccelerator(Accelerator):
         if self.fault_tolerant:
             compat.check_torchft_version()  # every rank, before any process group
             self._lighthouse = lighthouse_addr(source)
+            from .ft import resolve_address
+
+            self._heal_address = resolve_address(source.heal_address)  # an interface name: this node's address
         self.run_config = _resolve(fl_config, world, max_steps)  # the one owner; every rank, no process group yet
         fl_config = self.fl_config
         _refuse_before_start(accelerate_kwargs, fl_config, self.layout)
@@ -437,11 +440,13 @@ class FLAccelerator(Accelerator):
     def end_training(self):
         """The final sync (exact with a lossy ``sync_dtype`` and ``final_sync="exact"``: it also
         sends the error-feedback residuals), then Accelerate's end_training (it destroys the
-        process groups: save before); "torchft" also shuts the Manager down."""
+        process groups: save before); "torchft" first waits for the other groups to reach the end
+        (``federation.wait_for_groups()``), then shuts the Manager down."""
         self.sync_if_pending(final=True)
         if self.synchronizer is not None:
             self.synchronizer.detach()
             if self.fault_tolerant:
+                self.federation.wait_for_groups()
                 self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()
@@ -503,7 +508,9 @@ def _managed_transport(acc: "FLAccelerator", inside: MeshTransport, params: list
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
         lighthouse_addr=acc._lighthouse, timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
         inside=inside, save=save, load=load, init_sum=None if any(
-            p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params))
+            p.is_meta for p in params) else sum(float(fsdp.local(p).double().sum()) for p in params),
+        num_groups=acc.layout.num_groups, heal_address=acc._heal_address,
+        rejoin_timeout_s=acc.fl_config.rejoin_timeout_s)
     transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
     return transport
 

@@ -39,8 +39,10 @@ from typing import Callable
 
 TESTED = {"torch": ((2, 12), (2, 15)), "accelerate": ((1, 14), (1, 16))}
 """Inclusive (major, minor) ranges fl_accel is tested on (pyproject.toml says the same)."""
-TORCHFT_TESTED = "0.2.0"
-"""The one torchft release the fault-tolerant mode is tested with (``fl_accel.ft``)."""
+TORCHFT_TESTED = {"torchft": "0.2.0", "torchft-nightly": "2026.10.26"}
+"""The torchft builds the fault-tolerant mode (``fl_accel.ft``) is tested with, by distribution:
+torchft 0.2.0 (its 0.2 API) and the torchft-nightly build 2026.10.26, which carries torchft
+0.3's API. CI runs tests/ft on both (``scripts/test_versions.sh``)."""
 
 
 # ======================================================================== versions
@@ -82,21 +84,58 @@ def check_versions() -> None:
                       UserWarning, stacklevel=3)
 
 
-def check_torchft_version() -> None:
-    """ImportError naming the tested release unless torchft :data:`TORCHFT_TESTED` is installed.
+def torchft_installed() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed torchft: ``("torchft", "0.2.0")`` or
+    ``("torchft-nightly", "2026.10.26")`` (both install the ``torchft`` package); None if neither."""
+    for dist in TORCHFT_TESTED:
+        try:
+            return dist, _version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
 
-    torchft 0.3 removed ``ProcessGroup.configure()`` and needs its Lighthouse and replicas of
-    the same release (a 0.3 replica retries forever against a 0.2 Lighthouse); fl_accel's
-    torchft mode is written against 0.2.0 (docs/fault_tolerance.md)."""
-    try:
-        found = _version("torchft")
-    except PackageNotFoundError:
-        raise ImportError(f"fault_tolerance='torchft' needs torchft=={TORCHFT_TESTED} (`pip install "
-                          f"torchft=={TORCHFT_TESTED}`, or `pip install -e .[ft]`)") from None
-    if found != TORCHFT_TESTED:
-        raise ImportError(f"fault_tolerance='torchft' is tested with torchft=={TORCHFT_TESTED}, found {found} "
-                          f"(0.3 removed ProcessGroup.configure() and needs a Lighthouse of the same release); "
-                          f"install it with `pip install torchft=={TORCHFT_TESTED}`")
+
+def torchft_api(installed: tuple[str, str] | None = None) -> str | None:
+    """The torchft API a build carries, from its distribution and version: ``"0.2"`` (torchft
+    0.2.x: the managed process group is rebuilt with ``ProcessGroup.configure(store_addr, ...)``
+    on the quorum's store) or ``"0.3"`` (torchft 0.3.x and torchft-nightly builds, which took
+    0.3's API: ``Manager`` requires ``pg.supports_reconfigure`` and calls
+    ``pg.reconfigure(ReconfigureOptions)`` with the handles every replica sent the Lighthouse;
+    a 0.3 replica cannot talk to a 0.2 Lighthouse). None: no torchft, or a release with neither
+    API (0.1, or a later one fl_accel does not know). ``installed``: default what is installed."""
+    installed = torchft_installed() if installed is None else installed
+    if installed is None:
+        return None
+    dist, found = installed
+    if dist == "torchft-nightly":
+        return "0.3"
+    minor = _minor(found)
+    return {(0, 2): "0.2", (0, 3): "0.3"}.get(minor)
+
+
+def check_torchft_version() -> str:
+    """The API of the installed torchft (:func:`torchft_api`), for ``fault_tolerance="torchft"``.
+
+    Tested: :data:`TORCHFT_TESTED`. Another 0.2.x or 0.3.x release, or another nightly, gets a
+    ``UserWarning`` naming the tested builds and runs the path of its API. The Lighthouse must
+    come from the same build as the replicas (scripts/ft_launch.py starts the installed one).
+
+    Raises:
+        ImportError: torchft is not installed, or its release has neither API (naming it and
+            the tested builds)."""
+    tested = " or ".join(f"{d}=={v}" for d, v in TORCHFT_TESTED.items())
+    installed = torchft_installed()
+    if installed is None:
+        raise ImportError(f"fault_tolerance='torchft' needs torchft (`pip install torchft==0.2.0`, or "
+                          f"`pip install -e .[ft]`; tested: {tested})") from None
+    api = torchft_api(installed)
+    if api is None:
+        raise ImportError(f"fault_tolerance='torchft' supports torchft's 0.2 and 0.3 APIs (tested: {tested}); found "
+                          f"{installed[0]} {installed[1]}: install one of the tested builds")
+    if TORCHFT_TESTED.get(installed[0]) != installed[1]:
+        warnings.warn(f"fl_accel: {installed[0]} {installed[1]} is installed; the torchft mode is tested with "
+                      f"{tested} (its {api} API is used)", UserWarning, stacklevel=3)
+    return api
 
 
 # ======================================================================== accelerate
@@ -268,8 +307,76 @@ def wrap_manager_client(manager, wrap: Callable) -> None:
 
 
 def client_quorum(client, *args, **kwargs):
-    """The wrapped client's ``_quorum`` call."""
+    """The wrapped client's ``_quorum`` call (0.3 adds the ``reconfigure_handle`` keyword: passed on)."""
     return client._quorum(*args, **kwargs)
+
+
+def pg_reconfigure_method(api: str) -> str:
+    """The managed process group's method torchft's ``Manager`` calls on a new quorum:
+    ``"configure"`` (0.2: ``configure(store_addr, replica_id, rank, world_size, ...)``) or
+    ``"reconfigure"`` (0.3: ``reconfigure(ReconfigureOptions)``)."""
+    return {"0.2": "configure", "0.3": "reconfigure"}[api]
+
+
+def pg_store_address(api: str, args: tuple, kwargs: dict) -> str:
+    """``host:port`` of the store a (re)configuration call (:func:`pg_reconfigure_method`) will
+    connect to: 0.2, its ``store_addr`` (``host:port/prefix``: the quorum's store); 0.3, the
+    ``store`` of the first handle of ``opts.handles`` (torchft's ``_rendezvous``: every rank
+    rendezvouses on the first handle's store)."""
+    import json
+
+    if api == "0.2":
+        addr = kwargs["store_addr"] if "store_addr" in kwargs else args[0]
+        return addr.split("/", 1)[0]
+    opts = kwargs["opts"] if "opts" in kwargs else args[0]
+    return json.loads(list(opts.handles)[0])["store"]
+
+
+def advertised_handle(handle: str, host: str) -> str:
+    """A torchft 0.3 reconfigure handle (``ProcessGroup.get_reconfigure_handle``: JSON with
+    ``"store": "<socket.gethostname()>:<port>"`` of the store the group's own process serves)
+    with the store's host replaced by ``host``."""
+    import json
+
+    data = json.loads(handle)
+    _, _, port = data["store"].rpartition(":")
+    data["store"] = f"{f'[{host}]' if ':' in host else host}:{port}"
+    return json.dumps(data)
+
+
+def checkpoint_server_port(transport) -> int:
+    """The port of a torchft ``HTTPTransport``'s checkpoint server (``HTTPTransport._server``)."""
+    return transport._server.socket.getsockname()[1]
+
+
+def rebind_checkpoint_server(transport, host: str) -> None:
+    """Serve a torchft ``HTTPTransport``'s checkpoints on ``host`` only: torchft binds its
+    server (``_server``, served by ``_thread`` running ``_serve``) to every interface ("::");
+    it is shut down and a server of the same request handler is bound to ``(host, 0)``."""
+    import socket
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    old = transport._server
+    handler = old.RequestHandlerClass
+    old.shutdown()
+    transport._thread.join()
+    old.server_close()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("CheckpointServer", (ThreadingHTTPServer,), {"address_family": family,
+                                                                     "request_queue_size": 1024})
+    transport._server = server_class((host, 0), handler)
+    transport._thread = threading.Thread(target=transport._serve, daemon=True)
+    transport._thread.start()
+
+
+def streaming_load(f):
+    """torch's loader of a streamed state (``torch.distributed._serialization._streaming_load``,
+    which torchft's ``HTTPTransport`` uses; ``weights_only=False`` as torchft: the state holds
+    Python values, e.g. the LR schedulers')."""
+    from torch.distributed._serialization import _streaming_load
+
+    return _streaming_load(f, weights_only=False)
 
 
 # ======================================================================== the list
@@ -398,6 +505,39 @@ def _manager_client() -> str | None:
         _has("torchft._torchft.ManagerClient", "_quorum")
 
 
+def _torchft_api() -> str:
+    api = torchft_api()
+    if api is None:
+        raise RuntimeError(f"the installed torchft ({torchft_installed()}) has neither API")
+    return api
+
+
+def _pg_reconfigure() -> str | None:
+    if _torchft_api() == "0.2":
+        return _has("torchft.process_group.ProcessGroup", "configure") or \
+            _in_source("torchft.manager:Manager._async_quorum", "store_prefixed_addr", "self._pg.configure(")
+    return _has("torchft.process_group.ProcessGroup", "reconfigure") or \
+        _in_source("torchft.manager:Manager._async_quorum", "reconfigure_handle=self._pg.get_reconfigure_handle()") \
+        or _in_source("torchft.process_group:_rendezvous", "peers[0]['store']")
+
+
+def _reconfigure_handle() -> str | None:
+    if _torchft_api() == "0.2":
+        return None
+    return _in_source("torchft.process_group:ProcessGroup.get_reconfigure_handle", '"store"', "store.port")
+
+
+def _checkpoint_server() -> str | None:
+    return _in_source("torchft.checkpointing.http_transport:HTTPTransport.__init__", "self._server",
+                      "self._thread", "RequestHandler") or \
+        _has("torchft.checkpointing.http_transport.HTTPTransport", "_serve")
+
+
+def _streaming_load() -> str | None:
+    return _has("torch.distributed._serialization", "_streaming_load") or \
+        _in_source("torch.distributed._serialization:_PseudoZipFile.read_from", "f.read(")
+
+
 REACHES: tuple[Reach, ...] = (
     Reach("accelerate.PartialState._shared_state['distributed_type']",
           "set_fsdp_state: FSDP on CPU too, and in every AcceleratorState() made later", _shared_state),
@@ -429,4 +569,15 @@ REACHES: tuple[Reach, ...] = (
           "collective_options: torchft's process group takes them", _c10d_options),
     Reach("torchft Manager._client / ManagerClient._quorum",
           "wrap_manager_client: one heal source per group (torchft #343)", _manager_client, package="torchft"),
+    Reach("torchft ProcessGroup.configure (0.2) / reconfigure with the first handle's store (0.3)",
+          "pg_reconfigure_method / pg_store_address: a dead heal source's store fails the round within seconds",
+          _pg_reconfigure, package="torchft"),
+    Reach("torchft 0.3 ProcessGroup.get_reconfigure_handle's JSON (store host:port)",
+          "advertised_handle: FLConfig.heal_address for the managed group's rendezvous store", _reconfigure_handle,
+          package="torchft"),
+    Reach("torchft HTTPTransport._server / _thread / _serve",
+          "checkpoint_server_port / rebind_checkpoint_server: FLConfig.heal_address for the heal's server",
+          _checkpoint_server, package="torchft"),
+    Reach("torch.distributed._serialization._streaming_load (reads tensors with f.read)",
+          "streaming_load: the heal's download into writable buffers", _streaming_load),
 )

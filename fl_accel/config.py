@@ -144,7 +144,8 @@ Algorithm = Literal["fsdp", "hsdp", "fl_fsdp", "fl_hsdp"]
 assert get_args(Algorithm) == mesh.ALGORITHMS
 
 
-NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
+NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr", "heal_address",
+                       "rejoin_timeout_s")
 """Fields that place state or bound waits without changing any value: left out of run and
 checkpoint identity (a run may resume a checkpoint written with other values)."""
 
@@ -228,12 +229,19 @@ class FLConfig:
     collective_timeout_s: float = 300.0
     """Seconds a collective (default and mesh groups) waits for a peer before failing instead of hanging."""
     fault_tolerance: Literal["none", "torchft"] = "none"
-    """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft 0.2.0
-    lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
+    """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft (0.2.0, or
+    the 0.3 API) lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
     group_index: int | None = None
     """"torchft": this launch's group, 0 <= f < ``num_groups``; names it and picks its data slice."""
     lighthouse_addr: str | None = None
     """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
+    heal_address: str | None = None
+    """"torchft": the address, or network interface name (e.g. "ib0"), that heals and the exchange's rendezvous
+    use: advertised by this rank (its checkpoint server binds it); None: torchft's default, the host name."""
+    rejoin_timeout_s: float = 300.0
+    """"torchft": seconds a group that trained the whole run waits for the other groups to reach the end (serving
+    their heals), and a group restarted without its state waits for a group holding one, before ending alone
+    with a warning, or with StateLostError."""
 
     def __post_init__(self) -> None:
         """Validate every field once (:func:`check_fields`); ``group_sizes`` given as a tuple is
@@ -315,7 +323,8 @@ class FLConfig:
              self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
             (["sync_window_s"], self.sync_trigger != "time", f"with sync_trigger {self.sync_trigger!r}",
              f"with sync_trigger {self.sync_trigger!r} (only 'time' has a window)"),
-            (["group_index", "lighthouse_addr"], self.fault_tolerance == "none", "outside torchft mode",
+            (["group_index", "lighthouse_addr", "heal_address", "rejoin_timeout_s"], self.fault_tolerance == "none",
+             "outside torchft mode",
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
              f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),
@@ -469,7 +478,8 @@ def check_fields(cfg: FLConfig) -> None:
                            ("error_feedback_decay", cfg.error_feedback_decay is None
                             or 0 < cfg.error_feedback_decay <= 1, "None or in (0, 1]"),
                            ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
-                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds")):
+                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds"),
+                           ("rejoin_timeout_s", cfg.rejoin_timeout_s >= 0, ">= 0 seconds")):
         if not ok:
             raise ValueError(f"FLConfig.{name} must be {what}, got {getattr(cfg, name)}")
     warmup, decay = cfg.outer_lr_warmup_steps, cfg.outer_lr_decay_steps
@@ -532,7 +542,8 @@ def lighthouse_addr(config: FLConfig) -> str:
     try:
         import torchft  # noqa: F401
     except ImportError as exc:
-        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
+        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 (or the 0.3 API: "
+                         f"torchft-nightly) ({exc})") from exc
     return addr
 
 

@@ -7,7 +7,8 @@ the groups may differ, the fragment plan, the progress of rounds by time/speed, 
 waits and torchft's heals. Every attribute is a read-only view computed when read; before
 ``prepare(model, optimizer)`` (and with one group) the counters read as a run with no sync.
 Two calls act, both for loops and pre-sync hooks: :meth:`Federation.arriving` and
-:meth:`Federation.restart_round_clock`. Units: optimizer steps (after gradient
+:meth:`Federation.restart_round_clock`; two more, in the torchft mode, at the ends of a run:
+:meth:`Federation.wait_for_groups` and :meth:`Federation.require_heal`. Units: optimizer steps (after gradient
 accumulation), ring bytes this rank sent (:mod:`fl_accel.comm`), seconds.
 tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
 """
@@ -15,6 +16,8 @@ tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
 from __future__ import annotations
 
 import contextlib
+
+from .fsdp import local
 
 
 class Federation:
@@ -159,6 +162,36 @@ class Federation:
         """torchft mode: one record per heal this session (source group, bytes, seconds,
         transfer and load seconds; a loop may add its ``step``); else []."""
         return getattr(self._transport, "heal_sources", [])
+
+    def wait_for_groups(self) -> dict | None:
+        """torchft mode, at the end of the run (after the final sync; ``end_training`` calls it):
+        wait until every configured group has reached the end, serving the heals of groups behind
+        (a group restarted from an older checkpoint takes over this group's final state), at most
+        ``FLConfig.rejoin_timeout_s`` (:meth:`fl_accel.ft.ManagedTransport.finish`). Returns
+        :attr:`end_state`; None outside the torchft mode. Collective; idempotent."""
+        transport = self._transport
+        if transport is None:
+            return None
+        params = self._sync.params
+        return transport.finish(lambda: sum(float(local(p).detach().double().sum()) for p in params))
+
+    @property
+    def end_state(self) -> dict | None:
+        """torchft mode, after :meth:`wait_for_groups`: ``together`` (every configured group
+        reached the end, in one quorum), ``groups`` (those in the last end quorum), ``checksums``
+        by group (fp64 sums of the parameters; equal when the groups ended identical),
+        ``checksum`` (this group's), ``waited_s``; else None."""
+        return getattr(self._transport, "end_state", None)
+
+    def require_heal(self, lost_step: int) -> None:
+        """torchft mode: this group restarted without its state (its earlier session reached
+        optimizer step ``lost_step`` and left no checkpoint), so its first sync must heal it from
+        a group holding a committed state; without one within ``FLConfig.rejoin_timeout_s`` it
+        raises :class:`fl_accel.ft.StateLostError` rather than train the federation on from fresh
+        weights (:meth:`fl_accel.ft.ManagedTransport.require_heal`). Every rank of the group,
+        before its first sync; a no-op outside the torchft mode."""
+        if self._transport is not None:
+            self._transport.require_heal(lost_step)
 
     @property
     def membership_seconds(self) -> dict:

@@ -1,9 +1,13 @@
 """Federation groups that fail alone: the "fl" exchange over torchft's managed process group.
 
 With ``fault_tolerance="torchft"`` each group is its own launch (a world of its G ranks,
-FSDP2 inside). torchft 0.2.0 (``torchft/manager.py``, ``process_group.py``) provides
-membership, quorum, the reconfigurable process group and recovery; the exchange, outer
-step and schedule stay ours. Relied on (torchft 0.2.0):
+FSDP2 inside). torchft (``torchft/manager.py``, ``process_group.py``) provides membership,
+quorum, the reconfigurable process group and recovery; the exchange, outer step and schedule
+stay ours. Two torchft APIs are supported, chosen by the installed build
+(:func:`fl_accel.compat.torchft_api`): 0.2 (torchft 0.2.0: the managed group is rebuilt with
+``ProcessGroup.configure`` on the quorum's store) and 0.3 (torchft-nightly 2026.10.26, torchft
+0.3: ``pg.reconfigure(ReconfigureOptions)`` with handles exchanged through the Lighthouse).
+Relied on (both):
 
 * One ``Manager`` per rank; the group's rank 0 hosts the ``ManagerServer`` that asks the
   Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups.
@@ -21,7 +25,19 @@ Limits handled: torchft keeps its keys in the store it is given, which ``torchru
 across ``--max-restarts`` attempts, so each attempt gets its own (:func:`_attempt_store`);
 torchft #343: recovering rank k of group i heals from group ``(i + k) mod U``
 (``src/manager.rs``), so with F >= 3 a group's ranks would heal from different groups:
-:class:`_AgreedClient` makes them all use rank 0's assignment.
+:class:`_AgreedClient` makes them all use rank 0's assignment. torchft advertises
+``socket.gethostname()`` for its ManagerServer, its checkpoint server and (0.3) the managed
+group's rendezvous store (torchft #329: an 8B heal over the slow Ethernet took 948 s):
+``FLConfig.heal_address`` advertises a chosen address or interface instead
+(:func:`resolve_address`, :class:`HealTransport`, :func:`_managed_pg`). A (re)configuration
+whose store is gone (the heal source died) fails within :data:`CONNECT_TIMEOUT_S` instead of
+torchft's store timeout.
+
+At the ends of a run (:meth:`ManagedTransport.finish`, :meth:`ManagedTransport.require_heal`):
+a group that has trained the whole run waits for the other configured groups to reach the end
+(serving their heals) before it ends, and a group restarted without its state never trains
+on from fresh weights when no live group holds a committed one: it waits for one, then
+raises :class:`StateLostError`.
 """
 
 from __future__ import annotations
@@ -29,7 +45,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -47,6 +65,18 @@ from .sync import EventHooks
 AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options()
 
 logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds a managed process group's (re)configuration tries to reach the store it is given
+(:func:`_managed_pg`): a heal source that died takes its store with it, and torchft's own
+store client would retry for the whole collective timeout (300 s by default) before the
+round fails. A live store answers a TCP connect within milliseconds on any network."""
+
+
+class StateLostError(RuntimeError):
+    """A federation group restarted without its state, and no live group held a committed
+    state to heal from within ``FLConfig.rejoin_timeout_s`` (:meth:`ManagedTransport.require_heal`):
+    training on would restart the federation from fresh weights."""
 
 
 def _report(manager, exc: Exception) -> None:
@@ -147,6 +177,8 @@ class ManagedTransport:
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
     init_sum: float | None = None  # fp64 sum of this rank's initial local shards (_check_identical)
     group_index: int = 0  # this launch's federation group (FLConfig.group_index): its row in the round's table
+    num_groups: int = 1  # the federation's configured groups F (FLConfig.num_groups): whom finish() waits for
+    rejoin_timeout_s: float = 300.0  # FLConfig.rejoin_timeout_s: finish() and require_heal() wait at most this
     elastic = True  # membership is decided at every sync
     num_chunks = property(lambda self: self.inside.num_chunks)
     chunk_index = property(lambda self: self.inside.chunk_index)
@@ -162,23 +194,32 @@ class ManagedTransport:
         self._heal_agreed = False  # the last quorum told this group to heal (rank 0's word: equal on its ranks)
         self._heal_started = 0.0  # perf_counter when that quorum returned (the download follows)
         self._heal_loaded: tuple[int, float] | None = None  # this rank's (bytes, seconds) once the state is applied
+        self.end_state: dict | None = None  # finish()'s answer, once it ran
+        self._lost_step: int | None = None  # require_heal(): the step this group's lost session had reached
+        self.checkpoint = None  # the HealTransport the Manager sends and receives states with
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
                timeout: timedelta, inside: MeshTransport, save: Callable[[], dict], load: Callable[[dict], None],
-               init_sum: float | None = None) -> "ManagedTransport":
+               init_sum: float | None = None, num_groups: int = 1, heal_address: str | None = None,
+               rejoin_timeout_s: float = 300.0) -> "ManagedTransport":
         """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
         ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
-        ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
-        callbacks (:func:`capture`, :func:`restore`). Collective over the group's world. ImportError
-        without torchft."""
-        compat.check_torchft_version()
+        ``ProcessGroupNCCL`` of the installed torchft API, waits bounded by ``timeout``;
+        ``save``/``load``: the recovery callbacks (:func:`capture`, :func:`restore`);
+        ``heal_address``: what this rank advertises (and its checkpoint server binds) instead of
+        torchft's ``socket.gethostname()`` (:func:`resolve_address`'s result; None: torchft's
+        default); ``num_groups`` and ``rejoin_timeout_s``: :meth:`finish`'s and
+        :meth:`require_heal`'s. Collective over the group's world. ImportError without torchft
+        (or with a release of neither API)."""
+        api = compat.check_torchft_version()
         from torchft import Manager
-        from torchft.checkpointing import HTTPTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum, group_index=group_index)
+        base = ProcessGroupNCCL if inside.device.type == "cuda" else ProcessGroupGloo
+        pg = _managed_pg(base, api, heal_address)(timeout=timeout)
+        transport = cls(manager=None, pg=pg, inside=inside, init_sum=init_sum, group_index=group_index,
+                        num_groups=num_groups, rejoin_timeout_s=rejoin_timeout_s)
 
         def on_heal(state):  # torchft calls it with the state it received (downloaded and unpickled)
             received = time.perf_counter()
@@ -189,25 +230,30 @@ class ManagedTransport:
                                       received - transport._heal_started, done - received)
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
-        store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
+        store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout, heal_address)
+        transport.checkpoint = HealTransport(timeout, heal_address)
+        advertised = {"hostname": heal_address} if heal_address else {}  # torchft's default: socket.gethostname()
         transport.manager = Manager(
             pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_size,
             lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
-            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
-            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
+            replica_id=f"fl_accel_group_{group_index}", init_sync=False, checkpoint_transport=transport.checkpoint,
+            **advertised)
         compat.wrap_manager_client(transport.manager, lambda client: _AgreedClient(client, agree, transport))
         return transport
 
     def begin(self) -> Round:
-        """The open round, or a new quorum's (blocking; it may heal this group)."""
+        """The open round, or a new quorum's (blocking; it may heal this group). After
+        :meth:`require_heal` the quorum is asked again until this group healed (StateLostError
+        after ``rejoin_timeout_s``)."""
         if self.round is None:
-            self.healed, t0 = False, time.perf_counter()
-            self.manager.start_quorum()
-            self.seconds["quorum"] += time.perf_counter() - t0
-            self.seconds["quorums"] += 1
-            if self._heal_agreed:
-                self._measure_heal()
+            self._ask_quorum()
+            deadline = None
+            while self._lost_step is not None and not self._healed_on_every_rank():
+                deadline = self._wait_for_state(deadline)
+                self._ask_quorum()
+            self._lost_step = None
+            self._wait_at_start()
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
@@ -222,6 +268,147 @@ class ManagedTransport:
                             " (healed from a live group)" if self.healed else "")
         return self.round
 
+    def _ask_quorum(self) -> None:
+        """torchft's quorum (blocking; a heal of this group is applied in it), timed."""
+        self.healed, t0 = False, time.perf_counter()
+        self.manager.start_quorum()
+        self.seconds["quorum"] += time.perf_counter() - t0
+        self.seconds["quorums"] += 1
+        if self._heal_agreed:
+            self._measure_heal()
+
+    def _wait_at_start(self) -> None:
+        """The first sync of a fresh federation (nobody has committed: the quorum's max step is
+        0) waits for every configured group, asking the quorum again every second, at most
+        ``rejoin_timeout_s``; then the groups present start without the others (those heal from
+        them when they come). Without it, a group that starts a few seconds before the others
+        would train the run alone until they arrive and then hand them its state. Every group of
+        a waiting quorum is in this wait (max step 0, the same count), so they decide together:
+        a MAX over the group's ranks and over the quorum's groups of "my deadline passed"."""
+        deadline = None
+        while True:
+            num = self.manager.num_participants()
+            if self.max_step > 0 or self.healed or num >= self.num_groups or self.manager.errored() is not None:
+                return
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.rejoin_timeout_s
+                logger.info("fl_accel: %d of %d federation groups at the first sync; waiting up to %g s for the others "
+                            "(FLConfig.rejoin_timeout_s)", num, self.num_groups, self.rejoin_timeout_s)
+            late = torch.zeros(max(1, num), dtype=torch.float32, device=self.device)
+            late[self.manager.participating_rank() or 0] = float(now >= deadline)
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)  # any rank of this group
+            if num > 1:
+                self._control_all_reduce(late)  # any group of this quorum
+            if late.max().item() > 0:
+                logger.warning("fl_accel: starting with %d of %d federation groups after waiting %g s for the others "
+                               "(FLConfig.rejoin_timeout_s); they heal from these when they come", num,
+                               self.num_groups, self.rejoin_timeout_s)
+                return
+            self.round = None
+            time.sleep(1.0)
+            self._ask_quorum()
+
+    def require_heal(self, lost_step: int) -> None:
+        """This group restarted without its state: its earlier session had reached optimizer step
+        ``lost_step`` and left no checkpoint. Its first quorum must heal it from a group that
+        holds a committed state (a live group, or one resumed from its checkpoint): until one
+        does, :meth:`begin` asks for the quorum again every second, training nothing, and after
+        ``rejoin_timeout_s`` raises :class:`StateLostError` on every rank of the group (training
+        on would restart the federation from fresh weights). Call it on every rank of the group
+        before its first sync."""
+        self._lost_step = int(lost_step)
+
+    def _healed_on_every_rank(self) -> bool:
+        """The last quorum healed every rank of this group (a MIN over the group's world)."""
+        flag = torch.tensor([float(self.healed and self.manager.errored() is None)], dtype=torch.float32,
+                            device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _wait_for_state(self, deadline: float | None) -> float:
+        """One wait of :meth:`begin` for a group holding a committed state; the deadline
+        (set at the first); StateLostError once it passed."""
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + self.rejoin_timeout_s
+            logger.warning("fl_accel: federation group %d restarted without its state (its earlier session reached "
+                           "step %d); waiting up to %g s (FLConfig.rejoin_timeout_s) for a group that holds a committed "
+                           "state to heal from", self.group_index, self._lost_step, self.rejoin_timeout_s)
+        if now >= deadline:
+            raise StateLostError(
+                f"federation group {self.group_index} restarted without its state (its earlier session reached step "
+                f"{self._lost_step} and left no checkpoint), and no group holding a committed state joined its quorum "
+                f"within {self.rejoin_timeout_s:g} s (FLConfig.rejoin_timeout_s): the federation's trained state is "
+                f"lost, and training on would restart it from fresh weights. Restart the groups from their "
+                f"checkpoints (accelerator.save_state; the recipe's --checkpoint_every), or start the run over")
+        self.round = None  # nothing of this quorum is kept: no exchange, no vote
+        time.sleep(1.0)
+        return deadline
+
+    def finish(self, checksum: Callable[[], float], poll_s: float = 1.0) -> dict:
+        """The end of the run (every rank of the group, after the final sync): wait until every
+        configured group (``num_groups``) is at the end, serving the heals of the groups behind.
+
+        A loop of quorums, none voted on (nothing is trained or exchanged here, so torchft's
+        committed step stays the run's count of syncs, in every group alike): one in which
+        groups heal (they were behind: a group restarted from an older checkpoint, or without
+        one, takes over this group's final state) is followed by the next; one of this group
+        alone (the others down or still training) is asked again after ``poll_s``; one in which
+        nobody heals exchanges each group's checksum (``checksum()``: this rank's fp64 sum of
+        its local shards, summed over the group's ranks here) and ends the wait when all
+        ``num_groups`` groups are in it. After ``rejoin_timeout_s`` without that, the group ends
+        alone. Idempotent (the first answer is kept). Collective over the group's world and the
+        quorum's groups.
+
+        Returns: ``{"together": bool, "groups": [group indices in the last end quorum],
+        "num_groups": F, "checksum": this group's, "checksums": {group: checksum},
+        "waited_s": seconds}``; ``together`` False when the wait timed out (a group is down for
+        good, or came back too late): this group's final model may differ from theirs."""
+        if self.end_state is not None:
+            return self.end_state
+        t0 = time.monotonic()
+        deadline, seen, together = t0 + self.rejoin_timeout_s, {}, self.num_groups <= 1
+        self.round = None  # an event a heal left with nothing to exchange (this group took a final state)
+        while not together:
+            try:
+                rnd = self.begin()
+            except StateLostError:
+                raise
+            except Exception as exc:  # a quorum that timed out (more min_replicas than live groups)
+                logger.warning("fl_accel: end-of-run quorum failed (%s: %s); asking again", type(exc).__name__, exc)
+                self.round, rnd = None, None
+            if rnd is not None and rnd.num_groups > 1 and not self.behind:  # nobody heals: all are at the end
+                seen = self._end_table(rnd, checksum())
+                together = self.manager.errored() is None and len(seen) >= self.num_groups
+            self.round = None
+            if together or time.monotonic() >= deadline:
+                break
+            if rnd is None or rnd.num_groups == 1:
+                time.sleep(poll_s)
+        own = self._group_sum(checksum())
+        seen = {**seen, self.group_index: own}
+        self.end_state = {"together": together, "groups": sorted(seen), "num_groups": self.num_groups,
+                          "checksum": own, "checksums": {int(g): c for g, c in sorted(seen.items())},
+                          "waited_s": time.monotonic() - t0}
+        return self.end_state
+
+    def _group_sum(self, value: float) -> float:
+        """A SUM over the group's own world (fp64)."""
+        out = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return float(out.item())
+
+    def _end_table(self, rnd: Round, local_sum: float) -> dict[int, float]:
+        """{group index: checksum} of the quorum's groups (each group's sum over its ranks,
+        exchanged over the managed group); {} if that exchange failed."""
+        table = torch.zeros(rnd.num_groups, 2, dtype=torch.float64, device=self.device)
+        table[rnd.position] = torch.tensor([self.group_index + 1.0, self._group_sum(local_sum)], dtype=torch.float64)
+        self._control_all_reduce(table)
+        if self.manager.errored() is not None:
+            return {}
+        return {int(g) - 1: float(c) for g, c in table.tolist() if g >= 1}
+
     def _measure_heal(self) -> None:
         """Complete the newest ``heal_sources`` record after a quorum that healed this group:
         ``source_group`` (the live group it downloaded from), ``bytes`` (what the group's
@@ -232,7 +419,8 @@ class ManagedTransport:
         the HTTP transfer is that plus pickling overhead) and the seconds from the quorum's
         answer to the end of the apply. The source is the replica id of the quorum's
         ``recover_src_replica_rank`` after the #343 guard (``fl_accel_group_<f>``, set by
-        :meth:`create`), so its group index is exact. ``seconds`` splits into
+        :meth:`create`), so its group index is exact. ``wire_bytes``: what the group's ranks
+        downloaded (the serialized states, :class:`HealTransport`). ``seconds`` splits into
         ``transfer_seconds`` (the quorum's answer to the state received: torchft's HTTP
         download and unpickling on its quorum thread) and ``load_seconds`` (applying it: reshard,
         parameters, optimizer and sync state), each the slowest rank's. Every rank of the group runs this (the
@@ -240,7 +428,8 @@ class ManagedTransport:
         rank whose download failed counts 0 bytes (torchft then fails the round's commit).
         Collective over the group's world."""
         mine, self._heal_loaded, self._heal_agreed = self._heal_loaded or (0, 0.0, 0.0, 0.0), None, False
-        nbytes = torch.tensor([float(mine[0])], dtype=torch.float64, device=self.device)
+        wire = getattr(self.checkpoint, "received_bytes", 0) if mine[0] else 0
+        nbytes = torch.tensor([float(mine[0]), float(wire)], dtype=torch.float64, device=self.device)
         seconds = torch.tensor(list(mine[1:]), dtype=torch.float64, device=self.device)
         dist.all_reduce(nbytes, op=dist.ReduceOp.SUM)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -249,13 +438,14 @@ class ManagedTransport:
             name = str(record.get("source"))
             total, transfer, load = seconds.tolist()
             record.update(source_group=int(name.rsplit("_", 1)[1]) if name.startswith("fl_accel_group_") else None,
-                          bytes=int(nbytes.item()), seconds=total, transfer_seconds=transfer, load_seconds=load)
+                          bytes=int(nbytes[0].item()), wire_bytes=int(nbytes[1].item()), seconds=total,
+                          transfer_seconds=transfer, load_seconds=load)
 
     def _check_identical(self, num: int, position: int) -> None:
         """Before the first commit: ValueError on every rank when the groups' ``init_sum`` differ."""
         sums = torch.zeros(num, dtype=torch.float64, device=self.device)
         sums[position] = self.init_sum
-        self.all_reduce(sums)
+        self._control_all_reduce(sums)
         bad = torch.tensor([float(self.manager.errored() is None and bool((sums != sums[position]).any()))],
                            device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # any rank of this group
@@ -266,11 +456,19 @@ class ManagedTransport:
 
     def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
         """0 for the H groups that healed in this quorum (copies of their source, which would
-        weigh twice), 1/(F - H) for the others; every group runs the flags' SUM."""
-        flags = torch.zeros(num, dtype=torch.float32, device=self.device)
-        flags[position] = float(self.healed)
-        self.all_reduce(flags)
-        live = [g for g in range(num) if flags[g].item() == 0]
+        weigh twice), 1/(F - H) for the others; every group runs the flags' SUM. A heal that
+        failed (its source died, its download broke) fails the round in every group of the
+        quorum: each reports an error, so none launches the exchange (a group that did would
+        wait the collective timeout for the failed one) and none commits."""
+        flags = torch.zeros(2, num, dtype=torch.float32, device=self.device)
+        flags[0, position] = float(self.healed)
+        flags[1, position] = float(self.manager.errored() is not None)
+        self._control_all_reduce(flags)
+        if self.manager.errored() is None and flags[1].any():
+            failed = [g for g in range(num) if flags[1, g].item()]
+            self.manager.report_error(RuntimeError(f"a heal in this quorum failed (quorum positions {failed}): the "
+                                                   f"round is dropped in every group"))
+        live = [g for g in range(num) if flags[0, g].item() == 0]
         if self.manager.errored() is not None or not 0 < len(live) < num:
             return (1.0 / num,) * num
         return tuple(1.0 / len(live) if g in live else 0.0 for g in range(num))
@@ -288,13 +486,13 @@ class ManagedTransport:
             self.round = None
             self.seconds["commit"] += time.perf_counter() - t0
 
-    def _call(self, launch, op: str, tensor, async_op: bool):
-        """Launch a collective on the managed group (none once the round is lost) and wait for it
-        unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
-        the single world's, while it is entered."""
+    def _call(self, launch, op: str, tensor, async_op: bool, force: bool = False):
+        """Launch a collective on the managed group (none once the round is lost, unless
+        ``force``) and wait for it unless ``async_op``; counted in ``meter``'s "fl" bucket as
+        :mod:`fl_accel.comm` counts the single world's, while it is entered."""
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
         work, t0 = None, time.perf_counter()
-        if self.manager.errored() is None:
+        if force or self.manager.errored() is None:
             try:
                 work = launch()
             except Exception as exc:
@@ -313,6 +511,15 @@ class ManagedTransport:
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         return self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, async_op)
+
+    def _control_all_reduce(self, tensor) -> None:
+        """A SUM of the quorum's small control table (start-up check, heal flags, end checksums)
+        launched even after this round's error: every group of the quorum makes it, so a group
+        whose heal failed still answers it (its managed group is set up; one whose set-up failed
+        fails the call at once) instead of leaving the others waiting the collective timeout."""
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, False, force=True)
 
     def all_to_all(self, output, input, async_op=False):
         return self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()), "all_to_all",
@@ -368,15 +575,156 @@ class ManagedTransport:
         self.manager.shutdown(wait=False)
 
 
-def _attempt_store(group_rank: int, group, timeout: timedelta):
+def _attempt_store(group_rank: int, group, timeout: timedelta, advertise: str | None = None):
     """``(host, port, server)``: a fresh TCPStore for this attempt's torchft keys, served by
-    the group's rank 0 on a free port of ``MASTER_ADDR`` (port broadcast over ``group``)."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    the group's rank 0 on a free port, advertised as rank 0's ``advertise`` (its
+    ``heal_address``) or ``MASTER_ADDR`` (host and port broadcast over ``group``). With torchft's
+    0.2 API the quorum's groups also rendezvous their managed group on it."""
+    host = advertise or os.environ.get("MASTER_ADDR", "127.0.0.1")
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if group_rank == 0 \
         else None
-    box = [server.port if server is not None else None]
+    box = [(host, server.port) if server is not None else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    return host, int(box[0]), server
+    host, port = box[0]
+    return host, int(port), server
+
+
+def resolve_address(value: str | None) -> str | None:
+    """``FLConfig.heal_address`` as this process advertises it: the IPv4 address of the network
+    interface of that name (e.g. ``"ib0"``, ``"eth1"``: ``socket.if_nameindex()``, then the
+    SIOCGIFADDR ioctl), else ``value`` as given (an address or a host name); None for None or
+    "". Each rank resolves its own (an interface name names each node's own address).
+
+    Raises:
+        ValueError: an interface of that name has no IPv4 address."""
+    if not value:
+        return None
+    value = value.strip()
+    if value in {name for _, name in socket.if_nameindex()}:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", value[:15].encode()))  # SIOCGIFADDR
+            except OSError as exc:
+                raise ValueError(f"FLConfig.heal_address={value!r} names a network interface without an IPv4 "
+                                 f"address ({exc}); give the address itself") from None
+        return socket.inet_ntoa(packed[20:24])
+    return value
+
+
+def _wait_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Return once ``host:port`` accepts a TCP connection; ConnectionError after ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"the managed process group's store {address} did not accept a connection within "
+                                  f"{timeout_s:g} s (its host died?): {last}")
+        time.sleep(0.2)
+
+
+def _managed_pg(base, api: str, advertise: str | None):
+    """A subclass of torchft's ``ProcessGroupGloo``/``ProcessGroupNCCL`` (``base``) whose
+    (re)configuration (0.2: ``configure``; 0.3: ``reconfigure``) first checks that the store it
+    was given accepts connections (:func:`_wait_reachable`: ConnectionError within
+    :data:`CONNECT_TIMEOUT_S`, which torchft reports as the round's error, so the round fails
+    and the next quorum leaves a dead group out) and, with torchft 0.3, whose reconfigure handle
+    advertises ``advertise`` for its rendezvous store instead of ``socket.gethostname()``."""
+    method = compat.pg_reconfigure_method(api)
+
+    def reconfigure(self, *args, **kwargs):
+        _wait_reachable(compat.pg_store_address(api, args, kwargs))
+        return getattr(base, method)(self, *args, **kwargs)
+
+    members = {method: reconfigure}
+    if api == "0.3" and advertise:
+        members["get_reconfigure_handle"] = lambda self: compat.advertised_handle(
+            base.get_reconfigure_handle(self), advertise)
+    return type(f"FL{base.__name__}", (base,), members)
+
+
+class _WritableReader:
+    """A binary reader over ``raw`` (an HTTP response) whose ``read`` returns writable
+    ``bytearray``s, and that counts the bytes read (``nbytes``). torch's streaming loader
+    (``torch.distributed._serialization``) builds each tensor's storage with ``torch.frombuffer``
+    over what ``read`` returned: over ``bytes`` (immutable) torch warns "The given buffer is not
+    writable" once per tensor. ``readline`` serves the unpickler of its record table."""
+
+    def __init__(self, raw):
+        self._raw, self.nbytes = raw, 0
+
+    def readinto(self, buffer) -> int:
+        n = self._raw.readinto(buffer) or 0
+        self.nbytes += n
+        return n
+
+    def read(self, size: int = -1) -> bytearray:
+        if size is None or size < 0:
+            out = bytearray(self._raw.read())
+            self.nbytes += len(out)
+            return out
+        out = bytearray(size)
+        view, got = memoryview(out), 0
+        while got < size:
+            n = self.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        del view
+        return out if got == size else out[:got]
+
+    def readline(self, size: int = -1) -> bytes:
+        line = self._raw.readline(size)
+        self.nbytes += len(line)
+        return line
+
+
+def _checkpoint_transport_class():
+    """torchft's ``HTTPTransport`` (imported when first needed: torchft is optional)."""
+    from torchft.checkpointing import HTTPTransport
+
+    return HTTPTransport
+
+
+class HealTransport:
+    """torchft's ``HTTPTransport`` (the heal's checkpoint server and download, ``num_chunks=0``)
+    with two changes: it advertises ``advertise`` instead of ``socket.gethostname()`` and its
+    server binds that address only (torchft binds every interface), and the download reads into
+    writable buffers (no "buffer is not writable" warning per tensor: :class:`_WritableReader`)
+    and records the bytes it received (``received_bytes``, the wire size of the last heal).
+    Made by :meth:`__new__` as an instance of a subclass of the installed torchft's class."""
+
+    def __new__(cls, timeout: timedelta, advertise: str | None = None):
+        base = _checkpoint_transport_class()
+
+        class FLHTTPTransport(base):
+            received_bytes = 0
+
+            def address(self) -> str:
+                if not advertise:
+                    return base.address(self)
+                host = f"[{advertise}]" if ":" in advertise else advertise
+                return f"http://{host}:{compat.checkpoint_server_port(self)}/checkpoint/"
+
+            def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
+                with urllib.request.urlopen(f"{metadata}{step}/full", timeout=timeout.total_seconds()) as raw:
+                    reader = _WritableReader(raw)
+                    state = compat.streaming_load(reader)
+                self.received_bytes = reader.nbytes
+                return state
+
+        transport = FLHTTPTransport(timeout=timeout, num_chunks=0)
+        if advertise:
+            compat.rebind_checkpoint_server(transport, advertise)
+        return transport
 
 
 def state_nbytes(state) -> int:

@@ -39,7 +39,8 @@ def test_every_internal_fl_accel_relies_on_is_still_there(reach):
 FOREIGN_INTERNALS = ("_shared_state", "._models", "._optimizers", "._schedulers", "._dataloaders", "_prepare_fsdp2",
                      "._parameters", "._client", "._quorum", "_orig_mod", "_checkpoint_wrapped_module",
                      "_CHECKPOINT_PREFIX", "distributed_c10d", "fully_shard.state", ".reset_iter_state",
-                     "dist.all_gather_single", "setattr(dist", ".data_ptr =")
+                     "dist.all_gather_single", "setattr(dist", ".data_ptr =", "._server", "._serve",
+                     "_streaming_load")
 
 
 def _code_only(path: Path) -> str:
@@ -102,17 +103,57 @@ def test_pyproject_states_the_same_range():
     assert f'"accelerate>={al[0]}.{al[1]},<{ah[0]}.{ah[1] + 1}"' in text
 
 
-@pytest.mark.parametrize("found,match", [("0.3.0", r"tested with torchft==0\.2\.0, found 0\.3\.0.*configure"),
-                                         (None, r"needs torchft==0\.2\.0")])
-def test_torchft_mode_refuses_an_untested_torchft(monkeypatch, found, match):
+def _installed(monkeypatch, builds: dict):
+    """``compat._version`` answering for the distributions in ``builds`` only (others: missing)."""
     def fake(name):
-        if found is None:
+        if name not in builds:
             raise compat.PackageNotFoundError(name)
-        return found
+        return builds[name]
 
     monkeypatch.setattr(compat, "_version", fake)
+
+
+@pytest.mark.parametrize("builds,api", [({"torchft": "0.2.0"}, "0.2"), ({"torchft-nightly": "2026.10.26"}, "0.3")])
+def test_torchft_mode_takes_the_api_of_the_tested_builds_silently(monkeypatch, builds, api):
+    """torchft 0.2.0 runs the 0.2 path, the torchft-nightly build (0.3's API) the 0.3 path, no warning."""
+    _installed(monkeypatch, builds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.check_torchft_version() == api
+    assert compat.pg_reconfigure_method(api) == {"0.2": "configure", "0.3": "reconfigure"}[api]
+
+
+@pytest.mark.parametrize("builds,api", [({"torchft": "0.3.1"}, "0.3"), ({"torchft": "0.2.1"}, "0.2"),
+                                        ({"torchft-nightly": "2026.11.2"}, "0.3")])
+def test_torchft_mode_warns_on_an_untested_build_of_a_known_api(monkeypatch, builds, api):
+    _installed(monkeypatch, builds)
+    with pytest.warns(UserWarning, match=r"the torchft mode is tested with torchft==0\.2\.0 or "
+                                         r"torchft-nightly==2026\.10\.26 \(its 0\.\d API is used\)"):
+        assert compat.check_torchft_version() == api
+
+
+@pytest.mark.parametrize("builds,match", [({"torchft": "0.1.1"}, r"supports torchft's 0\.2 and 0\.3 APIs.*found "
+                                                                  r"torchft 0\.1\.1"),
+                                          ({}, r"needs torchft \(`pip install torchft==0\.2\.0`")])
+def test_torchft_mode_refuses_a_torchft_of_neither_api(monkeypatch, builds, match):
+    _installed(monkeypatch, builds)
     with pytest.raises(ImportError, match=match):
         compat.check_torchft_version()
+
+
+def test_the_pg_store_address_and_the_advertised_handle():
+    """The store a (re)configuration connects to, for both APIs, and a 0.3 handle whose
+    store host is replaced (the port kept; an IPv6 host in brackets)."""
+    import json
+    from types import SimpleNamespace
+
+    assert compat.pg_store_address("0.2", ("10.0.0.1:1234/torchft/3/0", "r", 0, 2), {}) == "10.0.0.1:1234"
+    assert compat.pg_store_address("0.2", (), {"store_addr": "h:5/p"}) == "h:5"
+    handles = [json.dumps({"id": "a", "store": "vm:777", "global_rank": 0}), json.dumps({"id": "b", "store": "x:1"})]
+    assert compat.pg_store_address("0.3", (SimpleNamespace(handles=handles),), {}) == "vm:777"
+    moved = json.loads(compat.advertised_handle(handles[0], "10.213.0.2"))
+    assert moved == {"id": "a", "store": "10.213.0.2:777", "global_rank": 0}
+    assert json.loads(compat.advertised_handle(handles[0], "fe80::1"))["store"] == "[fe80::1]:777"
 
 
 def test_fallbacks_follow_what_exists(monkeypatch):

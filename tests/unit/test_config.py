@@ -43,6 +43,7 @@ def test_defaults():
         "outer_lr_warmup_steps": 0, "outer_lr_decay_steps": None, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
         "collective_timeout_s": 300.0, "fault_tolerance": "none", "group_index": None, "lighthouse_addr": None,
+        "heal_address": None, "rejoin_timeout_s": 300.0,
     }
     assert c.validate() is c
     assert c.validate(world_size=4) is c
