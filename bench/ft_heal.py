@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     summary = {"date": time.strftime("%Y-%m-%d"), "command": "python -m bench.ft_heal " + " ".join(argv or sys.argv[1:]),
                "links": {}, "runs": []}
     for rate in args.rates:
-        with Emulator(2, rate) as emu:
+        with Emulator(2, rate, subnet="10.213.49.0/24") as emu:
             link = emu.measure(seconds=2.0)
             summary["links"][rate] = link
             for model in args.models:

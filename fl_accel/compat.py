@@ -4,7 +4,10 @@ fl_accel is tested on torch 2.12-2.15 and accelerate 1.14-1.16 (:data:`TESTED`; 
 oldest and the newest pair, ``scripts/test_versions.sh``). A release outside that range gets a
 warning at import (:func:`check_versions`), not an error. Where two releases differ, the code
 below picks its path by checking what exists (``hasattr``, a signature, a source line), never
-by version number.
+by version number; torchft is the exception: its 0.2 and 0.3 APIs differ in how the Manager
+rebuilds the managed process group and in the Lighthouse's protocol (which no attribute shows),
+so the installed build picks the path (:func:`torchft_api`; :data:`TORCHFT_TESTED`, both run by
+CI), and the reaches of that path are checked.
 
 Each reach is a function here, and :data:`REACHES` lists them: the internal, what relies on
 it, and a check that ``tests/unit/test_compat.py`` runs on the installed releases, failing with

@@ -250,6 +250,9 @@ class ManagedTransport:
             self._ask_quorum()
             deadline = None
             while self._lost_step is not None and not self._healed_on_every_rank():
+                num, position = self.manager.num_participants(), self.manager.participating_rank()
+                if num > 1 and self.behind and position is not None:  # a heal failed: the quorum drops the round
+                    self._weights_without_healed(num, position)  # the control table its other groups expect
                 deadline = self._wait_for_state(deadline)
                 self._ask_quorum()
             self._lost_step = None
@@ -593,10 +596,12 @@ def resolve_address(value: str | None) -> str | None:
     """``FLConfig.heal_address`` as this process advertises it: the IPv4 address of the network
     interface of that name (e.g. ``"ib0"``, ``"eth1"``: ``socket.if_nameindex()``, then the
     SIOCGIFADDR ioctl), else ``value`` as given (an address or a host name); None for None or
-    "". Each rank resolves its own (an interface name names each node's own address).
+    "". Each rank resolves its own (an interface name names each node's own address). Called
+    by every rank before any process group exists.
 
     Raises:
-        ValueError: an interface of that name has no IPv4 address."""
+        ValueError: an interface of that name has no IPv4 address, or this host cannot bind
+            the address (it is another host's)."""
     if not value:
         return None
     value = value.strip()
@@ -610,7 +615,14 @@ def resolve_address(value: str | None) -> str | None:
             except OSError as exc:
                 raise ValueError(f"FLConfig.heal_address={value!r} names a network interface without an IPv4 "
                                  f"address ({exc}); give the address itself") from None
-        return socket.inet_ntoa(packed[20:24])
+        value = socket.inet_ntoa(packed[20:24])
+    try:  # the checkpoint server binds it (HealTransport): refuse an address of another host now
+        family = socket.AF_INET6 if ":" in value else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((value, 0))
+    except OSError as exc:
+        raise ValueError(f"FLConfig.heal_address={value!r}: this host cannot serve heals on it ({exc}); give an "
+                         f"address, host name or network interface of this host") from None
     return value
 
 
@@ -722,7 +734,7 @@ class HealTransport:
                 return state
 
         transport = FLHTTPTransport(timeout=timeout, num_chunks=0)
-        if advertise:
+        if advertise:  # checked bindable by resolve_address
             compat.rebind_checkpoint_server(transport, advertise)
         return transport
 

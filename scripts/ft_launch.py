@@ -2,8 +2,9 @@
 
 With ``FLConfig(fault_tolerance="torchft")`` every federation group is its own
 ``torchrun`` world of G ranks; a torchft Lighthouse decides which groups take part in
-each sync (:mod:`fl_accel.ft`). This script starts the Lighthouse (torchft 0.2.0's,
-through scripts/torchft_lighthouse.py) on a free port, then one torchrun per group, each
+each sync (:mod:`fl_accel.ft`). This script starts the Lighthouse (the installed torchft
+build's: the groups' must be the same, 0.2.0 or a 0.3-API build; through
+scripts/torchft_lighthouse.py) on a free port, then one torchrun per group, each
 with its own free ``--master_port``, ``FL_ACCEL_FAULT_TOLERANCE=torchft``,
 ``FL_ACCEL_GROUP_INDEX=f``, ``TORCHFT_LIGHTHOUSE`` and ``OMP_NUM_THREADS=1``, and
 supervises the groups until each has finished or failed (the Lighthouse is stopped at
@@ -107,7 +108,8 @@ def lighthouse_argv(port: int, host: str = "127.0.0.1", **options) -> list[str]:
         return [sys.executable, str(LIGHTHOUSE_SCRIPT)] + bind
     found = shutil.which("torchft_lighthouse")
     if found is None:
-        raise FileNotFoundError("torchft_lighthouse not found: pip install torchft==0.2.0")
+        raise FileNotFoundError("torchft_lighthouse not found: pip install torchft==0.2.0 (or the build the groups "
+                                "use: the Lighthouse must be the same)")
     return [found] + bind
 
 

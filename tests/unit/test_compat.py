@@ -5,7 +5,8 @@
 * No other module of fl_accel reads those internals (a scan of the code, strings and
   comments left out).
 * A release outside the tested range warns at import instead of refusing; torchft's mode
-  refuses an untested torchft, naming the tested release.
+  takes the API of the installed build (0.2.0, or 0.3's: torchft-nightly), warns on an untested
+  build of a known API and refuses one of neither, naming the tested builds.
 * The fallbacks chosen by existence (``all_gather_single``, ``reset_iter_state``) take the
   other path when the newer function is missing (control flow; the real older torch runs
   in CI's oldest environment, scripts/test_versions.sh).
