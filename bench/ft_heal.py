@@ -23,8 +23,9 @@ metrics under ``bench/work/<name>/``):
 * **wire time**: the bytes the group's ranks downloaded (``wire_bytes``: the serialized states)
   over the link's rate, both the rate set (tbf) and a single TCP stream's measured rate; the
   ratio heal / wire time (the issue's goal: at most 1.5);
-* **survivor stall**: from the kill to group 0's next step whose sync committed (its step
-  records' ``unix_time``; a sync that did not commit is in its log);
+* **survivor stall**: from the kill to group 0's first committed sync of a round group 1 would
+  have joined (its step records' ``unix_time``; a sync that did not commit is in its log), and
+  group 0's longest gap between two step records around the kill;
 * **rejoin seconds**: from the restart to the restarted group's first step after its heal
   (interpreter start-up, data, model, prepare, the wait for the survivor's next sync, the heal);
 * the machine's load average (``os.getloadavg``) at each run's start and end, and the other
@@ -171,8 +172,9 @@ def run_one(emu, rate: str, model: str, work: Path, cache: Path, default_address
     heal = heal_log[-1]
     m0 = read_jsonl(out / "out" / "group0" / "metrics.jsonl")
     skipped = uncommitted_steps(out / "group0_a0.log")
+    next_sync = (events["killed_at_step"] // H + 1) * H  # the first sync group 1 would have joined
     after_kill = [r for r in m0 if "train/loss" in r and r["unix_time"] > events["kill"]]
-    committed = [r for r in after_kill if r["step"] % H == 0 and r["step"] not in skipped]
+    committed = [r for r in after_kill if r["step"] % H == 0 and r["step"] >= next_sync and r["step"] not in skipped]
     steps0 = [r["unix_time"] for r in m0 if "train/loss" in r]
     gaps = [b - a for a, b in zip(steps0, steps0[1:]) if b > events["kill"] - 5]
     m1 = read_jsonl(out / "out" / "group1" / "metrics.jsonl")
@@ -229,8 +231,9 @@ def table(summary: dict) -> str:
         "- heal s: from torchft's quorum answer to the state applied on the slowest rank (transfer: HTTP download "
         "and unpickling; load: applying it). Wire time: the bytes the group's ranks downloaded over the rate set on "
         "the link.",
-        "- survivor stall: from the kill to group 0's next step whose sync committed (longest gap: group 0's "
-        "longest time between two step records around the kill).",
+        "- survivor stall: from the kill to group 0's first committed sync of a round group 1 would have joined "
+        "(longest gap: group 0's longest time between two step records around the kill). The Lighthouse leaves the "
+        "dead group out after its heartbeat timeout (3 s, scripts/ft_launch.py's setting).",
         "- rejoin: from the restart of group 1 to its first step after the heal: interpreter start-up, data, "
         "model, prepare, the wait for group 0's next sync, the heal. torchft's published CPU figure for a 51M "
         "model (ft-diloco README): survivor 5.0 s, rejoin 54 s.",

@@ -79,10 +79,21 @@ class StateLostError(RuntimeError):
     training on would restart the federation from fresh weights."""
 
 
-def _report(manager, exc: Exception) -> None:
+def _report(manager, exc: Exception, pg=None) -> None:
+    """A collective across the groups failed: the round will not commit, and ``pg`` (the managed
+    process group) is aborted, which closes its connections, so that a peer group blocked on this
+    one in the same collective fails at once instead of after the collective timeout (gloo
+    does not tell the others when one rank gives an operation up). The failed vote counts a
+    commit failure, and torchft's Lighthouse then gives the next quorum a new id, so the
+    managed group is built anew."""
     logger.warning("fl_accel sync: a collective across federation groups failed (%s: %s); this round will not "
                    "commit", type(exc).__name__, exc)
     manager.report_error(exc)
+    if pg is not None:
+        try:
+            pg.abort()
+        except Exception as abort_exc:  # already aborted, or never set up
+            logger.debug("aborting the managed process group: %s", abort_exc)
 
 
 class _Agreed:  # a torchft QuorumResult with the recovery fields of the group's rank 0
@@ -322,6 +333,18 @@ class ManagedTransport:
         before its first sync."""
         self._lost_step = int(lost_step)
 
+    def _drop_round(self) -> None:
+        """Close the open round, keeping nothing of it: a round in which a rank of this group hit
+        an error is voted on (False: torchft counts a commit failure, so the next quorum gets a
+        new id and rebuilds the managed group, which :func:`_report` may have aborted); one
+        without is closed unvoted (nothing to commit, and the committed step stays). The
+        decision is the group's (a MAX over its ranks)."""
+        failed = torch.tensor([float(self.manager.errored() is not None)], dtype=torch.float32, device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            self.should_commit()
+        self.round = None
+
     def _healed_on_every_rank(self) -> bool:
         """The last quorum healed every rank of this group (a MIN over the group's world)."""
         flag = torch.tensor([float(self.healed and self.manager.errored() is None)], dtype=torch.float32,
@@ -345,7 +368,7 @@ class ManagedTransport:
                 f"within {self.rejoin_timeout_s:g} s (FLConfig.rejoin_timeout_s): the federation's trained state is "
                 f"lost, and training on would restart it from fresh weights. Restart the groups from their "
                 f"checkpoints (accelerator.save_state; the recipe's --checkpoint_every), or start the run over")
-        self.round = None  # nothing of this quorum is kept: no exchange, no vote
+        self._drop_round()  # nothing of this quorum is kept: no exchange
         time.sleep(1.0)
         return deadline
 
@@ -353,8 +376,9 @@ class ManagedTransport:
         """The end of the run (every rank of the group, after the final sync): wait until every
         configured group (``num_groups``) is at the end, serving the heals of the groups behind.
 
-        A loop of quorums, none voted on (nothing is trained or exchanged here, so torchft's
-        committed step stays the run's count of syncs, in every group alike): one in which
+        A loop of quorums, none voted on unless it failed (nothing is trained or exchanged here,
+        so torchft's committed step stays the run's count of syncs, in every group alike;
+        :meth:`_drop_round`): one in which
         groups heal (they were behind: a group restarted from an older checkpoint, or without
         one, takes over this group's final state) is followed by the next; one of this group
         alone (the others down or still training) is asked again after ``poll_s``; one in which
@@ -372,7 +396,7 @@ class ManagedTransport:
             return self.end_state
         t0 = time.monotonic()
         deadline, seen, together = t0 + self.rejoin_timeout_s, {}, self.num_groups <= 1
-        self.round = None  # an event a heal left with nothing to exchange (this group took a final state)
+        self._drop_round()  # an event a heal left with nothing to exchange (this group took a final state)
         while not together:
             try:
                 rnd = self.begin()
@@ -384,7 +408,7 @@ class ManagedTransport:
             if rnd is not None and rnd.num_groups > 1 and not self.behind:  # nobody heals: all are at the end
                 seen = self._end_table(rnd, checksum())
                 together = self.manager.errored() is None and len(seen) >= self.num_groups
-            self.round = None
+            self._drop_round()
             if together or time.monotonic() >= deadline:
                 break
             if rnd is None or rnd.num_groups == 1:
@@ -499,13 +523,13 @@ class ManagedTransport:
             try:
                 work = launch()
             except Exception as exc:
-                _report(self.manager, exc)
+                _report(self.manager, exc, self.pg)
         if work is not None and meter is not None:
             num = self.round.num_groups if self.round is not None else 1
             meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
                                time.perf_counter() - t0)
         work = comm.TimedWork(work, meter and (lambda s: meter._add_seconds("fl", s)),
-                              lambda exc: _report(self.manager, exc))  # a peer group died: no commit
+                              lambda exc: _report(self.manager, exc, self.pg))  # a peer group died: no commit
         if async_op:
             return work
         work.wait()

@@ -136,7 +136,8 @@ def test_restart_group_with_the_docs_flags_ends_with_one_final_model(tmp_path, d
     cmd = [sys.executable, "-m", "scripts.ft_launch", "--num_groups", "2", "--nproc_per_group", "1", "--max_restarts",
            "1", "--log_dir", str(logs), "--", "recipes/pretrain.py", "--fault_tolerance", "torchft", "--num_groups",
            "2", "--sync_every", "2", "--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_steps",
-           "16", "--checkpoint_every", "4", "--eval_every", "4", "--max_eval_blocks", "16", "--report_to", "none",
+           "16", "--checkpoint_every", "4", "--eval_every", "4", "--log_every", "1", "--max_eval_blocks", "16",
+           "--report_to", "none",
            "--output_dir", str(out), "--cache_dir", default_corpus_cache, "--rejoin_timeout_s", "120"]
     launcher = subprocess.Popen(cmd, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -188,7 +189,7 @@ class _Forked:
 
 
 def _double_fault(tmp_path, cache, num_groups: int, checkpoints: bool):
-    """``num_groups`` groups of the recipe (one forked rank each, 20 steps, H=2, evals every
+    """``num_groups`` groups of the recipe (one forked rank each, 16 steps, H=2, evals every
     4 steps, ``--checkpoint_every 4`` if ``checkpoints``; heals over ``--heal_address lo``, an
     interface name) under a Supervisor (no restarts of
     its own): once group 1 logged step 9 it is restarted on request, and group 0 as soon as
@@ -199,9 +200,9 @@ def _double_fault(tmp_path, cache, num_groups: int, checkpoints: bool):
     out, logs = tmp_path / "out", tmp_path / "logs"
     logs.mkdir()
     args = ["--fault_tolerance", "torchft", "--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2",
-            "--max_steps", "20", "--log_every", "1", "--eval_every", "4", "--max_eval_blocks", "16", "--sync_every",
+            "--max_steps", "16", "--log_every", "1", "--eval_every", "4", "--max_eval_blocks", "16", "--sync_every",
             "2", "--num_groups", str(num_groups), "--report_to", "none", "--save_final_model", "false",
-            "--rejoin_timeout_s", "15", "--heal_address", "lo", "--output_dir", str(out), "--cache_dir", cache]
+            "--rejoin_timeout_s", "10", "--heal_address", "lo", "--output_dir", str(out), "--cache_dir", cache]
     if checkpoints:
         args += ["--checkpoint_every", "4"]
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"))
@@ -291,7 +292,7 @@ def test_double_fault_of_two_groups(tmp_path, default_corpus_cache, checkpoints)
     for f in range(2):
         assert re.search(rf"\[fl_accel\] error \(rank 0\): federation group {f} restarted without its state \(its "
                          r"earlier session reached step \d+ and left no checkpoint\), and no group holding a committed "
-                         r"state joined its quorum within 15 s .*the federation's trained state is lost", outputs[f]), \
+                         r"state joined its quorum within 10 s .*the federation's trained state is lost", outputs[f]), \
             tails
         assert _evals(out, f) and min(r["step"] for r in read_metrics(str(out / f"group{f}" / SUPERSEDED))) == 1
     assert "group 0: failed with status 1" in text and "group 1: failed with status 1" in text, text
