@@ -158,15 +158,23 @@ def run_one(emu, rate: str, model: str, work: Path, cache: Path, default_address
                 ft_launch.kill_group(p)
         terminate(lighthouse)
     load_avg.append(os.getloadavg())
-    host = load.stop()
+    record = {"name": name, "rate": rate, "model": model, "codes": codes, "events": events, "host": load.stop(),
+              "load_avg": load_avg, "default_address": default_address}
+    return analyse(record, out)
+
+
+def analyse(record: dict, out: Path) -> dict:
+    """The run's figures from its folder ``out`` (the groups' all_results.json, metrics.jsonl
+    and logs) and ``record["events"]`` (kill and restart times): the heal record, survivor
+    stall and longest gap, rejoin seconds, the final checksums and eval losses; ``failed``
+    when a launch did not end 0 or group 1 never healed."""
+    events, codes = record["events"], record["codes"]
     results = {}
     for f in range(2):
         path = out / "out" / f"group{f}" / "all_results.json"
         results[f] = json.loads(path.read_text()) if path.exists() else None
-    record = {"name": name, "rate": rate, "model": model, "codes": codes, "events": events, "host": host,
-              "load_avg": load_avg, "default_address": default_address}
     heal_log = (results[1] or {}).get("fault_tolerance", {}).get("heal_log") or []
-    if codes.get(0) != 0 or codes.get(2) != 0 or not heal_log:
+    if codes.get(0, codes.get("0")) != 0 or codes.get(2, codes.get("2")) != 0 or not heal_log:
         record["failed"] = True
         return record
     heal = heal_log[-1]
@@ -184,6 +192,7 @@ def run_one(emu, rate: str, model: str, work: Path, cache: Path, default_address
         survivor_stall_s=committed[0]["unix_time"] - events["kill"] if committed else None,
         survivor_longest_gap_s=max(gaps) if gaps else None,
         rejoin_s=back[0]["unix_time"] - events["restart"] if back else None,
+        healed_at_the_end=heal["step"] >= results[0]["steps"],
         final_checksums=[(r or {}).get("fault_tolerance", {}).get("end", {}).get("checksum") for r in results.values()],
         final_eval_loss=[(r or {}).get("eval_loss") for r in results.values()])
     return record
@@ -206,7 +215,8 @@ def table(summary: dict) -> str:
             rows.append(f"| {r['rate']} | {r['model']} | failed (exit codes {r['codes']}) |  |  |  |  |  |  |")
             continue
         h, f = r["heal"], r["figures"]
-        rows.append(f"| {r['rate']} | {r['model']} ({r['n_params'] / 1e6:.1f}M) | {f['wire_bytes'] / 1e6:.1f} | "
+        rows.append(f"| {r['rate']} | {r['model']} ({r['n_params'] / 1e6:.1f}M), healed at step {h['step']} of "
+                    f"{r['steps']}{' (the end)' if h['step'] >= r['steps'] else ''} | {f['wire_bytes'] / 1e6:.1f} | "
                     f"{f['wire_time_set_s']:.2f} | {h['seconds']:.2f} ({h['transfer_seconds']:.2f} + "
                     f"{h['load_seconds']:.2f}) | **{f['heal_over_wire']:.2f}** | "
                     f"{r['survivor_stall_s']:.1f} (longest gap {r['survivor_longest_gap_s']:.1f}) | "
@@ -235,8 +245,11 @@ def table(summary: dict) -> str:
         "(longest gap: group 0's longest time between two step records around the kill). The Lighthouse leaves the "
         "dead group out after its heartbeat timeout (3 s, scripts/ft_launch.py's setting).",
         "- rejoin: from the restart of group 1 to its first step after the heal: interpreter start-up, data, "
-        "model, prepare, the wait for group 0's next sync, the heal. torchft's published CPU figure for a 51M "
+        "model, prepare, the wait for group 0's next sync, the heal. Where group 0 had trained to the end before "
+        "group 1 was back, it waited there and served the heal (the end). torchft's published CPU figure for a 51M "
         "model (ft-diloco README): survivor 5.0 s, rejoin 54 s.",
+        "- The longest gap includes the heal itself where it fell mid-run: the survivor's sync waits while the "
+        "restarted group downloads its state (torchft heals inside the quorum).",
         "- The machine is shared (2 cores; a low-priority convergence benchmark runs beside): compute seconds are "
         "noisy, the link is not.",
         *(["", "Without FL_ACCEL_HEAL_ADDRESS (torchft advertises socket.gethostname(), 127.0.0.1 inside a "
@@ -255,9 +268,19 @@ def main(argv=None) -> int:
     parser.add_argument("--report_only", action="store_true", help="rewrite table.md from summary.json")
     args = parser.parse_args(argv)
     dest = ROOT / "bench" / "results" / args.name
-    if args.report_only:
+    if args.report_only:  # figures recomputed from the work folder's raw data where it is still there
         summary = json.loads((dest / "summary.json").read_text())
+        work = ROOT / "bench" / "work" / args.name
+        for record in summary["runs"]:
+            if (work / record["name"]).is_dir():
+                record.pop("failed", None)
+                analyse(record, work / record["name"])
+                if not record.get("failed"):
+                    record["figures"] = figures(record, summary["links"][record["rate"]])
+        (dest / "summary.json").write_text(json.dumps(summary, indent=1))
         (dest / "table.md").write_text(table(summary))
+        if work.is_dir():
+            copy_raw(work, dest / "runs")
         print((dest / "table.md").read_text())
         return 0
     from scripts.netemu import Emulator
@@ -290,8 +313,26 @@ def main(argv=None) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "summary.json").write_text(json.dumps(summary, indent=1))
     (dest / "table.md").write_text(table(summary))
+    (dest / "command.txt").write_text(summary["command"] + "\n")
+    copy_raw(work, dest / "runs")
     print((dest / "table.md").read_text())
     return 0
+
+
+def copy_raw(work: Path, dest: Path) -> None:
+    """Each run's raw data into the results folder: per group ``metrics.jsonl`` (every step's
+    record, with ``unix_time``), ``metrics.superseded.jsonl`` (group 1's killed session) and
+    ``all_results.json`` (the heal record), and the Lighthouse's log."""
+    for run in sorted(p for p in work.iterdir() if (p / "out").is_dir()):
+        for f in range(2):
+            for name in ("metrics.jsonl", "metrics.superseded.jsonl", "all_results.json"):
+                src = run / "out" / f"group{f}" / name
+                if src.exists():
+                    (dest / run.name / f"group{f}").mkdir(parents=True, exist_ok=True)
+                    shutil.copy(src, dest / run.name / f"group{f}" / name)
+        if (run / "lighthouse.log").exists():
+            (dest / run.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(run / "lighthouse.log", dest / run.name / "lighthouse.log")
 
 
 if __name__ == "__main__":

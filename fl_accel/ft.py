@@ -66,11 +66,14 @@ AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options(
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0
-"""Seconds a managed process group's (re)configuration tries to reach the store it is given
-(:func:`_managed_pg`): a heal source that died takes its store with it, and torchft's own
-store client would retry for the whole collective timeout (300 s by default) before the
-round fails. A live store answers a TCP connect within milliseconds on any network."""
+CONNECT_TIMEOUT_S = 30.0
+"""Seconds to reach a peer's server before giving up: a managed process group's
+(re)configuration trying the store it is given (:func:`_managed_pg`), and torchft's RPC
+connections (the Manager's ``connect_timeout``: a healing group asks its source's ManagerServer
+for the checkpoint's address first). A heal source that died takes both with it, and torchft
+would retry for the whole collective timeout (300 s by default) before the round fails. A live
+server answers a TCP connect within milliseconds on any network; a Lighthouse that is not up
+yet must be within this."""
 
 
 class StateLostError(RuntimeError):
@@ -246,7 +249,8 @@ class ManagedTransport:
         advertised = {"hostname": heal_address} if heal_address else {}  # torchft's default: socket.gethostname()
         transport.manager = Manager(
             pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_size,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=min(timeout, timedelta(seconds=CONNECT_TIMEOUT_S)),
+            rank=group_rank, world_size=group_size,
             lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
             replica_id=f"fl_accel_group_{group_index}", init_sync=False, checkpoint_transport=transport.checkpoint,
             **advertised)

@@ -316,9 +316,9 @@ HEAL_SOURCE_BOUND_S = 60.0
 """What docs/fault_tolerance.md promises for a heal whose source dies: the failed round is
 dropped at once (the transfer breaks), the next quorum leaves the dead group out after the
 Lighthouse's heartbeat timeout (3 s here), and the healing group heals from another live group
-at its next sync; a (re)configuration towards the dead group's store gives up after
-fl_accel.ft.CONNECT_TIMEOUT_S (10 s). Here: 3 s + 10 s + a round of 4 steps, with slack for a
-loaded 2-core machine."""
+at its next sync; a (re)configuration towards the dead group's store, or a request to its
+ManagerServer, gives up after fl_accel.ft.CONNECT_TIMEOUT_S (30 s). Here: 3 s + (at most) 30 s +
+a round of 4 steps, with slack for a loaded 2-core machine."""
 
 
 def test_heal_source_killed_mid_heal(tmp_path):
