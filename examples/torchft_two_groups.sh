@@ -12,21 +12,26 @@
 #
 # Settings (environment):
 #   NPROC_PER_GROUP  ranks per group (default 2)
-#   MIN_REPLICAS     groups a quorum waits for (default 2: every sync waits for both groups, so
-#                    a group restarted by torchrun heals and rejoins; 1: a live group syncs on
-#                    alone while the other is down)
+#   MIN_REPLICAS     groups a quorum needs (default 1: a live group syncs on alone while the other
+#                    is down; the first sync still waits for both groups, and a group that reaches
+#                    the end waits there for the other, FLConfig.rejoin_timeout_s; 2: every sync
+#                    waits for both, and a group down for good stops the other)
 #   MAX_RESTARTS     restarts per group by the launcher (default 1: a group whose rank dies, or
 #                    whose torchrun is killed, restarts and heals from the live group at its
 #                    first sync; python -m scripts.ft_launch --restart_group 1 --log_dir
 #                    "$LOG_DIR" restarts group 1 on demand)
-#   LOG_DIR          where lighthouse.log and group<f>.log go (default logs/torchft_two_groups)
+#   LOG_DIR          where lighthouse.log and group<f>.log go (default logs/torchft_two_groups,
+#                    git-ignored)
+#
+# Each group's [train_loop] lines: its loss every --log_every steps; after a heal, "healed from
+# group F" and then the healed state's loss (the loss of the step that healed was the old state's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 LOG_DIR=${LOG_DIR:-logs/torchft_two_groups}
 status=0
 python -m scripts.ft_launch --num_groups 2 --nproc_per_group "${NPROC_PER_GROUP:-2}" \
-    --min_replicas "${MIN_REPLICAS:-2}" --max_restarts "${MAX_RESTARTS:-1}" --log_dir "$LOG_DIR" -- \
+    --min_replicas "${MIN_REPLICAS:-1}" --max_restarts "${MAX_RESTARTS:-1}" --log_dir "$LOG_DIR" -- \
     examples/train_loop.py --num_groups 2 --sync_every 4 "$@" || status=$?
 for f in 0 1; do
   echo "--- group $f ($LOG_DIR/group$f.log)"

@@ -95,7 +95,7 @@ def main(argv=None) -> None:
               f"process(es) in this launch, H={config.sync_every}, outer={config.outer_optimizer}, "
               f"fault_tolerance={config.fault_tolerance}, device {accelerator.device}", flush=True)
 
-    own_steps, loss = 0, torch.zeros(())
+    own_steps, loss, heals_seen, show_next = 0, torch.zeros(()), 0, False
 
     def steps_done() -> int:
         # a torchft group that healed from a live one takes over its optimizer-step count
@@ -115,13 +115,26 @@ def main(argv=None) -> None:
                     continue  # mid-accumulation: no optimizer step happened
                 own_steps += 1
                 step = steps_done()
-                if step % args.log_every == 0 or step == args.max_steps:
+                if federation.heals > heals_seen:  # torchft: this step's sync replaced the state (a heal)
+                    heals_seen, show_next = federation.heals, True
+                    if accelerator.is_main_process:  # this step's loss was the old state's: the next one is shown
+                        source = federation.heal_log[-1].get("source_group")
+                        print(f"[train_loop] step {step}: healed from group {source} (its parameters, optimizer "
+                              f"state and step count)", flush=True)
+                    if step >= args.max_steps:
+                        break
+                    continue
+                if show_next or step % args.log_every == 0 or step == args.max_steps:
+                    show_next = False
                     mean = accelerator.reduce(loss.detach().float(), reduction="mean").item()
                     if accelerator.is_main_process:
                         print(f"[train_loop] step {step}: loss {mean:.4f} (mean over this launch's ranks), "
                               f"lr {scheduler.get_last_lr()[0]:.2e}, syncs {federation.syncs_done}", flush=True)
                 if step >= args.max_steps:
                     break
+        if show_next:  # the run ended on a heal: the last loss was the old state's, score the healed one
+            with torch.no_grad():
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         final_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
         # the final sync: end_training() would run it too, but it also shuts the process groups
         # down, so anything that needs the federated model (a save, a checksum) comes before

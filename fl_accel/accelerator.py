@@ -56,9 +56,11 @@ class FLAccelerator(Accelerator):
             raise ValueError(f"fl_config must be an FLConfig, got {type(fl_config).__name__}")
         world = world_size_from_env()
         source = fl_config.source if isinstance(fl_config, ResolvedFLConfig) else fl_config
-        if source.fault_tolerant:  # torchft installed and its Lighthouse named: every rank, before any process group
-            from .ft import lighthouse_addr
+        self._heal_address = None  # torchft: FLConfig.heal_address as this node advertises it (fl_accel.ft_net)
+        if source.fault_tolerant:  # torchft installed, its Lighthouse named, heal_address ours: every rank, no group yet
+            from .ft_net import lighthouse_addr, resolve_address
             lighthouse_addr(source)
+            self._heal_address = resolve_address(source.heal_address)
         self.run_config = resolve_for_world(fl_config, world, max_steps)  # the one owner; every rank, no process group
         fl_config = self.fl_config
         refuse_before_start(accelerate_kwargs, fl_config, self.layout)
@@ -300,10 +302,12 @@ class FLAccelerator(Accelerator):
     def end_training(self):
         """The final sync (exact with a lossy ``sync_dtype`` and ``final_sync="exact"``: it also
         sends the error-feedback residuals), then Accelerate's end_training (it destroys the
-        process groups: save before); "torchft" also shuts the Manager down."""
+        process groups: save before); "torchft" first waits for the other groups to reach the end
+        (``federation.wait_for_groups()``), then shuts the Manager down."""
         self.sync_if_pending(final=True)
         if self.synchronizer is not None:
             self.synchronizer.detach()
+            self.federation.wait_for_groups()  # torchft: the other groups reach the end (else None at once)
             self.synchronizer.transport.shutdown()
         self._comm_meter.stop()
         super().end_training()

@@ -4,7 +4,8 @@ fl_accel is tested on torch 2.12-2.15 and accelerate 1.14-1.16 (:data:`TESTED`; 
 oldest and the newest pair, ``scripts/test_versions.sh``). A release outside that range gets a
 warning at import (:func:`check_versions`), not an error. Where two releases differ, the code
 below picks its path by checking what exists (``hasattr``, a signature, a source line), never
-by version number.
+by version number; except torchft, whose 0.2 and 0.3 APIs (managed group rebuilt, Lighthouse
+protocol) no attribute tells apart: the installed build picks the path (:func:`torchft_api`).
 
 Each reach is a function here; ``tests/unit/test_compat.py`` lists them (``REACHES``: the
 internal, what relies on it, and a check it runs on the installed releases, failing with a
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import re
 import warnings
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -38,8 +40,9 @@ from typing import Callable
 
 TESTED = {"torch": ((2, 12), (2, 15)), "accelerate": ((1, 14), (1, 16))}
 """Inclusive (major, minor) ranges fl_accel is tested on (pyproject.toml says the same)."""
-TORCHFT_TESTED = "0.2.0"
-"""The one torchft release the fault-tolerant mode is tested with (``fl_accel.ft``)."""
+TORCHFT_TESTED = {"torchft": "0.2.0", "torchft-nightly": "2026.10.26"}
+"""The torchft builds (distribution: version) the torchft mode is tested with, 0.2's API and
+0.3's (the nightly); CI runs tests/ft on both (``scripts/test_versions.sh``)."""
 
 
 # ======================================================================== versions
@@ -81,21 +84,47 @@ def check_versions() -> None:
                       UserWarning, stacklevel=3)
 
 
-def check_torchft_version() -> None:
-    """ImportError naming the tested release unless torchft :data:`TORCHFT_TESTED` is installed.
+def torchft_installed() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed torchft (``torchft`` or ``torchft-nightly``); None."""
+    for dist in TORCHFT_TESTED:
+        try:
+            return dist, _version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
 
-    torchft 0.3 removed ``ProcessGroup.configure()`` and needs its Lighthouse and replicas of
-    the same release (a 0.3 replica retries forever against a 0.2 Lighthouse); fl_accel's
-    torchft mode is written against 0.2.0 (docs/fault_tolerance.md)."""
-    try:
-        found = _version("torchft")
-    except PackageNotFoundError:
-        raise ImportError(f"fault_tolerance='torchft' needs torchft=={TORCHFT_TESTED} (`pip install "
-                          f"torchft=={TORCHFT_TESTED}`, or `pip install -e .[ft]`)") from None
-    if found != TORCHFT_TESTED:
-        raise ImportError(f"fault_tolerance='torchft' is tested with torchft=={TORCHFT_TESTED}, found {found} "
-                          f"(0.3 removed ProcessGroup.configure() and needs a Lighthouse of the same release); "
-                          f"install it with `pip install torchft=={TORCHFT_TESTED}`")
+
+def torchft_api(installed: tuple[str, str] | None = None) -> str | None:
+    """The API of a torchft build (default: the installed one): ``"0.2"`` (0.2.x: the managed group is
+    rebuilt with ``ProcessGroup.configure(store_addr, ...)``), ``"0.3"`` (0.3.x and torchft-nightly:
+    ``pg.reconfigure(ReconfigureOptions)`` with handles exchanged through the Lighthouse; a 0.3
+    replica cannot talk to a 0.2 Lighthouse); None: no torchft, or neither API."""
+    installed = torchft_installed() if installed is None else installed
+    if installed is None:
+        return None
+    if installed[0] == "torchft-nightly":
+        return "0.3"
+    return {(0, 2): "0.2", (0, 3): "0.3"}.get(_minor(installed[1]))
+
+
+def check_torchft_version() -> str:
+    """The API of the installed torchft (:func:`torchft_api`), for ``fault_tolerance="torchft"``.
+
+    Another build than :data:`TORCHFT_TESTED` of a known API warns (``UserWarning``) and runs
+    its API's path. The Lighthouse must come from the same build (scripts/ft_launch.py starts it).
+    ImportError: torchft is not installed, or has neither API (naming the tested builds)."""
+    tested, installed = " or ".join(f"{d}=={v}" for d, v in TORCHFT_TESTED.items()), torchft_installed()
+    if installed is None:
+        raise ImportError(f"fault_tolerance='torchft' needs torchft (`pip install torchft==0.2.0`, or "
+                          f"`pip install -e .[ft]`; tested: {tested})") from None
+    api = torchft_api(installed)
+    if api is None:
+        raise ImportError(f"fault_tolerance='torchft' supports torchft's 0.2 and 0.3 APIs (tested: {tested}); found "
+                          f"{installed[0]} {installed[1]}: install one of the tested builds")
+    if TORCHFT_TESTED.get(installed[0]) != installed[1]:
+        warnings.warn(f"fl_accel: {installed[0]} {installed[1]} is installed; the torchft mode is tested with "
+                      f"{tested} (its {api} API is used)", UserWarning, stacklevel=3)
+    return api
 
 
 # ======================================================================== accelerate
@@ -267,5 +296,65 @@ def wrap_manager_client(manager, wrap: Callable) -> None:
 
 
 def client_quorum(client, *args, **kwargs):
-    """The wrapped client's ``_quorum`` call."""
+    """The wrapped client's ``_quorum`` call (0.3 adds the ``reconfigure_handle`` keyword: passed on)."""
     return client._quorum(*args, **kwargs)
+
+
+def pg_reconfigure_method(api: str) -> str:
+    """The managed group's method torchft's ``Manager`` calls on a new quorum: ``"configure"`` (0.2:
+    ``configure(store_addr, replica_id, rank, world_size, ...)``), ``"reconfigure"`` (0.3: ``(ReconfigureOptions)``)."""
+    return {"0.2": "configure", "0.3": "reconfigure"}[api]
+
+
+def pg_store_address(api: str, args: tuple, kwargs: dict) -> str:
+    """``host:port`` of the store a (re)configuration call (:func:`pg_reconfigure_method`) connects
+    to: 0.2, its ``store_addr`` (``host:port/prefix``); 0.3, the ``store`` of ``opts.handles[0]``
+    (torchft's ``_rendezvous``: every rank rendezvouses on the first handle's store)."""
+    if api == "0.2":
+        addr = kwargs["store_addr"] if "store_addr" in kwargs else args[0]
+        return addr.split("/", 1)[0]
+    opts = kwargs["opts"] if "opts" in kwargs else args[0]
+    return json.loads(list(opts.handles)[0])["store"]
+
+
+def advertised_handle(handle: str, host: str) -> str:
+    """A torchft 0.3 reconfigure handle (``ProcessGroup.get_reconfigure_handle``: JSON, ``"store":
+    "<socket.gethostname()>:<port>"``, the store this process serves) with the store's host ``host``."""
+    data = json.loads(handle)
+    _, _, port = data["store"].rpartition(":")
+    data["store"] = f"{f'[{host}]' if ':' in host else host}:{port}"
+    return json.dumps(data)
+
+
+def checkpoint_server_port(transport) -> int:
+    """The port of a torchft ``HTTPTransport``'s checkpoint server (``HTTPTransport._server``)."""
+    return transport._server.socket.getsockname()[1]
+
+
+def rebind_checkpoint_server(transport, host: str) -> None:
+    """Serve a torchft ``HTTPTransport``'s checkpoints on ``host`` only: its server (``_server``, run by
+    ``_thread`` in ``_serve``), bound to every interface, is replaced by one bound to ``(host, 0)``."""
+    import socket
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    old = transport._server
+    handler = old.RequestHandlerClass
+    old.shutdown()
+    transport._thread.join()
+    old.server_close()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("CheckpointServer", (ThreadingHTTPServer,), {"address_family": family,
+                                                                     "request_queue_size": 1024})
+    transport._server = server_class((host, 0), handler)
+    transport._thread = threading.Thread(target=transport._serve, daemon=True)
+    transport._thread.start()
+
+
+def streaming_load(f):
+    """torch's loader of a streamed state (``torch.distributed._serialization._streaming_load``, as
+    torchft's ``HTTPTransport``; ``weights_only=False`` as torchft: the state holds Python values)."""
+    from torch.distributed._serialization import _streaming_load
+
+    return _streaming_load(f, weights_only=False)
+

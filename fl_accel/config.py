@@ -29,7 +29,8 @@ SyncDtype = Literal["fp32", "bf16", "int8", "sparse"]
 assert get_args(SyncDtype) == wire.SYNC_DTYPES  # the names are the wire's (tests/unit/test_codecs.py)
 
 
-NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr")
+NOT_IDENTITY_FIELDS = ("outer_state_device", "collective_timeout_s", "group_index", "lighthouse_addr", "heal_address",
+                       "rejoin_timeout_s")
 """Fields that place state or bound waits without changing any value: left out of run and
 checkpoint identity (a run may resume a checkpoint written with other values)."""
 
@@ -113,12 +114,19 @@ class FLConfig:
     collective_timeout_s: float = 300.0
     """Seconds a collective (default and mesh groups) waits for a peer before failing instead of hanging."""
     fault_tolerance: Literal["none", "torchft"] = "none"
-    """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft 0.2.0
-    lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
+    """"none": one world, a dead rank ends the job. "torchft": each group is its own launch and torchft (0.2.0, or
+    the 0.3 API) lets the live groups sync and a restarted one heal (:mod:`fl_accel.ft`); equal federated groups."""
     group_index: int | None = None
     """"torchft": this launch's group, 0 <= f < ``num_groups``; names it and picks its data slice."""
     lighthouse_addr: str | None = None
     """"torchft": the Lighthouse's address, e.g. ``http://127.0.0.1:29510``; None: ``TORCHFT_LIGHTHOUSE``."""
+    heal_address: str | None = None
+    """"torchft": the address, or network interface name (e.g. "ib0"), that heals and the exchange's rendezvous
+    use: advertised by this rank (its checkpoint server binds it); None: torchft's default, the host name."""
+    rejoin_timeout_s: float = 300.0
+    """"torchft": seconds a group that trained the whole run waits for the other groups to reach the end (serving
+    their heals), and a group restarted without its state waits for a group holding one, before ending alone
+    with a warning, or with StateLostError."""
 
     def __post_init__(self) -> None:
         """Validate every field once (:func:`fl_accel.config_checks.check_fields`); ``group_sizes``
@@ -194,7 +202,8 @@ class FLConfig:
              self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
             (["sync_window_s"], self.sync_trigger != "time", f"with sync_trigger {self.sync_trigger!r}",
              f"with sync_trigger {self.sync_trigger!r} (only 'time' has a window)"),
-            (["group_index", "lighthouse_addr"], not self.fault_tolerant, "outside torchft mode",
+            (["group_index", "lighthouse_addr", "heal_address", "rejoin_timeout_s"], not self.fault_tolerant,
+             "outside torchft mode",
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
              f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),

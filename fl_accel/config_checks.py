@@ -31,7 +31,8 @@ def check_fields(cfg) -> None:
                            ("error_feedback_decay", cfg.error_feedback_decay is None
                             or 0 < cfg.error_feedback_decay <= 1, "None or in (0, 1]"),
                            ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
-                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds")):
+                           ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds"),
+                           ("rejoin_timeout_s", cfg.rejoin_timeout_s >= 0, ">= 0 seconds")):
         if not ok:
             raise ValueError(f"FLConfig.{name} must be {what}, got {getattr(cfg, name)}")
     warmup, decay = cfg.outer_lr_warmup_steps, cfg.outer_lr_decay_steps

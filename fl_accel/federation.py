@@ -5,14 +5,18 @@ internal): steps and sync events, the last event's membership, bytes per axis, t
 plan, rounds by time/speed, waits and torchft's heals. Every attribute is a read-only view
 computed when read (what is not a number is a copy); before ``prepare`` and with one group
 the counters read as a run with no sync. Two calls act: :meth:`Federation.arriving` and
-:meth:`Federation.restart_round_clock`. Units: optimizer steps, ring bytes this rank sent,
-seconds. tests/unit/test_layering.py keeps recipes/, examples/ and scripts/ on this API.
+:meth:`Federation.restart_round_clock`; two more in the torchft mode, at the ends of a run:
+:meth:`Federation.wait_for_groups` and :meth:`Federation.require_heal`. Units: optimizer steps,
+ring bytes this rank sent, seconds. tests/unit/test_layering.py keeps recipes/, examples/ and
+scripts/ on this API.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+
+from .fsdp import local
 
 
 class Federation:
@@ -161,6 +165,36 @@ class Federation:
         """torchft mode: a copy of the records of this session's heals, one each (source group,
         ``step`` the group continued from, bytes, seconds, transfer and load seconds); else []."""
         return [dict(r) for r in self._transport.heal_sources] if self._transport is not None else []
+
+    def wait_for_groups(self) -> dict | None:
+        """torchft mode, at the end of the run (after the final sync; ``end_training`` calls it):
+        wait until every configured group has reached the end, serving the heals of groups behind
+        (a group restarted from an older checkpoint takes over this group's final state), at most
+        ``FLConfig.rejoin_timeout_s`` (:func:`fl_accel.ft_ends.finish`). Returns
+        :attr:`end_state` (a copy); None outside the torchft mode. Collective; idempotent."""
+        transport = self._transport
+        if transport is None:
+            return None
+        params = self._sync.params
+        return copy.deepcopy(transport.finish(lambda: sum(float(local(p).detach().double().sum()) for p in params)))
+
+    @property
+    def end_state(self) -> dict | None:
+        """torchft mode, after :meth:`wait_for_groups`: ``together`` (every configured group
+        reached the end, in one quorum), ``groups`` (those in the last end quorum), ``checksums``
+        by group (fp64 sums of the parameters; equal when the groups ended identical),
+        ``checksum`` (this group's), ``waited_s`` (a copy); else None."""
+        return copy.deepcopy(self._transport.end_state) if self._transport is not None else None
+
+    def require_heal(self, lost_step: int) -> None:
+        """torchft mode: this group restarted without its state (its earlier session reached
+        optimizer step ``lost_step`` and left no checkpoint), so its first sync must heal it from
+        a group holding a committed state; without one within ``FLConfig.rejoin_timeout_s`` it
+        raises :class:`fl_accel.ft_ends.StateLostError` rather than train the federation on from fresh
+        weights (:func:`fl_accel.ft_ends.heal_lost_state`). Every rank of the group,
+        before its first sync; a no-op outside the torchft mode."""
+        if self._transport is not None:
+            self._transport.require_heal(lost_step)
 
     @property
     def membership_seconds(self) -> dict:

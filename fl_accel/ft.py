@@ -1,9 +1,12 @@
 """Federation groups that fail alone: the "fl" exchange over torchft's managed process group.
 
 With ``fault_tolerance="torchft"`` each group is its own launch (a world of its G ranks,
-FSDP2 inside). torchft 0.2.0 (``torchft/manager.py``, ``process_group.py``) provides
-membership, quorum, the reconfigurable process group and recovery; the exchange, outer
-step and schedule stay ours. Relied on (torchft 0.2.0):
+FSDP2 inside). torchft (``torchft/manager.py``, ``process_group.py``) provides membership,
+quorum, the reconfigurable process group and recovery; the exchange, outer step and schedule
+stay ours. Two torchft APIs, chosen by the installed build (:func:`fl_accel.compat.torchft_api`):
+0.2 (torchft 0.2.0: the managed group is rebuilt with ``ProcessGroup.configure`` on the quorum's
+store) and 0.3 (torchft-nightly 2026.10.26: ``pg.reconfigure(ReconfigureOptions)`` with handles
+exchanged through the Lighthouse). Relied on (both):
 
 * One ``Manager`` per rank; the group's rank 0 hosts the ``ManagerServer`` that asks the
   Lighthouse (``src/lighthouse.rs``) for a quorum of the heartbeating groups.
@@ -18,15 +21,18 @@ step and schedule stay ours. Relied on (torchft 0.2.0):
   the managed group (``dist.all_gather_into_tensor`` fails: not in the world's group map).
 
 Limits handled: torchft keeps its keys in the store it is given, which ``torchrun`` keeps
-across ``--max-restarts`` attempts, so each attempt gets its own (:func:`_attempt_store`).
-What a heal carries and records is :mod:`fl_accel.heal`'s.
+across ``--max-restarts`` attempts, so each attempt gets its own
+(:func:`fl_accel.ft_net.attempt_store`); a failed collective aborts the managed group
+(:func:`_report`). What a heal carries and records is :mod:`fl_accel.heal`'s, where torchft's
+servers are reached (``FLConfig.heal_address``, a dead peer's store) :mod:`fl_accel.ft_net`'s,
+and the ends of a run (every group at the first sync and at the end, a restart without its
+state) :mod:`fl_accel.ft_ends`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,10 +41,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import comm, compat
+from . import comm, compat, ft_ends, ft_net
 from .exchange import EventHooks, Membership
-from .fsdp_model import check_identical, reshard, shard_checksum
-from .heal import AgreedClient, capture, measure_heal, restore, state_nbytes
+from .fsdp_model import reshard, shard_checksum
+from .heal import AgreedClient, HealTransport, capture, measure_heal, restore, state_nbytes, weights_without_healed
 from .mesh import merge_weights
 from .mesh_transport import MeshTransport
 
@@ -47,10 +53,18 @@ AllgatherOptions, AllreduceOptions, AllToAllOptions = compat.collective_options(
 logger = logging.getLogger(__name__)
 
 
-def _report(manager, exc: Exception) -> None:
+def _report(manager, exc: Exception, pg=None) -> None:
+    """A collective across the groups failed: the round will not commit, and ``pg`` (the managed
+    group) is aborted, so a peer group blocked on this one fails at once, not after the collective
+    timeout (gloo does not tell it). The failed vote gives the next quorum a new id: a new group."""
     logger.warning("fl_accel sync: a collective across federation groups failed (%s: %s); this round will not "
                    "commit", type(exc).__name__, exc)
     manager.report_error(exc)
+    if pg is not None:
+        try:
+            pg.abort()
+        except Exception as abort_exc:  # already aborted, or never set up
+            logger.debug("aborting the managed process group: %s", abort_exc)
 
 
 class CommitHooks(EventHooks):
@@ -96,14 +110,17 @@ class ManagedTransport:
     Chunks and device are ``inside``'s (replica r exchanges chunk r). ``healed``: the last
     quorum healed this group; ``heals``: how often; ``heal_sources``: one record per heal
     (:func:`fl_accel.heal.measure_heal` completes it, :class:`CommitHooks` adds its ``step``);
-    ``seconds``: host seconds in quorums (heals included) and commit votes, and the number of quorums."""
+    ``seconds``: host seconds in quorums (heals included) and commit votes, and the number of quorums;
+    ``end_state``: :meth:`finish`'s answer, once it ran."""
 
     manager: object
     pg: object
     inside: MeshTransport
     meter: object = None  # the accelerator's CommMeter ("fl" traffic is counted while it is entered)
-    init_checksum: torch.Tensor | None = None  # fsdp_model.shard_checksum of the initial shards (_check_identical)
+    init_checksum: torch.Tensor | None = None  # fsdp_model.shard_checksum of the initial shards (the start-up check)
     group_index: int = 0  # this launch's federation group (FLConfig.group_index): its row in the round's table
+    num_groups: int = 1  # the federation's configured groups F (FLConfig.num_groups): whom the ends wait for
+    rejoin_timeout_s: float = 300.0  # FLConfig.rejoin_timeout_s: the waits of fl_accel.ft_ends are at most this
     elastic = True  # membership is decided at every sync event, which runs even with one live group
     num_chunks = property(lambda self: self.inside.num_chunks)
     chunk_index = property(lambda self: self.inside.chunk_index)
@@ -119,23 +136,31 @@ class ManagedTransport:
         self._heal_agreed = False  # the last quorum told this group to heal (rank 0's word: equal on its ranks)
         self._heal_started = 0.0  # perf_counter when that quorum returned (the download follows)
         self._heal_loaded: tuple[int, float] | None = None  # this rank's (bytes, seconds) once the state is applied
+        self.end_state: dict | None = None
+        self.lost_step: int | None = None  # require_heal(): the step this group's lost session had reached
+        self.checkpoint = None  # the HealTransport the Manager sends and receives states with
 
     @classmethod
     def create(cls, *, group_index: int, group_rank: int, group_size: int, lighthouse_addr: str,
                timeout: timedelta, inside: MeshTransport, save: Callable[[], dict], load: Callable[[dict], None],
-               init_checksum: torch.Tensor | None = None) -> "ManagedTransport":
+               init_checksum: torch.Tensor | None = None, num_groups: int = 1, heal_address: str | None = None,
+               rejoin_timeout_s: float = 300.0) -> "ManagedTransport":
         """This rank's Manager (replica id ``fl_accel_group_<f>``, synchronous quorum,
         ``init_sync=False``: groups start identical) and managed ``ProcessGroupGloo`` /
-        ``ProcessGroupNCCL``, waits bounded by ``timeout``; ``save``/``load``: the recovery
-        callbacks (:func:`capture`, :func:`restore`). Collective over the group's world. ImportError
-        without torchft."""
-        compat.check_torchft_version()
+        ``ProcessGroupNCCL`` of the installed torchft API (:func:`fl_accel.ft_net.managed_pg`),
+        waits bounded by ``timeout``; ``save``/``load``: the recovery callbacks (:func:`capture`,
+        :func:`restore`); ``heal_address``: what this rank advertises (and its checkpoint server
+        binds) instead of ``socket.gethostname()`` (:func:`fl_accel.ft_net.resolve_address`'s
+        result; None: torchft's default). Collective over the group's world. ImportError without
+        torchft (or with a release of neither API)."""
+        api = compat.check_torchft_version()
         from torchft import Manager
-        from torchft.checkpointing import HTTPTransport
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        pg = ProcessGroupNCCL(timeout=timeout) if inside.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        transport = cls(manager=None, pg=pg, inside=inside, init_checksum=init_checksum, group_index=group_index)
+        base = ProcessGroupNCCL if inside.device.type == "cuda" else ProcessGroupGloo
+        pg = ft_net.managed_pg(base, api, heal_address)(timeout=timeout)
+        transport = cls(manager=None, pg=pg, inside=inside, init_checksum=init_checksum, group_index=group_index,
+                        num_groups=num_groups, rejoin_timeout_s=rejoin_timeout_s)
 
         def on_heal(state):  # torchft calls it with the state it received (downloaded and unpickled)
             received = time.perf_counter()
@@ -146,67 +171,63 @@ class ManagedTransport:
                                       received - transport._heal_started, done - received)
 
         agree = dist.new_group(backend="gloo", timeout=timeout)  # the #343 guard's side channel (CPU objects)
-        store_addr, store_port, transport._store = _attempt_store(group_rank, agree, timeout)
+        store_addr, store_port, transport._store = ft_net.attempt_store(group_rank, agree, timeout, heal_address)
+        transport.checkpoint = HealTransport(timeout, heal_address)
+        advertised = {"hostname": heal_address} if heal_address else {}  # torchft's default: socket.gethostname()
         transport.manager = Manager(
             pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=group_rank, world_size=group_size,
-            lighthouse_addr=lighthouse_addr, store_addr=store_addr, store_port=store_port,
-            replica_id=f"fl_accel_group_{group_index}", init_sync=False,
-            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=0))
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=min(timeout, timedelta(seconds=ft_net.CONNECT_TIMEOUT_S)),
+            rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr, store_addr=store_addr,
+            store_port=store_port, replica_id=f"fl_accel_group_{group_index}", init_sync=False,
+            checkpoint_transport=transport.checkpoint, **advertised)
         compat.wrap_manager_client(transport.manager, lambda client: AgreedClient(client, agree, transport))
         return transport
 
     def begin(self) -> Membership:
-        """The open round, or a new quorum's (blocking; it may heal this group)."""
+        """The open round, or a new quorum's (blocking; it may heal this group). After
+        :meth:`require_heal` the quorum is asked again until this group healed (StateLostError
+        after ``rejoin_timeout_s``: :func:`fl_accel.ft_ends.heal_lost_state`); a fresh
+        federation's first quorum waits for every group (:func:`fl_accel.ft_ends.wait_at_start`)."""
         if self.round is None:
-            self.healed, t0 = False, time.perf_counter()
-            self.manager.start_quorum()
-            self.seconds["quorum"] += time.perf_counter() - t0
-            self.seconds["quorums"] += 1
-            if self._heal_agreed:
-                measure_heal(self)
+            self.ask_quorum()
+            ft_ends.heal_lost_state(self)
+            ft_ends.wait_at_start(self)
             num, position = self.manager.num_participants(), self.manager.participating_rank()
             if position is None or num < 1:
                 raise RuntimeError(f"torchft quorum left this federation group out (participating rank {position} "
                                    f"of {num})")
             self.round = Membership(num, position, merge_weights("uniform", None, (1,) * num))
             if num > 1 and self.max_step == 0 and self.init_checksum is not None:  # no commit yet: the start-up check
-                self._check_identical(num, position)
+                ft_ends.check_identical_start(self, num, position)
             if num > 1 and self.behind:  # groups healed in this quorum: they hold a source's values
-                self.round = Membership(num, position, self._weights_without_healed(num, position))
+                self.round = Membership(num, position, weights_without_healed(self, num, position))
             if num > 1 or self.healed:
                 logger.info("sync quorum: %d live federation group(s), this group at position %d%s", num, position,
                             " (healed from a live group)" if self.healed else "")
         return self.round
 
-    def _check_identical(self, num: int, position: int) -> None:
-        """Before the first commit: :func:`fl_accel.fsdp_model.check_identical` of the quorum's
-        groups (their ``init_checksum``, summed over the managed group); ValueError on every rank
-        of this group when any rank saw a difference."""
-        table = torch.zeros(num, 3, dtype=torch.float64, device=self.device)
-        table[position] = self.init_checksum
-        self.all_reduce(table)
-        error = None
-        try:
-            check_identical(table, [0] * num, list(range(num)), context=" (fault_tolerance='torchft', positions in the "
-                            "first quorum: the groups started from different parameters)")
-        except ValueError as exc:
-            error = exc
-        bad = torch.tensor([float(self.manager.errored() is None and error is not None)], device=self.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # any rank of this group
-        if bad.item():
-            raise error or ValueError("fault_tolerance='torchft': the federation groups started from different "
-                                      "parameters (seen by another rank of this group); seed identically")
+    def ask_quorum(self) -> None:
+        """torchft's quorum (blocking; a heal of this group is applied in it), timed."""
+        self.healed, t0 = False, time.perf_counter()
+        self.manager.start_quorum()
+        self.seconds["quorum"] += time.perf_counter() - t0
+        self.seconds["quorums"] += 1
+        if self._heal_agreed:
+            measure_heal(self)
 
-    def _weights_without_healed(self, num: int, position: int) -> tuple[float, ...]:
-        """:func:`fl_accel.mesh.merge_weights` with the H groups that healed in this quorum as
-        copies (of their source, which would weigh twice): 0 for them, 1/(F - H) for the
-        others; every group runs the flags' SUM."""
-        flags = torch.zeros(num, dtype=torch.float32, device=self.device)
-        flags[position] = float(self.healed)
-        self.all_reduce(flags)
-        healed = [g for g in range(num) if flags[g].item() != 0] if self.manager.errored() is None else []
-        return merge_weights("uniform", None, (1,) * num, copies=healed)
+    def require_heal(self, lost_step: int) -> None:
+        """This group restarted without its state: its earlier session had reached optimizer step
+        ``lost_step`` and left no checkpoint. Its first quorum must heal it from a group that
+        holds a committed state (:func:`fl_accel.ft_ends.heal_lost_state`, in :meth:`begin`).
+        Every rank of the group, before its first sync."""
+        self.lost_step = int(lost_step)
+
+    def finish(self, checksum, poll_s: float = 1.0) -> dict:
+        """:func:`fl_accel.ft_ends.finish` (wait for every configured group at the end), once:
+        the first answer is kept in :attr:`end_state`. Collective."""
+        if self.end_state is None:
+            self.end_state = ft_ends.finish(self, checksum, poll_s)
+        return self.end_state
 
     def hooks(self) -> CommitHooks:
         """The synchronizer's hooks into each sync event (:class:`CommitHooks`)."""
@@ -221,23 +242,23 @@ class ManagedTransport:
             self.round = None
             self.seconds["commit"] += time.perf_counter() - t0
 
-    def _call(self, launch, op: str, tensor, async_op: bool):
-        """Launch a collective on the managed group (none once the round is lost) and wait for it
-        unless ``async_op``; counted in ``meter``'s "fl" bucket as :mod:`fl_accel.comm` counts
-        the single world's, while it is entered."""
+    def _call(self, launch, op: str, tensor, async_op: bool, force: bool = False):
+        """Launch a collective on the managed group (none once the round is lost, unless
+        ``force``) and wait for it unless ``async_op``; counted in ``meter``'s "fl" bucket as
+        :mod:`fl_accel.comm` counts the single world's, while it is entered."""
         meter = self.meter if self.meter is not None and self.meter in comm._active else None
         work, t0 = None, time.perf_counter()
-        if self.manager.errored() is None:
+        if force or self.manager.errored() is None:
             try:
                 work = launch()
             except Exception as exc:
-                _report(self.manager, exc)
+                _report(self.manager, exc, self.pg)
         if work is not None and meter is not None:
             num = self.round.num_groups if self.round is not None else 1
             meter.stats.record("fl", op, int(comm.ring_bytes(op, tensor.numel() * tensor.element_size(), num)),
                                time.perf_counter() - t0)
         work = comm.TimedWork(work, meter and (lambda s: meter._add_seconds("fl", s)),
-                              lambda exc: _report(self.manager, exc))  # a peer group died: no commit
+                              lambda exc: _report(self.manager, exc, self.pg))  # a peer group died: no commit
         if async_op:
             return work
         work.wait()
@@ -246,6 +267,15 @@ class ManagedTransport:
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         return self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, async_op)
+
+    def control_all_reduce(self, tensor) -> None:
+        """A SUM of the quorum's small control table (start-up check, heal flags, end checksums)
+        launched even after this round's error: every group of the quorum makes it, so a group
+        whose heal failed still answers it (its managed group is set up; one whose set-up failed
+        fails the call at once) instead of leaving the others waiting the collective timeout."""
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._call(lambda: self.pg.allreduce([tensor], opts), "all_reduce", tensor, False, force=True)
 
     def all_to_all(self, output, input, async_op=False):
         return self._call(lambda: self.pg.alltoall_base(output, input, [], [], AllToAllOptions()), "all_to_all",
@@ -301,23 +331,6 @@ class ManagedTransport:
         self.manager.shutdown(wait=False)
 
 
-def lighthouse_addr(config) -> str:
-    """``FLConfig.lighthouse_addr`` or ``TORCHFT_LIGHTHOUSE``. ImportError without the tested
-    torchft (:func:`fl_accel.compat.check_torchft_version`); ValueError when neither is set or
-    torchft cannot be imported. Every rank, before any collective."""
-    compat.check_torchft_version()
-    addr = config.lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not addr:
-        raise ValueError("fault_tolerance='torchft' needs the Lighthouse's address: set FLConfig.lighthouse_addr "
-                         "(FL_ACCEL_LIGHTHOUSE_ADDR, --lighthouse_addr) or TORCHFT_LIGHTHOUSE, e.g. "
-                         "http://127.0.0.1:29510 (scripts/ft_launch.py starts one)")
-    try:
-        import torchft  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(f"fault_tolerance='torchft' needs torchft: pip install torchft==0.2.0 ({exc})") from exc
-    return addr
-
-
 def managed_transport(acc, inside: MeshTransport, params: list) -> ManagedTransport:
     """The torchft transport of FLAccelerator ``acc`` (its group, its Lighthouse, ``inside``:
     the group's own mesh transport); a heal carries the synchronizer's, the schedulers' and
@@ -333,19 +346,10 @@ def managed_transport(acc, inside: MeshTransport, params: list) -> ManagedTransp
 
     transport = ManagedTransport.create(
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
-        lighthouse_addr=lighthouse_addr(acc.fl_config), timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
+        lighthouse_addr=ft_net.lighthouse_addr(acc.fl_config), timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
         inside=inside, save=save, load=load,
-        init_checksum=None if any(p.is_meta for p in params) else shard_checksum(params, inside.device))
+        init_checksum=None if any(p.is_meta for p in params) else shard_checksum(params, inside.device),
+        num_groups=acc.layout.num_groups, heal_address=acc._heal_address, rejoin_timeout_s=acc.fl_config.rejoin_timeout_s)
     transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
     return transport
 
-
-def _attempt_store(group_rank: int, group, timeout: timedelta):
-    """``(host, port, server)``: a fresh TCPStore for this attempt's torchft keys, served by
-    the group's rank 0 on a free port of ``MASTER_ADDR`` (port broadcast over ``group``)."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if group_rank == 0 \
-        else None
-    box = [server.port if server is not None else None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return host, int(box[0]), server

@@ -75,6 +75,7 @@ except ModuleNotFoundError as exc:
 
 import fl_accel  # fl_accel.FLAccelerator is looked up when built (a unit test replaces it)
 from fl_accel.fsdp_model import fsdp2_plugin
+from fl_accel.ft_ends import StateLostError
 from fl_accel.lr_schedule import lr_multiplier
 from fl_accel.planning.flops import model_flops_per_token, peak_tflops
 from recipes import testing_hooks
@@ -345,6 +346,9 @@ def start_run(plan: RunPlan, accelerator, parts: Parts, scheduler, figures: Figu
     data position (the torchft mode: not a healed count)."""
     args = plan.args
     completed_steps, restored = resume(accelerator, plan, parts.data.stream)
+    lost = restored.get("earlier_session_step", 0)
+    if accelerator.run_config.fault_tolerant and lost >= accelerator.federation.round_length:  # it had passed a sync
+        accelerator.federation.require_heal(lost)  # heal from a group holding a committed state, or StateLostError
     if accelerator.federation.triggered:  # a checkpoint is named by the federation's step; each group counts its own
         completed_steps = accelerator.federation.step
     clock = Clock(plan.t0, restored)
@@ -607,8 +611,10 @@ class Run:
                                               self.args.micro_batch_size, per_group=True)
 
     def groups_in_last_sync(self) -> int | None:
-        """The federation groups the last sync covered (None before any; torchft: the quorum's)."""
-        return self.accelerator.federation.last_num_groups
+        """The federation groups the last sync covered (None before any; torchft: the quorum's,
+        and after the run's end, the groups ending with this group's model: :func:`groups_ending_alike`)."""
+        end = self.accelerator.federation.end_state
+        return groups_ending_alike(end) if end is not None else self.accelerator.federation.last_num_groups
 
     def evaluate(self, step: int, final: bool = False) -> tuple | None:
         """Score the model (and, with ``--eval_groups``, each group's), log and print what was scored
@@ -624,7 +630,8 @@ class Run:
         what = scored(fl, final, self.groups_in_last_sync())
         # ``step`` under rounds is the federation's: every group's tokens, not this group's own
         now = {"step": step, "tokens": step * self.meter.tokens_per_step if self.rounds else self.meter.tokens,
-               "time_s": self.meter.clock.total("train_seconds"), "wall_s": self.meter.clock.wall_now()}
+               "time_s": self.meter.clock.total("train_seconds"), "wall_s": self.meter.clock.wall_now(),
+               "unix_time": time.time()}  # when: a restarted torchft group's sessions share step numbers
         done = []
 
         def write(summed):
@@ -676,11 +683,17 @@ def finish(run: Run, recorded: dict) -> dict:
     with run.meter.outside_training():
         step = acc.federation.progress_step if run.rounds else run.meter.completed_steps  # the same on every group
         synced = acc.sync_if_pending(final=True)
+        end = acc.federation.wait_for_groups()  # torchft: the other groups reach the end (or are given up on)
         covered = run.groups_in_last_sync()
-        if scored(fl, True, covered) == "own group":
+        if end is not None and end["together"] and covered == fl.federation_size:
+            acc.print(f"[fl_accel] the run's end: all {covered} federation groups hold the same final model "
+                      f"(checksum {end['checksum']:.6e})")
+        elif scored(fl, True, covered) == "own group":
+            waited = (f" after waiting {end['waited_s']:.0f} s for them (FLConfig.rejoin_timeout_s)"
+                      if end is not None else "")
             acc.print(f"[fl_accel] warning: the last sync (step {step}) covered {covered} of the run's "
-                      f"{fl.federation_size} federation groups (the others had ended or were down): this group's "
-                      f"final model is its own and may differ from theirs")
+                      f"{fl.federation_size} federation groups (the others had ended or were down{waited}): this "
+                      f"group's final model is its own and may differ from theirs")
         elif synced:
             acc.print(f"[fl_accel] final synchronization: the federation groups synchronized at step {step}")
         elif fl.is_federated:
@@ -707,6 +720,28 @@ def finish(run: Run, recorded: dict) -> dict:
         "final_model": os.path.join(args.output_dir, "final_model") if args.save_final_model else None,
         "wandb_id": run.wandb_id, "counters": counters_scope(run), **(federation_figures(run) if run.rounds else {}),
     }
+
+
+def groups_ending_alike(end: dict) -> int:
+    """Of ``accelerator.federation.end_state`` (torchft mode): how many groups, this one
+    included, ended with this group's final model (equal checksums in the last end quorum)."""
+    return sum(1 for c in end["checksums"].values() if c == end["checksum"])
+
+
+END_REPORT_VAR = "FT_LAUNCH_REPORT"
+"""A file path (set by ``python -m scripts.ft_launch`` for each group's launch) where the
+torchft mode's rank 0 writes :func:`end_report` at the end, for the launcher's summary."""
+
+
+def end_report(run: Run, results: dict) -> dict:
+    """What ``python -m scripts.ft_launch`` compares across groups at the end: the group, its
+    steps, the final model's checksum (``federation.end_state``), whether every group ended
+    together, the final eval perplexity and loss, and where the final model is."""
+    end = run.accelerator.federation.end_state or {}
+    return {"group": run.accelerator.group_index, "steps": results.get("steps"), "checksum": end.get("checksum"),
+            "together": end.get("together"), "groups": end.get("groups"), "eval_perplexity": results["eval_perplexity"],
+            "eval_loss": results["eval_loss"], "final_model": results.get("final_model"),
+            "output_dir": run.args.output_dir}
 
 
 def federation_figures(run: Run) -> dict:
@@ -743,13 +778,14 @@ def fault_tolerance_results(accelerator, meter) -> dict:
     each heal (``heal_log``: source group, step, bytes, seconds, transfer and load seconds;
     :func:`report_heals`), the sync's counters (``accelerator.federation.counters()``:
     global_step, num_syncs, ...), the optimizer steps this launch trained itself (``steps``
-    minus those taken over in a heal) and rank 0's host seconds in torchft's quorums and
-    commit votes. ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
+    minus those taken over in a heal), rank 0's host seconds in torchft's quorums and
+    commit votes, and ``end``: how the run ended (``federation.end_state``: whether every
+    group reached the end together, and their checksums). ``heals``, ``heal_log`` and ``torchft_seconds`` cover the whole run: a
     group resumed from its checkpoint adds the counts stored there (:func:`ft_counters`)."""
     counters = ft_counters(accelerator, meter.restored)
     return {"mode": accelerator.fl_config.fault_tolerance, "group_index": accelerator.group_index,
             "group_world_size": accelerator.num_processes, **counters, "sync": accelerator.federation.counters(),
-            "steps_trained": meter.tokens // meter.tokens_per_step}
+            "steps_trained": meter.tokens // meter.tokens_per_step, "end": accelerator.federation.end_state}
 
 
 def ft_counters(accelerator, restored: dict) -> dict:
@@ -760,7 +796,8 @@ def ft_counters(accelerator, restored: dict) -> dict:
         return {}
     federation = accelerator.federation
     before = restored.get("fault_tolerance") or {}
-    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "seconds", "transfer_seconds", "load_seconds")}
+    log = [{k: h.get(k) for k in ("source_group", "step", "bytes", "wire_bytes", "seconds", "transfer_seconds",
+                                  "load_seconds")}
            for h in federation.heal_log]
     seconds = dict(before.get("torchft_seconds") or {})
     for k, v in federation.membership_seconds.items():
@@ -801,6 +838,9 @@ def write_results(run: Run, results: dict) -> None:
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
+        if acc.run_config.fault_tolerant and os.environ.get(END_REPORT_VAR):
+            with open(os.environ[END_REPORT_VAR], "w", encoding="utf-8") as fh:
+                json.dump(end_report(run, results), fh)
         try:
             import matplotlib  # noqa: F401  (optional: the recipe trains without it)
         except ImportError:
@@ -977,6 +1017,11 @@ def cli(argv=None) -> int:
         _say(message)
         _record_for_launcher(message)
         return 2
+    except StateLostError as exc:  # torchft: restarted without a state, and no group holds one
+        message = f"[fl_accel] error (rank {rank}): {exc}"
+        _say(message)
+        _record_for_launcher(message)
+        return 1
     except RuntimeError as exc:
         if classify_failure(exc) == "collective":
             message = (f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung (collective "

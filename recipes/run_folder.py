@@ -25,7 +25,8 @@ from fl_accel import FLConfig
 
 from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity, source_hint
 
-OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "all_results.json", "curves.png")
+OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "metrics.superseded.jsonl", "all_results.json",
+           "curves.png")
 """What a run writes into its folder (``--overwrite_output_dir`` deletes exactly these)."""
 
 
@@ -483,23 +484,41 @@ def prepare_output_dir(accelerator, args) -> None:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The records of a ``metrics.jsonl`` ([] when absent)."""
+    """The records of a ``metrics.jsonl`` ([] when absent). A last line cut short (its writer
+    was killed mid-line) is left out; a bad line elsewhere raises ``json.JSONDecodeError``."""
     if not os.path.isfile(path):
         return []
     with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        lines = [line for line in fh.read().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+    return out
+
+
+SUPERSEDED = "metrics.superseded.jsonl"
+"""Beside ``metrics.jsonl``: the records a resume took out of it (steps past the checkpoint it
+resumed from, or every record of a session that left no checkpoint), each with
+``"superseded": {"unix_time", "resumed_from_step"}``. Nothing a run logged is ever deleted."""
 
 
 def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     """Load the checkpoint the plan resumes from (if any) and cut ``metrics.jsonl`` to the
-    history up to it. Collective. Returns ``(completed_steps, totals)``: ``totals`` are the
+    history up to it; the records cut are moved to :data:`SUPERSEDED`, never deleted. Every
+    rank reads the file before the main process rewrites it (a barrier between; the rewrite
+    is atomic). Collective. Returns ``(completed_steps, totals)``: ``totals`` are the
     whole-run figures stored with the checkpoint (seconds, peak memory, W&B id) plus this
     rank's own stored figures (``rank_extra`` of :func:`save_checkpoint`); {} when starting
-    at step 0, ``{"earlier_session_lost": True}`` when a resume found no checkpoint but
-    ``metrics.jsonl`` holds an earlier session's records (it ended before its first
-    checkpoint: its traffic and time are not carried over)."""
+    at step 0, ``{"earlier_session_lost": True, "earlier_session_step": N}`` when a resume
+    found no checkpoint but ``metrics.jsonl`` holds an earlier session's records, up to step N
+    (it ended before its first checkpoint: its traffic and time are not carried over)."""
     args = plan.args
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    earlier = read_metrics(metrics_path)  # every rank, before the main process rewrites it below
     completed_steps, totals = 0, {}
     if plan.resume_path:
         meta = accelerator.load_state(plan.resume_path)
@@ -513,13 +532,21 @@ def resume(accelerator, plan: RunPlan, stream=None) -> tuple[int, dict]:
     elif args.resume_from_checkpoint:
         accelerator.print(f"[fl_accel] no complete checkpoint in {os.path.join(args.output_dir, 'checkpoints')}; "
                           f"starting from step 0")
-        if read_metrics(metrics_path):  # an earlier session trained here and left no checkpoint
+        if earlier:  # an earlier session trained here and left no checkpoint
             totals["earlier_session_lost"] = True
+            totals["earlier_session_step"] = max(int(r.get("step", 0)) for r in earlier)
+    accelerator.wait_for_everyone()  # every rank has read metrics.jsonl
     if accelerator.is_main_process:
-        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= completed_steps] if completed_steps \
-            else []
-        with open(metrics_path, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in kept)
+        keep = [r.get("step", 0) <= completed_steps if completed_steps else False for r in earlier]
+        moved = [r for r, k in zip(earlier, keep) if not k]
+        if moved:
+            note = {"unix_time": time.time(), "resumed_from_step": completed_steps}
+            with open(os.path.join(args.output_dir, SUPERSEDED), "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps({**r, "superseded": note}) + "\n" for r in moved)
+        tmp = metrics_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r, k in zip(earlier, keep) if k)
+        os.replace(tmp, metrics_path)
     return completed_steps, totals
 
 

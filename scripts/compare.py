@@ -62,7 +62,8 @@ NAME_FLAGS = ("run_name", "experiment", "output_dir", "overwrite_output_dir", "r
 logging and checkpoint cadence or the peak for MFU: they do not change what trains."""
 LAYOUT_FIELDS = ("algorithm", "num_groups", "group_sizes", "hsdp_shard_size")
 """FLConfig fields that make the layout (compared as :func:`layout_key`), not the exchange."""
-NOT_EXCHANGE_FIELDS = ("collective_timeout_s", "group_index", "lighthouse_addr", "outer_state_device")
+NOT_EXCHANGE_FIELDS = ("collective_timeout_s", "group_index", "lighthouse_addr", "heal_address", "rejoin_timeout_s",
+                       "outer_state_device")
 """FLConfig fields that change neither the layout nor the values exchanged."""
 
 

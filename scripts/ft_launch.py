@@ -2,8 +2,9 @@
 
 With ``FLConfig(fault_tolerance="torchft")`` every federation group is its own
 ``torchrun`` world of G ranks; a torchft Lighthouse decides which groups take part in
-each sync (:mod:`fl_accel.ft`). This script starts the Lighthouse (torchft 0.2.0's,
-through scripts/torchft_lighthouse.py) on a free port, then one torchrun per group, each
+each sync (:mod:`fl_accel.ft`). This script starts the Lighthouse (the installed torchft
+build's: the groups' must be the same, 0.2.0 or a 0.3-API build; through
+scripts/torchft_lighthouse.py) on a free port, then one torchrun per group, each
 with its own free ``--master_port``, ``FL_ACCEL_FAULT_TOLERANCE=torchft``,
 ``FL_ACCEL_GROUP_INDEX=f``, ``TORCHFT_LIGHTHOUSE`` and ``OMP_NUM_THREADS=1``, and
 supervises the groups until each has finished or failed (the Lighthouse is stopped at
@@ -44,9 +45,16 @@ restarts are not counted against ``--max_restarts``. The running launcher also k
 ``D/ft_launch.json`` (its pid, the Lighthouse, each group's pid, state, restarts and exit
 statuses) up to date.
 
-The exit status is 0 when every group finished, restarted ones included; otherwise the
-(shell-style: 128 + N for signal N) status of the first group that failed for good. A
-group that fails does not stop the others: that is the point of the mode.
+The exit status is 0 when every group finished, restarted ones included, with the same final
+model; otherwise the (shell-style: 128 + N for signal N) status of the first group that failed
+for good, or 3 (:data:`DIFFERENT_MODELS_STATUS`) when every group finished but their final
+models differ. A group that fails does not stop the others: that is the point of the mode.
+For the recipe, the summary repeats each group's final eval perplexity, final-model checksum
+and folder (each group's rank 0 writes them to the file ``FT_LAUNCH_REPORT`` names), and when
+the checksums differ the last line is ``[ft_launch] error: the groups ended with different
+final models (...); use <output_dir>/group<f>/final_model (...)``. The recipe's groups wait
+for each other at the end (``FLConfig.rejoin_timeout_s``; docs/fault_tolerance.md, "The end
+of a run"), so this happens only when a group came back after that wait.
 When groups failed for good with a one-line error (the recipe's bad-input or collective
 message), those lines come last, after the summary: each group's torchrun gets its own
 ``TORCHELASTIC_ERROR_FILE`` and copies its first failure's error file there.
@@ -100,7 +108,8 @@ def lighthouse_argv(port: int, host: str = "127.0.0.1", **options) -> list[str]:
         return [sys.executable, str(LIGHTHOUSE_SCRIPT)] + bind
     found = shutil.which("torchft_lighthouse")
     if found is None:
-        raise FileNotFoundError("torchft_lighthouse not found: pip install torchft==0.2.0")
+        raise FileNotFoundError("torchft_lighthouse not found: pip install torchft==0.2.0 (or the build the groups "
+                                "use: the Lighthouse must be the same)")
     return [found] + bind
 
 
@@ -560,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds before a restart (default: --heartbeat_timeout_ms)")
     parser.add_argument("--log_dir", default=None, help="write group<f>.log, lighthouse.log and ft_launch.json here "
                         "(and take --restart_group requests)")
+    parser.add_argument("--restart_group", type=int, metavar="F", default=None,
+                        help="with --log_dir D only, from a second terminal: ask the launcher running with --log_dir "
+                             "D to kill and restart group F (python -m scripts.ft_launch --restart_group F --log_dir "
+                             "D; not counted against --max_restarts)")
     parser.add_argument("script", help="the training script, e.g. recipes/pretrain.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     a = parser.parse_args(argv)
@@ -581,11 +594,13 @@ def main(argv: list[str] | None = None) -> int:
 
     errors_dir = Path(tempfile.mkdtemp(prefix="ft_launch_errors_"))
     error_files: dict[int, Path] = {}  # group -> its last attempt's error file (torchrun's @record copies into it)
+    reports = {f: errors_dir / f"group{f}_end.json" for f in range(a.num_groups)}  # the recipe's end reports
 
     def start_attempt(f: int, attempt: int):
         argv_f = args if attempt == 0 else restart_args(a.script, args)
         error_files[f] = errors_dir / f"group{f}_attempt{attempt}.json"
-        env = {"TORCHELASTIC_ERROR_FILE": str(error_files[f])}
+        reports[f].unlink(missing_ok=True)
+        env = {"TORCHELASTIC_ERROR_FILE": str(error_files[f]), REPORT_VAR: str(reports[f])}
         if logs is None:
             return start_group(f, a.nproc_per_group, a.script, *argv_f, lighthouse=addr, env=env,
                                pythonpath=[root]), "this terminal"
@@ -619,11 +634,63 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.stop()
         terminate(lighthouse)
         messages = failed_group_errors(supervisor, error_files)
+        finished = read_reports({g.index: reports[g.index] for g in supervisor.groups if g.state == "finished"})
         shutil.rmtree(errors_dir, ignore_errors=True)
+    lines, different = compare_models(finished)
+    for line in lines:
+        supervisor.say(line)
+    if different:  # every group finished, apart: the run has no one result
+        messages.append(different)
+        status = status or DIFFERENT_MODELS_STATUS
     if messages:  # last: the groups' one-line errors, not torchrun's failure summaries above
         sys.stdout.flush()
         print("\n".join(messages), file=sys.stderr, flush=True)
     return status
+
+
+REPORT_VAR = "FT_LAUNCH_REPORT"
+"""The variable naming the file where a group's recipe writes its end report (the recipe's
+``recipes.pretrain.END_REPORT_VAR``; tests/ft/test_ft_faults.py checks they agree): group,
+steps, the final model's checksum, eval perplexity and loss, where the final model is."""
+DIFFERENT_MODELS_STATUS = 3
+"""The launcher's exit status when every group finished but their final models differ."""
+
+
+def read_reports(paths: Mapping[int, Path]) -> dict[int, dict]:
+    """The end reports that exist, by group (a group that failed, or a script other than the
+    recipe, leaves none)."""
+    out = {}
+    for f, path in paths.items():
+        try:
+            out[f] = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def compare_models(reports: Mapping[int, dict]) -> tuple[list[str], str | None]:
+    """``(lines, error)``: one summary line per reported group (its eval perplexity, the
+    checksum of its final model, where it is) and, when the checksums differ, the one-line
+    error naming the final model to use: the one most groups share, then the lowest eval
+    loss. ``error`` None when the models are equal (or fewer than two groups reported)."""
+    lines = [f"group {f}: eval perplexity {r.get('eval_perplexity', float('nan')):.2f}, final model checksum "
+             f"{r.get('checksum') if r.get('checksum') is None else format(r['checksum'], '.6e')}, "
+             f"{r.get('final_model') or r.get('output_dir')}" for f, r in sorted(reports.items())]
+    sums = {f: r.get("checksum") for f, r in reports.items()}
+    if len(reports) < 2 or len(set(sums.values())) == 1:
+        return lines, None
+
+    def rank(f):
+        return (-sum(1 for c in sums.values() if c == sums[f]), reports[f].get("eval_loss") or float("inf"), f)
+
+    best = min(reports, key=rank)
+    r = reports[best]
+    groups = sorted(f for f, c in sums.items() if c == sums[best])
+    return lines, (f"[ft_launch] error: the groups ended with different final models ("
+                   + "; ".join(f"group {f}: perplexity {reports[f].get('eval_perplexity', float('nan')):.2f}"
+                               for f in sorted(reports))
+                   + f"); use {r.get('final_model') or r.get('output_dir')} (group{'s' if len(groups) > 1 else ''} "
+                   f"{', '.join(map(str, groups))}, eval perplexity {r.get('eval_perplexity', float('nan')):.2f})")
 
 
 def failed_group_errors(supervisor: "Supervisor", error_files: Mapping[int, Path]) -> list[str]:

@@ -226,6 +226,8 @@ def test_torchft_mode_equals_single_world_and_resumes_from_group_checkpoints(tmp
                 worst = max(worst, _assert_steps_match(ft_rec, ref, tol, f"[{case}] group {f} rank {k}"))
                 assert [q["num_groups"] for q in ft_rec["quorums"]] == [2] * events
                 assert not any(q["healed"] for q in ft_rec["quorums"])
+                end = ft_rec["end"]  # end_training's wait: both groups at the end, with one final model
+                assert end["together"] and end["groups"] == [0, 1] and len(set(end["checksums"].values())) == 1, end
         print(f"\n[{case}] largest |torchft - single world| over every step and shard: {worst:.3g}")
     # unequal rounds (the speed trigger, a fixed schedule): group 0 trains 5 + 2 steps, group 1 3 + 6, each
     # round's mean weighted by tokens; torchft's table of the quorum's groups equals the single world's
@@ -478,7 +480,8 @@ def test_group_joining_under_the_speed_trigger_heals_and_the_run_ends_on_its_bud
       equal parameters; group 1's data position is its own (the batches it trained)."""
     out = tmp_path / "out"
     spec = write_json(tmp_path / "spec.json", {
-        "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "sync_trigger": "speed"},
+        "fl": {"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": 4, "sync_trigger": "speed",
+               "rejoin_timeout_s": 2.0},  # group 0 starts without group 1 after 2 s at its first sync
         "optimizer": "adamw", "lr": 1e-3, "max_steps": 24, "plan": [[4, 2]], "step_sleep": 0.3})
     lighthouse, addr = ft_launch.start_lighthouse(log=open(tmp_path / "lighthouse.log", "w"), min_replicas=1,
                                                  join_timeout_ms=10000)
@@ -684,13 +687,17 @@ def test_recipe_says_when_its_last_sync_left_groups_out(tmp_path, default_corpus
     the eval records, and rank 0 prints the warning naming 1 of the 2 groups (a newcomer
     found the two groups' different final models reported as "synchronized")."""
     out = tmp_path / "out"
-    (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", started=1)
+    (result,), _ = _recipe_launch(tmp_path, default_corpus_cache, out, "alone", "--rejoin_timeout_s", "3",
+                                  started=1)  # it waits 3 s for group 1 at its first sync and at the end
     assert result["steps"] == 4 and result["fault_tolerance"]["sync"]["num_syncs"] == 2, result["fault_tolerance"]
     assert result["eval_scored"] == "own group", result["eval_scored"]
     records = [m for m in read_metrics(out / "group0" / "metrics.jsonl") if "eval/scored" in m]
     assert [m["eval/scored"] for m in records] == ["own group"] * len(records) and records
     log = _log_tail(tmp_path / "alone" / "group0", 20000)
     assert "the last sync (step 4) covered 1 of the run's 2 federation groups" in log, log[-3000:]
+    assert "after waiting 3 s for them (FLConfig.rejoin_timeout_s)" in log, log[-3000:]  # the end's wait
+    end = result["fault_tolerance"]["end"]
+    assert end["together"] is False and end["groups"] == [0] and end["waited_s"] >= 3, end
     assert "final synchronization: none needed" not in log
 
 

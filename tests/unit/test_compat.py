@@ -6,7 +6,8 @@
 * No other module of fl_accel reads those internals (a scan of the code, strings and
   comments left out).
 * A release outside the tested range warns at import instead of refusing; torchft's mode
-  refuses an untested torchft, naming the tested release.
+  takes the API of the installed build (0.2.0, or 0.3's: torchft-nightly), warns on an untested
+  build of a known API and refuses one of neither, naming the tested builds.
 * The fallbacks chosen by existence (``all_gather_single``, ``reset_iter_state``) take the
   other path when the newer function is missing (control flow; the real older torch runs
   in CI's oldest environment, scripts/test_versions.sh).
@@ -157,6 +158,39 @@ def _manager_client() -> str | None:
         _has("torchft._torchft.ManagerClient", "_quorum")
 
 
+def _torchft_api() -> str:
+    api = compat.torchft_api()
+    if api is None:
+        raise RuntimeError(f"the installed torchft ({compat.torchft_installed()}) has neither API")
+    return api
+
+
+def _pg_reconfigure() -> str | None:
+    if _torchft_api() == "0.2":
+        return _has("torchft.process_group.ProcessGroup", "configure") or \
+            _in_source("torchft.manager:Manager._async_quorum", "store_prefixed_addr", "self._pg.configure(")
+    return _has("torchft.process_group.ProcessGroup", "reconfigure") or \
+        _in_source("torchft.manager:Manager._async_quorum", "reconfigure_handle=self._pg.get_reconfigure_handle()") \
+        or _in_source("torchft.process_group:_rendezvous", "peers[0]['store']")
+
+
+def _reconfigure_handle() -> str | None:
+    if _torchft_api() == "0.2":
+        return None
+    return _in_source("torchft.process_group:ProcessGroup.get_reconfigure_handle", '"store"', "store.port")
+
+
+def _checkpoint_server() -> str | None:
+    return _in_source("torchft.checkpointing.http_transport:HTTPTransport.__init__", "self._server",
+                      "self._thread", "RequestHandler") or \
+        _has("torchft.checkpointing.http_transport.HTTPTransport", "_serve")
+
+
+def _streaming_load() -> str | None:
+    return _has("torch.distributed._serialization", "_streaming_load") or \
+        _in_source("torch.distributed._serialization:_PseudoZipFile.read_from", "f.read(")
+
+
 REACHES: tuple[Reach, ...] = (
     Reach("accelerate.PartialState._shared_state['distributed_type']",
           "set_fsdp_state: FSDP on CPU too, and in every AcceleratorState() made later", _shared_state),
@@ -188,6 +222,17 @@ REACHES: tuple[Reach, ...] = (
           "collective_options: torchft's process group takes them", _c10d_options),
     Reach("torchft Manager._client / ManagerClient._quorum",
           "wrap_manager_client: one heal source per group (torchft #343)", _manager_client, package="torchft"),
+    Reach("torchft ProcessGroup.configure (0.2) / reconfigure with the first handle's store (0.3)",
+          "pg_reconfigure_method / pg_store_address: a dead heal source's store fails the round within seconds",
+          _pg_reconfigure, package="torchft"),
+    Reach("torchft 0.3 ProcessGroup.get_reconfigure_handle's JSON (store host:port)",
+          "advertised_handle: FLConfig.heal_address for the managed group's rendezvous store", _reconfigure_handle,
+          package="torchft"),
+    Reach("torchft HTTPTransport._server / _thread / _serve",
+          "checkpoint_server_port / rebind_checkpoint_server: FLConfig.heal_address for the heal's server",
+          _checkpoint_server, package="torchft"),
+    Reach("torch.distributed._serialization._streaming_load (reads tensors with f.read)",
+          "streaming_load: the heal's download into writable buffers", _streaming_load),
 )
 
 
@@ -203,7 +248,8 @@ def test_every_internal_fl_accel_relies_on_is_still_there(reach):
 FOREIGN_INTERNALS = ("_shared_state", "._models", "._optimizers", "._schedulers", "._dataloaders", "_prepare_fsdp2",
                      "._parameters", "._client", "._quorum", "_orig_mod", "_checkpoint_wrapped_module",
                      "_CHECKPOINT_PREFIX", "distributed_c10d", "fully_shard.state", ".reset_iter_state",
-                     "dist.all_gather_single", "setattr(dist", ".data_ptr =")
+                     "dist.all_gather_single", "setattr(dist", ".data_ptr =", "._server", "._serve",
+                     "_streaming_load")
 
 
 def _code_only(path: Path) -> str:
@@ -266,17 +312,57 @@ def test_pyproject_states_the_same_range():
     assert f'"accelerate>={al[0]}.{al[1]},<{ah[0]}.{ah[1] + 1}"' in text
 
 
-@pytest.mark.parametrize("found,match", [("0.3.0", r"tested with torchft==0\.2\.0, found 0\.3\.0.*configure"),
-                                         (None, r"needs torchft==0\.2\.0")])
-def test_torchft_mode_refuses_an_untested_torchft(monkeypatch, found, match):
+def _installed(monkeypatch, builds: dict):
+    """``compat._version`` answering for the distributions in ``builds`` only (others: missing)."""
     def fake(name):
-        if found is None:
+        if name not in builds:
             raise compat.PackageNotFoundError(name)
-        return found
+        return builds[name]
 
     monkeypatch.setattr(compat, "_version", fake)
+
+
+@pytest.mark.parametrize("builds,api", [({"torchft": "0.2.0"}, "0.2"), ({"torchft-nightly": "2026.10.26"}, "0.3")])
+def test_torchft_mode_takes_the_api_of_the_tested_builds_silently(monkeypatch, builds, api):
+    """torchft 0.2.0 runs the 0.2 path, the torchft-nightly build (0.3's API) the 0.3 path, no warning."""
+    _installed(monkeypatch, builds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compat.check_torchft_version() == api
+    assert compat.pg_reconfigure_method(api) == {"0.2": "configure", "0.3": "reconfigure"}[api]
+
+
+@pytest.mark.parametrize("builds,api", [({"torchft": "0.3.1"}, "0.3"), ({"torchft": "0.2.1"}, "0.2"),
+                                        ({"torchft-nightly": "2026.11.2"}, "0.3")])
+def test_torchft_mode_warns_on_an_untested_build_of_a_known_api(monkeypatch, builds, api):
+    _installed(monkeypatch, builds)
+    with pytest.warns(UserWarning, match=r"the torchft mode is tested with torchft==0\.2\.0 or "
+                                         r"torchft-nightly==2026\.10\.26 \(its 0\.\d API is used\)"):
+        assert compat.check_torchft_version() == api
+
+
+@pytest.mark.parametrize("builds,match", [({"torchft": "0.1.1"}, r"supports torchft's 0\.2 and 0\.3 APIs.*found "
+                                                                  r"torchft 0\.1\.1"),
+                                          ({}, r"needs torchft \(`pip install torchft==0\.2\.0`")])
+def test_torchft_mode_refuses_a_torchft_of_neither_api(monkeypatch, builds, match):
+    _installed(monkeypatch, builds)
     with pytest.raises(ImportError, match=match):
         compat.check_torchft_version()
+
+
+def test_the_pg_store_address_and_the_advertised_handle():
+    """The store a (re)configuration connects to, for both APIs, and a 0.3 handle whose
+    store host is replaced (the port kept; an IPv6 host in brackets)."""
+    import json
+    from types import SimpleNamespace
+
+    assert compat.pg_store_address("0.2", ("10.0.0.1:1234/torchft/3/0", "r", 0, 2), {}) == "10.0.0.1:1234"
+    assert compat.pg_store_address("0.2", (), {"store_addr": "h:5/p"}) == "h:5"
+    handles = [json.dumps({"id": "a", "store": "vm:777", "global_rank": 0}), json.dumps({"id": "b", "store": "x:1"})]
+    assert compat.pg_store_address("0.3", (SimpleNamespace(handles=handles),), {}) == "vm:777"
+    moved = json.loads(compat.advertised_handle(handles[0], "10.213.0.2"))
+    assert moved == {"id": "a", "store": "10.213.0.2:777", "global_rank": 0}
+    assert json.loads(compat.advertised_handle(handles[0], "fe80::1"))["store"] == "[fe80::1]:777"
 
 
 def test_fallbacks_follow_what_exists(monkeypatch):

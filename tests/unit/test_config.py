@@ -44,6 +44,7 @@ def test_defaults():
         "outer_lr_warmup_steps": 0, "outer_lr_decay_steps": None, "average_optimizer_state": False,
         "data_sharding": "global", "on_nonfinite": "abort", "sync_bucket_mb": 256, "outer_state_device": "same",
         "collective_timeout_s": 300.0, "fault_tolerance": "none", "group_index": None, "lighthouse_addr": None,
+        "heal_address": None, "rejoin_timeout_s": 300.0,
     }
     assert validated(c, 4) is c
     assert c.is_federated and not c.uses_hsdp and not c.compressed and not c.fault_tolerant

@@ -693,8 +693,8 @@ def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
               "torchft_seconds": {"quorum": 1.0, "commit": 0.5, "quorums": 2}}
     got = ft_counters(acc, {"fault_tolerance": before})
     assert got["heals"] == 2 and [h["step"] for h in got["heal_log"]] == [4, 9]
-    assert got["heal_log"][1] == {"source_group": 0, "step": 9, "bytes": 10, "seconds": 0.5, "transfer_seconds": 0.4,
-                                  "load_seconds": 0.1}
+    assert got["heal_log"][1] == {"source_group": 0, "step": 9, "bytes": 10, "wire_bytes": None, "seconds": 0.5,
+                                  "transfer_seconds": 0.4, "load_seconds": 0.1}
     assert got["torchft_seconds"] == {"quorum": 3.0, "commit": 1.5, "quorums": 6}
     one_world = types.SimpleNamespace(run_config=types.SimpleNamespace(fault_tolerant=False))
     assert ft_counters(acc, {})["heals"] == 1 and ft_counters(one_world, {}) == {}

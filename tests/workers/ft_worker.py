@@ -22,7 +22,8 @@ checkpoint of this group first, if any, and skip the batches it had consumed),
 ``seed_by_group`` (each group seeds its model with its index), ``expect_error`` (a
 case's ValueError is recorded in ``<case>/error_g<f>_r<k>.json`` with the step), ``crash`` (``{"group": f, "step": n}``: on the first attempt
 of a torchrun with ``--max-restarts``, every rank of group f exits with status 3 right
-after step n and its checkpoint: torchrun starts the next attempt).
+after step n and its checkpoint: torchrun starts the next attempt), ``die_serving_heal`` (groups
+of which the first to serve a heal dies half-way through the transfer: one rank per group).
 
 The plain Accelerate loop runs until the synchronizer's ``global_step`` reaches
 ``max_steps`` (a healed group takes over its peer's step count), then ``end_training``
@@ -106,6 +107,35 @@ def main() -> None:
 CURRENT: dict = {}  # the case's accelerator (main() shuts an expected refusal's torchft Manager down)
 
 
+def _die_in_the_middle_of_serving_a_heal(out: Path) -> None:
+    """The first group (of those given ``die_serving_heal``) whose checkpoint server serves a
+    heal sends half of the state, writes ``OUT_DIR/heal_source_died`` (the time) and SIGKILLs
+    its own process (one rank per group): the heal's source dies mid-transfer. Test code only:
+    it replaces torchft's ``_streaming_save`` in its HTTP transport's module."""
+    import io
+    import signal
+
+    import torchft.checkpointing.http_transport as http_transport
+
+    real = http_transport._streaming_save
+
+    def dying_save(obj, f):
+        try:
+            fd = os.open(out / "heal_source_died", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:  # another group died serving already: serve normally
+            return real(obj, f)
+        buf = io.BytesIO()
+        real(obj, buf)
+        data = buf.getvalue()
+        f.write(data[:len(data) // 2])
+        f.flush()
+        os.write(fd, str(time.time()).encode())
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    http_transport._streaming_save = dying_save
+
+
 def run_case(spec: dict, out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -145,13 +175,14 @@ def run_case(spec: dict, out: Path) -> None:
     rec = {"group": f, "rank": rank, "attempt": attempt, "steps": [], "quorums": [], "times": []}
 
     transport = sync.transport
+    ending = []  # set once training is over: end_training's wait for the groups (ManagedTransport.finish) follows
     if transport.elastic:
         real_begin = transport.begin
 
         def spy_begin():
             opened = transport.round is None
             rnd = real_begin()
-            if opened and rnd.num_groups > 1:
+            if opened and rnd.num_groups > 1 and not ending:  # the sync events' quorums
                 rec["quorums"].append({"manager_step": transport.manager.current_step(), "healed": transport.healed,
                                        "num_groups": rnd.num_groups, "position": rnd.position,
                                        "state": full_state(acc, torch_opt, scheduler),
@@ -166,6 +197,9 @@ def run_case(spec: dict, out: Path) -> None:
             return rnd
 
         transport.begin = spy_begin
+
+    if f in spec.get("die_serving_heal", []):
+        _die_in_the_middle_of_serving_a_heal(out)
 
     progress = out / "progress" / f"g{f}_r{rank}"
     ckpt_dir = Path(spec.get("checkpoint_dir") or out / "ckpt") / (f"g{f}" if acc.run_config.fault_tolerant else "world")
@@ -220,8 +254,11 @@ def run_case(spec: dict, out: Path) -> None:
                 rec["weights"].append((step, list(sync.last_membership.weights)))
             if not more():
                 break
+    acc.sync_if_pending(final=True)  # the final sync's quorum is recorded; the wait at the end's are not
+    ending.append(True)
     acc.end_training()
     rec["final"] = full_state(acc, torch_opt, scheduler)
+    rec["end"] = transport.end_state if transport.elastic else None
     rec["batches"] = consumed
     rec["heals"] = getattr(transport, "heals", 0)
     rec["heal_sources"] = list(getattr(transport, "heal_sources", []))
