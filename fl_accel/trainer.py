@@ -181,13 +181,13 @@ class FederatedTrainerMixin:
     # ------------------------------------------------------------------ checkpoints and export
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's ``save_model``: the federated model (the groups sync first when they
-        differ), loadable with ``from_pretrained``. Inside a checkpoint (``_internal_call``)
-        nothing syncs: the model files are written only when the groups hold the same
-        parameters; mid-round the checkpoint's ``fl_state/`` holds every group's."""
+        differ), loadable with ``from_pretrained``, whatever the FSDP ``state_dict_type``
+        (the full state dict is gathered; collective: every rank calls it, rank 0 writes).
+        Inside a checkpoint (``_internal_call``) nothing syncs: the model files are written
+        only when the groups hold the same parameters; mid-round the checkpoint's
+        ``fl_state/`` holds every group's."""
         acc = self.accelerator
-        if not _internal_call or not acc.federation.active:
-            return super().save_model(output_dir, _internal_call=_internal_call)
-        if acc.federation.sync_pending:
+        if _internal_call and acc.federation.sync_pending:
             if not self._fl_mid_round_warned and acc.is_main_process:
                 warnings.warn(f"[fl_accel] checkpoint at step {self.state.global_step} is mid-round (the groups differ): "
                               f"it holds every group's state ({FL_STATE}/) but no model files; save at multiples of "
@@ -195,9 +195,12 @@ class FederatedTrainerMixin:
                               UserWarning, stacklevel=2)
                 self._fl_mid_round_warned = True
             return None
-        # the groups are identical: their model, without the final sync get_state_dict would add for residuals
-        state_dict = super(FLAccelerator, acc).get_state_dict(self.model)
-        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        # a checkpoint with the groups identical: their model, without the final sync that get_state_dict would
+        # add for compression residuals (saving never changes the training)
+        gather = super(FLAccelerator, acc).get_state_dict if _internal_call else acc.get_state_dict
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=gather(self.model))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -5,6 +5,8 @@
   accumulation. It trains (finite loss, below a uniform guess), syncs twice, carries
   traffic on the "fl" axis, and after the final sync every shard is equal across the
   groups.
+* examples/trainer.py (the README's Trainer swap): FLTrainer trains 8 steps, checkpoints at
+  multiples of H with model files, and exports a model ``from_pretrained`` loads.
 * examples/torchft_two_groups.sh (the torchft how-to): a Lighthouse and two torchruns
   through ``python -m scripts.ft_launch``, each running examples/train_loop.py in the
   fault-tolerant mode. Both groups finish their steps, each sync is a quorum of both, and
@@ -78,3 +80,23 @@ def test_torchft_example_runs_two_groups_to_the_end(tmp_path):
         assert [(s["group"], s["shard"]) for s in r["shards"]] == [(f, 0)], r["shards"]  # each launch is one group
     checksums = [{s["shard"]: s["checksum"] for s in results[f]["shards"]} for f in (0, 1)]
     assert checksums[0] == checksums[1], checksums  # equal after the final sync
+
+
+def test_trainer_example_trains_checkpoints_and_exports_the_federated_model(tmp_path):
+    """examples/trainer.py (the README's Trainer swap): FLTrainer with 2 groups of 2, H=4, 8
+    steps, a checkpoint every 4 (multiples of H: model files too), evaluate() and save_model."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    res = run_torchrun(4, REPO_ROOT / "examples" / "trainer.py", "--num_groups", "2", "--sync_every", "4",
+                       "--max_steps", "8", "--save_steps", "4", "--output_dir", str(out), timeout=300)
+    assert res.returncode == 0, res.tail()
+    [line] = re.findall(r"^\[trainer\] result (\{.*\})$", res.stdout, re.M)
+    result = json.loads(line)
+    assert (result["trainer"], result["num_groups"], result["world_size"]) == ("FLTrainer", 2, 4), result
+    assert result["steps"] == 8 and result["num_syncs"] == 2 and result["eval_loss"] < math.log(256), result
+    for step in (4, 8):
+        assert (out / f"checkpoint-{step}" / "model.safetensors").is_file()
+        assert (out / f"checkpoint-{step}" / "fl_state" / "fl_accel_checkpoint.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.num_hidden_layers == 2

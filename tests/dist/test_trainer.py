@@ -4,7 +4,8 @@ a Trainer script run on 4 gloo processes with only the line that builds the trai
 ``TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2})``, 10 optimizer steps of 2
 accumulated micro-batches, a linear schedule with warmup, ``save_steps=5``).
 
-* The LR at every optimizer step equals plain ``Trainer``'s with the same arguments.
+* The LR at every optimizer step equals plain ``Trainer``'s with the same arguments, and so do
+  the losses of the steps before the groups diverge (the group-local token count).
 * ``save_model`` after ``train()`` writes the mean of the groups (their parameters right
   before the final sync, which the last step, 10, not a multiple of H, adds), loadable by
   ``from_pretrained``; ``trainer.evaluate()`` reports that model's loss, not a group's.
@@ -64,6 +65,9 @@ def test_lr_at_every_step_equals_plain_trainer(plain_and_fl):
     assert lr[0] == 0.0 and lr[1] < lr[2] < lr[3] and lr[3] > lr[9] > 0  # warmup 3 steps, then linear decay
     assert [h["fl/syncs"] for h in b] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 3]  # every H=4, and the final sync at 10
     assert "fl/syncs" not in a[0]
+    # the loss is normalized by the group's tokens (no world count per step): before the groups
+    # diverge (step 1's LR is 0) it is plain Trainer's world mean
+    assert [h["loss"] for h in b[:2]] == pytest.approx([h["loss"] for h in a[:2]], rel=1e-6)
 
 
 def _eval_loss(model, blocks) -> float:
