@@ -14,6 +14,10 @@ __version__ = "0.2.0"
 
 check_versions()  # a warning outside the tested torch/accelerate range (fl_accel/compat.py), not an error
 
+from . import errors  # noqa: E402
+
+errors.install()  # under torchrun/accelerate launch: a refused input ends as one line, torchrun's root cause
+
 from .config import FLConfig  # noqa: E402
 from .mesh import AXES, FLLayout  # noqa: E402
 

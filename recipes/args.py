@@ -20,8 +20,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fl_accel.config import (ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, check_type, read_yaml_mapping,
-                             resolve_sources)
+from fl_accel.config import (CHOICE_HINTS, ENV_PREFIX, NOT_IDENTITY_FIELDS, TEST_ENV_PREFIX, FLConfig, check_type,
+                             read_yaml_mapping, resolve_sources)
 from fl_accel.mesh import world_size_from_env
 
 
@@ -194,7 +194,9 @@ def build_parser(fl_cls=FLConfig, **kwargs):
 
     class _Parser(HfArgumentParser):
         def error(self, message):
-            raise RecipeError(f"{message} (python recipes/pretrain.py --help lists the options)")
+            choice = re.match(r"argument --(\w+): invalid choice: '([^']*)'", message)
+            hint = CHOICE_HINTS.get((choice.group(1), choice.group(2).lower()), "") if choice else ""
+            raise RecipeError(f"{message}{hint} (python recipes/pretrain.py --help lists the options)")
 
     # allow_abbrev=False: argparse would take --num_frag for --num_fragments without a word
     parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], allow_abbrev=False, **kwargs)

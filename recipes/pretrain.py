@@ -75,6 +75,7 @@ except ModuleNotFoundError as exc:
 
 import fl_accel  # fl_accel.FLAccelerator is looked up when built (a unit test replaces it)
 from fl_accel.accelerator import fsdp2_plugin
+from fl_accel.errors import record_for_launcher, release_process_groups, say_once
 from fl_accel.lr_schedule import lr_multiplier
 from fl_accel.planning.flops import model_flops_per_token, peak_tflops
 from recipes import testing_hooks
@@ -927,20 +928,6 @@ def _one_line_warnings() -> None:
     warnings.formatwarning = fmt
 
 
-def _record_for_launcher(message: str) -> None:
-    """Hand the one-line error to torchrun's failure summary (its "Root Cause" box, printed
-    last), through the error file torchelastic gives each worker (TORCHELASTIC_ERROR_FILE)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                    "timestamp": str(int(time.time()))}}}, fh)
-    except OSError:
-        pass
-
-
 def _timeout_text() -> str:
     """How the collective timeout was set (``FLConfig.collective_timeout_s``)."""
     env = os.environ.get("FL_ACCEL_COLLECTIVE_TIMEOUT_S")
@@ -975,15 +962,18 @@ def cli(argv=None) -> int:
         main(argv)
     except ValueError as exc:  # RecipeError, DataError, CheckpointError, FLConfig errors
         message = f"[fl_accel] error (rank {rank}): {exc}"
-        _say(message)
-        _record_for_launcher(message)
+        _STOPPING.append("error")  # the launcher's SIGTERM that follows adds no line
+        say_once(message, key=str(exc))  # once per node and message (every rank refuses alike)
+        record_for_launcher(message)  # torchrun's Root Cause box shows it
+        release_process_groups()
         return 2
     except RuntimeError as exc:
         if classify_failure(exc) == "collective":
             message = (f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung (collective "
                        f"timeout {_timeout_text()}): {str(exc)[:500]}")
+            _STOPPING.append("error")
             _say(message)
-            _record_for_launcher(message)
+            record_for_launcher(message)
             return 1
         raise
     return 0
