@@ -91,6 +91,10 @@ class RecipeArguments:
         "full: recompute each decoder layer's activations in the backward (non-reentrant, applied per layer "
         "before sharding by Accelerate); none: keep them. Unset: what the Accelerate config says "
         "(fsdp_activation_checkpointing, default none)"))
+    memory_check: Literal["refuse", "warn", "off"] = field(default="refuse", metadata=_help(
+        "on CUDA, before preparing the model: the memory model's verdict for this run against the smallest GPU "
+        "(python -m scripts.memory_model). refuse: stop a run that does not fit, naming the smallest fixes; warn: "
+        "print them and go on; off: no check"))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer in place (regional compilation, inductor), after activation "
         "checkpointing and before sharding"))

@@ -82,6 +82,7 @@ from recipes import testing_hooks
 from recipes.banner import banner_lines
 from recipes.host_load import HostLoad
 from recipes.inputs import batches, build_data, data_record, repeat_note, steps_per_epoch, stream_note
+from recipes.memory_check import check_memory
 from recipes.metrics import SCORED, Clock, Meter, eval_figures, eval_totals, evaluate, fl_accel_origin, \
     launch_seconds, peak_host_mb, scored
 from recipes.modeling import build_model, build_optimizer, embedding_params, export_final_model, resolve_config
@@ -196,11 +197,13 @@ def build_parts(plan: RunPlan, accelerator) -> Parts:
 
     Raises:
         RecipeError: a length the run's config refuses (:func:`recipes.run_folder.run_length_error`),
-            on every rank (each computes the same length).
+            on every rank (each computes the same length); on CUDA, a run the memory model says
+            does not fit (``--memory_check refuse``: :mod:`recipes.memory_check`).
     """
     args = plan.args
     data = build_data(args, accelerator)
     config, vocab_note = resolve_config(args.model, args.seq_len, len(data.tokenizer), args.resize_vocab)
+    check_memory(accelerator, args, config, plan.mixed_precision, plan.activation_checkpointing)  # CUDA: will it fit?
     set_seed(args.seed)  # right before the model: every rank (every group) builds the same weights
     model = build_model(config, args.init_device)
     n_params, n_embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
