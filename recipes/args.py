@@ -120,8 +120,12 @@ class RecipeArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata=_help("'latest' or a step_N directory"))
     save_final_model: bool = field(default=True, metadata=_help(
         "export the final synchronized model with save_pretrained (safetensors + tokenizer) to <output_dir>/final_model"))
-    report_to: Literal["wandb", "none"] = field(default="wandb", metadata=_help(
-        "wandb (offline unless WANDB_MODE says otherwise) or none"))
+    report_to: Literal["wandb", "tensorboard", "all", "none"] = field(default="wandb", metadata=_help(
+        "wandb (offline unless WANDB_MODE says otherwise), tensorboard (<output_dir>/tensorboard), all (both) or "
+        "none; through Accelerate's trackers"))
+    baseline_tokens_per_s: float | None = field(default=None, metadata=_help(
+        "the baseline's tokens/s (e.g. the FSDP run's all_results.json tokens_per_s): each log record then has "
+        "perf/speedup_vs_baseline, all_results.json speedup_vs_baseline"))
     wandb_project: str = field(default="fl_accel", metadata=_help("W&B project"))
     experiment: str = field(default="shakespeare-tiny", metadata=_help(
         "W&B group: runs of one comparison share it"))
@@ -146,6 +150,8 @@ class RecipeArguments:
             raise RecipeError(f"--learning_rate must be > 0, got {self.learning_rate}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise RecipeError(f"--peak_tflops must be > 0, got {self.peak_tflops}")
+        if self.baseline_tokens_per_s is not None and not self.baseline_tokens_per_s > 0:
+            raise RecipeError(f"--baseline_tokens_per_s must be > 0, got {self.baseline_tokens_per_s}")
         if not 0 <= self.warmup_ratio < 1:
             raise RecipeError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 < self.validation_split_percentage < 100:
