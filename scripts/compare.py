@@ -57,7 +57,7 @@ MIB = 2**20
 
 NAME_FLAGS = ("run_name", "experiment", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
               "preprocessing_num_workers", "report_to", "wandb_project", "log_every", "checkpoint_every",
-              "checkpoints_total_limit", "save_final_model", "peak_tflops", "memory_check")
+              "checkpoints_total_limit", "save_final_model", "peak_tflops", "memory_check", "baseline_tokens_per_s")
 """Recipe flags (``args`` in all_results.json) that name a run, choose its folders, trackers,
 logging and checkpoint cadence or the peak for MFU: they do not change what trains."""
 LAYOUT_FIELDS = ("algorithm", "num_groups", "group_sizes", "hsdp_shard_size")
