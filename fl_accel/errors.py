@@ -17,8 +17,8 @@ before) that, for an exception this rank does not catch:
 * writes the error file torchrun reads (:func:`record_for_launcher`; for a refusal its one
   line, else the traceback, as ``@record`` does), so the Root Cause box shows it, stamped
   with the time of the error: a rank that dies later of another cause is not the root cause;
-* destroys this rank's process groups before the interpreter exits, so no gloo or c10d
-  thread is torn down mid-flight (no SIGABRT).
+* destroys this rank's gloo process groups before the interpreter exits, so no gloo thread is
+  torn down mid-flight (no SIGABRT).
 
 Nothing changes without a launcher, or for exceptions a script catches. The recipe
 (``recipes/pretrain.py``) catches its errors itself and uses :func:`say_once` and
@@ -92,11 +92,13 @@ def record_for_launcher(message: str, callstack: str | None = None) -> None:
 
 
 def release_process_groups() -> None:
-    """Destroy this rank's process groups (if torch.distributed has any): a local call, no
-    collective, so it returns when a peer is gone."""
+    """Destroy this rank's process groups when they are gloo's (CPU): a local call, no
+    collective, so it returns when a peer is gone, and no gloo thread is left to the
+    interpreter's teardown. NCCL groups are left to torch's own exit path (destroying a
+    communicator whose peer died may block)."""
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
     except Exception:
         pass
