@@ -24,6 +24,7 @@ from fl_accel.mesh import AXES, FLLayout
 
 from bench.compact import CompactRuns, read_run  # noqa: F401  (read_run: re-exported for bench/ and tests)
 from bench.plan import LIMIT_SYNC_EVERY, NODES, RunSpec, runs_of, tokens_per_step
+from recipes.metrics import record_value
 
 MIB = 2**20
 
@@ -523,8 +524,9 @@ def fl_bytes(run: dict, spec: RunSpec) -> dict:
     train = train_records(run)
     last = train[-1] if train else {}
     per_sync = None
-    if n and steps and spec.sync_every and last.get("comm_sum/fl/bytes") is not None:
-        per_sync = last["comm_sum/fl/bytes"] / groups / n / (last["step"] / spec.sync_every)
+    fl_sum = record_value(last, "comm/all_ranks/fl/bytes")  # "comm_sum/fl/bytes" in runs before the key scheme
+    if n and steps and spec.sync_every and fl_sum is not None:
+        per_sync = fl_sum / groups / n / (last["step"] / spec.sync_every)
     total = ((run.get("comm_sum") or {}).get("fl") or {}).get("bytes")
     return {"per_sync": per_sync, "run": total / groups / n if total is not None and n else None}
 
@@ -678,7 +680,7 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
                          "tokens": run.get("train_tokens"), "tokens_per_step": run.get("tokens_per_step"),
                          "eval_loss": run.get("eval_loss"), "eval_perplexity": run.get("eval_perplexity"),
                          "evals": curve, "train": [{"step": r["step"], "tokens": r["tokens"], "loss": r["train/loss"],
-                                                    "lr": r.get("lr")} for r in train],
+                                                    "lr": record_value(r, "train/lr")} for r in train],
                          "train_seconds": run.get("train_seconds"), "tokens_per_s_loopback": run.get("tokens_per_s"),
                          "wall_seconds": run.get("wall_seconds"),
                          "background_cpu_share": (run.get("host") or {}).get("background_cpu_share"),

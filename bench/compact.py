@@ -10,7 +10,7 @@ and ``metrics.jsonl``. Instead:
   ``suite,run,step,tokens,time_s,metric,value``. A record's kind follows from the metric:
   ``eval/...`` metrics belong to the evaluation record of that step, the others to the
   training record. Kept: :data:`CURVE_METRICS` of every record, and the traffic counters
-  (``comm/<axis>/bytes`` and ``seconds``, ``comm_sum/fl/bytes``) of the last training record
+  (``comm/<axis>/bytes`` and ``seconds``, ``comm/all_ranks/fl/bytes``) of the last training record
   only (what :func:`bench.analysis.split_comm` and :func:`bench.analysis.fl_bytes` read).
   Values are written with ``repr``, so they read back bit for bit.
 
@@ -32,9 +32,10 @@ CURVE_COLUMNS = ("suite", "run", "step", "tokens", "time_s", "metric", "value")
 CURVE_METRICS = ("train/loss", "eval/loss", "eval/perplexity")
 """Metrics kept for every record."""
 LAST_TRAIN_METRICS = tuple(f"comm/{axis}/{fig}" for axis in ("fl", "dp_replicate", "dp_shard", "world")
-                           for fig in ("bytes", "seconds")) + ("comm_sum/fl/bytes",)
+                           for fig in ("bytes", "seconds")) + ("comm/all_ranks/fl/bytes", "comm_sum/fl/bytes")
 """Metrics kept for the last training record only: the traffic counters at the end of training
-(``comm``: the largest rank's; ``comm_sum``: over all ranks)."""
+(``comm``: the largest rank's; ``comm/all_ranks``, before the key scheme ``comm_sum``: over all
+ranks; recipes.metrics.RENAMED_KEYS)."""
 RUN_KEYS = ("algorithm", "world_size", "num_groups", "group_sizes", "replicas", "shards", "sync_every", "fl",
             "eval_perplexity", "eval_loss", "eval_tokens", "eval_scored", "train_tokens", "steps", "tokens_per_step",
             "tokens_per_s", "tokens_per_s_per_process", "startup_seconds", "train_seconds",

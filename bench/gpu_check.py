@@ -33,6 +33,8 @@ import subprocess
 import sys
 from typing import Any
 
+from recipes.metrics import record_value
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = [("none", False), ("full", False), ("none", True), ("full", True)]
 """(activation checkpointing, compile) of the four runs."""
@@ -89,11 +91,11 @@ def collect_run(run_dir: str, ac: str, compile_: bool, prediction: dict[str, flo
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as fh:
             records = [json.loads(line) for line in fh if line.strip()]
-        last = next((r for r in reversed(records) if "tokens_per_s" in r), {})
+        last = next((r for r in reversed(records) if record_value(r, "perf/tokens_per_s") is not None), {})
     peak = res.get("peak_accelerator_mb")
     row = {"activation_checkpointing": ac, "compile": compile_, "steps": res.get("steps"),
-           "tokens_per_s": last.get("tokens_per_s", res.get("tokens_per_s")),
-           "tokens_per_s_run": res.get("tokens_per_s"), "mfu": last.get("mfu", res.get("mfu")),
+           "tokens_per_s": record_value(last, "perf/tokens_per_s", res.get("tokens_per_s")),
+           "tokens_per_s_run": res.get("tokens_per_s"), "mfu": record_value(last, "perf/mfu", res.get("mfu")),
            "model_flops_per_token": res.get("model_flops_per_token"), "peak_accelerator_mb": peak,
            "predicted_mb": prediction, "train_loss": last.get("train/loss"), "eval_loss": res.get("eval_loss")}
     if peak and prediction:

@@ -57,7 +57,7 @@ class FLAccelerator(Accelerator):
         world = world_size_from_env()
         source = fl_config.source if isinstance(fl_config, ResolvedFLConfig) else fl_config
         self._heal_address = None  # torchft: FLConfig.heal_address as this node advertises it (fl_accel.ft_net)
-        if source.fault_tolerant:  # torchft installed, its Lighthouse named, heal_address ours: every rank, no group yet
+        if source.fault_tolerant:  # torchft, its Lighthouse, heal_address of this host: every rank, no group yet
             from .ft_net import lighthouse_addr, resolve_address
             lighthouse_addr(source)
             self._heal_address = resolve_address(source.heal_address)

@@ -12,20 +12,8 @@ internal, what relies on it, and a check it runs on the installed releases, fail
 message that names the internal if a release moves it). Nothing else in fl_accel reads a
 private attribute of another library (``tests/unit/test_compat.py`` greps for it).
 
-Why the FSDP2 sharding goes through Accelerate's private preparation rather than calling
-``fully_shard`` on the group's mesh directly: ``Accelerator.prepare`` also applies activation
-checkpointing and regional compilation in the order FSDP2 needs, re-points the optimizer at
-the sharded parameters, groups tied weights into one unit, and every later call of the user's
-script (``clip_grad_norm_``, ``no_sync``, ``get_state_dict``, ``save_model``, ``unwrap_model``)
-takes its FSDP2 branch only when the state says FSDP. Sharding ourselves would copy that
-preparation and still need the state written (:func:`set_fsdp_state`), so the one reach is
-the state, and Accelerate does the rest as it does for its own users.
-
-Public API used instead of an internal, where one exists: ``FSDPModule.reshard``,
-``set_requires_gradient_sync`` and ``DTensor.to_local``/``full_tensor``;
-``torch.distributed.checkpoint.state_dict`` (not FSDP's own state-dict hooks);
-``DeviceMesh.from_group`` (not a mesh built over private group names);
-``AcceleratedOptimizer.optimizer`` (a documented attribute).
+Why the FSDP2 sharding goes through Accelerate's private preparation (one reach: the state,
+:func:`set_fsdp_state`), and the public APIs used instead of internals: docs/api.md, "Versions".
 """
 
 from __future__ import annotations
@@ -87,10 +75,8 @@ def check_versions() -> None:
 def torchft_installed() -> tuple[str, str] | None:
     """``(distribution, version)`` of the installed torchft (``torchft`` or ``torchft-nightly``); None."""
     for dist in TORCHFT_TESTED:
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             return dist, _version(dist)
-        except PackageNotFoundError:
-            continue
     return None
 
 
@@ -100,18 +86,15 @@ def torchft_api(installed: tuple[str, str] | None = None) -> str | None:
     ``pg.reconfigure(ReconfigureOptions)`` with handles exchanged through the Lighthouse; a 0.3
     replica cannot talk to a 0.2 Lighthouse); None: no torchft, or neither API."""
     installed = torchft_installed() if installed is None else installed
-    if installed is None:
-        return None
-    if installed[0] == "torchft-nightly":
-        return "0.3"
+    if installed is None or installed[0] == "torchft-nightly":  # nightly builds carry 0.3's API
+        return None if installed is None else "0.3"
     return {(0, 2): "0.2", (0, 3): "0.3"}.get(_minor(installed[1]))
 
 
 def check_torchft_version() -> str:
     """The API of the installed torchft (:func:`torchft_api`), for ``fault_tolerance="torchft"``.
-
-    Another build than :data:`TORCHFT_TESTED` of a known API warns (``UserWarning``) and runs
-    its API's path. The Lighthouse must come from the same build (scripts/ft_launch.py starts it).
+    Another build than :data:`TORCHFT_TESTED` of a known API warns (``UserWarning``) and runs its
+    API's path; the Lighthouse must come from the same build (scripts/ft_launch.py starts it).
     ImportError: torchft is not installed, or has neither API (naming the tested builds)."""
     tested, installed = " or ".join(f"{d}=={v}" for d, v in TORCHFT_TESTED.items()), torchft_installed()
     if installed is None:
@@ -198,6 +181,23 @@ def accumulation_counter(acc) -> int:
 
 def set_accumulation_counter(acc, value: int) -> None:
     acc.step = value
+
+
+# ======================================================================== transformers (fl_accel.trainer)
+@contextlib.contextmanager
+def trainer_accelerator(factory):
+    """While entered, ``Trainer.create_accelerator_and_postprocess`` builds its accelerator with
+    ``factory(**args)``: its ``Accelerator(**args)`` looks up ``transformers.trainer.Accelerator``,
+    swapped meanwhile (Trainer has no parameter for the class; fl_accel.trainer overrides some of
+    Trainer's private methods too: tests/unit/test_compat.py's ``TRAINER_OVERRIDES`` checks them)."""
+    import transformers.trainer as module
+
+    original = module.Accelerator
+    module.Accelerator = factory
+    try:
+        yield
+    finally:
+        module.Accelerator = original
 
 
 # ======================================================================== torch
@@ -357,4 +357,3 @@ def streaming_load(f):
     from torch.distributed._serialization import _streaming_load
 
     return _streaming_load(f, weights_only=False)
-

@@ -174,9 +174,10 @@ class ManagedTransport:
         store_addr, store_port, transport._store = ft_net.attempt_store(group_rank, agree, timeout, heal_address)
         transport.checkpoint = HealTransport(timeout, heal_address)
         advertised = {"hostname": heal_address} if heal_address else {}  # torchft's default: socket.gethostname()
+        connect_s = ft_net.CONNECT_TIMEOUT_S  # a dead heal source's ManagerServer: given up on (fl_accel.ft_net)
         transport.manager = Manager(
             pg=pg, load_state_dict=on_heal, state_dict=save, min_replica_size=1, use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=min(timeout, timedelta(seconds=ft_net.CONNECT_TIMEOUT_S)),
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=min(timeout, timedelta(seconds=connect_s)),
             rank=group_rank, world_size=group_size, lighthouse_addr=lighthouse_addr, store_addr=store_addr,
             store_port=store_port, replica_id=f"fl_accel_group_{group_index}", init_sync=False,
             checkpoint_transport=transport.checkpoint, **advertised)
@@ -346,10 +347,11 @@ def managed_transport(acc, inside: MeshTransport, params: list) -> ManagedTransp
 
     transport = ManagedTransport.create(
         group_index=acc.group_index, group_rank=acc.process_index, group_size=acc.num_processes,
-        lighthouse_addr=ft_net.lighthouse_addr(acc.fl_config), timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
-        inside=inside, save=save, load=load,
+        lighthouse_addr=ft_net.lighthouse_addr(acc.fl_config), inside=inside, save=save, load=load,
+        timeout=timedelta(seconds=acc.fl_config.collective_timeout_s),
         init_checksum=None if any(p.is_meta for p in params) else shard_checksum(params, inside.device),
-        num_groups=acc.layout.num_groups, heal_address=acc._heal_address, rejoin_timeout_s=acc.fl_config.rejoin_timeout_s)
+        num_groups=acc.layout.num_groups, heal_address=acc._heal_address,
+        rejoin_timeout_s=acc.fl_config.rejoin_timeout_s)
     transport.meter = acc._comm_meter  # the exchange's traffic in the "fl" bucket
     return transport
 

@@ -104,8 +104,9 @@ def heal_lost_state(transport) -> None:
         if deadline is None:
             deadline = now + transport.rejoin_timeout_s
             logger.warning("fl_accel: federation group %d restarted without its state (its earlier session reached "
-                           "step %d); waiting up to %g s (FLConfig.rejoin_timeout_s) for a group that holds a committed "
-                           "state to heal from", transport.group_index, transport.lost_step, transport.rejoin_timeout_s)
+                           "step %d); waiting up to %g s (FLConfig.rejoin_timeout_s) for a group that holds a "
+                           "committed state to heal from", transport.group_index, transport.lost_step,
+                           transport.rejoin_timeout_s)
         if now >= deadline:
             raise StateLostError(
                 f"federation group {transport.group_index} restarted without its state (its earlier session reached "

@@ -116,8 +116,10 @@ class FLLayout:
         else:
             num_groups = config.num_groups if federated else 1
             if world_size % num_groups:
+                valid = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
                 raise ValueError(f"FLConfig.num_groups={num_groups} does not divide the world size {world_size}: "
-                                 f"equal federation groups need the same number of ranks (or set group_sizes)"
+                                 f"equal federation groups need the same number of ranks (valid for {world_size} "
+                                 f"ranks: {valid}; or set group_sizes)"
                                  + ("; a single process (no launcher) is one group: num_groups=1" if world_size == 1
                                     else ""))
             sizes = (world_size // num_groups,) * num_groups

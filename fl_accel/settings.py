@@ -43,6 +43,20 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+CHOICE_HINTS = {
+    ("algorithm", "diloco"): ": DiLoCo is a federated algorithm with the Nesterov outer optimizer: algorithm "
+                             "'fl_fsdp' (or 'fl_hsdp') with outer_optimizer='nesterov' (recipe: --outer_optimizer "
+                             "nesterov)",
+    ("algorithm", "fedavg"): ": FedAvg is algorithm 'fl_fsdp' (or 'fl_hsdp') with outer_optimizer='avg', the default",
+    ("algorithm", "localsgd"): ": local SGD with periodic averaging is algorithm 'fl_fsdp' with outer_optimizer='avg'",
+    ("algorithm", "ddp"): ": for plain data parallelism use 'fsdp' (the baseline; FSDP2 over every rank)",
+    ("outer_optimizer", "diloco"): ": DiLoCo's outer optimizer is 'nesterov'",
+    ("outer_optimizer", "sgd"): ": 'nesterov' is SGD with Nesterov momentum (outer_momentum=0 gives plain SGD)",
+}
+"""(field, refused value) -> the hint appended to the "must be one of" error: names users bring
+from papers and other libraries, mapped to this library's settings."""
+
+
 def check_type(label: str, value: Any, hint: Any) -> None:
     """ValueError ``"<label> must be ..."`` unless ``value`` fits ``hint``: Literal, ``X | None``,
     ``list[int]``, bool, int, float (int or float), str (bool is no number)."""
@@ -51,7 +65,8 @@ def check_type(label: str, value: Any, hint: Any) -> None:
         return
     if typing.get_origin(hint) is Literal:
         if value not in get_args(hint):
-            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}")
+            raise ValueError(f"{label} must be one of {list(get_args(hint))}, got {value!r}"
+                             + CHOICE_HINTS.get((label.rpartition(".")[2], str(value).lower()), ""))
         return
     if typing.get_origin(hint) is list:
         ok, what = isinstance(value, (list, tuple)) and all(

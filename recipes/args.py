@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from fl_accel.config import NOT_IDENTITY_FIELDS, FLConfig
 from fl_accel.mesh import world_size_from_env
-from fl_accel.settings import ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
+from fl_accel.settings import CHOICE_HINTS, ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
 
 
 class RecipeError(ValueError):
@@ -91,6 +91,10 @@ class RecipeArguments:
         "full: recompute each decoder layer's activations in the backward (non-reentrant, applied per layer "
         "before sharding by Accelerate); none: keep them. Unset: what the Accelerate config says "
         "(fsdp_activation_checkpointing, default none)"))
+    memory_check: Literal["refuse", "warn", "off"] = field(default="refuse", metadata=_help(
+        "on CUDA, before preparing the model: the memory model's verdict for this run against the smallest GPU "
+        "(python -m scripts.memory_model). refuse: stop a run that does not fit, naming the smallest fixes; warn: "
+        "print them and go on; off: no check"))
     compile: bool = field(default=False, metadata=_help(
         "torch.compile each decoder layer in place (regional compilation, inductor), after activation "
         "checkpointing and before sharding"))
@@ -116,8 +120,12 @@ class RecipeArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata=_help("'latest' or a step_N directory"))
     save_final_model: bool = field(default=True, metadata=_help(
         "export the final synchronized model with save_pretrained (safetensors + tokenizer) to <output_dir>/final_model"))
-    report_to: Literal["wandb", "none"] = field(default="wandb", metadata=_help(
-        "wandb (offline unless WANDB_MODE says otherwise) or none"))
+    report_to: Literal["wandb", "tensorboard", "all", "none"] = field(default="wandb", metadata=_help(
+        "wandb (offline unless WANDB_MODE says otherwise), tensorboard (<output_dir>/tensorboard), all (both) or "
+        "none; through Accelerate's trackers"))
+    baseline_tokens_per_s: float | None = field(default=None, metadata=_help(
+        "the baseline's tokens/s (e.g. the FSDP run's all_results.json tokens_per_s): each log record then has "
+        "perf/speedup_vs_baseline, all_results.json speedup_vs_baseline"))
     wandb_project: str = field(default="fl_accel", metadata=_help("W&B project"))
     experiment: str = field(default="shakespeare-tiny", metadata=_help(
         "W&B group: runs of one comparison share it"))
@@ -142,6 +150,8 @@ class RecipeArguments:
             raise RecipeError(f"--learning_rate must be > 0, got {self.learning_rate}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise RecipeError(f"--peak_tflops must be > 0, got {self.peak_tflops}")
+        if self.baseline_tokens_per_s is not None and not self.baseline_tokens_per_s > 0:
+            raise RecipeError(f"--baseline_tokens_per_s must be > 0, got {self.baseline_tokens_per_s}")
         if not 0 <= self.warmup_ratio < 1:
             raise RecipeError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 < self.validation_split_percentage < 100:
@@ -194,7 +204,9 @@ def build_parser(fl_cls=FLConfig, **kwargs):
 
     class _Parser(HfArgumentParser):
         def error(self, message):
-            raise RecipeError(f"{message} (python recipes/pretrain.py --help lists the options)")
+            choice = re.match(r"argument --(\w+): invalid choice: '([^']*)'", message)
+            hint = CHOICE_HINTS.get((choice.group(1), choice.group(2).lower()), "") if choice else ""
+            raise RecipeError(f"{message}{hint} (python recipes/pretrain.py --help lists the options)")
 
     # allow_abbrev=False: argparse would take --num_frag for --num_fragments without a word
     parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], allow_abbrev=False, **kwargs)

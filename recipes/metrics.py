@@ -31,6 +31,18 @@ One place owns every figure the recipe writes (``metrics.jsonl``, W&B, ``all_res
   ``train_seconds``): what a faster group loses to a slower one, the exchange excluded.
 * **Evaluations** record what they scored (``eval/scored``; :func:`scored`).
 
+**Keys** of a record (metrics.jsonl, W&B, TensorBoard), one prefix per kind: the axes
+``step``, ``tokens``, ``time_s`` (training seconds), ``wall_s`` (evaluations) and, in the
+torchft mode, ``unix_time``; ``train/`` (loss, lr, grad_norm), ``eval/`` (perplexity, loss,
+what was scored), ``perf/`` (tokens/s of the window since the previous record, step time,
+MFU, peak memory, ``speedup_vs_baseline`` with ``--baseline_tokens_per_s``), ``comm/``
+(``comm/<bucket>/<bytes|calls|seconds>`` cumulative for the busiest rank,
+``comm/<bucket>/mib_per_step`` since the previous record, ``comm/all_ranks/...`` summed over
+ranks) and ``fl/`` (the federation's: ``fl/sync_time_share``, ``fl/rounds/...``). Constants
+(FLOPs per token, the layout, every setting) are in the run's config, not in records.
+Records written before this scheme used other names (:data:`RENAMED_KEYS`);
+:func:`record_value` reads either.
+
 Every record's world figures are one sum over the world's ranks; :mod:`recipes.sync_log`
 decides when it is made (with several federation groups: at the next sync, not between).
 
@@ -49,6 +61,25 @@ from fractions import Fraction
 from typing import Any
 
 FIGURES = ("bytes", "calls", "seconds")
+RENAMED_KEYS = {"lr": "train/lr", "tokens_per_s": "perf/tokens_per_s",
+                "tokens_per_s_per_process": "perf/tokens_per_s_per_process", "step_time_s": "perf/step_time_s",
+                "mfu": "perf/mfu", "peak_host_mb": "perf/peak_host_mb", "peak_accelerator_mb": "perf/peak_accelerator_mb",
+                "sync_time_share": "fl/sync_time_share"}
+"""A record's key before the key scheme (module docstring) -> its key now; ``comm_sum/...`` is now
+``comm/all_ranks/...``, ``rounds/...`` ``fl/rounds/...``, ``counters/...`` ``perf/counters/...``."""
+_PREFIXES_BEFORE = (("comm/all_ranks/", "comm_sum/"), ("fl/rounds/", "rounds/"), ("perf/counters/", "counters/"))
+
+
+def record_value(record: dict, key: str, default: Any = None) -> Any:
+    """``record[key]`` under the key scheme's name, else under the name records had before it
+    (:data:`RENAMED_KEYS`: bench/results and older runs), else ``default``."""
+    if key in record:
+        return record[key]
+    old = next((o for o, n in RENAMED_KEYS.items() if n == key), None)
+    for new, before in _PREFIXES_BEFORE:
+        if key.startswith(new):
+            old = before + key[len(new):]
+    return record.get(old, default) if old is not None else default
 PER_RANK = 4  # host MiB, accelerator MiB, sync wait seconds, sync arrival seconds; then FIGURES per comm bucket
 
 
@@ -265,7 +296,8 @@ class Meter:
                       doc="This launch's layout, the accelerator's (torchft mode: this group's ranks).")
 
     def __init__(self, accelerator, clock: Clock, *, tokens_per_step: int, completed_steps: int,
-                 flops_per_token: float, peak_tflops: float | None, restored: dict):
+                 flops_per_token: float, peak_tflops: float | None, restored: dict,
+                 baseline_tokens_per_s: float | None = None):
         import torch
 
         self.accelerator, self.clock = accelerator, clock
@@ -283,6 +315,8 @@ class Meter:
         self.window_train_s = 0.0
         self.sync_wait_before = float(restored.get("rank_sync_wait_seconds", 0.0))
         self.sync_arrival_before = float(restored.get("rank_sync_arrival_seconds", 0.0))
+        self.baseline_tokens_per_s = baseline_tokens_per_s
+        self._comm_last: tuple[int, dict] = (completed_steps, {})  # this process's counters start at 0
 
     # ---------------------------------------------------------------- loop callbacks
     def micro_batch(self, loss) -> None:
@@ -400,19 +434,31 @@ class Meter:
 
         def record(summed) -> dict:
             head_sum, run = self.read_figures(summed, 1 + F_)
-            out = {**{k: now[k] for k in ("step", "tokens", "time_s")}, "train/loss": head_sum[0], "lr": now["lr"],
-                   "train/grad_norm": sum(head_sum[1:]) / F_,
+            out = {**{k: now[k] for k in ("step", "tokens", "time_s")}, "train/loss": head_sum[0],
+                   "train/lr": now["lr"], "train/grad_norm": sum(head_sum[1:]) / F_,
                    **{f"train/grad_norm_group{f}": head_sum[1 + f] for f in range(F_) if F_ > 1},
-                   "tokens_per_s": tps, "tokens_per_s_per_process": per_process, "step_time_s": step_time,
-                   "model_flops_per_token": self.flops_per_token, "mfu": self.mfu(per_process),
-                   "peak_host_mb": run["host_mb"], "peak_accelerator_mb": run["accelerator_mb"],
-                   "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
-                   **_flat("comm", run["comm"]), **_flat("comm_sum", run["comm_sum"])}
+                   "perf/tokens_per_s": tps, "perf/tokens_per_s_per_process": per_process,
+                   "perf/step_time_s": step_time, "perf/mfu": self.mfu(per_process),
+                   "perf/peak_host_mb": run["host_mb"], "perf/peak_accelerator_mb": run["accelerator_mb"],
+                   "fl/sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
+                   **_flat("comm", run["comm"]), **_flat("comm/all_ranks", run["comm_sum"]),
+                   **self._comm_per_step(run["comm"], now["step"])}
+            if tps and self.baseline_tokens_per_s:
+                out["perf/speedup_vs_baseline"] = tps / self.baseline_tokens_per_s
             if unix_time is not None:  # groups are separate launches: align them by the clock
                 out["unix_time"] = unix_time
             return out
 
         return buf, record
+
+    def _comm_per_step(self, comm: dict, step: int) -> dict:
+        """``comm/<bucket>/mib_per_step``: the busiest rank's MiB (2^20 bytes) on each bucket per
+        optimizer step since the previous record (records are made in step order)."""
+        steps = step - self._comm_last[0]
+        out = {f"comm/{bucket}/mib_per_step": (figs["bytes"] - self._comm_last[1].get(bucket, 0)) / steps / 2**20
+               for bucket, figs in comm.items()} if steps > 0 else {}
+        self._comm_last = (step, {bucket: figs["bytes"] for bucket, figs in comm.items()})
+        return out
 
     def _accumulation(self) -> int:
         return self.accelerator.gradient_accumulation_steps
@@ -451,7 +497,10 @@ class Meter:
                 "sync_time_share": run["sync_wait_seconds"] / train_s if train_s > 0 else None,
                 "sync_arrival_share_by_group": [a / train_s if train_s > 0 else None
                                                 for a in run["sync_arrival_by_group"]],
-                "comm": run["comm"], "comm_sum": run["comm_sum"], "comm_by_group": run["comm_by_group"]}
+                "comm": run["comm"], "comm_sum": run["comm_sum"], "comm_by_group": run["comm_by_group"],
+                **({"baseline_tokens_per_s": self.baseline_tokens_per_s,
+                    "speedup_vs_baseline": tps / self.baseline_tokens_per_s if tps else None}
+                   if self.baseline_tokens_per_s else {})}
 
 
 def _flat(prefix: str, comm: dict) -> dict:

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from recipes.metrics import record_value
+
 __all__ = ["Series", "style", "plot_run_curves", "plot_comparison", "plot_panels", "plot_bars"]
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -169,8 +171,8 @@ def plot_run_curves(records: Sequence[Mapping[str, Any]], path: str | os.PathLik
     _lines(a, [Series("train loss", [r["tokens"] for r in train], [r["train/loss"] for r in train],
                       {"marker": None})])
     _lines(b, _eval_series(records, "tokens"))
-    rate = [r for r in train if r.get("tokens_per_s")]
-    _lines(c, [Series("tokens/s", [r["tokens"] for r in rate], [r["tokens_per_s"] for r in rate])])
+    rate = [r for r in train if record_value(r, "perf/tokens_per_s")]
+    _lines(c, [Series("tokens/s", [r["tokens"] for r in rate], [record_value(r, "perf/tokens_per_s") for r in rate])])
     marks, label = sync_marks(records, sync_every, num_fragments)
     for ax in (a, b, c):
         for i, x in enumerate(marks):

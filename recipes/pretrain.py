@@ -74,14 +74,17 @@ except ModuleNotFoundError as exc:
                      "run `pip install -e .` in the repository root") from exc
 
 import fl_accel  # fl_accel.FLAccelerator is looked up when built (a unit test replaces it)
+from fl_accel.errors import record_for_launcher, release_process_groups, say_once
 from fl_accel.fsdp_model import fsdp2_plugin
 from fl_accel.ft_ends import StateLostError
 from fl_accel.lr_schedule import lr_multiplier
+from fl_accel.mesh import ranks_per_node
 from fl_accel.planning.flops import model_flops_per_token, peak_tflops
 from recipes import testing_hooks
 from recipes.banner import banner_lines
 from recipes.host_load import HostLoad
 from recipes.inputs import batches, build_data, data_record, repeat_note, steps_per_epoch, stream_note
+from recipes.memory_check import check_memory
 from recipes.metrics import SCORED, Clock, Meter, eval_figures, eval_totals, evaluate, fl_accel_origin, \
     launch_seconds, peak_host_mb, scored
 from recipes.modeling import build_model, build_optimizer, embedding_params, export_final_model, resolve_config
@@ -147,6 +150,17 @@ def plan_session(argv) -> tuple[RunPlan, HostLoad | None, float | None]:
     return plan, host, launched
 
 
+TRACKERS = {"none": None, "wandb": ["wandb"], "tensorboard": ["tensorboard"], "all": ["wandb", "tensorboard"]}
+"""``--report_to`` -> Accelerate's ``log_with``: its own trackers (W&B offline unless WANDB_MODE says
+otherwise; TensorBoard event files under ``<output_dir>/tensorboard``)."""
+
+
+def tracker_config(config: dict) -> dict:
+    """The run's config as every tracker takes it: TensorBoard's hyperparameters accept only
+    numbers, strings and booleans, so other values (lists, None, dicts) become their JSON text."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in config.items()}
+
+
 def build_accelerator(plan):
     """FLAccelerator with what the plan decided: mixed precision, the library's FSDP2 plugin
     (:func:`fl_accel.accelerator.fsdp2_plugin`: bf16 parameters and compute, gradients reduced
@@ -162,8 +176,9 @@ def build_accelerator(plan):
     accelerator = fl_accel.FLAccelerator(  # the plan's resolved config, owned by the accelerator from here on
         plan.resolved, gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=plan.mixed_precision,
-        log_with=None if args.report_to == "none" else args.report_to, fsdp_plugin=plugin,
-        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.output_dir),
+        log_with=TRACKERS[args.report_to], fsdp_plugin=plugin,  # TensorBoard: <output_dir>/tensorboard/<project>
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=os.path.join(args.output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed), **extra)
     return accelerator
 
@@ -196,11 +211,13 @@ def build_parts(plan: RunPlan, accelerator) -> Parts:
 
     Raises:
         RecipeError: a length the run's config refuses (:func:`recipes.run_folder.run_length_error`),
-            on every rank (each computes the same length).
+            on every rank (each computes the same length); on CUDA, a run the memory model says
+            does not fit (``--memory_check refuse``: :mod:`recipes.memory_check`).
     """
     args = plan.args
     data = build_data(args, accelerator)
     config, vocab_note = resolve_config(args.model, args.seq_len, len(data.tokenizer), args.resize_vocab)
+    check_memory(accelerator, args, config, plan.mixed_precision, plan.activation_checkpointing)  # CUDA: will it fit?
     set_seed(args.seed)  # right before the model: every rank (every group) builds the same weights
     model = build_model(config, args.init_device)
     n_params, n_embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
@@ -353,7 +370,8 @@ def start_run(plan: RunPlan, accelerator, parts: Parts, scheduler, figures: Figu
         completed_steps = accelerator.federation.step
     clock = Clock(plan.t0, restored)
     meter = Meter(accelerator, clock, tokens_per_step=figures.launch_tokens_per_step, completed_steps=completed_steps,
-                  flops_per_token=figures.flops_per_token, peak_tflops=figures.peak_tflops, restored=restored)
+                  flops_per_token=figures.flops_per_token, peak_tflops=figures.peak_tflops, restored=restored,
+                  baseline_tokens_per_s=args.baseline_tokens_per_s)
     run = Run(plan=plan, accelerator=accelerator, model=parts.model, optimizer=parts.optimizer, scheduler=scheduler,
               data=parts.data, meter=meter, eval_every=figures.eval_every, config=parts.config,
               wandb_id=restored.get("wandb_id"), steps_per_epoch=parts.steps_per_epoch, start_step=completed_steps)
@@ -564,13 +582,16 @@ class Run:
         args, acc, layout = self.args, self.accelerator, self.layout
         if args.report_to != "none":
             self.wandb_id = self.wandb_id or secrets.token_hex(4)  # the main process's is used (it owns the tracker)
-            run_config = {**dataclasses.asdict(args), **{f"fl/{k}": v for k, v in self.fl.to_dict().items()},
+            ignored = set(self.fl.ignored_fields())  # e.g. num_groups for the baselines: not what ran
+            run_config = {**dataclasses.asdict(args),
+                          **{f"fl/{k}": v for k, v in self.fl.to_dict().items() if k not in ignored},
+                          "fl/num_groups": layout.num_groups,  # the effective F (1 for the baselines)
                           "world_size": layout.world_size, "num_groups": layout.num_groups,
                           "group_sizes": list(layout.group_sizes), "shards": layout.shards,
-                          "max_steps": self.max_steps, **extra}
+                          "max_steps": self.max_steps, "model_flops_per_token": self.meter.flops_per_token, **extra}
             init_kwargs = {"wandb": {"group": args.experiment, "name": self.plan.run_name, "dir": args.output_dir,
                                      "tags": [self.fl.algorithm], "id": self.wandb_id, "resume": "allow"}}
-            acc.init_trackers(args.wandb_project, config=run_config, init_kwargs=init_kwargs)
+            acc.init_trackers(args.wandb_project, config=tracker_config(run_config), init_kwargs=init_kwargs)
         self.progress = tqdm(total=self.max_steps, initial=self.meter.completed_steps, unit="step",
                              disable=not acc.is_local_main_process, desc=self.plan.run_name, dynamic_ncols=True)
         self.sync_log = SyncLog(  # several groups in this launch's world: they meet only at syncs
@@ -597,7 +618,8 @@ class Run:
             if fed is not None:
                 rec.update(step=fed, group_step=rec["step"])
             self.log(rec)
-            self.sync_log.show(f"loss={rec['train/loss']:.3f}, tok_s={rec['tokens_per_s'] or 0:.0f}")
+            self.sync_log.show(f"loss={rec['train/loss']:.3f}, {rec['perf/tokens_per_s'] or 0:,.0f} tokens/s over the "
+                               f"last {self.args.log_every} steps")
 
         self.sync_log.add(self.meter.completed_steps if fed is None else fed, part, write)
 
@@ -707,6 +729,7 @@ def finish(run: Run, recorded: dict) -> dict:
     S_ = layout.shards
     return {
         "algorithm": fl.algorithm, "world_size": layout.world_size, "num_groups": layout.num_groups,
+        "nodes": -(-acc.num_processes // ranks_per_node(acc.num_processes)),  # this launch's (scripts.compare)
         "group_sizes": list(layout.group_sizes),
         "group_size": layout.group_size if layout.is_uniform else list(layout.group_sizes),
         "replicas": layout.replicas if layout.is_uniform else [g // S_ for g in layout.group_sizes], "shards": S_,
@@ -826,15 +849,15 @@ def write_results(run: Run, results: dict) -> None:
     curves = False
     if results.get("rounds") and args.report_to != "none":  # the round figures on the W&B run too
         r = results["rounds"]
-        acc.log({"rounds/num_rounds": r["num_rounds"], "rounds/tokens_per_s": r["tokens_per_s"] or 0.0,
-                 **{f"rounds/wait_share_group{f}": w for f, w in enumerate(r["wait_share"])},
-                 **{f"rounds/arrival_share_group{f}": a for f, a in
+        acc.log({"fl/rounds/num_rounds": r["num_rounds"], "fl/rounds/tokens_per_s": r["tokens_per_s"] or 0.0,
+                 **{f"fl/rounds/wait_share_group{f}": w for f, w in enumerate(r["wait_share"])},
+                 **{f"fl/rounds/arrival_share_group{f}": a for f, a in
                     enumerate(results.get("sync_arrival_share_by_group") or []) if a is not None},
-                 **{f"rounds/steps_group{f}": n for f, n in enumerate(r["group_steps"])}})
+                 **{f"fl/rounds/steps_group{f}": n for f, n in enumerate(r["group_steps"])}})
     counters = results["counters"]
     if args.report_to != "none":  # what the whole-run counters cover, on the W&B run too
-        acc.log({"counters/since_process_start": int(counters["since"] == "this process's start"),
-                 "counters/steps_counted": counters["steps_counted"]})
+        acc.log({"perf/counters/since_process_start": int(counters["since"] == "this process's start"),
+                 "perf/counters/steps_counted": counters["steps_counted"]})
     if acc.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
@@ -859,13 +882,16 @@ def write_results(run: Run, results: dict) -> None:
         wandb_dir = os.path.join(args.output_dir, "wandb")
         mfu = results["mfu"]
         print(f"[fl_accel] done: eval perplexity {results['eval_perplexity']:.2f} (loss {results['eval_loss']:.4f}) "
-              f"after {results['steps']} steps, {results['tokens_per_s'] or 0:.0f} tokens/s"
+              f"after {results['steps']} steps, {results['tokens_per_s'] or 0:,.0f} tokens/s (the whole run's tokens over "
+              f"its training time; the progress bar shows the last window's)"
               + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "") + "\n"
               f"[fl_accel] results: {os.path.join(args.output_dir, 'all_results.json')}, metrics.jsonl"
               + (", curves.png" if curves else "")
               + (", final_model/" if args.save_final_model else "")
               + (f"\n[fl_accel] W&B offline run under {wandb_dir} (upload: wandb sync {wandb_dir}/offline-run-*)"
-                 if args.report_to == "wandb" else "") + arrival_line(results, fl.is_federated)
+                 if args.report_to in ("wandb", "all") else "")
+              + (f"\n[fl_accel] TensorBoard: tensorboard --logdir {os.path.join(args.output_dir, 'tensorboard')}"
+                 if args.report_to in ("tensorboard", "all") else "") + arrival_line(results, fl.is_federated)
               + rounds_line(results.get("rounds")) + counters_line(counters))
 
 
@@ -966,20 +992,6 @@ def _one_line_warnings() -> None:
     warnings.formatwarning = fmt
 
 
-def _record_for_launcher(message: str) -> None:
-    """Hand the one-line error to torchrun's failure summary (its "Root Cause" box, printed
-    last), through the error file torchelastic gives each worker (TORCHELASTIC_ERROR_FILE)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                    "timestamp": str(int(time.time()))}}}, fh)
-    except OSError:
-        pass
-
-
 def _timeout_text() -> str:
     """How the collective timeout was set (``FLConfig.collective_timeout_s``)."""
     env = os.environ.get("FL_ACCEL_COLLECTIVE_TIMEOUT_S")
@@ -1014,20 +1026,25 @@ def cli(argv=None) -> int:
         main(argv)
     except ValueError as exc:  # RecipeError, DataError, CheckpointError, FLConfig errors
         message = f"[fl_accel] error (rank {rank}): {exc}"
-        _say(message)
-        _record_for_launcher(message)
+        _STOPPING.append("error")  # the launcher's SIGTERM that follows adds no line
+        say_once(message, key=str(exc))  # once per node and message (every rank refuses alike)
+        record_for_launcher(message)  # torchrun's Root Cause box shows it
+        release_process_groups()
         return 2
     except StateLostError as exc:  # torchft: restarted without a state, and no group holds one
         message = f"[fl_accel] error (rank {rank}): {exc}"
-        _say(message)
-        _record_for_launcher(message)
+        _STOPPING.append("error")
+        say_once(message, key=str(exc))  # every rank of the group raises it alike
+        record_for_launcher(message)
+        release_process_groups()
         return 1
     except RuntimeError as exc:
         if classify_failure(exc) == "collective":
             message = (f"[fl_accel] error (rank {rank}): a collective failed; a peer rank died or hung (collective "
                        f"timeout {_timeout_text()}): {str(exc)[:500]}")
+            _STOPPING.append("error")
             _say(message)
-            _record_for_launcher(message)
+            record_for_launcher(message)
             return 1
         raise
     return 0

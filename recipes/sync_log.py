@@ -104,13 +104,13 @@ class SyncLog:
         self.flush(arriving=federation.arriving)
 
     def show(self, figures: str) -> None:
-        """``figures`` (e.g. "loss=3.210, tok_s=1234") are the last written record's: on the bar."""
+        """``figures`` (e.g. "loss=3.210, 1,234 tokens/s over the last 5 steps") are the last written record's: on the bar."""
         self.shown = figures
         self._show()
 
     def status(self) -> str:
         """The bar's postfix: the last figures, then which steps wait and for what, e.g.
-        "loss=3.210, tok_s=1234; steps 9-11 wait for the sync at step 12"."""
+        "loss=3.210, 1,234 tokens/s over the last 5 steps; steps 9-11 wait for the sync at step 12"."""
         text = self.shown
         if self.waiting:
             steps = sorted({w.step for w in self.waiting})

@@ -36,13 +36,13 @@ def report(share: float | None, cpus: int | None, seconds: float, *, job: str, e
         prefix: put in front of the line ("[test] ").
     """
     if share is None:
-        return (f"{prefix}note: could not measure the machine's load (psutil is missing); {job} takes {expect} "
-                f"when nothing else runs")
+        return (f"{prefix}note: could not measure the machine's load (psutil is missing); expected time of {job}: "
+                f"{expect} when nothing else runs")
     busy = f"other processes keep {100 * share:.0f}% of the {cpus} CPUs busy (measured over {seconds:.0f} s)"
     if share > BACKGROUND_LIMIT:
         return (f"{prefix}warning: {busy}: {job} will take longer than {expect}, a time that assumes idle cores, "
                 f"and the timings it measures are not its own")
-    return f"{prefix}{busy}: {job} takes {expect} (a time that assumes idle cores)"
+    return f"{prefix}{busy}: expected time of {job}: {expect} (a time that assumes idle cores)"
 
 
 def measure(seconds: float) -> tuple[float | None, int | None]:

@@ -57,7 +57,7 @@ MIB = 2**20
 
 NAME_FLAGS = ("run_name", "experiment", "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
               "preprocessing_num_workers", "report_to", "wandb_project", "log_every", "checkpoint_every",
-              "checkpoints_total_limit", "save_final_model", "peak_tflops")
+              "checkpoints_total_limit", "save_final_model", "peak_tflops", "memory_check", "baseline_tokens_per_s")
 """Recipe flags (``args`` in all_results.json) that name a run, choose its folders, trackers,
 logging and checkpoint cadence or the peak for MFU: they do not change what trains."""
 LAYOUT_FIELDS = ("algorithm", "num_groups", "group_sizes", "hsdp_shard_size")
@@ -265,8 +265,9 @@ def verdict(runs: list[dict], base: dict) -> list[str]:
         tps, ref_tps = r.get("tokens_per_s"), ref.get("tokens_per_s")
         line = f"{a} ran at {_num(tps, ',.0f')} tokens/s vs {b} {_num(ref_tps, ',.0f')}"
         if tps and ref_tps:
-            line += f" ({tps / ref_tps:.2f}x)"
-        line += "."
+            line += f" ({tps / ref_tps:.2f}x). " + noise_note(r, ref)
+        else:
+            line += "."
         p, q = r.get("eval_perplexity"), ref.get("eval_perplexity")
         if p is not None and q is not None:
             if r.get("train_tokens") == ref.get("train_tokens"):
@@ -295,6 +296,21 @@ def verdict(runs: list[dict], base: dict) -> list[str]:
     else:
         out.append(f"Background CPU load stayed under {100 * BACKGROUND_LIMIT:.0f}% in every run.")
     return out
+
+
+NOISE = 0.05
+"""Throughput differences between repeats of one setup on the project's shared CPU machines
+reach about this share (docs/results.md, e.g. the torchft pairs: -5.4% to +5.3%)."""
+
+
+def noise_note(run: dict, ref: dict) -> str:
+    """The caveat after a throughput ratio of single runs: run-to-run variation, and, when both
+    ran on one machine (``nodes`` 1 in all_results.json), that every link was loopback."""
+    variation = f"one run each, and repeats of one setup differ by up to about {NOISE:.0%} in tokens/s"
+    if run.get("nodes") == 1 and ref.get("nodes") == 1:
+        return (f"On one machine every link is loopback: the ratio shows the mechanics' cost, not the speedup across "
+                f"slow links between nodes (bench/README.md measures that); {variation}.")
+    return f"Caveat: {variation}."
 
 
 def layout_key(run: dict) -> tuple | None:
@@ -406,9 +422,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("root", help="folder holding one sub-folder per run (outputs/<experiment>)")
     ap.add_argument("--baseline", default=None, help="run name or algorithm used as the speedup reference")
     ap.add_argument("--no-plot", action="store_true", help="skip comparison.png")
+    ap.add_argument("--tokens-per-s", metavar="RUN", default=None,
+                    help="print only the tokens/s of RUN (a run name or algorithm, e.g. fsdp) and exit: what the "
+                         "quickstart passes as the next run's --baseline_tokens_per_s")
     args = ap.parse_args(argv)
     try:
         runs = load_runs(args.root)
+        if args.tokens_per_s is not None:
+            tps = choose_baseline(runs, args.tokens_per_s).get("tokens_per_s")
+            if not tps:
+                raise CompareError(f"{args.tokens_per_s}: no tokens_per_s in its all_results.json")
+            print(f"{tps:.6g}")
+            return 0
         base = choose_baseline(runs, args.baseline)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)

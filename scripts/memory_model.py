@@ -10,9 +10,14 @@ bf16 parameters and fp32 reduce, AdamW, FedAvg) on an A100-64GB::
     python -m scripts.memory_model --activation-checkpointing full --outer-optimizer nesterov --outer-state-device cpu
     python -m scripts.memory_model --model llama3.2-1b --world-size 1 --group-size 1 --gpu-memory-gib 141 --json
 
-Verdict: "fits" when the peak is at most the GPU's memory less ``--headroom`` (default
-ALLOCATOR_HEADROOM, for the caching allocator), "tight" when it fits
-only without that headroom, else "does not fit".
+Verdict (:func:`fl_accel.planning.memory.verdict`): "does not fit" when the peak exceeds the
+GPU's memory less ``--headroom`` (default ALLOCATOR_HEADROOM, for the caching allocator);
+"tight" when it fits with a margin under TIGHT_MARGIN of the GPU's memory; else "fits". When
+it does not fit the command names the smallest changes that make it fit (activation
+checkpointing, the outer state on the host, a smaller micro-batch with more accumulation,
+larger groups or shards: :func:`fl_accel.planning.memory.smallest_fixes`), as flags of this
+command, and exits with status 1; 0 otherwise (``--matrix``: always 0, it surveys options);
+2 with one ``error:`` line for bad input.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any, Sequence
 
 from fl_accel.planning.cost import _int
 from fl_accel.mesh import FLLayout
-from fl_accel.planning.memory import ALLOCATOR_HEADROOM, estimate
+from fl_accel.planning.memory import ALLOCATOR_HEADROOM, TIGHT_MARGIN, estimate, smallest_fixes
+from fl_accel.planning.memory import verdict as _verdict
 from fl_accel.planning.units import LLAMA_3_1_8B
 from scripts.cli import fail
 
@@ -55,11 +61,19 @@ def model_config(name: str | None) -> tuple[Any, str]:
 
 
 def verdict(total: float, gpu_bytes: float, headroom: float) -> str:
-    """"fits" (``total`` bytes <= ``gpu_bytes`` x (1 - ``headroom``)), "tight" (fits only
-    without the headroom) or "does not fit"."""
-    if total <= gpu_bytes * (1 - headroom):
-        return "fits"
-    return "tight" if total <= gpu_bytes else "does not fit"
+    """:func:`fl_accel.planning.memory.verdict`: "fits", "tight" or "does not fit"."""
+    return _verdict(total, gpu_bytes, headroom)
+
+
+FLAGS = {"activation_checkpointing": "--activation-checkpointing", "outer_state_device": "--outer-state-device",
+         "micro_batch": "--micro-batch", "gradient_accumulation_steps": "--gradient-accumulation-steps",
+         "group_size": "--group-size", "shards": "--shard-size"}
+"""The flag of this command for each setting a :class:`~fl_accel.planning.memory.MemoryFix` changes."""
+
+
+def fix_text(changes: dict, flags: dict = FLAGS) -> str:
+    """``--activation-checkpointing full --group-size 8``: a fix as flags."""
+    return " ".join(f"{flags[k]} {v}" for k, v in changes.items())
 
 
 def layout_of(world: int, group: int, shards: int | None) -> FLLayout:
@@ -147,10 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         fail(exc)
     answer = verdict(est.total, gpu, a.headroom)
+    fixes = []
+    if answer == "does not fit":
+        fixes = smallest_fixes(config, gpu, a.headroom, layout=layout, activation_checkpointing=a.activation_checkpointing,
+                               outer_optimizer=a.outer_optimizer, outer_state_device=a.outer_state_device, **kw)
+    status = 1 if answer == "does not fit" else 0
     if a.json:
         print(json.dumps({"model": name, "layout": layout.as_dict(), **est.as_dict(), "gpu_memory_bytes": gpu,
-                          "headroom": a.headroom, "verdict": answer}, indent=1))
-        return 0
+                          "headroom": a.headroom, "verdict": answer,
+                          "fixes": [{"changes": f.changes, "flags": fix_text(f.changes), "total": f.total,
+                                     "verdict": f.verdict} for f in fixes]}, indent=1))
+        return status
     print(f"{name}, {layout.describe()}, micro-batch {a.micro_batch} x {a.seq_len}, {a.param_dtype} "
           f"(reduce {a.reduce_dtype}), checkpointing {a.activation_checkpointing}, outer {a.outer_optimizer} "
           f"(state: {a.outer_state_device}), AdamW {a.optimizer}; GiB per rank at each moment:\n")
@@ -158,7 +179,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     usable = gpu * (1 - a.headroom)
     print(f"\npeak {est.total / GIB:.1f} GiB ({est.peak_phase}); {a.gpu_memory_gib:g} GiB GPU, {a.headroom:.0%} "
           f"headroom -> {usable / GIB:.1f} GiB usable: {answer} (margin {(usable - est.total) / GIB:+.1f} GiB)")
-    return 0
+    if answer == "tight":
+        print(f"tight: less than {TIGHT_MARGIN:.0%} of the GPU left beyond the headroom; the model's activations are "
+              f"an estimate (+-30% at 8B): a run may still run out of memory")
+    if fixes:
+        print("fits with (the smallest changes found; each line alone):")
+        for f in fixes[:4]:
+            print(f"  {fix_text(f.changes)}: peak {f.total / GIB:.1f} GiB ({f.verdict})")
+    elif answer == "does not fit":
+        print("no single change tried makes it fit (activation checkpointing, the outer state on the host, a smaller "
+              "micro-batch, larger groups or shards, and their combinations): a larger GPU or a smaller model")
+    return status
 
 
 if __name__ == "__main__":

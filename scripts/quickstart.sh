@@ -36,12 +36,17 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 python -m scripts.busy --prefix "[quickstart] " --job "the two runs" --expect "2 to 5 minutes on 2 CPU cores"
 EXP=${EXP:-quickstart-$(date +%Y%m%d-%H%M%S)}
 # accelerate launch through scripts.launch_guard: a bad input ends with the recipe's one-line error,
-# not with torchrun's failure summary (python -m scripts.launch_guard -h)
-for algorithm in fl_fsdp fsdp; do
+# not with torchrun's failure summary (python -m scripts.launch_guard -h). The FSDP baseline first:
+# its tokens/s is then the FL+FSDP run's --baseline_tokens_per_s (perf/speedup_vs_baseline on W&B).
+baseline=()
+for algorithm in fsdp fl_fsdp; do
   python -m scripts.launch_guard accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/pretrain.py \
-    --config recipes/configs/cpu_fl_fsdp.yaml --algorithm "$algorithm" --experiment "$EXP" "$@"
+    --config recipes/configs/cpu_fl_fsdp.yaml --algorithm "$algorithm" --experiment "$EXP" ${baseline[@]+"${baseline[@]}"} "$@"
+  if [ "$algorithm" = fsdp ] && tps="$(python -m scripts.compare "outputs/$EXP" --tokens-per-s fsdp 2>/dev/null)"; then
+    baseline=(--baseline_tokens_per_s "$tps")
+  fi
 done
 # compare.py prints the table and a verdict computed from the two runs' figures (throughput
-# ratio, perplexity, bytes per step, background CPU load).
+# ratio with its caveats, perplexity, bytes per step, background CPU load).
 python -m scripts.compare "outputs/$EXP"
 echo "On one machine every link is loopback; for FL+FSDP on slow inter-node links see bench/README.md."

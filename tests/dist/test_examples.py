@@ -5,6 +5,12 @@
   accumulation. It trains (finite loss, below a uniform guess), syncs twice, carries
   traffic on the "fl" axis, and after the final sync every shard is equal across the
   groups.
+* examples/trainer.py (the README's Trainer swap): FLTrainer trains 8 steps, checkpoints at
+  multiples of H with model files, and exports a model ``from_pretrained`` loads.
+* examples/run_clm_no_trainer.py (the canonical Accelerate script, swapped): trains, checkpoints
+  mid-round, and a resumed launch ends with the same evaluation and model, bitwise.
+* examples/slurm_multinode.sh: its srun/torchrun line (c10d rendezvous, through
+  scripts.launch_guard) run for real as a one-node job under stand-ins for srun and scontrol.
 * examples/torchft_two_groups.sh (the torchft how-to): a Lighthouse and two torchruns
   through ``python -m scripts.ft_launch``, each running examples/train_loop.py in the
   fault-tolerant mode. Both groups finish their steps, each sync is a quorum of both, and
@@ -23,7 +29,10 @@ import subprocess
 
 import pytest
 
+import torch
+
 from _launch import REPO_ROOT, launch_env, run_torchrun
+from dist.test_drop_in import inputs  # noqa: F401  (a fixture: local text files)
 
 EXAMPLE = REPO_ROOT / "examples" / "train_loop.py"
 RESULT = re.compile(r"^\[train_loop\] result (\{.*\})$", re.M)
@@ -78,3 +87,81 @@ def test_torchft_example_runs_two_groups_to_the_end(tmp_path):
         assert [(s["group"], s["shard"]) for s in r["shards"]] == [(f, 0)], r["shards"]  # each launch is one group
     checksums = [{s["shard"]: s["checksum"] for s in results[f]["shards"]} for f in (0, 1)]
     assert checksums[0] == checksums[1], checksums  # equal after the final sync
+
+
+def test_trainer_example_trains_checkpoints_and_exports_the_federated_model(tmp_path):
+    """examples/trainer.py (the README's Trainer swap): FLTrainer with 2 groups of 2, H=4, 8
+    steps, a checkpoint every 4 (multiples of H: model files too), evaluate() and save_model."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    res = run_torchrun(4, REPO_ROOT / "examples" / "trainer.py", "--num_groups", "2", "--sync_every", "4",
+                       "--max_steps", "8", "--save_steps", "4", "--output_dir", str(out), timeout=300)
+    assert res.returncode == 0, res.tail()
+    [line] = re.findall(r"^\[trainer\] result (\{.*\})$", res.stdout, re.M)
+    result = json.loads(line)
+    assert (result["trainer"], result["num_groups"], result["world_size"]) == ("FLTrainer", 2, 4), result
+    assert result["steps"] == 8 and result["num_syncs"] == 2 and result["eval_loss"] < math.log(256), result
+    for step in (4, 8):
+        assert (out / f"checkpoint-{step}" / "model.safetensors").is_file()
+        assert (out / f"checkpoint-{step}" / "fl_state" / "fl_accel_checkpoint.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.num_hidden_layers == 2
+
+
+def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_path, inputs):  # noqa: F811
+    """examples/run_clm_no_trainer.py (the canonical Accelerate script with the one-line swap), on
+    local text files with its own BPE: 6 steps, H=4 (FL_ACCEL_SYNC_EVERY), a checkpoint at step 3
+    (mid-round); a second launch resumes from it and ends with the same evaluation and model."""
+    from safetensors.torch import load_file
+
+    files = inputs[:4]  # --train_file, --validation_file
+    args = [*files, "--vocab_size", "300", "--block_size", "32", "--max_train_steps", "6", "--checkpointing_steps",
+            "3"]
+    script = REPO_ROOT / "examples" / "run_clm_no_trainer.py"
+    env = {"FL_ACCEL_SYNC_EVERY": "4"}
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = run_torchrun(4, script, *args, "--output_dir", str(a), timeout=300, env=env)
+    assert res.returncode == 0, res.tail()
+    straight = json.loads((a / "all_results.json").read_text())
+    assert straight["steps"] == 6 and straight["syncs"] == 2 and straight["perplexity"] < 300, straight
+    (b / "step_3").parent.mkdir()
+    import shutil
+
+    shutil.copytree(a / "step_3", b / "step_3")
+    shutil.copytree(a / "tokenizer", b / "tokenizer")
+    res = run_torchrun(4, script, *args, "--output_dir", str(b), "--resume_from_checkpoint", str(b / "step_3"),
+                       timeout=300, env=env)
+    assert res.returncode == 0, res.tail()
+    assert json.loads((b / "all_results.json").read_text()) == straight
+    x, y = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_slurm_example_launches_one_torchrun_per_node(tmp_path):
+    """examples/slurm_multinode.sh under stand-ins for ``srun`` (runs the command once, as node
+    0 of a one-node job) and ``scontrol`` (prints localhost): the real torchrun with its c10d
+    rendezvous, through scripts.launch_guard, runs examples/train_loop.py as 2 federation groups
+    of one CPU process (NUM_GROUPS=2, GPUS_PER_NODE=2: each real torchrun rank imports torch,
+    transformers and fl_accel, about 10 CPU-s)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    from scripts.launch import free_port
+
+    env = launch_env({"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NNODES": "1",
+                      "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "pytest", "NUM_GROUPS": "2",
+                      "GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port())})
+    proc = subprocess.run(["bash", str(REPO_ROOT / "examples" / "slurm_multinode.sh"), "examples/train_loop.py",
+                           "--max_steps", "4", "--sync_every", "2", "--log_every", "2"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "[slurm] 1 nodes x 2 GPUs, 2 federation groups, rendezvous localhost:" in proc.stdout
+    [result] = _results(proc.stdout)
+    assert result["num_groups"] == 2 and result["steps"] == 4 and result["num_syncs"] == 2, result
+    assert result["groups_identical"] is True

@@ -55,6 +55,22 @@ def test_recipe_on_one_gpu_in_bf16(tmp_path):
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
+def test_recipe_refuses_a_model_that_cannot_fit_before_building_it(tmp_path):
+    """Llama-3.1-8B's shape (the tokenizer's vocabulary) on one GPU, unsharded: about 100 GiB of
+    parameters, gradients and AdamW state: the memory check (recipes/memory_check.py, the GPU's
+    own memory through an NCCL all-reduce) stops the run with its one line before the model is
+    built, naming the memory model's verdict; ``--memory_check off`` skips it (not run here)."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, str(REPO_ROOT / "recipes" / "pretrain.py"), "--algorithm", "fsdp", "--model",
+            "llama3.1-8b", "--resize_vocab", "--max_steps", "1", "--seq_len", "256", "--report_to", "none",
+            "--mixed_precision", "bf16", "--output_dir", str(tmp_path / "run"), "--cache_dir", str(tmp_path / "cache")]
+    proc = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "does not fit" in proc.stderr and "--memory_check warn runs anyway" in proc.stderr, proc.stderr[-4000:]
+
+
 def test_outer_state_device_cpu_keeps_the_outer_state_in_pinned_host_memory(tmp_path):
     """One GPU, a 1-process NCCL group (F=1 on the world group: the "fl" collectives still
     run), the synchronizer's outer step driven through four fragment syncs, each launched,

@@ -63,9 +63,13 @@ CASES = {
     "negative_groups": (lambda t: ["--num_groups", "-2"], "FLConfig.num_groups must be >= 1"),
     "zero_sync_every": (lambda t: ["--sync_every", "0"], "FLConfig.sync_every must be >= 1"),
     "unknown_algorithm": (lambda t: _yaml(t, "fl:\n  algorithm: fedprox\n"), "FLConfig.algorithm must be one of"),
+    "algorithm_diloco": (lambda t: ["--algorithm", "diloco"], "with outer_optimizer='nesterov' (recipe: "
+                                                              "--outer_optimizer nesterov)"),
     "unknown_outer_optimizer": (lambda t: _yaml(t, "fl:\n  outer_optimizer: adam\n"),
                                 "FLConfig.outer_optimizer must be one of"),
-    "world_not_divisible": (lambda t: ["--num_groups", "3"], "num_groups=3 does not divide the world size 2"),
+    "world_not_divisible": (lambda t: ["--num_groups", "3"], "num_groups=3 does not divide the world size 2: "
+                                                             "equal federation groups need the same number of ranks "
+                                                             "(valid for 2 ranks: 1, 2;"),
     "group_sizes_sum": (lambda t: ["--group_sizes", "1,2"], "--group_sizes 1,2 sums to 3 ranks, but 2 were launched"),
     "shard_not_dividing_group": (lambda t: ["--algorithm", "fl_hsdp", "--num_groups", "1", "--hsdp_shard_size", "3"],
                                  "hsdp_shard_size=3 does not divide the group size 2"),
@@ -118,8 +122,9 @@ def assert_every_rank_failed(result, expected: str) -> None:
 
 
 def test_launched_bad_input_is_one_line_and_torchruns_root_cause(tmp_path):
-    """What a user sees from torchrun: the one-line error from the ranks, repeated last in the
-    launcher's "Root Cause" box, no checkpoint."""
+    """What a user sees from torchrun: the one-line error, printed once (every rank refuses it,
+    the first to get there on the node prints it: fl_accel.errors.say_once), no traceback of a
+    rank, and the line again last in the launcher's "Root Cause" box; no checkpoint."""
     out_dir = tmp_path / "out"
     result = run_torchrun(NPROC, RECIPE, "--report_to", "none", "--output_dir", str(out_dir), "--checkpoint_every",
                           "1", *_yaml(tmp_path, "max_step: 3\nlr: 0.1\n"), timeout=120,
@@ -127,6 +132,9 @@ def test_launched_bad_input_is_one_line_and_torchruns_root_cause(tmp_path):
     assert not result.timed_out and result.returncode != 0, result.tail()
     assert_every_rank_failed(result, "2 bad keys in --config")
     assert "did you mean 'max_steps'?" in result.stderr and "did you mean 'learning_rate'?" in result.stderr
+    printed = [line for line in result.stderr.splitlines() if line.startswith("[fl_accel] error (rank ")]
+    assert len(printed) == 1, result.tail()
+    assert result.stderr.count("Traceback (most recent call last)") == 1, result.tail()  # torchrun's own only
     assert not (out_dir / "checkpoints").exists()
 
 

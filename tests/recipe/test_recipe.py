@@ -26,6 +26,9 @@ COMMON = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--ma
           "--sync_every", "3", "--num_groups", "2", "--hsdp_shard_size", "2", "--experiment", "pytest",
           "--peak_tflops", "0.5"]
 PEAK_TFLOPS = 0.5
+BASELINE_TOKENS_PER_S = 250.0
+AXES_KEYS = {"step", "tokens", "time_s", "wall_s", "unix_time", "group_step"}
+PREFIXES = ("train/", "eval/", "perf/", "comm/", "fl/")
 
 
 def launch(args: list[str], launcher: str | None = None):
@@ -64,6 +67,10 @@ def runs(tmp_path_factory, data_cache):
             out = str(tmp_path_factory.mktemp(f"run_{algorithm}"))
             extra = ["--algorithm", "fl_fsdp", "--num_groups", "1"] if algorithm == "fl_fsdp_f1" else \
                 ["--algorithm", algorithm]
+            if algorithm in ("fl_fsdp", "fsdp"):  # W&B and TensorBoard (the other runs: W&B, the default)
+                extra += ["--report_to", "all"]
+            if algorithm == "fl_fsdp":
+                extra += ["--baseline_tokens_per_s", str(BASELINE_TOKENS_PER_S)]
             proc = launch([*COMMON, *extra, "--output_dir", out, "--cache_dir", data_cache])
             done[algorithm] = (out, proc)
         return done[algorithm]
@@ -136,9 +143,65 @@ def test_results_record_what_ran_time_memory_and_mfu(runs):
                                      rel=1e-9)
     assert r["tokens_per_s_per_process"] == pytest.approx(r["tokens_per_s"] / 4)
     for rec in (x for x in read_metrics(os.path.join(out, "metrics.jsonl")) if "train/loss" in x):
-        assert rec["mfu"] == pytest.approx(rec["model_flops_per_token"] * rec["tokens_per_s_per_process"]
-                                           / (PEAK_TFLOPS * 1e12), rel=1e-9)
-        assert rec["peak_host_mb"] > 0 and rec["peak_accelerator_mb"] is None and "sync_time_share" in rec
+        assert rec["perf/mfu"] == pytest.approx(r["model_flops_per_token"] * rec["perf/tokens_per_s_per_process"]
+                                                / (PEAK_TFLOPS * 1e12), rel=1e-9)
+        assert rec["perf/peak_host_mb"] > 0 and rec["perf/peak_accelerator_mb"] is None
+        assert "fl/sync_time_share" in rec
+
+
+@on("fl_fsdp")
+def test_dashboard_keys_follow_one_scheme_in_metrics_wandb_and_tensorboard(runs):
+    """Every record key is an axis (step, tokens, ...) or under train/, eval/, perf/, comm/, fl/;
+    constants (FLOPs per token) are in the run config only; comm/<axis>/mib_per_step is the
+    busiest rank's bytes since the previous record per step; perf/speedup_vs_baseline is the
+    window's tokens/s over --baseline_tokens_per_s; TensorBoard (--report_to all) got the same
+    scalars, and the run config with the effective num_groups."""
+    import glob
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, proc = runs("fl_fsdp")
+    assert proc.returncode == 0, proc.tail()
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    stray = {k for r in records for k in r if k not in AXES_KEYS and not k.startswith(PREFIXES)}
+    assert not stray, stray
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all("model_flops_per_token" not in r for r in train)
+    for before, now in zip(train, train[1:]):
+        for axis in ("fl", "dp_shard"):
+            delta = (now[f"comm/{axis}/bytes"] - before[f"comm/{axis}/bytes"]) / (now["step"] - before["step"])
+            assert now[f"comm/{axis}/mib_per_step"] == pytest.approx(delta / 2**20, rel=1e-12, abs=1e-12)
+        assert now["perf/speedup_vs_baseline"] == pytest.approx(now["perf/tokens_per_s"] / BASELINE_TOKENS_PER_S)
+    assert train[2]["comm/fl/mib_per_step"] > 0 == train[1]["comm/fl/mib_per_step"]  # the sync at step 3
+    results = json.loads(open(os.path.join(out, "all_results.json"), encoding="utf-8").read())
+    assert results["speedup_vs_baseline"] == pytest.approx(results["tokens_per_s"] / BASELINE_TOKENS_PER_S)
+    [events] = glob.glob(os.path.join(out, "tensorboard", "fl_accel", "events.out.tfevents.*"))
+    tags = set(EventAccumulator(events).Reload().Tags()["scalars"])
+    assert {"train/loss", "eval/perplexity", "perf/tokens_per_s", "comm/fl/mib_per_step", "fl/sync_time_share",
+            "perf/speedup_vs_baseline"} <= tags, sorted(tags)
+    assert all(t in AXES_KEYS or t.startswith(PREFIXES) for t in tags), sorted(tags)
+    [hparams] = glob.glob(os.path.join(out, "tensorboard", "fl_accel", "*", "hparams.yml"))
+    config = yaml.safe_load(open(hparams, encoding="utf-8"))
+    assert config["fl/num_groups"] == 2 and config["fl/sync_every"] == 3 and config["model_flops_per_token"] > 0
+    assert "[fl_accel] TensorBoard: tensorboard --logdir" in proc.stdout
+
+
+@on("fsdp")
+def test_the_baseline_records_its_effective_layout_only(runs):
+    """The FSDP baseline's run config says fl/num_groups 1 (what ran), not the FLConfig's 2,
+    and leaves out the settings FSDP ignores (sync_every): filtering runs on fl/num_groups=2
+    picks up the federated runs only."""
+    import glob
+
+    import yaml
+
+    out, proc = runs("fsdp")
+    assert proc.returncode == 0, proc.tail()
+    [hparams] = glob.glob(os.path.join(out, "tensorboard", "fl_accel", "*", "hparams.yml"))
+    config = yaml.safe_load(open(hparams, encoding="utf-8"))
+    assert config["fl/num_groups"] == 1 and config["num_groups"] == 1 and config["fl/algorithm"] == "fsdp"
+    assert "fl/sync_every" not in config and "fl/outer_optimizer" not in config
 
 
 @on("fl_fsdp")
@@ -176,7 +239,8 @@ def _masked(line: str) -> str:
 def test_docs_what_a_run_prints_matches_a_run(runs):
     """docs/recipe.md's "What a run prints" block (the quickstart's FL+FSDP run) has the same
     lines, in the same order, as a run prints: compared by each line's kind (numbers, paths and
-    sources differ between the quickstart's 48 steps and this 4-step run)."""
+    sources differ between the quickstart's 48 steps and this 4-step run; the tracker lines, W&B's
+    and TensorBoard's, depend on --report_to)."""
     out, proc = runs("fl_fsdp")
     page = (REPO_ROOT / "docs" / "recipe.md").read_text()
     block = page.split("## What a run prints", 1)[1].split("```text", 1)[1].split("```", 1)[0]
@@ -184,7 +248,7 @@ def test_docs_what_a_run_prints_matches_a_run(runs):
     def kinds(text):
         seen = []
         for line in text.splitlines():
-            if line.startswith("[fl_accel]") and "W&B" not in line:
+            if line.startswith("[fl_accel]") and "W&B" not in line and "TensorBoard:" not in line:
                 kind = _masked(line[len("[fl_accel] "):])
                 if not seen or seen[-1] != kind:
                     seen.append(kind)
@@ -277,7 +341,7 @@ def test_recipe_resume_continues_from_mid_round_checkpoint(runs, resumed_ac):
     assert sorted(resumed) == [3, 4], sorted(resumed)
     for step in (3, 4):
         assert abs(resumed[step]["train/loss"] - full[step]["train/loss"]) <= 1e-6, (step, resumed[step], full[step])
-        assert resumed[step]["lr"] == pytest.approx(full[step]["lr"], rel=1e-12)
+        assert resumed[step]["train/lr"] == pytest.approx(full[step]["train/lr"], rel=1e-12)
     with open(os.path.join(out, "all_results.json"), encoding="utf-8") as fh:
         a = json.load(fh)
     with open(os.path.join(resumed_out, "all_results.json"), encoding="utf-8") as fh:

@@ -1,6 +1,7 @@
 """The recipe with ``--sync_trigger speed``: 4 gloo processes, 2 groups of unequal speed
-(group 1 sleeps after each step: the recipe's ``FL_ACCEL_TEST_STEP_SLEEP`` hook), a token
-budget, evaluations and checkpoints at round ends, the ``rounds`` figures, and a resume.
+(group 1 sleeps after each step twice the step's own time: the recipe's
+``FL_ACCEL_TEST_STEP_SLEEP`` hook, 3x slower whatever the machine's load), a token budget,
+evaluations and checkpoints at round ends, the ``rounds`` figures, and a resume.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ ARGS = ["--model", "tiny", "--seq_len", "64", "--micro_batch_size", "2", "--max_
         "--eval_every", "6", "--max_eval_blocks", "16", "--checkpoint_every", "6", "--sync_every", "2",
         "--num_groups", "2", "--algorithm", "fl_fsdp", "--sync_trigger", "speed", "--report_to", "none",
         "--save_final_model", "false"]
-SLOW = {"FL_ACCEL_TEST_STEP_SLEEP": "0,0.25"}  # seconds after each optimizer step, per group
+SLOW = {"FL_ACCEL_TEST_STEP_SLEEP": "0,x2"}  # per group: group 1 sleeps 2x its own step time (3x slower under any
+# load; a fixed 0.25 s was not decisive on a busy machine: the fast group's loaded steps measured as long)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,10 @@ def test_speed_trigger_run_ends_on_the_budget_with_round_figures(run):
     assert rounds["trigger"] == "speed" and rounds["rank_steps"] == pytest.approx(48, abs=4), rounds
     fast, slow = rounds["steps_per_round"]
     assert fast[0] == slow[0] == 2 and sum(slow) < sum(fast), rounds  # then the slow group does H=2, the fast more
-    assert all(n == 2 for n in slow[1:-1]), rounds
+    # the mechanism: in every round between the first and the budget's last, the group measured
+    # slowest does H and the other round(H t_max / t_f) >= H; with a 3x slowdown that is group 1
+    assert all(min(f, s) == 2 for f, s in zip(fast[1:-1], slow[1:-1])), rounds
+    assert all(n == 2 for n in slow[1:-1]) and all(f > 2 for f in fast[1:-1]), rounds
     arrival = results["sync_arrival_share_by_group"]
     assert len(arrival) == 2 and all(0 <= a < 1 for a in arrival), arrival
     assert len(rounds["wait_share"]) == 2 and all(0 <= w < 1 for w in rounds["wait_share"])

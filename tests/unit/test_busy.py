@@ -17,8 +17,11 @@ def test_busy_machine_warns_and_an_idle_one_says_what_the_time_assumes():
                       "suite will take longer than roughly 7 to 15 minutes on 2 CPU cores, a time that assumes idle "
                       "cores, and the timings it measures are not its own")
     idle = busy.report(0.01, 2, 2.0, **kw)
-    assert idle == ("[test] other processes keep 1% of the 2 CPUs busy (measured over 2 s): the test suite takes "
-                    "roughly 7 to 15 minutes on 2 CPU cores (a time that assumes idle cores)")
+    assert idle == ("[test] other processes keep 1% of the 2 CPUs busy (measured over 2 s): expected time of the test "
+                    "suite: roughly 7 to 15 minutes on 2 CPU cores (a time that assumes idle cores)")
+    # one wording for a singular and a plural job ("the two runs takes" was the old line's grammar)
+    assert "expected time of the two runs: 2 to 5 minutes" in busy.report(0.01, 2, 2.0, job="the two runs",
+                                                                          expect="2 to 5 minutes")
     assert "warning" not in busy.report(BACKGROUND_LIMIT, 2, 2.0, **kw)  # the limit itself is quiet, as in compare
     assert "warning" in busy.report(BACKGROUND_LIMIT + 0.01, 2, 2.0, **kw)
     assert busy.report(None, None, 2.0, **kw).startswith("[test] note: could not measure the machine's load")

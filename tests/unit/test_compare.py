@@ -33,10 +33,28 @@ def test_quickstart_pair_table_and_verdict(tmp_path, capsys):
     header = out.splitlines()[0]
     assert "| world " in header and "| R " in header and "| tokens/step " in header
     assert "FL+FSDP ran at 2,790 tokens/s vs FSDP 996 (2.80x)" in out
+    assert "Caveat: one run each, and repeats of one setup differ by up to about 5% in tokens/s." in out
     assert "3,400.00 vs 3,307.00 (FL+FSDP 2.8% higher)" in out
     assert "Per rank and step FL+FSDP sent 11.00 MiB, FSDP 20.00 MiB" in out
     assert "under 5% in every run" in out and "note:" not in out and "warning:" not in out
     assert (tmp_path / "comparison.md").read_text().startswith("| run ")
+
+
+def test_one_machine_says_loopback_and_the_baseline_tokens_per_s_is_printable(tmp_path, capsys):
+    """The quickstart's pair (nodes 1 in both all_results.json): the ratio comes with the
+    loopback caveat; ``--tokens-per-s fsdp`` prints the baseline's tokens/s alone (what the
+    quickstart passes to the FL+FSDP run), and fails with one line for a run that is not there."""
+    from _launch import assert_one_line_error
+
+    _run(tmp_path, "fl_fsdp-F2", "fl_fsdp", 1060.0, 3400.0, F=2, S=2, host=0.01, nodes=1)
+    _run(tmp_path, "fsdp", "fsdp", 1000.0, 3307.0, host=0.02, nodes=1)
+    assert compare.main([str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "FL+FSDP ran at 1,060 tokens/s vs FSDP 1,000 (1.06x). On one machine every link is loopback: the ratio " \
+           "shows the mechanics' cost, not the speedup across slow links between nodes" in out
+    assert compare.main([str(tmp_path), "--tokens-per-s", "fsdp"]) == 0
+    assert capsys.readouterr().out == "1000\n"
+    assert_one_line_error(compare.main, [str(tmp_path), "--tokens-per-s", "hsdp"], capsys)
 
 
 def test_background_load_and_mismatched_runs_are_flagged(tmp_path, capsys):

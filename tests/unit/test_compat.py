@@ -153,6 +153,40 @@ def _c10d_options() -> str | None:
     return None
 
 
+TRAINER_OVERRIDES = {"create_accelerator_and_postprocess": ("self",),
+                     "_prepare_for_training": ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
+                     "_finalize_training": ("self", "trial", "num_train_samples", "start_time"),
+                     "_get_num_items_in_batch": ("self", "batch_samples", "device"),
+                     "_save_optimizer_and_scheduler": ("self", "output_dir"),
+                     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+                     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+                     "save_model": ("self", "output_dir", "_internal_call")}
+"""``transformers.Trainer`` methods :class:`fl_accel.trainer.FederatedTrainerMixin` overrides,
+with the parameters it relies on (private ones included: Trainer has no public hook for them)."""
+
+
+def _trainer_accelerator() -> str | None:
+    import accelerate
+    import transformers.trainer as module
+
+    if getattr(module, "Accelerator", None) is not accelerate.Accelerator:
+        return "transformers.trainer.Accelerator is not accelerate.Accelerator"
+    return _in_source("transformers.trainer:Trainer.create_accelerator_and_postprocess", "Accelerator(**args)")
+
+
+def _trainer_overrides() -> str | None:
+    from transformers import Trainer
+
+    for name, params in TRAINER_OVERRIDES.items():
+        method = getattr(Trainer, name, None)
+        if method is None:
+            return f"transformers.Trainer.{name} is gone"
+        found = tuple(inspect.signature(method).parameters)[:len(params)]
+        if found != params:
+            return f"transformers.Trainer.{name} takes {found}, fl_accel.trainer relies on {params}"
+    return None
+
+
 def _manager_client() -> str | None:
     return _in_source("torchft.manager:Manager.__init__", "self._client") or \
         _has("torchft._torchft.ManagerClient", "_quorum")
@@ -220,6 +254,12 @@ REACHES: tuple[Reach, ...] = (
           "swapped_parameters / own_parameters: meta-device materialization per module", _module_parameters),
     Reach("torch.distributed.distributed_c10d AllgatherOptions / AllreduceOptions / AllToAllOptions",
           "collective_options: torchft's process group takes them", _c10d_options),
+    Reach("transformers.trainer.Accelerator (Trainer.create_accelerator_and_postprocess calls Accelerator(**args))",
+          "trainer_accelerator: FLTrainer builds an FLAccelerator with Trainer's arguments", _trainer_accelerator,
+          package="transformers"),
+    Reach("transformers.Trainer methods " + ", ".join(TRAINER_OVERRIDES),
+          "fl_accel.trainer overrides them (federated checkpoints, group-local token counts, the run's length)",
+          _trainer_overrides, package="transformers"),
     Reach("torchft Manager._client / ManagerClient._quorum",
           "wrap_manager_client: one heal source per group (torchft #343)", _manager_client, package="torchft"),
     Reach("torchft ProcessGroup.configure (0.2) / reconfigure with the first handle's store (0.3)",

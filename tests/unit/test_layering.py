@@ -10,7 +10,8 @@ resolved against the file's package) is checked against:
   :data:`PLANNING`) imports a planning module. The analytic predictors describe the runtime;
   the runtime does not run on them. :data:`KNOWN_RUNTIME_TO_PLANNING` lists the offenders
   of today, which must shrink to empty;
-* the library's third-party imports: only its declared dependencies (pyproject.toml).
+* the library's third-party imports: only its declared dependencies (pyproject.toml), and an
+  optional extra's package only in the modules of :data:`OPTIONAL_THIRD_PARTY`.
 
 The checker is :func:`violations`; ``test_the_checker_reports_planted_wrong_imports`` shows
 it catches what it should on a package tree written for the purpose.
@@ -47,7 +48,11 @@ no torch and no Accelerate. In a fresh interpreter: tests/tools/test_fresh_impor
 LIBRARY_THIRD_PARTY = {"torch", "accelerate", "yaml", "torchft"}
 """What fl_accel may import besides the standard library: pyproject.toml's dependencies
 (torch, accelerate, PyYAML) and the ``ft`` extra (torchft, imported only in fault-tolerant
-mode). Not transformers: the recipe's dependency, not the library's."""
+mode). Not transformers: the recipe's dependency, not the library's, but for :data:`OPTIONAL_THIRD_PARTY`."""
+OPTIONAL_THIRD_PARTY = {"transformers": ("fl_accel.trainer", "fl_accel.compat")}
+"""Optional extras of the library and the only modules that import them: transformers (the
+``trainer`` extra) by FLTrainer (``fl_accel.trainer``) and its reach checks (``fl_accel.compat``,
+inside functions); ``import fl_accel`` never imports it."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -106,7 +111,8 @@ def violations(root: Path, known_runtime_to_planning=frozenset()) -> list[str]:
                 if top in ALLOWED or top == "tests":
                     if top not in ALLOWED[layer]:
                         found.add(f"{importer} imports {target}: {layer} may import only {sorted(ALLOWED[layer])}")
-                elif layer == "fl_accel" and top not in LIBRARY_THIRD_PARTY and top not in sys.stdlib_module_names:
+                elif layer == "fl_accel" and top not in LIBRARY_THIRD_PARTY and top not in sys.stdlib_module_names \
+                        and importer not in OPTIONAL_THIRD_PARTY.get(top, ()):
                     found.add(f"{importer} imports {target}: not a dependency of the library")
                 if runtime and _under(target, PLANNING):
                     offenders.add(importer)
