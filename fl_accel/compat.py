@@ -1,4 +1,4 @@
-"""Every reach of fl_accel into the internals of torch, Accelerate and torchft, in one module.
+"""Every reach of fl_accel into the internals of torch, Accelerate, torchft and transformers, in one module.
 
 fl_accel is tested on torch 2.12-2.15 and accelerate 1.14-1.16 (:data:`TESTED`; CI runs the
 oldest and the newest pair, ``scripts/test_versions.sh``). A release outside that range gets a

@@ -163,7 +163,7 @@ def tracker_config(config: dict) -> dict:
 
 def build_accelerator(plan):
     """FLAccelerator with what the plan decided: mixed precision, the library's FSDP2 plugin
-    (:func:`fl_accel.accelerator.fsdp2_plugin`: bf16 parameters and compute, gradients reduced
+    (:func:`fl_accel.fsdp_model.fsdp2_plugin`: bf16 parameters and compute, gradients reduced
     in ``--reduce_dtype``, no output cast: the loss stays fp32), activation checkpointing and
     regional compilation, all applied by
     Accelerate's own FSDP2 path (``Accelerator._prepare_fsdp2``: checkpointing, then compile,
