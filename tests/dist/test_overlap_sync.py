@@ -317,6 +317,25 @@ def test_warmup_is_one_data_parallel_job_then_the_schedule_from_k(four):
     assert syncs == [0, 0, 0, 1, 2, 0, 1, 2, 0, 1]  # events at steps 6 and 9 (K + H, K + 2H)
 
 
+def test_fl_bytes_equal_the_cost_model(four):
+    """Bytes on "fl" of each run, measured by the comm accounting, equal fl_accel.planning.cost's
+    estimate for the same FLConfig and T steps on shard 0 (its busiest rank), byte for byte:
+    the skipped launches, the exchanges end_training completes, the final exact sync and the
+    warm-up's fp32 gradient means are all counted as the run makes them."""
+    from fl_accel.planning.cost import estimate_from_config
+    from fl_accel.planning.units import units_from_module
+
+    units = units_from_module(tiny_llama())
+    for name in ("keep_p1_avg", "keep_p2", "keep_p2_int8_ef", "discard_long", "warmup"):
+        sc = BY_NAME[name]
+        est = estimate_from_config(FLConfig(**sc["fl"]), 4, units, total_steps=sc["steps"])
+        for rec in four(name):
+            f, _, shard = rec["coords"]
+            want = sc["steps"] * est.by_group()[f]["fl"]
+            got = rec["final_comm"]["fl"]["bytes"]
+            assert got == pytest.approx(want, rel=1e-12) if shard == 0 else 0 < got <= want, (name, rec["rank"])
+
+
 # ====================================================================== b. resume mid-exchange
 @pytest.mark.parametrize("name,saved,ref,k", [
     ("keep_p1_nesterov_from7", "keep_p1_nesterov_saved", "keep_p1_nesterov", 7),
