@@ -356,7 +356,8 @@ def test_resume_mid_exchange_is_bitwise_the_uninterrupted_run(four, name, saved,
             assert state["inflight_fragments"] == [1, 0]
     for rec in res:
         assert rec["load_error"] is None, rec["load_error"]
-        assert rec["start"] == k and [st["step"] for st in rec["steps"]] == list(range(k + 1, BY_NAME[ref]["steps"] + 1))
+        steps = [st["step"] for st in rec["steps"]]
+        assert rec["start"] == k and steps == list(range(k + 1, BY_NAME[ref]["steps"] + 1))
     got = trajectory(base)
     assert max_diff(got[k - 1][0], got[k - 1][1]) > 1e-4  # the groups differed at the checkpoint
     _assert_same_run(base, with_save, 1)

@@ -145,8 +145,8 @@ def test_checkpoint_with_two_exchanges_in_flight_resumes_bitwise():
     assert counters["inflight_fragments"] == [0, 1]
     shared, per_rank = ref.state_tensors()
     assert all("launched" in per_rank[n] for f in ref.fragments for n in f.names)
-    snap = ([p.detach().clone() for p in ref_params], {n: {k: t.clone() for k, t in d.items()} for n, d in shared.items()},
-            {n: {k: t.clone() for k, t in d.items()} for n, d in per_rank.items()})
+    copy = lambda tensors: {n: {k: t.clone() for k, t in d.items()} for n, d in tensors.items()}  # noqa: E731
+    snap = ([p.detach().clone() for p in ref_params], copy(shared), copy(per_rank))
     _train(ref, ref_params, 7, start=5)
     res, res_params = _synchronizer(FakeTransport(), seed=1, **fields)
     templates = res.state_tensors(inflight=[0, 1])
