@@ -90,10 +90,12 @@ class SyncSchedule:
             k = self.num_fragment_syncs % P
             if self.blocking:
                 out.append((FULL, None))
-            elif flight[:1] == [k] or not tau:
-                flight[:1] = []
+            elif flight[:1] == [k]:
+                flight.pop(0)
                 out.append((APPLY, k))
-            else:
+            elif tau < self.period:  # launched this round, yet not in flight (a heal): a blocking exchange
+                out.append((APPLY, k))
+            else:  # its launch fell at or before the schedule's start (step 0, the warm-up's end, a full sync)
                 out.append((SKIP, k))
         ahead = (1 if due else None) if self.overlaps_rounds else self._launch_ahead()
         if ahead is not None and tau:

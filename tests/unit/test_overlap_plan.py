@@ -14,7 +14,7 @@ from fl_accel.mesh import FLLayout
 from fl_accel.planning import cost as cm
 from fl_accel.planning import memory as mm
 from fl_accel.schedule import ADVANCE, ANCHOR, APPLY, LAUNCH, SKIP, SyncSchedule, inflight_of
-from unit.test_schedule import FakeTransport, _drive, _synchronizer, _train
+from unit.test_schedule import FakeTransport, _synchronizer, _train
 from workers._scenario import outer_view
 
 
