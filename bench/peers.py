@@ -129,10 +129,10 @@ class PeerRow:
         if self.sync_every < 1 or self.num_fragments < 1 or self.sync_every % self.num_fragments:
             raise PeersError(f"row {self.id}: H={self.sync_every} must be a positive multiple of "
                              f"P={self.num_fragments}")
-        if not 0 <= self.sync_delay < self.sync_every // self.num_fragments:
-            raise PeersError(f"row {self.id}: tau={self.sync_delay} must be in [0, H/P) (torchft's rule; fl_accel's "
-                             f"today)" if self.tool != "fl_accel" else
-                             f"row {self.id}: tau={self.sync_delay} must be in [0, H/P)")
+        if self.tool != "fl_accel" and not 0 <= self.sync_delay < self.sync_every // self.num_fragments:
+            raise PeersError(f"row {self.id}: tau={self.sync_delay} must be in [0, H/P) (torchft's rule)")
+        if self.tool == "fl_accel" and not 0 <= self.sync_delay <= self.sync_every:
+            raise PeersError(f"row {self.id}: tau={self.sync_delay} must be in [0, H] (fl_accel's rule)")
         if self.outer_optimizer not in ("nesterov", "avg"):
             raise PeersError(f"row {self.id}: outer_optimizer must be nesterov or avg")
         if self.tool != "fl_accel" and (self.sync_dtype != "fp32" or self.error_feedback or self.extra_flags):
@@ -151,6 +151,9 @@ ROWS: tuple[PeerRow, ...] = (
     # fl_accel at its best today (issue 40's fast row: the grid's outer step for it, the plain average)
     PeerRow("fl_accel-h16-p2-tau2-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=2, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg"),
+    # issue 46 item 2: the same exchange hidden behind a whole round (tau = H), the local steps kept
+    PeerRow("fl_accel-h16-p2-tau16-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=16, sync_dtype="int8",
+            error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
 )
 """The rows, in launch order within a repetition. Peers first, each fl_accel row after the peer
@@ -161,6 +164,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("fl_accel-h8-p2-tau2", "torchft-h8-p2-tau2", "equal settings: Streaming DiLoCo, 2 fragments, delay 2, fp32"),
     ("fl_accel-h16-p2-tau2-int8-ef", "torchft-h8-p2-tau2", "fl_accel at its best vs torchft's Streaming DiLoCo"),
     ("fl_accel-h16-p2-tau2-int8-ef", "torchft-h16-p2-tau2", "fl_accel at its best vs torchft's at the same H"),
+    ("fl_accel-h16-p2-tau16-keep-int8-ef", "torchft-h16-p2-tau2",
+     "fl_accel overlapped (tau = H, local steps kept) vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h8", "accelerate-localsgd-h8", "blocking fp32 vs Accelerate's LocalSGD (DDP, avg)"),
 )
 """``(row, peer row, what)``: the ratios the table gives (tokens/s, bytes, time to the peer's target)."""

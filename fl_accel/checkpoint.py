@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from .fsdp import local
+from .schedule import inflight_of
 
 META_FILE = "fl_accel_checkpoint.json"
 FORMAT_VERSION = 3
@@ -180,10 +180,11 @@ def _not_a_training_step(io: CheckpointIO):
     return io.synchronizer.suspended() if io.synchronizer is not None else contextlib.nullcontext()
 
 
-def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: int | None = None) -> dict[str, Any]:
+def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight: list[int] | None = None) -> dict[str, Any]:
     """This rank's DCP state: ``model_0``/``optimizer_0``, shared or under ``group{f}.``;
-    ``fl.{anchor,momentum,inflight}/<param>/shard{s}``; ``group{f}.replica{r}.residual/...``
-    (replicas' residuals differ). ``inflight_fragment``: templates for a load."""
+    ``fl.{anchor,momentum,inflight}/<param>/shard{s}``; ``group{f}.replica{r}.{residual,launched}/...``
+    (replicas' residuals and groups' parameters at a launch differ). ``inflight``: fragments
+    in flight, whose templates a load fills."""
     group_key = f"group{io.group_index}"
     state: dict[str, Any] = {}
 
@@ -197,11 +198,7 @@ def _state_for_dcp(io: CheckpointIO, scopes: dict[str, str], inflight_fragment: 
                 put(scopes["optimizer"], f"optimizer_{i}", get_optimizer_state_dict(model, io.optimizers[i]))
     sync = io.synchronizer
     if sync is not None and io.layout.num_groups > 1:
-        shared, per_rank = sync.state_tensors()
-        if inflight_fragment is not None:
-            fragment = sync.fragments[inflight_fragment]
-            for name, p in zip(fragment.names, fragment.params):
-                shared.setdefault(name, {})["inflight"] = torch.zeros_like(local(p), dtype=torch.float32)
+        shared, per_rank = sync.state_tensors(inflight)
         shard = io.layout.coords(io.rank)[2]
         for scope, key, tensors in (("shared", "fl", shared), ("group", f"replica{io.replica_index}", per_rank)):
             entries = {f"{kind}/{name}/shard{shard}": t for name, kinds in tensors.items()
@@ -264,8 +261,7 @@ def load_federated_state(io: CheckpointIO, input_dir: str) -> dict[str, Any]:
     meta = read_meta(input_dir)
     check_compatible(meta, layout_meta(io.config, io.layout))
     scopes = meta.get("scopes", {"model": "group", "optimizer": "group"})
-    inflight = (meta.get("sync") or {}).get("inflight_fragment")
-    state = _state_for_dcp(io, scopes, inflight_fragment=inflight)
+    state = _state_for_dcp(io, scopes, inflight=inflight_of(meta.get("sync") or {}))
     try:
         dcp.load(state, checkpoint_id=input_dir)
     except (Exception, CheckpointException) as exc:

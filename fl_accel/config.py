@@ -38,7 +38,7 @@ checkpoint identity (a run may resume a checkpoint written with other values).""
 @dataclass(frozen=True)
 class FLConfig:
     """Settings of the federated sync (paper Sec. 3, Alg. 1), fragments, sync delay, compressed exchange
-    (Streaming DiLoCo, arXiv 2501.18512) and unequal groups. Frozen: assigning a field raises
+    (Streaming DiLoCo, arXiv 2501.18512), overlap, a synchronous warm-up and unequal groups. Frozen: assigning a field raises
     ``dataclasses.FrozenInstanceError``; ``dataclasses.replace(config, **changes)`` makes a changed copy.
     ValueError naming the field, at construction (and so in ``replace``)."""
 
@@ -61,15 +61,23 @@ class FLConfig:
     sync_trigger: Literal["steps", "time", "speed"] = "steps"
     """What ends a round (:mod:`fl_accel.trigger`): "steps", H steps in every group (the paper's); "time", every
     group trains ``sync_window_s`` seconds; "speed", group f trains H_f = H x t_slowest / t_f steps, t its measured
-    seconds per step, so that the groups arrive together (the slowest group does H). "time"/"speed": blocking sync only (P=1, tau=0)."""
+    seconds per step, so that the groups arrive together (the slowest group does H). "time"/"speed": P=1, tau 0 or H (overlapped rounds)."""
     sync_window_s: float | None = None
     """"time": seconds of training per round (each group's own clock; evaluations between rounds excluded)."""
     num_fragments: int = 1
     """P: FSDP units, in forward order, are dealt round-robin into P fragments, one syncing every H/P steps."""
     sync_delay: int = 0
-    """tau, optimizer steps between launching a fragment's exchange and applying it; 0 <= tau < H/P."""
+    """tau, optimizer steps between launching a fragment's exchange and applying it; 0 <= tau <= H (tau = H: round
+    k's exchange runs during round k+1). A launch that would fall at or before the run's start is skipped."""
+    delayed_local_steps: Literal["discard", "keep"] = "discard"
+    """What a delayed result (tau > 0) does with the local steps taken while its exchange ran: "discard", parameters
+    <- global + alpha (local - global) (Streaming DiLoCo); "keep", parameters <- global + (local - local at launch)
+    (eager updates, arXiv 2502.12996; needs fragment_update_alpha=0; +4 bytes per parameter in flight)."""
     fragment_update_alpha: float = 0.0
     """alpha in [0, 1]: a delayed result sets the parameters to global + alpha (local - global)."""
+    sync_warmup_steps: int = 0
+    """K: the first K optimizer steps train the groups as one data-parallel job (gradients averaged across groups
+    before each step, as PostLocalSGDOptimizer's start_localSGD_iter); rounds count from step K (first sync K + H)."""
     sync_dtype: SyncDtype = "fp32"
     """What crosses "fl": "fp32" (exact mean of the parameters); "bf16", "int8" (quantized mean of the
     pseudo-gradients: ~1/2, ~1/4 of the bytes); "sparse" (SparseLoCo, arXiv 2508.15706: top-k)."""
@@ -181,12 +189,14 @@ class FLConfig:
                                  doc='The sync keeps an fp32 anchor ("nesterov" or a compressed exchange).')
 
     def sync_state(self, num_groups: int) -> dict[str, Any]:
-        """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key)."""
+        """The settings deciding which sync state exists on ``num_groups`` groups (a checkpoint's key;
+        ``delayed_local_steps`` only when "keep", which stores each rank's parameters at launch)."""
         syncs = num_groups > 1  # F > 1 groups exchange something (one group keeps no sync state)
+        keep = syncs and self.delayed_local_steps == "keep" and self.sync_delay > 0
         return {"outer_optimizer": self.outer_optimizer if syncs else "avg",
                 "sync_dtype": self.sync_dtype if syncs else "fp32",
                 "error_feedback": bool(self.error_feedback and self.compressed and syncs),
-                "num_fragments": self.num_fragments if syncs else 1}
+                "num_fragments": self.num_fragments if syncs else 1, **({"delayed_local_steps": "keep"} if keep else {})}
 
     def _ignored(self) -> dict[str, tuple[str, str]]:
         """The one rule of what is ignored: field -> (mark, why), whatever the field's value; the
@@ -200,6 +210,8 @@ class FLConfig:
              f"by algorithm {alg!r} (it shards over the whole group)"),
             (["outer_lr", "outer_momentum", "outer_lr_schedule", "outer_lr_warmup_steps", "outer_lr_decay_steps"],
              self.outer_optimizer == "avg", "by outer_optimizer 'avg'", "by outer_optimizer 'avg'"),
+            (["delayed_local_steps"], self.sync_delay == 0, "with sync_delay 0",
+             "with sync_delay 0 (no exchange runs behind local steps)"),
             (["sync_window_s"], self.sync_trigger != "time", f"with sync_trigger {self.sync_trigger!r}",
              f"with sync_trigger {self.sync_trigger!r} (only 'time' has a window)"),
             (["group_index", "lighthouse_addr", "heal_address", "rejoin_timeout_s"], not self.fault_tolerant,

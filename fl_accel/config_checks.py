@@ -32,7 +32,8 @@ def check_fields(cfg) -> None:
                             or 0 < cfg.error_feedback_decay <= 1, "None or in (0, 1]"),
                            ("sync_value_bits", cfg.sync_value_bits in (2, 4, 8), "2, 4 or 8"),
                            ("collective_timeout_s", cfg.collective_timeout_s > 0, "> 0 seconds"),
-                           ("rejoin_timeout_s", cfg.rejoin_timeout_s >= 0, ">= 0 seconds")):
+                           ("rejoin_timeout_s", cfg.rejoin_timeout_s >= 0, ">= 0 seconds"),
+                           ("sync_warmup_steps", cfg.sync_warmup_steps >= 0, ">= 0 optimizer steps")):
         if not ok:
             raise ValueError(f"FLConfig.{name} must be {what}, got {getattr(cfg, name)}")
     warmup, decay = cfg.outer_lr_warmup_steps, cfg.outer_lr_decay_steps
@@ -53,22 +54,24 @@ def check_fields(cfg) -> None:
         if not cfg.is_federated:
             raise ValueError(f"FLConfig.sync_trigger={cfg.sync_trigger!r} needs federation groups: algorithm "
                              f"{cfg.algorithm!r} has one group spanning the world (use 'fl_fsdp' or 'fl_hsdp')")
-        for name, value, plain in (("num_fragments", cfg.num_fragments, 1), ("sync_delay", cfg.sync_delay, 0),
-                                   ("fragment_update_alpha", cfg.fragment_update_alpha, 0.0)):
+        for name, value, plain in (("num_fragments", cfg.num_fragments, 1), ("fragment_update_alpha",
+                                                                             cfg.fragment_update_alpha, 0.0),
+                                   ("sync_warmup_steps", cfg.sync_warmup_steps, 0)):
             if value != plain:
                 raise ValueError(f"FLConfig.{name}={value} is not supported with sync_trigger={cfg.sync_trigger!r}: "
-                                 f"rounds of unequal length run the blocking sync only (num_fragments=1, "
-                                 f"sync_delay=0, fragment_update_alpha=0)")
+                                 f"rounds of unequal length take num_fragments=1, fragment_update_alpha=0 and no "
+                                 f"warm-up (sync_warmup_steps=0: the round budget counts every step)")
+        if cfg.sync_delay not in (0, cfg.sync_every):
+            raise ValueError(f"FLConfig.sync_delay={cfg.sync_delay} is not supported with sync_trigger="
+                             f"{cfg.sync_trigger!r}: rounds of unequal length take sync_delay=0 (blocking) or "
+                             f"sync_delay=sync_every={cfg.sync_every} (round k's exchange runs during round k+1)")
     if cfg.sync_dtype == "sparse" and not cfg.error_feedback:
         raise ValueError("FLConfig.error_feedback must be True with sync_dtype='sparse' (--error_feedback, "
                          "FL_ACCEL_ERROR_FEEDBACK=1): top-k leaves most of each pseudo-gradient for later syncs")
     if cfg.sync_every % cfg.num_fragments:
         raise ValueError(f"FLConfig.sync_every={cfg.sync_every} must be a multiple of "
                          f"FLConfig.num_fragments={cfg.num_fragments} (one fragment syncs every H/P steps)")
-    period = cfg.sync_every // cfg.num_fragments
-    if not 0 <= cfg.sync_delay < period:
-        raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay < sync_every/num_fragments = "
-                         f"{period}, got {cfg.sync_delay}")
+    check_delay(cfg)
     if cfg.fault_tolerant:
         if not cfg.is_federated:
             raise ValueError(f"FLConfig.fault_tolerance='torchft' needs a federated algorithm ('fl_fsdp' or "
@@ -85,6 +88,28 @@ def check_fields(cfg) -> None:
             raise ValueError(f"FLConfig.group_index must be in [0, num_groups={cfg.federation_size}), got "
                              f"{cfg.group_index}")
     check_group_fields(cfg, explicit_num_groups="num_groups" in cfg._explicit)
+
+
+def check_delay(cfg) -> None:
+    """``sync_delay`` (0 <= tau <= H), ``delayed_local_steps`` and what a torchft run supports.
+    ValueError naming the fields."""
+    H, tau, keep = cfg.sync_every, cfg.sync_delay, cfg.delayed_local_steps == "keep"
+    if not 0 <= tau <= H:
+        raise ValueError(f"FLConfig.sync_delay must satisfy 0 <= sync_delay <= sync_every = {H}, got {tau}")
+    if keep and cfg.fragment_update_alpha:
+        raise ValueError(f"FLConfig.fragment_update_alpha={cfg.fragment_update_alpha} must be 0 with "
+                         f"FLConfig.delayed_local_steps='keep' (the local steps are kept whole, not mixed)")
+    if tau == H and not keep and not cfg.fragment_update_alpha:
+        raise ValueError(f"FLConfig.sync_delay={tau} = sync_every with delayed_local_steps='discard' and "
+                         f"fragment_update_alpha=0 sends zero pseudo-gradients (each apply resets the parameters at "
+                         f"the step the next exchange launches): use delayed_local_steps='keep'")
+    if cfg.fault_tolerant:
+        for name, bad in (("delayed_local_steps", keep), ("sync_delay", tau >= H // cfg.num_fragments),
+                          ("sync_warmup_steps", cfg.sync_warmup_steps > 0)):
+            if bad:
+                raise ValueError(f"FLConfig.{name}={getattr(cfg, name)!r} is not supported with fault_tolerance="
+                                 f"'torchft' (a heal takes over a live group with nothing in flight; tested: "
+                                 f"sync_delay < sync_every/num_fragments, delayed_local_steps='discard', no warm-up)")
 
 
 def check_group_fields(config: Any, explicit_num_groups: bool = True) -> None:

@@ -10,15 +10,19 @@ optimizer (SGD over its anchors), the error-feedback residuals and its exchange 
     global = mean(theta)                 "fp32", "avg" (the paper's FedAvg, no anchor)
     global = SGD-Nesterov(anchor, g)     "nesterov" (DiLoCo, arXiv 2311.08105, Alg. 1), with
                                          g = mean(Delta), or anchor - mean(theta) for "fp32"
-    anchor <- global;  theta <- global + alpha (theta - global)
+    anchor <- global;  theta <- global + alpha (theta - global)          "discard" (and tau = 0)
+                       theta <- global + (theta - theta_launch)          "keep", a delayed exchange
 
+``theta_launch`` (``launched``) is this rank's fp32 copy of the parameters at the launch (what
+its pseudo-gradient was computed from), kept on ``outer_state_device`` while the exchange is
+in flight: so the local steps taken meanwhile are kept (eager updates, arXiv 2502.12996).
 The module's functions take ``parts``, (fragment, position) pairs in the model's order, so one
 exchange may span fragments (a full sync, the non-finite reset) as it always has.
 ``outer_state_device="cpu"`` keeps the state in host memory (pinned with CUDA parameters):
 Delta is computed on the accelerator while packing (NCCL rejects CPU tensors), the means come
 back to the host for the outer step; values equal "same" (bitwise on CPU), and CUDA events
 after each copy out of the host state fence its next write. Memory per rank besides the
-model (n = local numel): 4n bytes per kept tensor.
+model (n = local numel): 4n bytes per kept tensor (``launched``: per fragment in flight).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from .lr_schedule import outer_lr
 class Fragment:
     """Fragment ``index``: ``indices`` (positions in the model's order), canonical ``names``,
     ``params``, and their sync state as the FLConfig asks: ``anchor``, ``outer`` (the outer
-    optimizer), ``residuals`` (fp32 like each local shard; None: not kept) and ``pending``
-    (the exchange in flight, or its means after a checkpoint; None)."""
+    optimizer), ``residuals`` (fp32 like each local shard; None: not kept), ``pending`` (the
+    exchange in flight, or its means after a checkpoint; None) and ``launched`` (with "keep":
+    the parameters at its launch, fp32; None)."""
 
     def __init__(self, index: int, indices: list[int], names: list[str], params: list, config):
         self.index, self.indices, self.names, self.params, self.config = index, list(indices), list(names), \
@@ -46,6 +51,7 @@ class Fragment:
         self.outer: torch.optim.Optimizer | None = None
         self.residuals: list[torch.Tensor] | None = None
         self.pending: Exchange | list | None = None
+        self.launched: list[torch.Tensor] | None = None
         self._events: list = []
 
     parts = property(lambda self: [(self, j) for j in range(len(self.params))],
@@ -107,7 +113,13 @@ class Fragment:
 
     # ------------------------------------------------------------------ its exchange
     def launch(self, channel: Channel) -> None:
-        """Pack this fragment's sources and launch their exchange without waiting (a delayed sync)."""
+        """Pack this fragment's sources and launch their exchange without waiting (a delayed sync);
+        with "keep", copy the parameters as they are now (``launched``)."""
+        if self.config.delayed_local_steps == "keep":
+            self.fence()
+            host = self.config.outer_state_device == "cpu"
+            self.launched = [self._zeros(local(p).shape).copy_(local(p).detach()) if host
+                             else local(p).detach().to(torch.float32, copy=True) for p in self.params]
         self.pending = exchange(self.parts, channel).start()
 
     def advance(self) -> None:
@@ -125,12 +137,14 @@ class Fragment:
         """Complete the exchange in flight (its collectives) and drop what it carried."""
         if self.pending is not None:
             self.finish()
+        self.launched = None
 
     # ------------------------------------------------------------------ the outer step
     @torch.no_grad()
     def apply(self, positions: list[int], means: list[torch.Tensor], alpha: float, step: int) -> None:
         """The outer step of parameters ``positions`` given the means of what they sent, at
-        optimizer step ``step`` (the outer LR's)."""
+        optimizer step ``step`` (the outer LR's); after a launch with "keep", the parameters
+        become global + (theta_now - theta_launch) (``alpha`` is 0 then)."""
         cfg, host = self.config, self.on_host
         if host:
             self.fence()
@@ -149,12 +163,17 @@ class Fragment:
                                         step)
         for j, g in zip(positions, globals_):
             t = local(self.params[j])
-            if alpha:
+            if self.launched is not None:  # "keep": the local steps since the launch, on the new global
+                kept = t.float() - self.launched[j].to(t.device, non_blocking=True)
+                t.copy_(kept.add_(g.to(t.device, non_blocking=True)))
+            elif alpha:
                 t.copy_(torch.lerp(g.to(t.device, non_blocking=True), t.to(g.dtype), alpha))
             else:
                 t.copy_(g, non_blocking=g.device != t.device)
         if host:
             self._record()
+        if self.launched is not None and len(positions) == len(self.params):
+            self.launched = None
 
     def _outer_step(self, positions: list[int], grads: list[torch.Tensor], step: int) -> list[torch.Tensor]:
         for group in self.outer.param_groups:
@@ -202,8 +221,20 @@ class Fragment:
         return out
 
     def residual_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """By parameter name: "residual" (this replica's own chunk's); {} if not kept."""
-        return {name: {"residual": r} for name, r in zip(self.names, self.residuals or ())}
+        """By parameter name: "residual" (this replica's own chunk's) and, in flight with "keep",
+        "launched" (this group's parameters at the launch); {} if neither is kept."""
+        out = {name: {"residual": r} for name, r in zip(self.names, self.residuals or ())}
+        for name, t in zip(self.names, self.launched or ()):
+            out.setdefault(name, {})["launched"] = t
+        return out
+
+    def templates(self) -> tuple[dict, dict]:
+        """``(shared, per_rank)`` tensors a load of this fragment in flight fills: "inflight"
+        (and "launched" with "keep"), fp32 like each local shard."""
+        zeros = [torch.zeros_like(local(p), dtype=torch.float32) for p in self.params]
+        keep = self.config.delayed_local_steps == "keep" and self.config.sync_delay > 0
+        return ({n: {"inflight": z} for n, z in zip(self.names, zeros)},
+                {n: {"launched": torch.zeros_like(z)} for n, z in zip(self.names, zeros)} if keep else {})
 
     def inflight_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """By parameter name: "inflight", the means of the exchange in flight (a collective)."""
@@ -228,6 +259,11 @@ class Fragment:
         for name, r in zip(self.names, self.residuals or ()) if per_rank is not None else ():
             r.copy_(per_rank[name]["residual"])
         self.pending = [shared[name]["inflight"].clone() for name in self.names] if inflight else None
+        kept = inflight and per_rank is not None and all("launched" in per_rank.get(n, {}) for n in self.names)
+        host = self.config.outer_state_device == "cpu"
+        self.launched = [self._zeros(local(p).shape).copy_(per_rank[n]["launched"]) if host else
+                         per_rank[n]["launched"].to(local(p).device, torch.float32, copy=True)
+                         for n, p in zip(self.names, self.params)] if kept else None
 
 
 def exchange(parts: list, channel: Channel, exact: bool = False) -> Exchange:

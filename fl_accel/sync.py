@@ -27,7 +27,7 @@ from .comm import WaitClock
 from .exchange import Channel, Membership, Transport
 from .fsdp import canonical_name, local
 from .lr_schedule import outer_lr
-from .schedule import ADVANCE, APPLY, FULL, LAUNCH, FixedPlanner, SyncSchedule, deal_fragments
+from .schedule import ADVANCE, ANCHOR, APPLY, FULL, LAUNCH, SKIP, FixedPlanner, SyncSchedule, deal_fragments
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class Synchronizer:
         self.hooks = transport.hooks()
         active = transport.elastic or transport.begin().num_groups > 1
         self.schedule = SyncSchedule(config.sync_every, config.num_fragments, config.sync_delay,
-                                     config.fragment_update_alpha, active=active)
+                                     config.fragment_update_alpha, active=active,
+                                     delayed_local_steps=config.delayed_local_steps,
+                                     warmup_steps=config.sync_warmup_steps)
         self.last_membership: Membership | None = None  # of the last sync event (torchft: it may be partial)
         self.clock = WaitClock()
         self.arrival = WaitClock()
@@ -79,7 +81,7 @@ class Synchronizer:
         self._arrived = True  # the current event's first world collective is done (timed)
         self.last_loss: float | None = None
         self.pre_sync_hooks: list = []
-        self._suspended, self._hook = 0, None
+        self._suspended, self._hook, self._pre_hook = 0, None, None
         self.final_synced = False  # the last sync event was the exact final one (nothing left to send)
         self.planner = planner if planner is not None and active else FixedPlanner()
         if active and not any(local(p).is_meta for p in self.params):
@@ -93,8 +95,9 @@ class Synchronizer:
             f.reset()
 
     def attach(self, loss_fn=None) -> None:
-        """Run :meth:`on_optimizer_step` after each inner optimizer step (none with one group);
-        ``loss_fn()``: the last loss (or None) for the non-finite check."""
+        """Run :meth:`on_optimizer_step` after each inner optimizer step (none with one group)
+        and, in the warm-up, :meth:`average_gradients` before it; ``loss_fn()``: the last loss
+        (or None) for the non-finite check."""
         if not self.schedule.active:
             return
 
@@ -112,11 +115,25 @@ class Synchronizer:
             self.on_optimizer_step()
 
         self._hook = self.optimizer.register_step_post_hook(hook)
+        if self.config.sync_warmup_steps:
+            self._pre_hook = self.optimizer.register_step_pre_hook(
+                lambda *_: None if self._suspended or not self.schedule.warming_up else self.average_gradients())
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for handle in (self._hook, self._pre_hook):
+            if handle is not None:
+                handle.remove()
+        self._hook = self._pre_hook = None
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """The warm-up's step (``sync_warmup_steps``; PostLocalSGDOptimizer's all-reduce before
+        ``start_localSGD_iter``): every gradient's local shard <- its weighted mean over the groups
+        (fp32 on the wire, written back in the gradient's dtype), so every group takes the same
+        step. Collective: every rank, before each optimizer step of the warm-up."""
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        with self.clock.measure(self.device):
+            self._channel(self.transport.begin()).mean_into(grads)
 
     @contextlib.contextmanager
     def suspended(self):
@@ -140,23 +157,26 @@ class Synchronizer:
         if self._suspended:
             return False
         self.planner.before_step(self.event())
-        actions = self.schedule.step()
+        actions, membership = self.schedule.step(), None
         with self.clock.measure(self.device) if actions else contextlib.nullcontext():
             if actions and self.hooks.open(self.schedule):  # this group's state was replaced (a heal): ask again
                 self.planner.rejoin(self.schedule)
                 actions = self.schedule.actions()
             for kind, k in actions:
                 fragment = self.fragments[k] if k is not None else None
-                if kind == LAUNCH:
-                    fragment.launch(self._channel(self.transport.begin()))
+                if kind == LAUNCH:  # after an event at this step: with that event's membership (its round's weights)
+                    fragment.launch(self._channel(membership or self.transport.begin()))
                 elif kind == ADVANCE:
                     fragment.advance()
-                elif kind == APPLY:
-                    self._event(False, self.config.fragment_update_alpha, fragment)
-                    self.schedule.applied()
+                elif kind in (APPLY, SKIP):
+                    membership = self._event(False, self.config.fragment_update_alpha, fragment, skip=kind == SKIP)
+                    self.schedule.applied(skipped=kind == SKIP)
+                    self.planner.after_sync()
                 elif kind == FULL:  # through the instance: tests spy on it
                     self.sync(alpha=self.config.fragment_update_alpha, final=self.schedule.final)
-        return any(kind in (APPLY, FULL) for kind, _ in actions)
+                elif kind == ANCHOR:  # the warm-up ends: rounds start from the (identical) parameters
+                    self.reset_anchors()
+        return any(kind in (APPLY, SKIP, FULL) for kind, _ in actions)
 
     @contextlib.contextmanager
     def arriving(self):
@@ -181,30 +201,36 @@ class Synchronizer:
             return False
         waiting = self.exact_final and self.fragments[0].residuals is not None and not self.final_synced \
             and self.schedule.num_syncs > 0
-        return not self.schedule.in_sync or waiting
+        return not self.schedule.in_sync or waiting or bool(self.schedule.inflight_fragments)
 
-    def _event(self, full: bool, alpha: float, fragment: fr.Fragment | None = None, final: bool = False) -> None:
-        """One sync event: the pre-sync hooks, the membership (a full sync's closes the round),
-        the non-finite check, then (gated) the results in flight and a blocking exchange: of
-        ``fragment`` unless its own is in flight, or of every parameter (``fragment`` None, a full
-        sync; exact if ``final`` and :attr:`exact_final`)."""
+    def _event(self, full: bool, alpha: float, fragment: fr.Fragment | None = None, final: bool = False,
+               skip: bool = False) -> Membership:
+        """One sync event: the pre-sync hooks, the membership (a full sync's, and with P = 1 every
+        event's, closes the round), the non-finite check, then (gated) the results in flight and
+        a blocking exchange: of ``fragment`` unless its own is in flight or ``skip`` (its launch
+        fell before the schedule's start), or of every parameter (``fragment`` None, a full sync,
+        after every exchange in flight in launch order; exact if ``final`` and :attr:`exact_final`).
+        Returns the event's membership."""
         self._arrived = False  # a hook's world collective may be the event's first (:meth:`arriving`)
         for hook in list(self.pre_sync_hooks):
             hook(self.event(), full)
         membership = self.transport.begin()
-        if full:
+        if full or self.schedule.num_fragments == 1:
             membership = self.planner.close(self.event(membership))
         self.last_membership = membership
         exact = final and self.exact_final
         channel = self._channel(membership)
         with self.hooks.event(self.schedule):
             if self._check_finite(channel):
-                ready = [f for f in ([fragment] if fragment else self.fragments) if f.pending is not None]
-                for f in ready:  # apply as scheduled
+                order = [fragment] if fragment else [self.fragments[k] for k in self.schedule.inflight_fragments]
+                ready = list(dict.fromkeys(f for f in order + ([] if fragment else self.fragments)
+                                           if f.pending is not None))
+                for f in ready:  # apply as scheduled, in launch order
                     self._apply_pending(f, channel)
-                if not (fragment and ready):
+                if not (fragment and (ready or skip)):
                     self._run(fragment.parts if fragment else self.parts, channel, alpha, exact)
         self.final_synced = exact
+        return membership
 
     def _run(self, parts: list, channel: Channel, alpha: float, exact: bool) -> None:
         """A blocking exchange of ``parts``, applied bucket by bucket (gated: whole, after the commit)."""
@@ -273,15 +299,24 @@ class Synchronizer:
         (``round``: :meth:`fl_accel.trigger.RoundState.state_dict`, rounds by time/speed)."""
         return {**self.schedule.state_dict(), **self.planner.state_dict()}
 
-    def state_tensors(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        """``(shared, per_rank)`` by parameter name: the fragments' ``outer_state`` and
-        ``inflight_state`` (a collective: an exchange in flight completes), their ``residual_state``."""
+    def state_tensors(self, inflight: list[int] | None = None) -> tuple[dict, dict]:
+        """``(shared, per_rank)`` by parameter name (tensors): the fragments' ``outer_state`` and
+        ``inflight_state`` (a collective: the exchanges in flight complete, in launch order), their
+        ``residual_state`` (residuals; with "keep" the parameters at each launch in flight).
+        ``inflight``: fragments a load will restore in flight (their :meth:`Fragment.templates`)."""
         shared: dict = {}
         for f in self.fragments:
             shared.update(f.outer_state())
+        flight = [self.fragments[k] for k in self.schedule.inflight_fragments]
+        for f in dict.fromkeys(flight + self.fragments):
             for name, d in f.inflight_state().items():
                 shared.setdefault(name, {}).update(d)
-        return shared, {name: d for f in self.fragments for name, d in f.residual_state().items()}
+        per_rank = {name: d for f in self.fragments for name, d in f.residual_state().items()}
+        for k in inflight or ():
+            for out, templates in zip((shared, per_rank), self.fragments[k].templates()):
+                for name, d in templates.items():
+                    out.setdefault(name, {}).update(d)
+        return shared, per_rank
 
     def load_state_dict(self, state: dict, shared: dict | None = None, per_rank: dict | None = None) -> None:
         """Restore :meth:`counters` and :meth:`state_tensors`. ValueError: the planner's (a
@@ -289,7 +324,7 @@ class Synchronizer:
         self.schedule.load_state_dict(state)
         self.planner.load_state_dict(state, self.schedule)
         for f in self.fragments:
-            f.load_state(shared or {}, per_rank or {}, inflight=f.index == self.schedule.inflight)
+            f.load_state(shared or {}, per_rank or {}, inflight=f.index in self.schedule.inflight_fragments)
 
     def heal_state(self) -> dict:
         """What a group healing from this one takes over (cloned): ``outer`` (by name), ``sync``."""

@@ -99,9 +99,12 @@ def banner_lines(*, plan, fl, layout, origin: dict, model_name: str, model_type:
     layout_line = f"{layout.describe(fl.sync_every)}, outer={fl.outer_optimizer if fl.is_federated else '-'}"
     if streaming_fl:
         layout_line += (f", fragments P={fl.num_fragments} sync delay={fl.sync_delay} alpha={fl.fragment_update_alpha}"
+                        f"{' (delayed local steps kept)' if fl.sync_delay and fl.delayed_local_steps == 'keep' else ''}"
                         f" exchange={fl.sync_dtype}{' +error feedback' if fl.error_feedback else ''}")
         if fl.sync_dtype == "sparse":
             layout_line += f" ({sparse_text(fl)})"
+    if fl.is_federated and fl.sync_warmup_steps:
+        layout_line += f", synchronous warm-up of {fl.sync_warmup_steps} steps (gradients averaged across groups)"
     if layout.num_groups > 1:
         layout_line += f", group weights {weights_text(layout.weights(fl.group_weighting))} ({fl.group_weighting})"
     sources = plan.sources

@@ -267,18 +267,26 @@ SCORED = {
 each group's own model, scored right before the sync of that step."""
 
 
+def groups_differ_after_syncs(fl) -> bool:
+    """A mid-run evaluation at a multiple of H scores groups that differ: fragments (P > 1),
+    alpha > 0, delayed local steps kept ("keep" with tau > 0), or a warm-up of K steps that is
+    not a multiple of H (the syncs fall at K + n H)."""
+    return (fl.num_fragments > 1 or bool(fl.fragment_update_alpha) or bool(fl.sync_warmup_steps % fl.sync_every)
+            or (fl.delayed_local_steps == "keep" and fl.sync_delay > 0))
+
+
 def scored(fl, final: bool, groups_in_last_sync: int | None = None) -> str:
     """What an evaluation after the step's sync scores (a key of :data:`SCORED`).
 
     Mid-run evaluations fall on multiples of H, right after a sync: with one fragment and
-    alpha = 0 the groups are then identical; with fragments (P > 1) or alpha > 0 they are
-    not until the final full sync. ``groups_in_last_sync``: the federation groups the last
+    alpha = 0 the groups are then identical; otherwise (:func:`groups_differ_after_syncs`)
+    they are not until the final full sync. ``groups_in_last_sync``: the federation groups the last
     sync covered (fewer than ``fl.num_groups``: "own group")."""
     if not fl.is_federated:
         return "single group"
     if groups_in_last_sync is not None and groups_in_last_sync < fl.federation_size:
         return "own group"
-    if final or (fl.num_fragments == 1 and not fl.fragment_update_alpha):
+    if final or not groups_differ_after_syncs(fl):
         return "synchronized"
     return "own group per rank"
 

@@ -86,7 +86,7 @@ from recipes.host_load import HostLoad
 from recipes.inputs import batches, build_data, data_record, repeat_note, steps_per_epoch, stream_note
 from recipes.memory_check import check_memory
 from recipes.metrics import SCORED, Clock, Meter, eval_figures, eval_totals, evaluate, fl_accel_origin, \
-    launch_seconds, peak_host_mb, scored
+    groups_differ_after_syncs, launch_seconds, peak_host_mb, scored
 from recipes.modeling import build_model, build_optimizer, embedding_params, export_final_model, resolve_config
 from recipes.plots import plot_run_curves
 from recipes.run_folder import ROUNDS_LR_SCHEDULES, RunPlan, plan_run, prepare_output_dir, read_metrics, resume, \
@@ -325,8 +325,9 @@ def plan_evaluations(args, fl, max_steps: int) -> tuple[int, list[str]]:
         eval_every = math.ceil(eval_every / fl.sync_every) * fl.sync_every
         notes.append(f"eval_every rounded up to {eval_every}, a multiple of sync_every, so the synchronized model "
                      f"is evaluated")
-    if eval_every and fl.is_federated and (fl.num_fragments > 1 or fl.fragment_update_alpha):
-        notes.append("note: with fragments (or alpha > 0) the groups are never fully synchronized mid-run: a "
+    if eval_every and fl.is_federated and groups_differ_after_syncs(fl):
+        notes.append("note: with fragments (or alpha > 0, delayed local steps kept, a warm-up not a multiple of "
+                     "sync_every) the groups are not synchronized at the evaluation steps: a "
                      "mid-run evaluation scores each rank's rows with its own group's model (eval/scored: "
                      "'own group per rank'; --eval_groups scores every group's model before the sync); the final "
                      "one follows the final full sync")

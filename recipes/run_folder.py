@@ -156,7 +156,10 @@ def default_run_name(layout, fl) -> str:
     if fl.is_federated:
         name += f"-H{fl.sync_every}"
         if fl.num_fragments > 1 or fl.sync_delay:
-            name += f"-P{fl.num_fragments}-tau{fl.sync_delay}"
+            name += f"-P{fl.num_fragments}-tau{fl.sync_delay}" + ("-keep" if fl.delayed_local_steps == "keep" and
+                                                                   fl.sync_delay else "")
+        if fl.sync_warmup_steps:
+            name += f"-warm{fl.sync_warmup_steps}"
         if fl.fragment_update_alpha:
             name += f"-a{fl.fragment_update_alpha:g}"
         if fl.sync_dtype != "fp32":

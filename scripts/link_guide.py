@@ -17,6 +17,11 @@ GPU per step / (peak x MFU), an assumption the output states.
     python -m scripts.link_guide --params llama-8b --groups 2 --gpus-per-group 64 --link 10mbit
     python -m scripts.link_guide --params tiny llama-1b llama-8b --groups 2 --gpus-per-group 64
     python -m scripts.link_guide --params 3e9 --link 1gbit --compute-s 4 --json
+    python -m scripts.link_guide --params llama-1b --link 100mbit --sync-warmup-steps 32   # + the warm-up's cost
+
+A synchronous warm-up (``FLConfig.sync_warmup_steps`` K) averages every gradient across the
+groups before each of its K steps (fp32 on the wire, not overlapped): ``--sync-warmup-steps``
+adds its bytes per GPU over the link and its seconds against the same K steps without it.
 """
 
 from __future__ import annotations
@@ -179,12 +184,32 @@ def evaluate(model: Model, setting: Setting, *, groups: int, gpus_per_group: int
             "exchange_s": t.comm_s_by_axis["fl"], "link_for_threshold_bits_per_s": None if need is None else 8 * need}
 
 
+def warmup_cost(model: Model, steps: int, *, groups: int, gpus_per_group: int, link_bits_per_s: float,
+                compute_s: float) -> dict[str, Any]:
+    """The cost model's figures of a synchronous warm-up of ``steps`` optimizer steps (each: a
+    weighted fp32 mean of every gradient shard across the groups, blocking): ``bytes_per_gpu``
+    over the link in all, ``seconds`` of those steps and ``extra_seconds`` over the same steps
+    without the mean (compute and in-group traffic only).
+
+    Raises:
+        ValueError: bad sizes (naming the argument).
+    """
+    K, F, G = _int("--sync-warmup-steps", steps), _int("--groups", groups), _int("--gpus-per-group", gpus_per_group)
+    est = estimate(FLLayout.equal(F, 1, G), list(model.units), sync_every=1, total_steps=K, sync_warmup_steps=K,
+                   ranks_per_node=G)
+    t = predict_step_time(est, compute_s=compute_s, intra_node_bw=IN_GROUP_BW,
+                          inter_node_bw=_num("--link", link_bits_per_s) / 8)
+    return {"steps": K, "bytes_per_gpu": K * est.by_axis()["fl"], "seconds": K * t.step_s,
+            "extra_seconds": K * t.exposed_sync_s}
+
+
 def guide(models: Sequence[Model], links: Sequence[float], *, groups: int, gpus_per_group: int,
           compute_s: float | None = None, tokens_per_gpu: float = DEFAULT_TOKENS_PER_GPU,
           peak_tflops: float = DEFAULT_PEAK_TFLOPS, mfu: float = DEFAULT_MFU,
-          threshold: float = THRESHOLD) -> list[dict[str, Any]]:
-    """One row per (model, link): its compute time (``compute_s``, else :func:`compute_seconds`)
-    and :func:`evaluate` of every :data:`SETTINGS` entry."""
+          threshold: float = THRESHOLD, warmup_steps: int = 0) -> list[dict[str, Any]]:
+    """One row per (model, link): its compute time (``compute_s``, else :func:`compute_seconds`),
+    :func:`evaluate` of every :data:`SETTINGS` entry and, with ``warmup_steps`` > 0, the
+    warm-up's cost (:func:`warmup_cost`; else None)."""
     if not 0 < _num("--threshold", threshold) <= 1:
         raise ValueError(f"--threshold must be in (0, 1], got {threshold!r}")
     rows = []
@@ -194,9 +219,11 @@ def guide(models: Sequence[Model], links: Sequence[float], *, groups: int, gpus_
         for link in links:
             results = [evaluate(model, s, groups=groups, gpus_per_group=gpus_per_group, link_bits_per_s=link,
                                 compute_s=c, threshold=threshold) for s in SETTINGS]
+            warm = warmup_cost(model, warmup_steps, groups=groups, gpus_per_group=gpus_per_group,
+                               link_bits_per_s=link, compute_s=c) if warmup_steps else None
             rows.append({"model": model.name, "params": model.params, "groups": groups,
                          "gpus_per_group": gpus_per_group, "link_bits_per_s": link, "compute_s": c,
-                         "results": results})
+                         "results": results, "warmup": warm})
     return rows
 
 
@@ -246,6 +273,18 @@ def needs_table(rows: Sequence[dict], threshold: float = THRESHOLD) -> str:
                     tablefmt="github", disable_numparse=True)
 
 
+def warmup_lines(rows: Sequence[dict]) -> list[str]:
+    """One line per row with a warm-up: its bytes per GPU over the link and its seconds."""
+    out = []
+    for r in rows:
+        w = r.get("warmup")
+        if w:
+            out.append(f"  {r['model']} at {link_text(r['link_bits_per_s'])}: {w['steps']} warm-up steps send "
+                       f"{w['bytes_per_gpu'] / 1e9:.3g} GB per GPU over the link and take {w['seconds']:.3g} s, "
+                       f"{w['extra_seconds']:.3g} s more than {w['steps']} local steps")
+    return out
+
+
 def quality_lines() -> list[str]:
     """Where each setting's measured quality is: the grid table's rows (id and label)."""
     out = [f"Measured quality of each setting (tiny model, 3.4M tokens; {QUALITY_TABLE}, rows by id and label; "
@@ -277,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilization (default: %(default)s)")
     p.add_argument("--threshold", type=float, default=THRESHOLD, help="share of the limit to keep "
                    "(default: %(default)s)")
+    p.add_argument("--sync-warmup-steps", type=int, default=0, help="K: also the cost of a synchronous warm-up of "
+                   "K steps (FLConfig.sync_warmup_steps; default: %(default)s)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -284,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         models = [resolve_model(m, seq_len) for m in a.params]
         links = [parse_link(x) for x in a.link]
         rows = guide(models, links, groups=a.groups, gpus_per_group=a.gpus_per_group, compute_s=a.compute_s,
-                     tokens_per_gpu=a.tokens_per_gpu, peak_tflops=a.peak_tflops, mfu=a.mfu, threshold=a.threshold)
+                     tokens_per_gpu=a.tokens_per_gpu, peak_tflops=a.peak_tflops, mfu=a.mfu, threshold=a.threshold,
+                     warmup_steps=_int("--sync-warmup-steps", a.sync_warmup_steps, 0))
     except ValueError as exc:
         fail(exc)
     if a.compute_s is not None:
@@ -319,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(needs_table(rows, a.threshold))
     print()
+    if a.sync_warmup_steps:
+        print("The synchronous warm-up (a blocking fp32 mean of every gradient per step; model figures):")
+        print("\n".join(warmup_lines(rows)))
+        print()
     print("\n".join(quality_lines()))
     return 0
 

@@ -9,6 +9,8 @@ bf16 parameters and fp32 reduce, AdamW, FedAvg) on an A100-64GB::
     python -m scripts.memory_model --matrix                        # paper layouts x checkpointing x avg/nesterov
     python -m scripts.memory_model --activation-checkpointing full --outer-optimizer nesterov --outer-state-device cpu
     python -m scripts.memory_model --model llama3.2-1b --world-size 1 --group-size 1 --gpu-memory-gib 141 --json
+    python -m scripts.memory_model --sync-dtype int8 --num-fragments 2 --sync-every 16 --sync-delay 16 \
+        --delayed-local-steps keep             # overlap: 2 fragments in flight, +4 bytes/parameter each
 
 Verdict (:func:`fl_accel.planning.memory.verdict`): "does not fit" when the peak exceeds the
 GPU's memory less ``--headroom`` (default ALLOCATOR_HEADROOM, for the caching allocator);
@@ -122,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("world-size", int, 512, "N"), ("group-size", int, 4, "G"), ("shard-size", int, None, "S (default G)"),
             ("seq-len", int, 2048, "tokens per sequence"), ("micro-batch", int, 2, "sequences per forward"),
             ("sync-bucket-mb", int, 256, "FLConfig.sync_bucket_mb"), ("num-fragments", int, 1, "P"),
-            ("sync-delay", int, 0, "tau"), ("gradient-accumulation-steps", int, 1, ""),
+            ("sync-delay", int, 0, "tau"), ("sync-every", int, 8, "H (with tau: the exchanges in flight)"),
+            ("gradient-accumulation-steps", int, 1, ""),
             ("sync-density", float, 1 / 64, "FLConfig.sync_density (sparse)"),
             ("sync-value-bits", int, 2, "FLConfig.sync_value_bits (sparse)"),
             ("gpu-memory-gib", float, 64.0, "GPU memory (A100-64GB)"),
@@ -132,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           ("activation-checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer-optimizer", ("avg", "nesterov")),
                           ("sync-dtype", ("fp32", "bf16", "int8", "sparse")), ("outer-state-device", ("same", "cpu")),
-                          ("accelerator", ("cuda", "cpu"))]:
+                          ("accelerator", ("cuda", "cpu")), ("delayed-local-steps", ("discard", "keep"))]:
         p.add_argument("--" + flag, choices=choices, default=choices[0], help="(default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--matrix", action="store_true", help="the paper's layouts x checkpointing x avg/nesterov")
@@ -146,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = dict(seq_len=a.seq_len, micro_batch=a.micro_batch, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
                   attention=a.attention, optimizer=a.optimizer, sync_dtype=a.sync_dtype,
                   error_feedback=a.error_feedback, sync_bucket_mb=a.sync_bucket_mb, num_fragments=a.num_fragments,
-                  sync_delay=a.sync_delay, gradient_accumulation_steps=a.gradient_accumulation_steps,
+                  sync_delay=a.sync_delay, sync_every=a.sync_every, delayed_local_steps=a.delayed_local_steps,
+                  gradient_accumulation_steps=a.gradient_accumulation_steps,
                   sync_density=a.sync_density, sync_value_bits=a.sync_value_bits,
                   accelerator=a.accelerator)
         if a.matrix:

@@ -95,6 +95,7 @@ last full run, tests/conftest.py ``FL_ACCEL_TEST_CPU``), longest first: collecte
 
 HEAVY_FIRST = ("ft/test_ft.py", "ft/test_ft_launch.py", "recipe/test_failures.py", "dist/test_examples.py", "dist/test_unequal_groups.py", "recipe/test_recipe.py",
                "recipe/test_recipe_lifecycle.py", "tools/test_bench.py", "dist/test_streaming_sync.py",
+               "dist/test_overlap_sync.py", "recipe/test_recipe_overlap.py",
                "dist/test_scale.py", "dist/test_accelerator_api.py", "recipe/test_bad_inputs.py",
                "recipe/test_data_default_corpus.py", "tools/test_netemu.py", "dist/test_sync_gloo.py",
                "dist/test_checkpoint_gloo.py")

@@ -19,18 +19,19 @@ pads; a world all-reduce of F fp32 flags checks for NaN/Inf::
     fl = 2 (F-1)/F n/C b  (b = 4 fp32, 2 bf16, 1 + 4/256 int8);  dp_replicate = (R_f-1)/R_f 4n;  world = 2 (N-1)/N 4F
     sparse: fl = (F-1) n/(4096 C) (8 + k (2 + bits/8))   (an all-gather; k = :func:`fl_accel.wire.sparse_k`)
 
-With ``total_steps`` T: floor(T P/H) fragment syncs, one more launched in its tau-step
-window, and ``end_training``'s full sync unless step T ended one (P = 1). With a lossy
-``sync_dtype`` and ``final_sync="exact"`` the final full sync (step T's, or end_training's)
-is an fp32 one.
+With ``total_steps`` T, K = ``sync_warmup_steps`` of them a warm-up (an fp32 mean of every gradient
+shard per step, K/T per step): the events of the T - K steps after it, one every H/P, less those
+launched at or before step K, plus those launched by step T (end_training completes them), and
+``end_training``'s full sync unless step T ended one with nothing in flight (P = 1, "discard"); with
+a lossy ``sync_dtype`` and ``final_sync="exact"`` that final sync is fp32.
 
 Time (:func:`predict_step_time`), per axis: bytes / bw + latency_s per collective; bw =
 ``intra_node_bw``, or ``inter_node_bw`` / ranks sharing a NIC for an axis spanning nodes.
-FSDP's collectives are not overlapped (an upper bound); the exchange overlaps tau steps:
-exposed = max(0, t_fl - tau compute_s) per fragment sync, plus chunk sharing and flags.
+FSDP's collectives are not overlapped (an upper bound); an exchange overlaps d = min(tau, H/P)
+steps (one fragment's exchange per H/P steps on the link: a longer delay hides no more bytes):
+exposed = max(0, t_fl - d compute_s) per fragment sync, plus chunk sharing, flags, the warm-up.
 :func:`share_of_limit`: tokens/s over the no-sync limit's, (step_s - exposed) / step_s;
-:func:`link_for_share`: the slowest link that keeps a share.
-CLIs: ``python -m scripts.cost_model -h``, ``python -m scripts.link_guide -h``.
+:func:`link_for_share`: the slowest link that keeps a share. CLIs: ``python -m scripts.cost_model``, ``scripts.link_guide``.
 """
 
 from __future__ import annotations
@@ -80,9 +81,8 @@ class ShardUnit:
 
     def local_sizes(self, shards: int) -> list[int]:
         """Elements per parameter on shard 0, the largest: ceil(dim0 / S) rows."""
-        if self.shapes is None:
-            return [math.ceil(self.numel / shards)]
-        return [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
+        return [math.ceil(self.numel / shards)] if self.shapes is None else \
+            [math.ceil((s or (1,))[0] / shards) * math.prod(s[1:]) for s in self.shapes]
 
     def padded_numel(self, shards: int) -> int:
         """Elements of FSDP2's all-gather output (``numel`` without shapes)."""
@@ -115,13 +115,13 @@ class Traffic:
         return sum(self.bytes.get(axis, {}).values())
 
 
-def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: int) -> list[Traffic]:
+def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: int, flags: bool = True) -> list:
     """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values on the wire
-    ``(sync_dtype, density, bits)`` (:func:`fl_accel.wire.padding`, :func:`fl_accel.wire.wire_ops`)."""
-    F, C, N = layout.num_groups, layout.min_replicas, layout.world_size
+    ``(sync_dtype, density, bits)`` (:func:`fl_accel.wire.padding`, :func:`fl_accel.wire.wire_ops`),
+    with the non-finite ``flags`` of a sync event."""
+    F, C, N, out = layout.num_groups, layout.min_replicas, layout.world_size, []
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
     pad = padding(wire[0], F, C)
-    out = []
     for f in range(F):
         t, R = Traffic(), layout.replicas_of(f)
         for n in buckets:
@@ -132,7 +132,7 @@ def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: 
                 t.add(DP_REPLICATE, "all_gather", 4 * chunk * C, R)
             else:
                 t.add(DP_REPLICATE, "broadcast", 4 * chunk, R, calls=C)
-        t.add(WORLD, "all_reduce", 4 * F, N)
+        t.add(WORLD, "all_reduce", 4 * F, N if flags else 1)  # p = 1: nothing sent
         out.append(t)
     return out
 
@@ -140,9 +140,9 @@ def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: 
 @dataclass
 class CommEstimate:
     """:func:`estimate`'s bytes per rank: Traffic of a step (``step[f]``), a sync of fragment
-    k (``fragments[k][f]``), a full sync (``full[f]``), such events per step (``weights``,
-    ``full_weight``). Splits per step, max over groups: ``total``, ``intra_group``,
-    ``inter_group`` (fl + world), ``intra_node``/``inter_node`` (need ``ranks_per_node``)."""
+    k (``fragments[k][f]``), a full sync (``full[f]``), a warm-up's gradient mean (``warmup[f]``),
+    such events per step (``weights``, ``full_weight``, ``warmup_weight``). Splits per step, max
+    over groups: ``total``, ``intra_group``, ``inter_group`` (fl + world), ``intra_node``/``inter_node``."""
 
     layout: FLLayout
     sync_every: int
@@ -156,6 +156,8 @@ class CommEstimate:
     full_weight: float
     ranks_per_node: int | None
     params: int
+    warmup: list = field(default_factory=list)
+    warmup_weight: float = 0.0
 
     def by_group(self, amortized: bool = True) -> list[dict[str, float]]:
         """Per group: ``{bucket: bytes per step}``."""
@@ -164,6 +166,7 @@ class CommEstimate:
             ev = [(self.step[f], 1.0)]
             if amortized and self.full:
                 ev += [(fr[f], w) for fr, w in zip(self.fragments, self.weights)] + [(self.full[f], self.full_weight)]
+                ev += [(self.warmup[f], self.warmup_weight)] if self.warmup else []
             out.append({a: sum(w * t.of(a) for t, w in ev) for a in BUCKETS})
         return out
 
@@ -206,6 +209,7 @@ class CommEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("sync_every", "num_fragments", "sync_delay", "sync_dtype", "params", "ranks_per_node", "spans_nodes",
+                "warmup_weight",
                 "peak_sync_bytes", "total", "intra_group", "inter_group", "intra_node", "inter_node")
         return {"layout": self.layout.as_dict(), "by_axis": self.by_axis(), "by_group": self.by_group(),
                 "sync_by_axis": self.sync_by_axis(), **{k: getattr(self, k) for k in keys}}
@@ -215,22 +219,22 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              sync_dtype: str = "fp32", param_bytes: float = 4, grad_bytes: float | None = None,
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
              sync_delay: int = 0, sync_bucket_mb: int = 256, sync_density: float = 1 / 64,
-             sync_value_bits: int = 2, final_sync: str = "exact") -> CommEstimate:
+             sync_value_bits: int = 2, final_sync: str = "exact", delayed_local_steps: str = "discard",
+             sync_warmup_steps: int = 0) -> CommEstimate:
     """Bytes per rank per step of ``layout`` training ``units`` (ShardUnits or a parameter
     count); sync arguments as FLConfig's; bytes per gathered parameter / reduced gradient;
     A micro-batches; ``ranks_per_node``: the node split; ``total_steps`` T: a T-step run's
-    syncs instead of 1/H per step, the final full sync in fp32 when ``final_sync="exact"``
-    and ``sync_dtype`` is lossy. ValueError naming the argument."""
+    syncs (and warm-up) instead of 1/H per step, the final full sync in fp32 when
+    ``final_sync="exact"`` and ``sync_dtype`` is lossy. ValueError naming the argument."""
     H, P, A = _int("sync_every", sync_every), _int("num_fragments", num_fragments), _int("micro_batches", micro_batches)
-    period, tau = H // P, _int("sync_delay", sync_delay, minimum=0)
-    if H % P or tau >= period:
-        raise ValueError(f"sync_every={H} must be a multiple of num_fragments={P}, and sync_delay={tau} < H/P")
+    period, tau, K = H // P, _int("sync_delay", sync_delay, minimum=0), _int("sync_warmup_steps", sync_warmup_steps, 0)
+    if H % P or tau > H:
+        raise ValueError(f"sync_every={H} must be a multiple of num_fragments={P}, and sync_delay={tau} <= H")
     if sync_dtype not in SYNC_DTYPES:
         raise ValueError(f"sync_dtype must be one of {list(SYNC_DTYPES)}, got {sync_dtype!r}")
     pb = _num("param_bytes", param_bytes)
     gb = pb if grad_bytes is None else _num("grad_bytes", grad_bytes)
-    if ranks_per_node is not None:
-        _int("ranks_per_node", ranks_per_node)
+    _int("ranks_per_node", ranks_per_node) if ranks_per_node is not None else None
     units = units_from_param_count(units) if isinstance(units, (int, float)) else list(units)
     if not units or not all(isinstance(u, ShardUnit) for u in units):
         raise ValueError("units must be a non-empty list of ShardUnit or a positive parameter count")
@@ -242,28 +246,29 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
             t.add(DP_SHARD, "all_gather", n * pb, S, calls=A * u.gathers)
             t.add(DP_SHARD, "reduce_scatter", n * gb, S)
             t.add(DP_REPLICATE, "all_reduce", n * gb / S, layout.replicas_of(f))
-    fragments, full, weights, full_weight = [], [], [], 0.0
+    fragments, full, weights, full_weight, warmup, warmup_weight = [], [], [], 0.0, [], 0.0
     if layout.is_federated and F > 1:
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in part for n in u.local_sizes(S)] for part in deal_fragments(units, P)]
         wire = (sync_dtype, sync_density, sync_value_bits)
         exact = sync_dtype != "fp32" and final_sync == "exact"  # a lossy codec's last sync is fp32
         fragments = [_sync_event(layout, s, wire, bucket) for s in sizes]
-        full = _sync_event(layout, [n for u in units for n in u.local_sizes(S)], ("fp32",) if exact else wire,
-                           bucket)
+        every = [n for u in units for n in u.local_sizes(S)]
+        full = _sync_event(layout, every, ("fp32",) if exact else wire, bucket)
         weights = [1.0 / H] * P
         if total_steps is not None:
             T = _int("total_steps", total_steps)
-            n, rest = divmod(T, period)
-            counts = [n // P + (k < n % P) for k in range(P)]
-            if tau and rest >= period - tau:
-                counts[n % P] += 1  # launched early; end_training's sync completes it
-            full_weight = 0.0 if P == 1 and rest == 0 else 1.0 / T
+            warmup, warmup_weight = _sync_event(layout, every, ("fp32",), bucket, flags=False), min(K, T) / T
+            n, rest = divmod(T - min(K, T), period)
+            last = n + ((rest + tau) // period if tau else 0)  # events launched by step T (end_training completes)
+            counts = [sum(1 for e in range(tau // period + 1, last + 1) if (e - 1) % P == k) for k in range(P)]
+            held = last > n or (delayed_local_steps == "keep" and tau > 0)  # the groups differ after step T
+            full_weight = 0.0 if (P == 1 and rest == 0 and not held) or T <= K else 1.0 / T
             if exact and not full_weight and n:  # step T's sync is the final one: exact
                 counts[0], full_weight = counts[0] - 1, 1.0 / T
             weights = [c / T for c in counts]
     return CommEstimate(layout, H, P, sync_dtype, tau, step, fragments, full, weights, full_weight, ranks_per_node,
-                        sum(u.numel for u in units))
+                        sum(u.numel for u in units), warmup, warmup_weight)
 
 
 def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit] | float, *,
@@ -271,7 +276,7 @@ def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit
     """:func:`estimate` of an FLConfig's layout and sync fields (``kw`` overrides them)."""
     layout = FLLayout.from_config(config, world_size, ranks_per_node)
     names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
-             "sync_value_bits", "final_sync")
+             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps")
     return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 
@@ -292,12 +297,12 @@ def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: flo
                       sync_delay: int | None = None, tokens_per_rank: float | None = None) -> StepTime:
     """Step time of the slowest group: bandwidths in bytes/s per direction; ``ranks_per_nic``
     an int or ``{axis: int}`` (default ``layout.link_share``). ValueError: no
-    ``ranks_per_node`` in ``est``, a bandwidth <= 0, tau not in [0, H/P)."""
+    ``ranks_per_node`` in ``est``, a bandwidth <= 0, tau not in [0, H]."""
     compute_s, latency_s = _num("compute_s", compute_s, True), _num("latency_s", latency_s, True)
     intra, inter = _num("intra_node_bw", intra_node_bw), _num("inter_node_bw", inter_node_bw)
     tau = est.sync_delay if sync_delay is None else _int("sync_delay", sync_delay, minimum=0)
-    if tau >= est.sync_every // est.num_fragments:
-        raise ValueError(f"sync_delay={tau} must be < sync_every/num_fragments")
+    if tau > est.sync_every:
+        raise ValueError(f"sync_delay={tau} must be <= sync_every")
     if est.spans_nodes is None:
         raise ValueError("estimate(..., ranks_per_node=...) is needed to tell intra- from inter-node links")
     nic = ranks_per_nic if isinstance(ranks_per_nic, Mapping) else dict.fromkeys(BUCKETS, ranks_per_nic)
@@ -312,8 +317,9 @@ def predict_step_time(est: CommEstimate, *, compute_s: float, intra_node_bw: flo
     worst = None
     for f in range(est.layout.num_groups):
         train = secs(est.step[f])
-        events = [(secs(fr[f]), w, tau) for fr, w in zip(est.fragments, est.weights)]
-        events += [(secs(est.full[f]), est.full_weight, 0)] if est.full else []
+        events = [(secs(fr[f]), w, min(tau, est.sync_every // est.num_fragments))  # one exchange per H/P steps
+                  for fr, w in zip(est.fragments, est.weights)]
+        events += [(secs(t[f]), w, 0) for t, w in ((est.full, est.full_weight), (est.warmup, est.warmup_weight)) if t]
         busy = {a: train[a] + sum(w * s[a] for s, w, _ in events) for a in BUCKETS}
         exposed = sum(w * (max(0.0, s[FL] - d * compute_s) + s[DP_REPLICATE] + s[WORLD]) for s, w, d in events)
         step_s = compute_s + sum(train.values()) + exposed
@@ -345,10 +351,8 @@ def link_for_share(est: CommEstimate, share: float, *, compute_s: float, intra_n
                                                 latency_s=latency_s)) >= share
 
     lo, hi = 1.0, _num("highest_bw", highest_bw)
-    if not ok(hi):
-        return None
-    if ok(lo):
-        return lo
+    if ok(lo) or not ok(hi):  # the slowest link already keeps it, or none does (latency-bound)
+        return lo if ok(hi) else None
     while hi / lo > 1.001:
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)

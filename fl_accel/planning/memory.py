@@ -39,7 +39,11 @@ dim. Components:
   difference, plus F + 1 payloads of :func:`fl_accel.wire.sparse_bytes`, the gathered
   ones and this rank's), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
   state on the host: one anchor tensor at a time instead). With ``sync_delay`` > 0 a
-  fragment's exchange stays in flight during training;
+  fragment's exchange stays in flight during training, up to m = min(P, ceil(tau P / H)) of
+  them at once (m x the buffers of the largest fragment); with ``delayed_local_steps="keep"``
+  each rank also keeps its fp32 parameters at each launch, 4 n_k per fragment in flight (in
+  the outer state, on ``outer_state_device``). The warm-up (``sync_warmup_steps``) exchanges
+  the gradients in fp32 buckets like a blocking sync, after the backward: within the "sync" moment;
 - CUDA context and NCCL: :data:`CUDA_CONTEXT_BYTES` (not in ``max_memory_allocated``).
 
 The peak is the largest of four moments (each a sum of what lives then): "loss" (end of
@@ -119,8 +123,8 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
              param_dtype: str = "bf16", reduce_dtype: str = "fp32", activation_checkpointing: str = "none",
              attention: str = "sdpa", optimizer: str = "foreach", outer_optimizer: str = "avg",
              sync_dtype: str = "fp32", error_feedback: bool = False, outer_state_device: str = "same",
-             sync_bucket_mb: int = 256, num_fragments: int = 1, sync_delay: int = 0,
-             sync_density: float = 1 / 64, sync_value_bits: int = 2,
+             sync_bucket_mb: int = 256, num_fragments: int = 1, sync_delay: int = 0, sync_every: int = 8,
+             sync_density: float = 1 / 64, sync_value_bits: int = 2, delayed_local_steps: str = "discard",
              gradient_accumulation_steps: int = 1, accelerator: str = "cuda", units: Any = None,
              buckets_in_flight: int | None = SYNC_BUCKETS_IN_FLIGHT) -> MemoryEstimate:
     """Peak accelerator memory of one rank, in bytes, by component and moment (module docstring).
@@ -136,7 +140,8 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         activation_checkpointing: "none" | "full". attention: "sdpa" | "eager".
         optimizer: AdamW's implementation: "foreach" | "fused" | "for-loop".
         outer_optimizer, sync_dtype, error_feedback, outer_state_device, sync_bucket_mb,
-            num_fragments, sync_delay, sync_density, sync_value_bits: as :class:`fl_accel.config.FLConfig`.
+            num_fragments, sync_delay, sync_every, sync_density, sync_value_bits, delayed_local_steps:
+            as :class:`fl_accel.config.FLConfig` (H only counts the exchanges in flight).
         gradient_accumulation_steps: > 1 keeps gradients alive through the next forward.
         accelerator: "cuda" (adds :data:`CUDA_CONTEXT_BYTES`) | "cpu".
         units: :class:`fl_accel.planning.cost.ShardUnit` list (default ``llama_units(config)``).
@@ -155,6 +160,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
                           ("activation_checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer_optimizer", ("avg", "nesterov")),
                           ("sync_dtype", ("fp32", "bf16", "int8", "sparse")), ("outer_state_device", ("same", "cpu")),
+                          ("delayed_local_steps", ("discard", "keep")),
                           ("accelerator", ("cuda", "cpu"))):
         if inputs[name] not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, got {inputs[name]!r}")
@@ -202,10 +208,14 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         if sync_dtype == "sparse":  # held / C values per chunk, padded to whole 4096-value blocks
             chunk = math.ceil(held / C / SPARSE_BLOCK) * SPARSE_BLOCK
             inflight += 12 * held / C + (F + 1) * sparse_bytes(chunk, sync_density, sync_value_bits)
+        tau, H = _int("sync_delay", sync_delay, minimum=0), _int("sync_every", sync_every)
+        flying = min(P, math.ceil(tau * P / H)) if tau else 0  # exchanges in flight at once
         host = outer_state_device == "cpu" and (outer_optimizer == "nesterov" or compressed)
-        sync = inflight + 4 * nk * (outer_optimizer == "nesterov" and not compressed and not host) \
+        sync = inflight * max(1, flying) + 4 * nk * (outer_optimizer == "nesterov" and not compressed and not host) \
             + 4 * biggest * host * (1 + bool(error_feedback))  # one anchor (residual) tensor copied at a time
-        inflight = inflight if _int("sync_delay", sync_delay, minimum=0) else 0.0
+        inflight *= flying
+        if delayed_local_steps == "keep" and outer_state_device == "same":
+            outer += 4 * nk * flying
     temps = {"foreach": 4 * n, "fused": 0, "for-loop": 8 * biggest}[optimizer]
     grads = 4 * n
     base = {"parameters": 4 * n, "optimizer_state": 8 * n, "outer_state": outer}
@@ -237,7 +247,7 @@ def estimate_for_run(model_config: Any, fl: Any, world_size: int, **kw: Any) -> 
     """
 
     names = ("outer_optimizer", "sync_dtype", "error_feedback", "sync_bucket_mb", "num_fragments", "sync_delay",
-             "sync_density", "sync_value_bits")
+             "sync_every", "sync_density", "sync_value_bits", "delayed_local_steps")
     fields = {n: getattr(fl, n) for n in names}
     fields["outer_state_device"] = getattr(fl, "outer_state_device", getattr(fl, "anchor_device", "same"))
     return estimate(model_config, layout=FLLayout.from_config(fl, world_size), **{**fields, **kw})

@@ -153,7 +153,7 @@ HSDP_SCENARIOS = [
 # (case, FLConfig fields, fields overwritten after construction, field the message must name)
 BAD_CASES = [
     ("h_not_multiple_of_p", {"sync_every": 5, "num_fragments": 2}, {}, "num_fragments"),
-    ("tau_not_below_h_over_p", {"sync_every": 6, "num_fragments": 2, "sync_delay": 3}, {}, "sync_delay"),
+    ("tau_above_h", {"sync_every": 6, "num_fragments": 2, "sync_delay": 7}, {}, "sync_delay"),  # issue 46: tau <= H
     ("tau_negative", {"sync_delay": -1}, {}, "sync_delay"),
     ("alpha_above_one", {"fragment_update_alpha": 1.5}, {}, "fragment_update_alpha"),
     ("alpha_negative", {"fragment_update_alpha": -0.1}, {}, "fragment_update_alpha"),
@@ -165,7 +165,7 @@ BAD_CASES = [
     ("sparse_without_error_feedback", {"sync_dtype": "sparse"}, {}, "error_feedback"),
     # valid when built, broken by a changed copy: dataclasses.replace validates it like a new one
     ("set_h_not_multiple_of_p", {"sync_every": 6}, {"num_fragments": 4}, "num_fragments"),
-    ("set_tau_too_large", {"sync_every": 6, "num_fragments": 2}, {"sync_delay": 3}, "sync_delay"),
+    ("set_tau_too_large", {"sync_every": 6, "num_fragments": 2}, {"sync_delay": 7}, "sync_delay"),
     ("set_alpha_above_one", {}, {"fragment_update_alpha": 2.0}, "fragment_update_alpha"),
     ("set_unknown_sync_dtype", {}, {"sync_dtype": "int4"}, "sync_dtype"),
     ("set_unknown_outer_state_device", {}, {"outer_state_device": "cuda"}, "outer_state_device"),

@@ -156,3 +156,38 @@ def test_sync_on_cuda_streams_events_and_bounded_buckets():
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base <= 3 * 4 * mib, torch.cuda.max_memory_allocated() - base
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies and CUDA events of the kept "
+                    "parameters need a GPU")
+def test_overlap_keep_and_warmup_on_cuda_match_the_cpu_run():
+    """No process group (the fake transport): P=2, H=4, tau=H, "keep" (two fragments in flight,
+    each rank's parameters at the launch kept on the GPU, or pinned on the host with
+    outer_state_device="cpu"), and a 2-step warm-up whose gradient mean runs before the
+    optimizer step: the CUDA runs give the CPU run's parameters (fp32 exchange; within 1e-5, the
+    GPU's fused multiply-adds in the outer step aside), and the kept parameters of "cpu" are
+    pinned host tensors."""
+    from unit.test_schedule import FakeTransport, _synchronizer
+
+    fields = dict(sync_every=4, num_fragments=2, sync_delay=4, delayed_local_steps="keep", sync_warmup_steps=2,
+                  outer_optimizer="nesterov")
+    results = {}
+    for device, where in (("cpu", "same"), ("cuda", "same"), ("cuda", "cpu")):
+        transport = FakeTransport(offset=1.0)
+        transport.device = torch.device(device)
+        sync, params = _synchronizer(transport, device=device, outer_state_device=where, **fields)
+        sync.attach()
+        for step in range(9):
+            for p in params:
+                p.grad = torch.full_like(p, 0.01 * (step + 1))
+            sync.optimizer.step()
+            if step == 6 and where == "cpu":
+                kept = [t for f in sync.fragments for t in (f.launched or ())]
+                assert kept and all(t.device.type == "cpu" and t.is_pinned() for t in kept)
+        sync.sync(final=True)
+        torch.cuda.synchronize()
+        results[(device, where)] = [p.detach().cpu() for p in params]
+        sync.detach()
+    for key in (("cuda", "same"), ("cuda", "cpu")):
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(results[("cpu", "same")], results[key])), \
+            key

@@ -451,6 +451,8 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", *(f"{r}-seed43" for r in (
                  "fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                  "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3")),
+             *(f"{r}-seed43" for r in ("fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
+                                       "fl_fsdp-h8-warm32-lr1e-3")),
              "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
@@ -472,7 +474,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     ablation = ["fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
-                "fl_fsdp-h8-lr2e-3"]
+                "fl_fsdp-h8-lr2e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
+                "fl_fsdp-h8-warm32-lr1e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, *ablation, *SEED_ROWS]
@@ -527,6 +530,21 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert rows["fl_fsdp-h16-tau2-lr1e-3"].label == "FL+FSDP H=16 P=1 tau=2 learning_rate 1e-3"
     assert bp.ABLATION_BASE in rows and bp.ABLATION_FAST in rows
     assert all(r in rows and f"{r}-seed43" in rows for r in (x["id"] for x in bp.ABLATION_ROWS))
+    # issue 46 items 2 and 3: the overlap (tau = H, local steps kept) and the warm-up, seeds 42 and 43
+    assert fed["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"] == h16 + ["--num_fragments", "2", "--sync_delay", "16",
+                                                                     "--sync_dtype", "int8", "--error_feedback"]
+    assert rows["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
+                                                                           "--delayed_local_steps", "keep")
+    assert fed["fl_fsdp-h16-tau16-keep-lr1e-3"] == h16 + ["--sync_delay", "16"]
+    assert rows["fl_fsdp-h8-warm32-lr1e-3"].extra_flags == ("--learning_rate", "1e-3", "--sync_warmup_steps", "32")
+    assert rows["fl_fsdp-h16-tau16-keep-lr1e-3"].label == \
+        "FL+FSDP H=16 P=1 tau=16 learning_rate 1e-3 delayed_local_steps keep"
+    assert rows["fl_fsdp-h8-warm32-lr1e-3-seed43"].label == \
+        "FL+FSDP H=8 learning_rate 1e-3 sync_warmup_steps 32 (seed 43)"
+    for r in bp.TUNED_ROWS:  # each row's flags make a valid FLConfig (the recipe would refuse it otherwise)
+        from recipes.args import parse_args
+
+        parse_args(args[r["id"]][1:], environ={"WORLD_SIZE": "4"})
     assert all(r.world == 4 and r.nodes == 1 and r.path == r.id for r in rows.values())
     assert rows["fl_fsdp-h8-nesterov"].label == "FL+FSDP H=8 nesterov(0.7, 0.9)"
     assert rows["fsdp-seed43"].label == "FSDP (seed 43)"

@@ -51,6 +51,7 @@ def test_rows_are_one_line_each_and_valid():
     (peers.PeerRow("x", "accelerate", 8, outer_optimizer="avg", num_fragments=2), "LocalSGD"),
     (peers.PeerRow("x", "accelerate", 8), "LocalSGD"),
     (peers.PeerRow("x", "deepspeed", 8), "tool must be"),
+    (peers.PeerRow("x", "fl_accel", 8, num_fragments=2, sync_delay=9), r"tau=9 must be in \[0, H\]"),
 ])
 def test_a_row_its_tool_cannot_run_is_refused(row, msg):
     with pytest.raises(peers.PeersError, match=msg):
@@ -99,6 +100,10 @@ def test_commands_of_each_tool(tmp_path):
         assert f"--nnodes 1 --node_rank 0 --master_addr <node{k}>" in line and f"--hostname <node{k}>" in line
         assert f"--replica_group {k} --num_replica_groups 2" in line and f"/w/x/group{k}" in line
         assert "--num_fragments 2 --sync_delay 2" in line and "torchft_diloco.py" in line
+    overlap = " ".join(peers.commands(p, rows["fl_accel-h16-p2-tau16-keep-int8-ef"], "/w/o", emu, 29600,
+                                      "10mbit")["node0"])
+    assert "--num_fragments 2 --sync_delay 16 --sync_dtype int8 --error_feedback" in overlap
+    assert "--delayed_local_steps keep" in overlap  # issue 46: the exchange behind a whole round, steps kept
     fl = peers.commands(p, rows["fl_accel-h16-p2-tau2-int8-ef"], "/w/y", emu, 29600, "10mbit")
     line = " ".join(fl["node1"])
     assert "--nnodes 2 --node_rank 1 --master_addr <node0>" in line and "recipes/pretrain.py" in line

@@ -37,7 +37,7 @@ def test_defaults():
     assert c.to_dict() == {
         "algorithm": "fl_fsdp", "num_groups": 2, "group_sizes": None, "group_weighting": "tokens",
         "hsdp_shard_size": None, "sync_every": 8, "sync_trigger": "steps", "sync_window_s": None, "num_fragments": 1, "sync_delay": 0,
-        "fragment_update_alpha": 0.0, "sync_dtype": "fp32", "sync_density": 1 / 64, "sync_value_bits": 2,
+        "delayed_local_steps": "discard", "fragment_update_alpha": 0.0, "sync_warmup_steps": 0, "sync_dtype": "fp32", "sync_density": 1 / 64, "sync_value_bits": 2,
         "error_feedback_decay": None, "sparse_aggregation": "senders", "final_sync": "exact",
         "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_lr_schedule": "constant",
@@ -123,7 +123,7 @@ def test_describe():
     ({"on_nonfinite": "ignore"}, None, "on_nonfinite"),
     ({"sync_bucket_mb": 0}, None, "sync_bucket_mb"),
     ({"sync_every": 6, "num_fragments": 4}, None, "num_fragments"),  # H not a multiple of P
-    ({"sync_every": 8, "num_fragments": 2, "sync_delay": 4}, None, "sync_delay"),  # tau >= H/P
+    ({"sync_every": 8, "num_fragments": 2, "sync_delay": 9}, None, "sync_delay"),  # tau > H (issue 46: tau <= H)
     ({"sync_delay": -1}, None, "sync_delay"),
     ({"fragment_update_alpha": 1.5}, None, "fragment_update_alpha"),
     ({"fragment_update_alpha": -0.1}, None, "fragment_update_alpha"),

@@ -223,7 +223,7 @@ def test_estimate_from_config_and_as_dict():
 
 @pytest.mark.parametrize("kwargs,name", [
     (dict(sync_every=0), "sync_every"), (dict(sync_every=8, num_fragments=3), "num_fragments"),
-    (dict(sync_every=8, num_fragments=2, sync_delay=4), "sync_delay"), (dict(sync_dtype="fp8"), "sync_dtype"),
+    (dict(sync_every=8, num_fragments=2, sync_delay=9), "sync_delay"), (dict(sync_dtype="fp8"), "sync_dtype"),
     (dict(param_bytes=0), "param_bytes"), (dict(grad_bytes=-2), "grad_bytes"),
     (dict(grad_bytes=float("nan")), "grad_bytes"), (dict(micro_batches=0), "micro_batches"),
     (dict(ranks_per_node=0), "ranks_per_node"), (dict(units=-5), "params"), (dict(units=[]), "units"),
@@ -307,7 +307,7 @@ def test_time_model_bad_inputs():
         cm.predict_step_time(est(EQ(1, 1, 8)), **kw)
     e = _two_nodes()
     for bad, name in [({"inter_node_bw": 0}, "inter_node_bw"), ({"compute_s": -1}, "compute_s"),
-                      ({"latency_s": -1}, "latency_s"), ({"sync_delay": 2}, "sync_delay"),
+                      ({"latency_s": -1}, "latency_s"), ({"sync_delay": 3}, "sync_delay"),
                       ({"ranks_per_nic": -1}, "ranks_per_nic")]:
         with pytest.raises(ValueError, match=name):
             cm.predict_step_time(e, **{**kw, **bad})

@@ -6,7 +6,8 @@ FL+FSDP, 2 federation groups of 2 ranks. Each scenario (keys: ``name``, ``fl`` F
 kwargs, ``max_steps`` the token budget in steps of a "steps" run, ``plan`` steps per group
 per round injected through ``_scenario.inject_round_plan`` or None, ``slow_factor`` per group:
 k, sleep k times each step's own time after it (the test hook that slows a group down),
-``save_after_round``/``save_dir``, ``load``) trains the tiny Llama of unequal_worker with SGD
+``save_after_round``/``save_dir``, ``load``, ``spy_exchange``: record the steps at which fragment
+0's exchange is launched and completed) trains the tiny Llama of unequal_worker with SGD
 (lr 1, no momentum) in the loop a user writes::
 
     acc.set_max_steps(T)
@@ -54,7 +55,12 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
     acc.set_max_steps(sc["max_steps"])
     rec = {"scenario": sc["name"], "rank": rank, "coords": [acc.group_index, acc.replica_index, acc.shard_index],
            "index_batches": index_batches, "init": _scenario.local_shards(params), "steps": {}, "syncs": {},
-           "weights": {}, "start": 0}
+           "weights": {}, "start": 0, "inflight": {}, "launched_at": [], "completed_at": []}
+    if sc.get("spy_exchange"):  # the steps at which fragment 0's exchange is launched and completed
+        frag = sync.fragments[0]
+        launch, finish = frag.launch, frag.finish
+        frag.launch = lambda *a: (rec["launched_at"].append(sync.schedule.global_step), launch(*a))[1]
+        frag.finish = lambda: (rec["completed_at"].append(sync.schedule.global_step), finish())[1]
     if sc.get("load"):
         meta = acc.load_state(sc["load"])
         rec["start"] = int(meta["group_steps"][acc.group_index])
@@ -72,6 +78,7 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
         t += 1
         rec["steps"][t] = _scenario.local_shards(params)
         rec["syncs"][t] = sync.schedule.num_syncs
+        rec["inflight"][t] = list(sync.schedule.inflight_fragments)
         if sync.schedule.local_step == 0:  # this step ended a round
             rec["weights"][t] = list(sync.last_membership.weights)
             if sync.planner.rounds is not None and sc.get("save_after_round") == len(sync.planner.rounds.rounds):

@@ -180,7 +180,8 @@ def run_scenario(sc: dict, out: Path, rank: int, last: bool) -> None:
             rec["steps"].append({"step": step + 1, "loss": loss.item(), "batch": x, "params": snap(),
                                  "comm": acc.comm_stats.as_dict(), "local_step": schedule.local_step,
                                  "num_fragment_syncs": schedule.num_fragment_syncs,
-                                 "inflight": schedule.inflight})
+                                 "inflight": schedule.inflight,
+                                 "inflight_fragments": list(schedule.inflight_fragments)})
             if step + 1 in sc.get("save_at", ()):
                 acc.save_state(str(out / sc["name"] / f"step_{step + 1}"), extra_meta={"completed_steps": step + 1})
                 rec["saved"].append({"step": step + 1, "sync_state": schedule.state_dict(), "params": snap()})
