@@ -1,10 +1,10 @@
 """Before a CUDA run prepares its model: will it fit? (``--memory_check``, docs/gpus_and_memory.md)
 
-The memory model's verdict (:func:`fl_accel.planning.memory.verdict`) for the run's model,
+The memory model's verdict (:func:`fl_accel.planning.fit.verdict`) for the run's model,
 layout, precision, checkpointing, micro-batch and sync settings, against the smallest GPU
 memory of the world (one all-reduce, so every rank decides alike). "does not fit": with
 ``--memory_check refuse`` (the default) a RecipeError on every rank naming the smallest
-changes that make it fit, as recipe flags (:func:`fl_accel.planning.memory.smallest_fixes`);
+changes that make it fit, as recipe flags (:func:`fl_accel.planning.fit.smallest_fixes`);
 ``warn`` prints the same and goes on; "tight" is a warning. Off CUDA (no GPU memory to
 exceed) and with ``--memory_check off`` nothing is checked.
 """
@@ -14,14 +14,15 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from fl_accel.planning.memory import estimate_for_run, smallest_fixes, verdict
+from fl_accel.planning.fit import smallest_fixes, verdict
+from fl_accel.planning.memory import estimate_for_run
 from recipes.args import RecipeError
 
 GIB = 2**30
 
 
 def fix_flags(changes: dict, world_size: int) -> str:
-    """A :class:`~fl_accel.planning.memory.MemoryFix`'s changes as recipe flags
+    """A :class:`~fl_accel.planning.fit.MemoryFix`'s changes as recipe flags
     (``--activation_checkpointing full --num_groups 16``)."""
     out = []
     for key, value in changes.items():

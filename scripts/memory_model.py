@@ -12,12 +12,12 @@ bf16 parameters and fp32 reduce, AdamW, FedAvg) on an A100-64GB::
     python -m scripts.memory_model --sync-dtype int8 --num-fragments 2 --sync-every 16 --sync-delay 16 \
         --delayed-local-steps keep             # overlap: 2 fragments in flight, +4 bytes/parameter each
 
-Verdict (:func:`fl_accel.planning.memory.verdict`): "does not fit" when the peak exceeds the
+Verdict (:func:`fl_accel.planning.fit.verdict`): "does not fit" when the peak exceeds the
 GPU's memory less ``--headroom`` (default ALLOCATOR_HEADROOM, for the caching allocator);
 "tight" when it fits with a margin under TIGHT_MARGIN of the GPU's memory; else "fits". When
 it does not fit the command names the smallest changes that make it fit (activation
 checkpointing, the outer state on the host, a smaller micro-batch with more accumulation,
-larger groups or shards: :func:`fl_accel.planning.memory.smallest_fixes`), as flags of this
+larger groups or shards: :func:`fl_accel.planning.fit.smallest_fixes`), as flags of this
 command, and exits with status 1; 0 otherwise (``--matrix``: always 0, it surveys options);
 2 with one ``error:`` line for bad input.
 """
@@ -31,8 +31,9 @@ from typing import Any, Sequence
 
 from fl_accel.planning.cost import _int
 from fl_accel.mesh import FLLayout
-from fl_accel.planning.memory import ALLOCATOR_HEADROOM, TIGHT_MARGIN, estimate, smallest_fixes
-from fl_accel.planning.memory import verdict as _verdict
+from fl_accel.planning.fit import TIGHT_MARGIN, smallest_fixes
+from fl_accel.planning.fit import verdict as _verdict
+from fl_accel.planning.memory import ALLOCATOR_HEADROOM, estimate
 from fl_accel.planning.units import LLAMA_3_1_8B
 from scripts.cli import fail
 
@@ -63,14 +64,14 @@ def model_config(name: str | None) -> tuple[Any, str]:
 
 
 def verdict(total: float, gpu_bytes: float, headroom: float) -> str:
-    """:func:`fl_accel.planning.memory.verdict`: "fits", "tight" or "does not fit"."""
+    """:func:`fl_accel.planning.fit.verdict`: "fits", "tight" or "does not fit"."""
     return _verdict(total, gpu_bytes, headroom)
 
 
 FLAGS = {"activation_checkpointing": "--activation-checkpointing", "outer_state_device": "--outer-state-device",
          "micro_batch": "--micro-batch", "gradient_accumulation_steps": "--gradient-accumulation-steps",
          "group_size": "--group-size", "shards": "--shard-size"}
-"""The flag of this command for each setting a :class:`~fl_accel.planning.memory.MemoryFix` changes."""
+"""The flag of this command for each setting a :class:`~fl_accel.planning.fit.MemoryFix` changes."""
 
 
 def fix_text(changes: dict, flags: dict = FLAGS) -> str:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fl_accel.planning import fit
 from fl_accel.planning import flops as fp
 from fl_accel.planning import memory as mm
 from fl_accel.planning import units as cm
@@ -257,12 +258,12 @@ def test_cli_paper_setting_and_matrix(capsys):
 
 def test_verdict_calls_tight_only_a_small_positive_margin():
     gpu, usable = 100 * GIB, 90 * GIB  # 10% headroom
-    assert mm.verdict(usable + 1, gpu, 0.10) == "does not fit"  # a negative margin is never "tight"
-    assert mm.verdict(usable, gpu, 0.10) == "tight"
-    assert mm.verdict(usable - (mm.TIGHT_MARGIN * gpu - 1), gpu, 0.10) == "tight"
-    assert mm.verdict(usable - mm.TIGHT_MARGIN * gpu, gpu, 0.10) == "fits"
+    assert fit.verdict(usable + 1, gpu, 0.10) == "does not fit"  # a negative margin is never "tight"
+    assert fit.verdict(usable, gpu, 0.10) == "tight"
+    assert fit.verdict(usable - (fit.TIGHT_MARGIN * gpu - 1), gpu, 0.10) == "tight"
+    assert fit.verdict(usable - fit.TIGHT_MARGIN * gpu, gpu, 0.10) == "fits"
     with pytest.raises(ValueError, match="headroom"):
-        mm.verdict(1, gpu, 1.0)
+        fit.verdict(1, gpu, 1.0)
 
 
 def test_does_not_fit_exits_1_and_names_the_smallest_changes_that_fit(capsys):
@@ -281,11 +282,11 @@ def test_does_not_fit_exits_1_and_names_the_smallest_changes_that_fit(capsys):
     assert cli.main(["--gpu-memory-gib", "40", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["verdict"] == "does not fit" and [f["flags"] for f in data["fixes"]] == suggested[:len(data["fixes"])]
-    fixes = mm.smallest_fixes(cm.LLAMA_3_1_8B, 60 * GIB, layout=FLLayout.equal(128, 1, 4), seq_len=2048,
+    fixes = fit.smallest_fixes(cm.LLAMA_3_1_8B, 60 * GIB, layout=FLLayout.equal(128, 1, 4), seq_len=2048,
                               micro_batch=2)
     assert fixes[0].changes == {"activation_checkpointing": "full"}
     assert {"micro_batch": 1, "gradient_accumulation_steps": 2} in [f.changes for f in fixes]  # tokens/step kept
-    assert mm.smallest_fixes(cm.LLAMA_3_1_8B, 4 * GIB, layout=FLLayout.equal(128, 1, 4), seq_len=2048,
+    assert fit.smallest_fixes(cm.LLAMA_3_1_8B, 4 * GIB, layout=FLLayout.equal(128, 1, 4), seq_len=2048,
                              micro_batch=2) == []
     assert cli.main(["--gpu-memory-gib", "4"]) == 1
     assert "no single change tried makes it fit" in capsys.readouterr().out
