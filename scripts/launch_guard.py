@@ -17,7 +17,8 @@ last. A failure without an error file (a signal, a script that does not record i
 prints torchrun's summary as torchrun would. ``accelerate launch`` of one process (no
 torchrun) ends with the script's own status and output.
 
-Exit status: the failed rank's (2 for the recipe's bad input; 128 + N for signal N), 0 when
+Exit status: the failed rank's (2 for the recipe's bad input, also when the rank recorded it and
+the launcher's SIGTERM then cut its exit short; 128 + N for signal N), 0 when
 every rank succeeded, 2 with one ``error:`` line for a command other than ``torchrun ...``
 or ``accelerate launch ...``. If this process was itself given a ``TORCHELASTIC_ERROR_FILE``
 (a launcher above it), the first failure's file is copied there, as torchrun's ``@record`` does.
@@ -66,6 +67,21 @@ def failure_lines(script: str, rank: int, exitcode: int, error_file: str | None)
     return lines + ([traceback] if traceback else []) + [message]
 
 
+REFUSED_STATUS = 2
+"""The recipe's status for a refused input (``recipes/pretrain.py``'s ``cli``)."""
+
+
+def status_of(exitcode: int, error_file: str | None) -> int:
+    """The failed rank's shell status; :data:`REFUSED_STATUS` when it recorded an ``[fl_accel]
+    error`` line and then died by a signal: its error was recorded before the launcher's SIGTERM
+    (sent when another rank exited first) reached it during the interpreter's teardown, where
+    Python's signal handlers no longer run."""
+    message, _ = error_file_message(error_file)
+    if exitcode is not None and exitcode < 0 and message and message.startswith("[fl_accel] error"):
+        return REFUSED_STATUS
+    return exit_code(exitcode) or 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -83,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ErrorHandler().dump_error_file(failure.error_file, failure.exitcode)
         sys.stdout.flush()
         print(f"{PREFIX} {exc}" if lines is None else "\n".join(lines), file=sys.stderr, flush=True)
-        return exit_code(failure.exitcode) or 1
+        return status_of(failure.exitcode, failure.error_file)
     except subprocess.CalledProcessError as exc:  # accelerate launch of one process: it printed its own output
         return exit_code(exc.returncode) or 1
     return 0

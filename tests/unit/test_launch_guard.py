@@ -35,6 +35,24 @@ def test_error_file_message_and_the_closing_lines(tmp_path):
     assert launch_guard.failure_lines("train.py", 0, -9, str(tmp_path / "none.json")) is None  # torchrun's box
 
 
+def test_status_of_a_refused_input_cut_short_by_the_launcher(tmp_path):
+    """A rank that recorded its refused input and then died by the launcher's SIGTERM (sent when
+    another rank exited first; the full suite met it once under load) ends with the recipe's
+    status 2; other signals and statuses pass through."""
+    recipe = tmp_path / "recipe.json"
+    line = "[fl_accel] error (rank 3): --max_steps must be >= 1, got -3"
+    recipe.write_text(json.dumps({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                             "timestamp": "1"}}}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {
+        "py_callstack": "RuntimeError: boom", "timestamp": "1"}}}))
+    assert launch_guard.status_of(-15, str(recipe)) == 2
+    assert launch_guard.status_of(2, str(recipe)) == 2
+    assert launch_guard.status_of(-15, str(other)) == 143
+    assert launch_guard.status_of(-9, str(tmp_path / "none.json")) == 137
+    assert launch_guard.status_of(1, None) == 1
+
+
 def test_only_torchrun_or_accelerate_launch(capsys):
     for bad in ([], ["python", "train.py"], ["accelerate", "config"]):
         assert_one_line_error(launch_guard.main, bad, capsys)
