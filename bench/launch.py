@@ -220,6 +220,18 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)
 
 
+SITTINGS = "sittings.json"
+"""In a timed suite's work folder: every sitting (invocation) by id: start, end, load average, links measured."""
+
+
+def save_sitting(plan: dict, sitting: str, **fields) -> None:
+    """Update sitting ``sitting``'s record in ``plan["work"]``'s :data:`SITTINGS` with ``fields``."""
+    path = os.path.join(plan["work"], SITTINGS)
+    records = _read_json(path, {})
+    records.setdefault(sitting, {}).update(fields)
+    _write_json(path, records)
+
+
 def _latest_checkpoint_step(out_dir: str) -> int:
     from fl_accel.checkpoint import list_checkpoints
 

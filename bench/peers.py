@@ -57,7 +57,8 @@ import time
 from dataclasses import dataclass
 
 from bench import plan as bp
-from bench.launch import DryEmulator, _read_json, _write_json, measure_link
+from bench.launch import SITTINGS, DryEmulator, _read_json, _write_json, measure_link
+from bench.launch import save_sitting as _save_sitting
 from recipes.host_load import HostLoad
 from scripts import launch as sl
 from scripts import netemu
@@ -74,7 +75,6 @@ group trains alone while the other starts); a heartbeat missed for 60 s (torchft
 FULL = dict(steps=64, eval_every=8, reps=3, links="10mbit,100mbit", eval_blocks=64)
 SMOKE = dict(steps=16, eval_every=8, reps=1, links="100mbit", eval_blocks=32)
 RECORD = "record.json"
-SITTINGS = "sittings.json"
 
 
 class PeersError(RuntimeError):
@@ -525,13 +525,6 @@ def warm_cache(plan: dict) -> None:
     if res.returncode != 0:
         raise PeersError(f"preparing the corpus cache failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     print(res.stdout.strip().splitlines()[-1] if res.stdout.strip() else "[peers] corpus cache ready", flush=True)
-
-
-def _save_sitting(plan: dict, sitting: str, **fields) -> None:
-    path = os.path.join(plan["work"], SITTINGS)
-    records = _read_json(path, {})
-    records.setdefault(sitting, {}).update(fields)
-    _write_json(path, records)
 
 
 def dry_run(plan: dict) -> None:

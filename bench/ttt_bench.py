@@ -55,7 +55,8 @@ from scripts import netemu
 
 from bench import plan as bp
 from bench.analysis import read_run, tokens_to_loss
-from bench.launch import _read_json, _write_json, measure_link
+from bench.launch import SITTINGS, _read_json, _write_json, measure_link
+from bench.launch import save_sitting as _save_sitting
 from bench.report import _md, loadavg, machine_info
 from bench.time_to_target import FIXED_TARGETS, from_convergence, grid_curve, write_time_to_target
 from recipes.host_load import HostLoad
@@ -67,8 +68,6 @@ DEFAULT_CAP_MINUTES = 90.0
 LIMIT_ID = "fl_fsdp-limit"
 LIMIT_STEPS = 64
 STOPPED = "stopped.json"
-SITTINGS = "sittings.json"
-"""In the work folder: every sitting (invocation) by id: start, end, load average, links measured."""
 UNRECORDED = "unrecorded"
 """The sitting of a session recorded before sittings were (an older version of this bench)."""
 
@@ -510,14 +509,6 @@ def _write_table(plan: dict, out: dict, status: dict, machine: dict | None) -> N
                  "`time_to_target.json`.")
     with open(os.path.join(plan["results"], "table.md"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
-
-
-def _save_sitting(plan: dict, sitting: str, **fields) -> None:
-    """Update this sitting's record in the work folder's sittings.json."""
-    path = os.path.join(plan["work"], SITTINGS)
-    records = _read_json(path, {})
-    records.setdefault(sitting, {}).update(fields)
-    _write_json(path, records)
 
 
 def check_committed(plan: dict) -> None:
