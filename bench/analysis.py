@@ -552,9 +552,9 @@ def seeds_of(rows: dict[str, dict], status: dict[str, dict]) -> dict:
         planned.setdefault(seed_config(rid, status), []).append(rid)
     planned = {c: ids for c, ids in planned.items() if len(ids) > 1}
     done = {c: [r for r in ids if r in rows and rows[r]["eval_loss"] is not None] for c, ids in planned.items()}
-    # the pooled sd: over the configurations planned with three seeds (issue 40's equal-footing rows), when
+    # the pooled sd: over issue 40's equal-footing rows (three seeds each, bp.SEED_POOL), when
     # any has two finished; each configuration's own sd stays in the table (nesterov's pair is far wider)
-    pool = [c for c in bp.CONVERGENCE_THIRD_SEEDED if len(done.get(c, [])) >= 2] or None
+    pool = [c for c in bp.SEED_POOL if len(done.get(c, [])) >= 2] or None
     out = seed_stats({c: [rows[r]["eval_loss"] for r in ids] for c, ids in done.items()}, pool=pool)
     for c, ids in planned.items():
         out["configs"][c].update(seeds=[rows[r]["seed"] for r in done[c]],

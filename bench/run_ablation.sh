@@ -24,13 +24,15 @@ BENCH=(nice -n 19 python -m bench.run_bench --report-to none --suite convergence
 RENICE=$!
 trap 'kill $RENICE 2>/dev/null' EXIT
 echo 19 > /proc/self/autogroup 2>/dev/null || true
-# Finished before the overlap mode landed (6910b15): fl_fsdp-h16-lr1e-3, fl_fsdp-h16-tau2-lr1e-3 (delay 2 with
-# alpha 0 costs +0.07 nats over blocking H=16), fl_fsdp-h16-tau2-a0.5-lr1e-3 (seed 42). Next, the overlap mode's
-# rows (bench/plan.py TUNED_ROWS: tau = H with `keep`, fp32 and int8 + error feedback; the warm-up), then the
-# rest of the ablation, then the tuned grid's LR rows.
-for row in fl_fsdp-h16-tau2-a0.5-lr1e-3 fl_fsdp-h16-tau16-keep-lr1e-3 fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 \
-           fl_fsdp-h8-warm32-lr1e-3 fl_fsdp-h16-int8-ef-lr1e-3 fl_fsdp-h16-p2-lr1e-3 \
-           fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3; do
+# Finished: the ablation (the delay's discard rule is the fast row's whole cost) and tau = H with `keep` at
+# seed 42 (+0.126 over blocking fp32). Next, the fast row with its delay's local steps kept (tau 2 and 4, seeds
+# 42 and 43, then 44), then the rest of the tuned rows (bench/plan.py TUNED_ROWS), then the tuned grid's LR rows.
+for row in fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3 fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3; do
   "${BENCH[@]}" --only "$row,$row-seed43"
 done
-"${BENCH[@]}" --only fsdp-lr2e-3,fl_fsdp-h8-lr2e-3
+"${BENCH[@]}" --only fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44,fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44
+for row in fl_fsdp-h16-nesterov-olr0.6-lr1e-3 fl_fsdp-h8-warm32-lr1e-3 fl_fsdp-h16-tau16-keep-lr1e-3 \
+           fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3; do
+  "${BENCH[@]}" --only "$row,$row-seed43"
+done
+"${BENCH[@]}" --only fsdp-lr2e-3,fl_fsdp-h8-lr2e-3,fl_fsdp-h16-lr1e-3-seed44

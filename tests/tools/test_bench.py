@@ -452,9 +452,11 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
                  "fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                  "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3")),
              *(f"{r}-seed43" for r in ("fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
-                                       "fl_fsdp-h8-warm32-lr1e-3")),
+                                       "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
+                                       "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3")),
              "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
-             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44")
+             "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-lr1e-3-seed44",
+             "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
 CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
 
@@ -475,7 +477,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
     ablation = ["fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
                 "fl_fsdp-h8-lr2e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
-                "fl_fsdp-h8-warm32-lr1e-3"]
+                "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
+                "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, *ablation, *SEED_ROWS]
@@ -536,6 +539,12 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert rows["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
                                                                            "--delayed_local_steps", "keep")
     assert fed["fl_fsdp-h16-tau16-keep-lr1e-3"] == h16 + ["--sync_delay", "16"]
+    for tau in ("2", "4"):  # the fast row with its delay's local steps kept
+        row = f"fl_fsdp-h16-p2-tau{tau}-keep-int8-ef-lr1e-3"
+        assert fed[row] == h16 + ["--num_fragments", "2", "--sync_delay", tau, "--sync_dtype", "int8", "--error_feedback"]
+        assert rows[row].extra_flags == ("--learning_rate", "1e-3", "--delayed_local_steps", "keep")
+    assert fed["fl_fsdp-h16-nesterov-olr0.6-lr1e-3"] == h16 + ["--outer_optimizer", "nesterov", "--outer_lr", "0.6",
+                                                              "--outer_momentum", "0.9"]
     assert rows["fl_fsdp-h8-warm32-lr1e-3"].extra_flags == ("--learning_rate", "1e-3", "--sync_warmup_steps", "32")
     assert rows["fl_fsdp-h16-tau16-keep-lr1e-3"].label == \
         "FL+FSDP H=16 P=1 tau=16 learning_rate 1e-3 delayed_local_steps keep"
