@@ -382,6 +382,9 @@ CONVERGENCE_ROWS: tuple[dict, ...] = (
     # issue 46 item 4, the tuned grid: each method at its best inner LR (FSDP's best so far is 1e-3)
     dict(id="fsdp-lr2e-3", algorithm="fsdp", extra_flags=("--learning_rate", "2e-3")),
     dict(id="fl_fsdp-h8-lr2e-3", sync_every=8, extra_flags=("--learning_rate", "2e-3")),
+    # the per-token gap's floor: the parameters averaged after every step (H=1), each group's AdamW on its own
+    # half of the batch. If it trails FSDP as far as H=8 does, the gap is not the local steps' drift
+    dict(id="fl_fsdp-h1-lr1e-3", sync_every=1, extra_flags=("--learning_rate", "1e-3")),
     # issue 46 items 2 and 3 in the tuned grid (not yet run): the fast exchange with the whole round hidden
     # (tau = H: each fragment's exchange runs behind the next H steps, the local steps kept), the overlap alone
     # in fp32, and a synchronous warm-up of 32 steps (PostLocalSGDOptimizer's start_localSGD_iter)

@@ -30,6 +30,7 @@ echo 19 > /proc/self/autogroup 2>/dev/null || true
 for row in fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3 fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3; do
   "${BENCH[@]}" --only "$row,$row-seed43"
 done
+"${BENCH[@]}" --only fl_fsdp-h1-lr1e-3  # the per-token gap's floor (parameters averaged after every step)
 "${BENCH[@]}" --only fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44,fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44
 for row in fl_fsdp-h16-nesterov-olr0.6-lr1e-3 fl_fsdp-h8-warm32-lr1e-3 fl_fsdp-h16-tau16-keep-lr1e-3 \
            fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3; do

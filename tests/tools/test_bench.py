@@ -476,7 +476,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     ablation = ["fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
-                "fl_fsdp-h8-lr2e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
+                "fl_fsdp-h8-lr2e-3", "fl_fsdp-h1-lr1e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                 "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
                 "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
@@ -539,6 +539,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert rows["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
                                                                            "--delayed_local_steps", "keep")
     assert fed["fl_fsdp-h16-tau16-keep-lr1e-3"] == h16 + ["--sync_delay", "16"]
+    assert fed["fl_fsdp-h1-lr1e-3"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "1"]
     for tau in ("2", "4"):  # the fast row with its delay's local steps kept
         row = f"fl_fsdp-h16-p2-tau{tau}-keep-int8-ef-lr1e-3"
         assert fed[row] == h16 + ["--num_fragments", "2", "--sync_delay", tau, "--sync_dtype", "int8", "--error_feedback"]
