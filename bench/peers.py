@@ -154,6 +154,10 @@ ROWS: tuple[PeerRow, ...] = (
     # issue 46 item 2: the same exchange hidden behind a whole round (tau = H), the local steps kept
     PeerRow("fl_accel-h16-p2-tau16-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=16, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
+    # the fast row with its delay's local steps kept instead of overwritten (the ablation put its quality cost
+    # on the discard rule): the same bytes and overlap as fl_accel-h16-p2-tau2-int8-ef
+    PeerRow("fl_accel-h16-p2-tau2-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=2, sync_dtype="int8",
+            error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
 )
 """The rows, in launch order within a repetition. Peers first, each fl_accel row after the peer
@@ -166,6 +170,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("fl_accel-h16-p2-tau2-int8-ef", "torchft-h16-p2-tau2", "fl_accel at its best vs torchft's at the same H"),
     ("fl_accel-h16-p2-tau16-keep-int8-ef", "torchft-h16-p2-tau2",
      "fl_accel overlapped (tau = H, local steps kept) vs torchft's Streaming DiLoCo at the same H"),
+    ("fl_accel-h16-p2-tau2-keep-int8-ef", "torchft-h16-p2-tau2",
+     "fl_accel's fast row with the local steps kept vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h8", "accelerate-localsgd-h8", "blocking fp32 vs Accelerate's LocalSGD (DDP, avg)"),
 )
 """``(row, peer row, what)``: the ratios the table gives (tokens/s, bytes, time to the peer's target)."""
