@@ -110,6 +110,8 @@ class PeerRow:
         name = {"fl_accel": "fl_accel", "torchft": "torchft " + ("Streaming DiLoCo" if self.num_fragments > 1
                                                                    else "DiLoCo"),
                 "accelerate": "Accelerate LocalSGD (DDP)"}[self.tool]
+        if self.is_limit:
+            return f"{name} no sync (the limit: H = 10^6, one full sync at the end)"
         text = f"{name} H={self.sync_every}"
         if self.num_fragments > 1 or self.sync_delay:
             text += f" P={self.num_fragments} tau={self.sync_delay}"
@@ -122,6 +124,9 @@ class PeerRow:
             text += " " + " ".join(f.lstrip("-") for f in self.extra_flags)
         return text
 
+    is_limit = property(lambda self: self.sync_every >= bp.LIMIT_SYNC_EVERY,
+                        doc="The no-sync limit row (fl_accel, H = 10^6): the tokens/s no exchange setting can beat.")
+
     def check(self) -> None:
         """PeersError naming the row: what its tool cannot run."""
         if self.tool not in TOOLS:
@@ -131,6 +136,8 @@ class PeerRow:
                              f"P={self.num_fragments}")
         if self.tool != "fl_accel" and not 0 <= self.sync_delay < self.sync_every // self.num_fragments:
             raise PeersError(f"row {self.id}: tau={self.sync_delay} must be in [0, H/P) (torchft's rule)")
+        if self.is_limit and (self.tool != "fl_accel" or self.num_fragments > 1 or self.sync_delay):
+            raise PeersError(f"row {self.id}: the no-sync limit is an fl_accel row with P=1, tau=0")
         if self.tool == "fl_accel" and not 0 <= self.sync_delay <= self.sync_every:
             raise PeersError(f"row {self.id}: tau={self.sync_delay} must be in [0, H] (fl_accel's rule)")
         if self.outer_optimizer not in ("nesterov", "avg"):
@@ -159,6 +166,8 @@ ROWS: tuple[PeerRow, ...] = (
     PeerRow("fl_accel-h16-p2-tau2-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=2, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
+    # the no-sync limit of the same layout (bench.plan.LIMIT_SYNC_EVERY; issue 46's share of the limit)
+    PeerRow("fl_accel-limit", "fl_accel", bp.LIMIT_SYNC_EVERY, outer_optimizer="avg"),
 )
 """The rows, in launch order within a repetition. Peers first, each fl_accel row after the peer
 it is compared with; a new fl_accel setting (e.g. an overlap mode's ``--sync_delay`` up to H) is
@@ -268,7 +277,7 @@ def make_plan(args) -> dict:
     for key in ("steps", "eval_every", "reps", "eval_blocks"):
         if s[key] < 1:
             raise PeersError(f"--{key.replace('_', '-')} must be >= 1, got {s[key]}")
-    bad = sorted({r.sync_every for r in rows if s["steps"] % r.sync_every})
+    bad = sorted({r.sync_every for r in rows if s["steps"] % r.sync_every and not r.is_limit})
     if bad:
         raise PeersError(f"--steps {s['steps']} must be a multiple of every row's H ({bad}): each run then ends on a "
                          f"sync and every row is evaluated at the same token counts")

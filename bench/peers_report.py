@@ -173,6 +173,11 @@ def summarize(plan: dict, launches: Mapping[str, dict]) -> dict:
                 "commits_short": sum(1 for r in done if r.get("commits") is not None
                                      and r["commits"] < r["expected_commits"]),
                 "_curves": [r["curve"] for r in done]}
+        limits = [rid for rid in rows if rows[rid].is_limit]
+        limit = _median(per_row[limits[0]]["tokens_per_s"]) if limits else None
+        for rid, s in per_row.items():  # the share of the no-sync limit (issue 46's done-when)
+            s["of_limit"] = None if rows[rid].is_limit or rows[rid].tool != "fl_accel" else \
+                ratio(_median(s["tokens_per_s"]), limit)
         targets = {}
         for rid, s in per_row.items():
             if rows[rid].tool != "fl_accel" and s["finished"] == plan["reps"]:
@@ -297,14 +302,14 @@ def write_table(plan: dict, summary: dict, launches: Mapping[str, dict], sitting
     for link in plan["links"]:
         s = summary[link]
         targets = s["targets"]
-        heads = ["row", "setting", "reps", "tokens/s", "MB on the link", "final eval loss", "start-up s",
-                 *[f"s to {peer}'s {t:.4f}" for peer, t in targets.items()]]
+        heads = ["row", "setting", "reps", "tokens/s", "of the no-sync limit", "MB on the link", "final eval loss",
+                 "start-up s", *[f"s to {peer}'s {t:.4f}" for peer, t in targets.items()]]
         body = []
         for rid, r in s["rows"].items():
             reps = f"{r['finished']}/{r['planned']}" + (f" ({r['failed']} failed)" if r["failed"] else "") + (
                 f" ({r['commits_short']} short of commits)" if r["commits_short"] else "")
             body.append([rid, rows[rid].label, reps, _cell(r["tokens_per_s"], "{:,.0f}"),
-                         _cell(r["bytes_on_link"], "{:.1f}", 1e-6), _cell(r["final_eval_loss"], "{:.4f}"),
+                         _f(r.get("of_limit"), "{:.2f}"), _cell(r["bytes_on_link"], "{:.1f}", 1e-6), _cell(r["final_eval_loss"], "{:.4f}"),
                          _cell(r["startup_seconds"], "{:.0f}"),
                          *[_target_cell(r["to_target"].get(peer)) for peer in targets]])
         lines += [f"## {link}", "", _md(body, heads), ""]

@@ -4,12 +4,14 @@ work folder and from the committed form (no emulator, no training). The workers'
 against fl_accel's units, and Accelerate's LocalSGD refusing FSDP, without processes."""
 
 import json
+import re
 import os
 import types
 
 import pytest
 
-from bench import peers, peers_report as pr
+from bench import peers
+from bench import plan as bp, peers_report as pr
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -250,6 +252,32 @@ def test_report_from_a_work_folder_and_from_the_committed_files(tmp_path, monkey
     shutil.rmtree(p["results"])
     with pytest.raises(pr.ReportError, match="nothing to report"):
         pr.report_only(p)
+
+
+def test_the_no_sync_limit_row_gives_each_fl_accel_rows_share(tmp_path, monkeypatch):
+    """Issue 46's done-when asks for a share of the no-sync limit measured in the same sitting: the
+    limit row (fl_accel, H = 10^6) is exempt from the steps-multiple-of-H rule, runs the recipe with
+    that H, and each fl_accel row's median tokens/s over its median is the table's column."""
+    monkeypatch.setattr(pr, "_machine", lambda: {})
+    limit = {r.id: r for r in peers.ROWS}["fl_accel-limit"]
+    assert limit.is_limit and limit.label.startswith("fl_accel no sync (the limit")
+    with pytest.raises(peers.PeersError, match="the no-sync limit is an fl_accel row"):
+        peers.PeerRow("x", "torchft", bp.LIMIT_SYNC_EVERY).check()
+    p = _plan(tmp_path, "--name", "t-limit", "--rows", "torchft-h8,fl_accel-h8,fl_accel-limit", "--links", "10mbit",
+              "--reps", "3", "--steps", "16")
+    line = " ".join(peers.commands(p, peers.rows_by_id(p)["fl_accel-limit"], "/w/l", peers.DryEmulator(2, None),
+                                   29600, "10mbit")["node0"])
+    assert f"--sync_every {bp.LIMIT_SYNC_EVERY}" in line and "--num_fragments" not in line
+    for rep, (ft, fl, lim) in enumerate(((1000, 1500, 3000), (1100, 1400, 2900), (900, 1600, 3100)), 1):
+        _write_launch(p, f"10mbit/torchft-h8/rep{rep}", "torchft", [6.5, 6.0], ft, 30_000_000)
+        _write_launch(p, f"10mbit/fl_accel-h8/rep{rep}", "fl_accel", [6.5, 6.0], fl, 29_000_000)
+        _write_launch(p, f"10mbit/fl_accel-limit/rep{rep}", "fl_accel", [6.4, 5.9], lim, 12_000_000)
+    pr.report(p)
+    rows = json.load(open(os.path.join(p["results"], pr.PEERS_JSON)))["summary"]["10mbit"]["rows"]
+    assert rows["fl_accel-h8"]["of_limit"] == pytest.approx(1500 / 3000)
+    assert rows["fl_accel-limit"]["of_limit"] is None and rows["torchft-h8"]["of_limit"] is None
+    table = open(os.path.join(p["results"], "table.md")).read()
+    assert "of the no-sync limit" in table and re.search(r"\| fl_accel-h8 .*\| 0\.50 +\|", table)
 
 
 def test_an_unreached_target_a_failed_launch_and_missing_launches_are_reported(tmp_path, monkeypatch):
