@@ -165,6 +165,10 @@ ROWS: tuple[PeerRow, ...] = (
     # on the discard rule): the same bytes and overlap as fl_accel-h16-p2-tau2-int8-ef
     PeerRow("fl_accel-h16-p2-tau2-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=2, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
+    # the same with the exchange behind 4 of a fragment's 8 steps: at 10 Mbit/s one fragment's int8 exchange
+    # (about 1.5 MB on the link) outlasts 2 steps of this CPU's compute
+    PeerRow("fl_accel-h16-p2-tau4-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=4, sync_dtype="int8",
+            error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
     # the no-sync limit of the same layout (bench.plan.LIMIT_SYNC_EVERY; issue 46's share of the limit)
     PeerRow("fl_accel-limit", "fl_accel", bp.LIMIT_SYNC_EVERY, outer_optimizer="avg"),
@@ -181,6 +185,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
      "fl_accel overlapped (tau = H, local steps kept) vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h16-p2-tau2-keep-int8-ef", "torchft-h16-p2-tau2",
      "fl_accel's fast row with the local steps kept vs torchft's Streaming DiLoCo at the same H"),
+    ("fl_accel-h16-p2-tau4-keep-int8-ef", "torchft-h16-p2-tau2",
+     "fl_accel, the exchange behind 4 steps, local steps kept, vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h8", "accelerate-localsgd-h8", "blocking fp32 vs Accelerate's LocalSGD (DDP, avg)"),
 )
 """``(row, peer row, what)``: the ratios the table gives (tokens/s, bytes, time to the peer's target)."""
