@@ -271,15 +271,6 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
                         sum(u.numel for u in units), warmup, warmup_weight)
 
 
-def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit] | float, *,
-                         ranks_per_node: int | None = None, **kw: Any) -> CommEstimate:
-    """:func:`estimate` of an FLConfig's layout and sync fields (``kw`` overrides them)."""
-    layout = FLLayout.from_config(config, world_size, ranks_per_node)
-    names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
-             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps")
-    return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
-
-
 @dataclass(frozen=True)
 class StepTime:
     """``step_s`` = compute + FSDP comm + ``exposed_sync_s``; ``comm_s(_by_axis)``: link-busy
