@@ -43,10 +43,9 @@ from typing import Any, Mapping, Sequence
 
 from ..mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 from ..schedule import deal_fragments
-from ..wire import SYNC_DTYPES, VALUE_BYTES, padding, plan_buckets, ring_bytes, wire_ops
+from ..wire import SYNC_DTYPES, padding, plan_buckets, ring_bytes, wire_ops
 
 GB = 1e9
-SYNC_VALUE_BYTES = VALUE_BYTES  # bytes per value on "fl" of the dense codecs (fl_accel.wire)
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:

@@ -53,7 +53,7 @@ def test_value_bytes_are_the_exchange_s():
     assert wire.BLOCK == 256
     x = torch.randn(4 * wire.BLOCK)
     for dtype in ("bf16", "int8"):
-        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
+        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * wire.VALUE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------ the four algorithms, by hand
@@ -119,7 +119,7 @@ def test_sync_dtypes(dtype, limit):
     units = cm.units_from_param_count(2**20)  # local 2**19 values: no padding at C*F*256 = 1024
     fp32 = est(EQ(4, 1, 2), units)
     low = est(EQ(4, 1, 2), units, sync_dtype=dtype)
-    assert low.sync_by_axis()["fl"] == approx(2 * 3 / 4 * 2**19 * cm.SYNC_VALUE_BYTES[dtype])  # ring, F=4
+    assert low.sync_by_axis()["fl"] == approx(2 * 3 / 4 * 2**19 * wire.VALUE_BYTES[dtype])  # ring, F=4
     assert low.sync_by_axis()["fl"] <= limit * fp32.sync_by_axis()["fl"]
     assert set(low.fragments[0][0].bytes["fl"]) == {"all_to_all", "all_gather"}
     assert low.fragments[0][0].calls["fl"] == 2
