@@ -549,10 +549,10 @@ def test_fp16_refusal_names_where_the_launcher_got_it(tmp_path, monkeypatch):
 def test_one_process_with_two_groups_says_how_to_launch_or_what_to_pass():
     """num_groups=2 in a single process: the library's sentence (num_groups=1), then the recipe's
     flags and launch commands, each said once."""
-    from recipes.run_folder import plan_layout
+    from recipes.run_folder import plan_config
 
     with pytest.raises(RecipeError) as exc:
-        plan_layout(FLConfig(num_groups=2), 1)
+        plan_config(FLConfig(num_groups=2), 1)
     text = str(exc.value)
     assert "a single process (no launcher) is one group: num_groups=1. In the recipe: pass --num_groups 1" in text
     assert text.count("single process") == 1 and "torchrun --nproc_per_node N" in text
