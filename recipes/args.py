@@ -24,6 +24,8 @@ from fl_accel.config import NOT_IDENTITY_FIELDS, FLConfig
 from fl_accel.mesh import world_size_from_env
 from fl_accel.settings import CHOICE_HINTS, ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
 
+from . import compat
+
 
 class RecipeError(ValueError):
     """A bad argument or input; reported on every rank with a non-zero exit."""
@@ -211,7 +213,7 @@ def build_parser(fl_cls=FLConfig, **kwargs):
     # allow_abbrev=False: argparse would take --num_frag for --num_fragments without a word
     parser = _Parser((RecipeArguments, fl_cls), description=__doc__.split("\n\n")[0], allow_abbrev=False, **kwargs)
     docs = fl_cls.field_docs()
-    for action in parser._actions:
+    for action in compat.parser_actions(parser):
         if action.dest in docs and not action.help:
             action.help = docs[action.dest]
     parser.add_argument("--config", default=None, help="recipe YAML: any option at the top level, FLConfig "
@@ -273,7 +275,7 @@ def parse_args(argv: list[str] | None = None, environ=None, fl_cls=FLConfig) -> 
     # Which flags were given explicitly: parse once with a sentinel as every default.
     sentinel = object()
     probe = build_parser(fl_cls, add_help=False)  # --help is the real parser's to print
-    probe.set_defaults(**{a.dest: sentinel for a in probe._actions})
+    probe.set_defaults(**{a.dest: sentinel for a in compat.parser_actions(probe)})
     given, _ = probe.parse_known_args(argv)
     flags = {k: v for k, v in vars(given).items() if v is not sentinel and k != "config"}
     _check_group_sizes_sum(flags, fl_defaults, fl_sources, environ)

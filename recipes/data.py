@@ -50,6 +50,8 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch.utils.data
 
+from . import compat
+
 SHAKESPEARE = "shakespeare"
 VALIDATION_PLAYS = ("the-tempest", "twelfth-night")
 EOS = "<|endoftext|>"
@@ -232,7 +234,7 @@ def _digest(texts: Iterable[str | None], cache_dir: str | None = None) -> str:
     """
     memo = None
     if cache_dir and isinstance(texts, _Column) and texts.dataset.cache_files:
-        fingerprint = getattr(texts.dataset, "_fingerprint", None)
+        fingerprint = compat.dataset_fingerprint(texts.dataset)
         if fingerprint:
             column = hashlib.sha256(texts.column.encode()).hexdigest()[:8]
             memo = os.path.join(cache_dir, "digests", f"{fingerprint}-{column}")

@@ -296,8 +296,9 @@ class Meter:
     """Windows between logged steps and the whole run's counters (see the module docstring).
 
     The loop calls :meth:`micro_batch` after each micro-batch, :meth:`set_grad_norm` at each
-    optimizer step, :meth:`step_done` after it, :meth:`train_record` (or :meth:`train_snapshot`) at a logging step and
-    wraps evaluations and checkpoints in :meth:`outside_training`.
+    optimizer step, :meth:`step_done` after it, :meth:`train_snapshot` at a logging step (its
+    figures summed over the world by :mod:`recipes.sync_log`) and wraps evaluations and
+    checkpoints in :meth:`outside_training`.
     """
 
     layout = property(lambda self: getattr(self.accelerator, "launch_layout", self.accelerator.layout),
@@ -408,15 +409,6 @@ class Meter:
 
         return mfu(self.flops_per_token, tokens_per_s_per_process, self.peak_tflops) \
             if tokens_per_s_per_process else None
-
-    def train_record(self, lr: float) -> dict:
-        """The logged record of this step (collective): :meth:`train_snapshot`, its world
-        all-reduce, the record."""
-        import torch.distributed as dist
-
-        buf, record = self.train_snapshot(lr)
-        dist.all_reduce(buf)  # counted in the "world" bucket of comm_stats
-        return record(buf)
 
     def train_snapshot(self, lr: float):
         """This step's log record, taken now without a collective: ``(buf, record)``, where

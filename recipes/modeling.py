@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from . import compat
 from .args import RecipeError
 
 _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -84,7 +85,7 @@ def model_class(config, name: str):
         raise RecipeError(f"--model {name!r} is a {type(config).__name__} ({config.model_type}), not a causal "
                           f"language model: the recipe trains AutoModelForCausalLM configs (Llama, Qwen2, "
                           f"Mistral, ...)") from None
-    if not getattr(cls, "_no_split_modules", None):
+    if not compat.no_split_modules(cls):
         raise RecipeError(f"--model {name!r}: {cls.__name__} declares no _no_split_modules, so FSDP2 has no decoder "
                           f"block to shard per unit; fl_accel trains causal LMs that declare it (Llama, Qwen2, "
                           f"Mistral, ...)")
@@ -174,7 +175,7 @@ def export_final_model(model, config, tokenizer, path: str, is_main_process: boo
         raise RuntimeError(f"final model export: missing {missing}, unexpected {unexpected}")
     for module in out.modules():
         if "RotaryEmbedding" in type(module).__name__:
-            out._init_weights(module)
+            compat.init_weights(out)(module)
     out.tie_weights()
     tmp = path + ".partial"
     out.save_pretrained(tmp, safe_serialization=True)

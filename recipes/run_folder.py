@@ -169,11 +169,6 @@ def default_run_name(layout, fl) -> str:
     return name
 
 
-def plan_layout(fl, world: int, ranks_per_node: int | None = None):
-    """The federation's FLLayout for a launch of ``world`` ranks (:func:`plan_config`'s)."""
-    return plan_config(fl, world, ranks_per_node).layout
-
-
 def plan_config(fl, world: int, ranks_per_node: int | None = None):
     """``fl`` resolved for a launch of ``world`` ranks (:meth:`fl_accel.FLConfig.for_launch`,
     the resolution FLAccelerator takes as it is), with launch hints in the error.

@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
 
 REPORT_VAR = "FT_LAUNCH_REPORT"
 """The variable naming the file where a group's recipe writes its end report (the recipe's
-``recipes.pretrain.END_REPORT_VAR``; tests/ft/test_ft_faults.py checks they agree): group,
+``recipes.results.END_REPORT_VAR``; tests/ft/test_ft_faults.py checks they agree): group,
 steps, the final model's checksum, eval perplexity and loss, where the final model is."""
 DIFFERENT_MODELS_STATUS = 3
 """The launcher's exit status when every group finished but their final models differ."""

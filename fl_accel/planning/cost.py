@@ -43,10 +43,9 @@ from typing import Any, Mapping, Sequence
 
 from ..mesh import AXES, BUCKETS, DP_REPLICATE, DP_SHARD, FL, WORLD, FLLayout
 from ..schedule import deal_fragments
-from ..wire import SYNC_DTYPES, VALUE_BYTES, padding, plan_buckets, ring_bytes, wire_ops
+from ..wire import SYNC_DTYPES, padding, plan_buckets, ring_bytes, wire_ops
 
 GB = 1e9
-SYNC_VALUE_BYTES = VALUE_BYTES  # bytes per value on "fl" of the dense codecs (fl_accel.wire)
 
 
 def _int(name: str, value: Any, minimum: int = 1) -> int:
@@ -269,15 +268,6 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
             weights = [c / T for c in counts]
     return CommEstimate(layout, H, P, sync_dtype, tau, step, fragments, full, weights, full_weight, ranks_per_node,
                         sum(u.numel for u in units), warmup, warmup_weight)
-
-
-def estimate_from_config(config: Any, world_size: int, units: Sequence[ShardUnit] | float, *,
-                         ranks_per_node: int | None = None, **kw: Any) -> CommEstimate:
-    """:func:`estimate` of an FLConfig's layout and sync fields (``kw`` overrides them)."""
-    layout = FLLayout.from_config(config, world_size, ranks_per_node)
-    names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
-             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps")
-    return estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def test_recipe_does_not_offer_fp16(monkeypatch):
     """--mixed_precision fp16 is not a choice, and fp16 requested by the launcher
     (`accelerate launch --mixed_precision fp16` sets ACCELERATE_MIXED_PRECISION) is refused too."""
     from recipes.args import RecipeError, parse_args
-    from recipes.pretrain import resolve_mixed_precision
+    from recipes.run_folder import resolve_mixed_precision
 
     with pytest.raises(RecipeError, match="invalid choice: 'fp16'"):
         parse_args(["--mixed_precision", "fp16"], environ={})

@@ -322,7 +322,7 @@ def test_fl_bytes_equal_the_cost_model(four):
     estimate for the same FLConfig and T steps on shard 0 (its busiest rank), byte for byte:
     the skipped launches, the exchanges end_training completes, the final exact sync and the
     warm-up's fp32 gradient means are all counted as the run makes them."""
-    from fl_accel.planning.cost import estimate_from_config
+    from unit.test_cost_model import estimate_from_config
     from fl_accel.planning.units import units_from_module
 
     units = units_from_module(tiny_llama())

@@ -1126,7 +1126,7 @@ def test_sparse_error_feedback_residual_fl_fsdp_and_hsdp_chunks(four, eight):
 
 
 def _sparse_model(fl: dict, world: int, steps: int):
-    from fl_accel.planning.cost import estimate_from_config
+    from unit.test_cost_model import estimate_from_config
     from fl_accel.planning.units import units_from_module
 
     return estimate_from_config(FLConfig(**fl), world, units_from_module(tiny_llama()), total_steps=steps)

@@ -55,7 +55,7 @@ def test_the_launcher_compares_the_groups_final_models():
     """Equal checksums: summary lines only. Different ones: a one-line error naming the final
     model most groups share (then the lowest eval loss), and the exit status it sets. The
     recipe and the launcher agree on the report's variable; ``--help`` lists ``--restart_group``."""
-    from recipes.pretrain import END_REPORT_VAR
+    from recipes.results import END_REPORT_VAR
 
     assert END_REPORT_VAR == ft_launch.REPORT_VAR
     same = {f: {"checksum": 1.5, "eval_perplexity": 10.0, "eval_loss": 2.3, "final_model": f"o/group{f}/final_model"}

@@ -106,7 +106,8 @@ def test_max_restarts_resumes_from_latest_checkpoint(tmp_path, cache):
     # torchrun saw the first attempt fail. Which rank its summary names is a race: it takes the
     # failure with the smallest timestamp, in whole seconds; the killed rank's is taken when the
     # agent polls, the survivor's from the error file it writes when its collective fails
-    # (pretrain._record_for_launcher), so a second boundary between the two names rank 0. Rank 0
+    # (recipes/process.py: fl_accel.errors.record_for_launcher), so a second boundary between
+    # the two names rank 0. Rank 0
     # ends with 143 (torchrun's SIGTERM, its handler), 1 (its failed collective), or -15 when the
     # SIGTERM arrives after it reported that failure, during interpreter shutdown, where Python has
     # restored the default signal handlers.
@@ -158,7 +159,7 @@ def test_ctrl_c_ends_each_rank_with_one_line(tmp_path, cache):
 def test_ranks_end_when_the_launcher_is_killed(tmp_path, cache):
     """kill -9 of torchrun alone (as by the OOM killer; its ranks run in sessions of their
     own, so a kill of its process group misses them too): every rank gets SIGTERM from the
-    kernel (recipes/pretrain.py ``_end_with_launcher``, PR_SET_PDEATHSIG), says "stopped by
+    kernel (recipes/process.py ``_end_with_launcher``, PR_SET_PDEATHSIG), says "stopped by
     the launcher" and exits, instead of training on and writing checkpoints beside a
     ``--resume_from_checkpoint latest`` run."""
     import signal

@@ -362,7 +362,7 @@ def test_measured_bytes_match_cost_model(runs, algorithm):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fl_accel import FLConfig
-    from fl_accel.planning.cost import estimate_from_config
+    from unit.test_cost_model import estimate_from_config
     from fl_accel.planning.units import units_from_module
 
     out, proc = runs(algorithm)

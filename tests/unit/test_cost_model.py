@@ -27,6 +27,17 @@ def est(layout, units=1000, **kw):
     return cm.estimate(layout, units, **kw)
 
 
+def estimate_from_config(config, world_size: int, units, *, ranks_per_node=None, **kw) -> cm.CommEstimate:
+    """:func:`fl_accel.planning.cost.estimate` of an FLConfig's layout and sync fields (``kw``
+    overrides them): the model of the run an FLConfig makes, for the tests that compare it
+    with what a run measured (tests/dist/test_streaming_sync.py, test_overlap_sync.py,
+    tests/recipe/test_recipe.py)."""
+    layout = FLLayout.from_config(config, world_size, ranks_per_node)
+    names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
+             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps")
+    return cm.estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
+
+
 # ------------------------------------------------------------------ ring formulas
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
@@ -42,7 +53,7 @@ def test_value_bytes_are_the_exchange_s():
     assert wire.BLOCK == 256
     x = torch.randn(4 * wire.BLOCK)
     for dtype in ("bf16", "int8"):
-        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * cm.SYNC_VALUE_BYTES[dtype])
+        assert codecs.Quantized(dtype).quantize(x, 4).numel() == approx(x.numel() * wire.VALUE_BYTES[dtype])
 
 
 # ------------------------------------------------------------------ the four algorithms, by hand
@@ -108,7 +119,7 @@ def test_sync_dtypes(dtype, limit):
     units = cm.units_from_param_count(2**20)  # local 2**19 values: no padding at C*F*256 = 1024
     fp32 = est(EQ(4, 1, 2), units)
     low = est(EQ(4, 1, 2), units, sync_dtype=dtype)
-    assert low.sync_by_axis()["fl"] == approx(2 * 3 / 4 * 2**19 * cm.SYNC_VALUE_BYTES[dtype])  # ring, F=4
+    assert low.sync_by_axis()["fl"] == approx(2 * 3 / 4 * 2**19 * wire.VALUE_BYTES[dtype])  # ring, F=4
     assert low.sync_by_axis()["fl"] <= limit * fp32.sync_by_axis()["fl"]
     assert set(low.fragments[0][0].bytes["fl"]) == {"all_to_all", "all_gather"}
     assert low.fragments[0][0].calls["fl"] == 2
@@ -214,11 +225,11 @@ def test_estimate_from_config_and_as_dict():
     cfg = FLConfig(algorithm="fl_hsdp", num_groups=2, hsdp_shard_size=2, sync_every=4, num_fragments=2,
                    sync_dtype="int8")
     units = [cm.ShardUnit("a", 8), cm.ShardUnit("b", 8)]
-    e = cm.estimate_from_config(cfg, 8, units, ranks_per_node=4)
+    e = estimate_from_config(cfg, 8, units, ranks_per_node=4)
     assert (e.layout.shape, e.sync_every, e.num_fragments, e.sync_dtype) == ((2, 2, 2), 4, 2, "int8")
     assert json.loads(json.dumps(e.as_dict()))["sync_dtype"] == "int8"
     with pytest.raises(ValueError, match="num_groups"):
-        cm.estimate_from_config(FLConfig(algorithm="fl_fsdp", num_groups=3), 8, 1000)
+        estimate_from_config(FLConfig(algorithm="fl_fsdp", num_groups=3), 8, 1000)
 
 
 @pytest.mark.parametrize("kwargs,name", [

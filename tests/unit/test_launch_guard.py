@@ -13,7 +13,7 @@ from scripts.launch import error_file_message
 
 def test_error_file_message_and_the_closing_lines(tmp_path):
     line = "[fl_accel] error (rank 1): --max_steps must be >= 1, got -3"
-    recipe = tmp_path / "recipe.json"  # what recipes/pretrain.py _record_for_launcher writes
+    recipe = tmp_path / "recipe.json"  # what the recipe writes (fl_accel.errors.record_for_launcher)
     recipe.write_text(json.dumps({"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                                              "timestamp": "1"}}}))
     assert error_file_message(recipe) == (line, None)

@@ -549,10 +549,10 @@ def test_fp16_refusal_names_where_the_launcher_got_it(tmp_path, monkeypatch):
 def test_one_process_with_two_groups_says_how_to_launch_or_what_to_pass():
     """num_groups=2 in a single process: the library's sentence (num_groups=1), then the recipe's
     flags and launch commands, each said once."""
-    from recipes.run_folder import plan_layout
+    from recipes.run_folder import plan_config
 
     with pytest.raises(RecipeError) as exc:
-        plan_layout(FLConfig(num_groups=2), 1)
+        plan_config(FLConfig(num_groups=2), 1)
     text = str(exc.value)
     assert "a single process (no launcher) is one group: num_groups=1. In the recipe: pass --num_groups 1" in text
     assert text.count("single process") == 1 and "torchrun --nproc_per_node N" in text
@@ -566,7 +566,7 @@ def test_one_line_messages_start_on_a_new_line_while_a_progress_bar_is_drawn(cap
 
     from tqdm.auto import tqdm
 
-    from recipes.pretrain import _say
+    from recipes.process import say as _say
 
     _say("[fl_accel] before")
     bar = tqdm(total=3, file=io.StringIO())
@@ -596,7 +596,7 @@ def test_closing_lines_of_rounds_and_arrival():
     """The closing lines: each group's wait for the others to arrive (federated runs with 2+
     groups only) and, under a trigger, each group's steps, steps per round and time at syncs
     with the federation's share of the standalone sum."""
-    from recipes.pretrain import arrival_line, rounds_line
+    from recipes.results import arrival_line, rounds_line
 
     res = {"sync_arrival_share_by_group": [0.31, 0.012]}
     assert arrival_line(res, True) == ("\n[fl_accel] waiting for the other groups at syncs (exchange excluded): "
@@ -680,7 +680,7 @@ def test_torchft_counters_add_the_checkpoints_and_the_scope_is_said():
     all_results.json's ``counters`` say what the counters cover, with a closing line."""
     import types
 
-    from recipes.pretrain import counters_line, counters_scope, ft_counters
+    from recipes.results import counters_line, counters_scope, ft_counters
 
     transport = types.SimpleNamespace(heals=1, heal_sources=[{"source_group": 0, "step": 9, "bytes": 10,
                                                               "seconds": 0.5, "transfer_seconds": 0.4,

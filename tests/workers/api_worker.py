@@ -74,7 +74,8 @@ def collectives(out_dir: str) -> None:
     from _scenario import exchange_mean as mean
     from fl_accel.exchange import Membership
     from fl_accel.mesh_transport import MeshTransport
-    from recipes.pretrain import evaluate, main_first
+    from recipes.inputs import main_first
+    from recipes.metrics import evaluate
 
     acc = FLAccelerator(FLConfig(algorithm="fsdp"), mixed_precision="bf16" if torch.cuda.is_available() else "no")
     rec = {"backend": dist.get_backend(), "device": str(acc.device)}
