@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -43,8 +44,11 @@ from recipes.args import RecipeArguments
 from recipes.modeling import PRESETS
 from scripts.cli import fail
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY_TABLE = "bench/results/2026-12-03-grid/table.md"
 """The convergence grid whose rows measured each setting's quality (tiny model, 3.4M tokens)."""
+QUALITY_JSON = "bench/results/2026-12-03-grid/bench.json"
+"""Its figures (``results.seeds.configs``: mean and sd over seeds; ``results.rows``: one run each)."""
 IN_GROUP_BW = 1e30
 """Bytes/s given to the cost model for links inside a group: their traffic is in the compute time."""
 THRESHOLD = 0.95
@@ -59,7 +63,8 @@ DEFAULT_MFU = 0.4
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One exchange setting and the convergence-grid rows (id, label there) that measured it."""
+    """One exchange setting and the convergence-grid rows (id, label there) that measured it, each
+    with the FSDP row of its learning rate (``fsdp_row``: the per-token reference)."""
 
     name: str
     short: str
@@ -68,23 +73,31 @@ class Setting:
     sync_delay: int
     sync_dtype: str
     quality_rows: tuple[tuple[str, str], ...]
+    fsdp_row: str = "fsdp-lr1e-3"
+    delayed_local_steps: str = "discard"
 
 
 SETTINGS = (
-    Setting("fp32 H=8", "fp32 H=8", 8, 1, 0, "fp32",
-            (("fl_fsdp-h8-nesterov", "FL+FSDP H=8 nesterov(0.7, 0.9)"), ("fl_fsdp-h8", "FL+FSDP H=8"))),
-    Setting("fp32 H=16", "fp32 H=16", 16, 1, 0, "fp32", (("fl_fsdp-h16-nesterov", "FL+FSDP H=16 nesterov(0.7, 0.9)"),)),
-    Setting("fp32 H=32", "fp32 H=32", 32, 1, 0, "fp32",
-            (("fl_fsdp-h32-nesterov", "FL+FSDP H=32 nesterov(0.7, 0.9)"), ("fl_fsdp-h32", "FL+FSDP H=32"))),
-    Setting("int8+EF H=8 P=2 tau=2", "int8", 8, 2, 2, "int8",
-            (("fl_fsdp-h8-p2-tau2-int8-ef-nesterov", "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 int8+EF"),
-             ("fl_fsdp-h8-p2-tau2-int8-ef", "FL+FSDP H=8 P=2 tau=2 int8+EF"))),
+    Setting("fp32 H=8", "fp32 H=8", 8, 1, 0, "fp32", (("fl_fsdp-h8-lr1e-3", "FL+FSDP H=8 learning_rate 1e-3"),)),
+    Setting("fp32 H=16", "fp32 H=16", 16, 1, 0, "fp32", (("fl_fsdp-h16-lr1e-3", "FL+FSDP H=16 learning_rate 1e-3"),)),
+    Setting("fp32 H=32", "fp32 H=32", 32, 1, 0, "fp32", (("fl_fsdp-h32", "FL+FSDP H=32"),), fsdp_row="fsdp"),
+    Setting("int8+EF H=16 P=2 tau=2 keep", "int8", 16, 2, 2, "int8",
+            (("fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
+              "FL+FSDP H=16 P=2 tau=2 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
+            delayed_local_steps="keep"),
+    Setting("int8+EF H=16 P=2 tau=4 keep", "int8 tau=4", 16, 2, 4, "int8",
+            (("fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3",
+              "FL+FSDP H=16 P=2 tau=4 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
+            delayed_local_steps="keep"),
     Setting("sparse 1/64+EF H=8 P=2 tau=2", "sparse", 8, 2, 2, "sparse",
-            (("fl_fsdp-h8-p2-tau2-sparse-ef-nesterov", "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 sparse+EF"),
-             ("fl_fsdp-h8-p2-tau2-sparse-ef-senders", "FL+FSDP H=8 P=2 tau=2 sparse+EF"))),
+            (("fl_fsdp-h8-p2-tau2-sparse-ef-nesterov-lr1e-3",
+              "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 sparse+EF learning_rate 1e-3"),)),
 )
-"""Blocking fp32 at H=8/16/32; int8 + error feedback and sparse (1/64 of the values, 2 bits,
-error feedback: the FLConfig defaults) with P=2 fragments synced tau=2 steps late."""
+"""Blocking fp32 at H=8/16/32; int8 + error feedback with P=2 fragments whose exchange runs behind
+tau=2 or 4 steps, the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
+ablation put the older rule's whole quality cost on discarding them); sparse (1/64 of the values,
+2 bits, error feedback: the FLConfig defaults). The quality rows train at lr 1e-3, FSDP's best in the
+grid (H=32: only at lr 3e-4). ``keep`` moves no byte: the cost model's figures are the discard rule's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +247,11 @@ def keeps_text(row: dict, threshold: float = THRESHOLD) -> str:
         return ", ".join(kept)
     needs = [(r["link_for_threshold_bits_per_s"], r["short"]) for r in row["results"]
              if r["link_for_threshold_bits_per_s"] is not None]
+    best = max(row["results"], key=lambda r: r["share"])
     if not needs:
-        return "none at any link speed"
+        return f"none at any link speed (best: {best['short']} {best['share']:.3f})"
     bits, name = min(needs)
-    return f"none ({name} needs {link_text(bits)})"
+    return f"none (best here: {best['short']} {best['share']:.3f}; {name} needs {link_text(bits)})"
 
 
 def share_text(share: float, keeps: bool) -> str:
@@ -285,12 +299,43 @@ def warmup_lines(rows: Sequence[dict]) -> list[str]:
     return out
 
 
-def quality_lines() -> list[str]:
-    """Where each setting's measured quality is: the grid table's rows (id and label)."""
-    out = [f"Measured quality of each setting (tiny model, 3.4M tokens; {QUALITY_TABLE}, rows by id and label; "
-           f"a row not finished there says so):"]
+def measured_quality(root: str | None = None) -> dict[str, dict]:
+    """Per grid row id: ``mean`` final eval loss, ``sd`` and ``n`` (seeds), from :data:`QUALITY_JSON`
+    (mean over the seeds where the grid trained several, else the one run); {} when the file is
+    absent (an installed copy without bench/)."""
+    path = os.path.join(root or REPO_ROOT, QUALITY_JSON)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        results = json.load(fh).get("results") or {}
+    out = {rid: {"mean": r["eval_loss"], "sd": None, "n": 1} for rid, r in (results.get("rows") or {}).items()
+           if r.get("eval_loss") is not None}
+    for rid, c in ((results.get("seeds") or {}).get("configs") or {}).items():
+        if c.get("n"):
+            out[rid] = {"mean": c["mean"], "sd": c.get("sd"), "n": c["n"]}
+    return out
+
+
+def quality_text(loss: dict | None) -> str:
+    if loss is None:
+        return "not finished"
+    sd = f" \u00b1 {loss['sd']:.3f}" if loss["sd"] is not None and loss["n"] > 1 else ""
+    return f"{loss['mean']:.3f}{sd} ({loss['n']} seed{'s' if loss['n'] > 1 else ''})"
+
+
+def quality_lines(measured: dict[str, dict] | None = None) -> list[str]:
+    """Each setting's measured final eval loss and its gap to FSDP at the same learning rate, from
+    the committed grid (:func:`measured_quality`)."""
+    measured = measured_quality() if measured is None else measured
+    out = [f"Measured quality (tiny model, 3.4M tokens, 2 groups x 2 ranks; final eval loss, mean \u00b1 sd over "
+           f"seeds; {QUALITY_TABLE}):"]
     for s in SETTINGS:
-        out.append(f"  {s.name}: " + "; ".join(f"{rid} (\"{label}\")" for rid, label in s.quality_rows))
+        ref = measured.get(s.fsdp_row)
+        for rid, _ in s.quality_rows:
+            row = measured.get(rid)
+            gap = f", {row['mean'] - ref['mean']:+.3f} nats against FSDP's {ref['mean']:.3f} ({s.fsdp_row})" \
+                if row and ref else ""
+            out.append(f"  {s.name}: {quality_text(row)}{gap} [{rid}]")
     return out
 
 
@@ -347,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = [{**dataclasses.asdict(s), "quality_rows": [{"id": i, "label": lb} for i, lb in s.quality_rows]}
                     for s in SETTINGS]
         print(json.dumps({"figures": "model", "threshold": a.threshold, "assumptions": assumptions,
-                          "quality_table": QUALITY_TABLE, "settings": settings, "rows": rows}, indent=1))
+                          "quality_table": QUALITY_TABLE, "settings": settings, "rows": rows,
+                          "measured_quality": measured_quality()}, indent=1))
         return 0
     print(f"Share of the no-sync limit per exchange setting (model: every figure is the cost model's, not a "
           f"measurement); >= {a.threshold:g} in bold. The answer depends on the model size, the GPUs per link and "

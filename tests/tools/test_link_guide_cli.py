@@ -41,7 +41,8 @@ def test_8b_at_10mbit_only_sparse_keeps_the_limit_and_the_output_says_it_is_the_
     assert "60 s per optimizer step (--compute-s)" in proc.stdout
     # each setting points at the grid's table and its rows
     assert "bench/results/2026-12-03-grid/table.md" in proc.stdout
-    assert "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov" in proc.stdout and "fl_fsdp-h32-nesterov" in proc.stdout
+    assert "[fl_fsdp-h8-p2-tau2-sparse-ef-nesterov-lr1e-3]" in proc.stdout and "[fl_fsdp-h32]" in proc.stdout
+    assert "fp32 H=8: 4.904 \u00b1 0.008 (3 seeds), +0.167 nats against FSDP's 4.737 (fsdp-lr1e-3)" in proc.stdout
     assert os.path.isfile(REPO_ROOT / "bench/results/2026-12-03-grid/table.md")
 
 
@@ -50,7 +51,7 @@ def test_default_compute_is_stated_and_tiny_blocking_h32_is_near_the_limit_at_1g
     assert proc.returncode == 0, proc.stderr
     assert "assumed: llama-8b: 48.25 GFLOP/token at seq_len 2048 x 16,384 tokens per GPU / (989 TFLOPS x MFU " \
            "0.4) = 2 s" in proc.stdout
-    assert _rows(proc.stdout)[("llama-8b (8.03B)", "10 Mbit/s")]["keeps >= 0.95"].startswith("none (sparse needs ")
+    assert _rows(proc.stdout)[("llama-8b (8.03B)", "10 Mbit/s")]["keeps >= 0.95"].startswith("none (best here: sparse ")
     # the tiny model as the benchmark ran it: 2 groups x 2 processes, 0.514 s per step without sync
     proc = _cli("--params", "tiny", "--gpus-per-group", "2", "--compute-s", "0.514", "--link", "1gbit", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -59,7 +60,8 @@ def test_default_compute_is_stated_and_tiny_blocking_h32_is_near_the_limit_at_1g
     [row] = out["rows"]
     h32 = next(r for r in row["results"] if r["setting"] == "fp32 H=32")
     assert h32["share"] > 0.99 and h32["keeps"]
-    assert [s["quality_rows"][0]["id"] for s in out["settings"]][-1] == "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov"
+    assert [s["quality_rows"][0]["id"] for s in out["settings"]][-1] == "fl_fsdp-h8-p2-tau2-sparse-ef-nesterov-lr1e-3"
+    assert out["measured_quality"]["fl_fsdp-h8-lr1e-3"]["n"] == 3
 
 
 BAD = [[], ["--params", "llama-70b"], ["--params", "8e9", "--link", "fast"], ["--params", "8e9", "--groups", "1"],

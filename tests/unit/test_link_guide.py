@@ -75,7 +75,8 @@ def test_8b_at_10mbit_only_sparse_keeps_the_limit_given_a_minute_of_compute():
     sparse = row["results"][-1]
     assert sparse["short"] == "sparse" and sparse["share"] == max(_shares(row).values())
     need = sparse["link_for_threshold_bits_per_s"]
-    assert 1e8 < need < 1e9 and lg.keeps_text(row) == f"none (sparse needs {lg.link_text(need)})"
+    assert 1e8 < need < 1e9 and lg.keeps_text(row) == \
+        f"none (best here: sparse {sparse['share']:.3f}; sparse needs {lg.link_text(need)})"
     # at the link it names, sparse keeps the threshold; 1% slower it does not
     [at] = lg.guide([model], [need], groups=2, gpus_per_group=64)
     [below] = lg.guide([model], [need * 0.99], groups=2, gpus_per_group=64)
@@ -131,7 +132,36 @@ def test_settings_name_grid_rows_that_exist_with_their_labels_and_sync_settings(
             assert (spec.sync_every, spec.num_fragments, spec.sync_delay, spec.sync_dtype) == \
                 (s.sync_every, s.num_fragments, s.sync_delay, s.sync_dtype)
             assert spec.sync_dtype == "fp32" or spec.error_feedback
-            assert not spec.extra_flags  # FLConfig's defaults otherwise (sparse: 1/64, 2 bits), lr 3e-4
+            # FLConfig's defaults otherwise (sparse: 1/64, 2 bits); the LR of the setting's FSDP reference
+            lr = ("--learning_rate", "1e-3") if s.fsdp_row == "fsdp-lr1e-3" else ()
+            keep = ("--delayed_local_steps", "keep") if s.delayed_local_steps == "keep" else ()
+            assert spec.extra_flags == lr + keep, rid
+            assert runs[s.fsdp_row].algorithm == "fsdp"
+
+
+def test_quality_lines_give_each_settings_loss_and_gap_to_fsdp_at_its_lr(tmp_path):
+    """The guide prints measured figures, not row ids alone: mean +- sd over the seeds where the grid
+    trained several, the one run otherwise, and the gap to the FSDP row of the same LR; a row the
+    grid has not finished says so."""
+    import json
+
+    results = {"rows": {"fsdp-lr1e-3": {"eval_loss": 4.7}, "fl_fsdp-h16-lr1e-3": {"eval_loss": 4.91},
+                        "fl_fsdp-h32": {"eval_loss": 5.4}, "fsdp": {"eval_loss": 5.2}},
+               "seeds": {"configs": {"fl_fsdp-h8-lr1e-3": {"n": 3, "mean": 4.9, "sd": 0.008}}}}
+    (tmp_path / "bench/results/2026-12-03-grid").mkdir(parents=True)
+    (tmp_path / lg.QUALITY_JSON).write_text(json.dumps({"results": results}))
+    measured = lg.measured_quality(str(tmp_path))
+    assert measured["fl_fsdp-h8-lr1e-3"] == {"mean": 4.9, "sd": 0.008, "n": 3}
+    lines = lg.quality_lines(measured)
+    text = "\n".join(lines)
+    assert "fp32 H=8: 4.900 \u00b1 0.008 (3 seeds), +0.200 nats against FSDP's 4.700 (fsdp-lr1e-3)" in text
+    assert "fp32 H=16: 4.910 (1 seed), +0.210 nats" in text
+    assert "fp32 H=32: 5.400 (1 seed), +0.200 nats against FSDP's 5.200 (fsdp)" in text
+    assert "int8+EF H=16 P=2 tau=2 keep: not finished" in text
+    assert lg.measured_quality(str(tmp_path / "nowhere")) == {}
+    # the committed grid: the blocking rows have their figures
+    committed = lg.measured_quality()
+    assert committed["fl_fsdp-h8-lr1e-3"]["n"] == 3 and committed["fsdp-lr1e-3"]["n"] == 3
 
 
 def test_share_of_limit_and_link_for_share_on_a_hand_case():
