@@ -169,9 +169,28 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def _hub_resolves() -> bool:
+    """Whether the Hub's host name resolves (``huggingface_hub.constants.ENDPOINT``). Without it every
+    download attempt is retried by huggingface_hub's backoff (5 tries, 1 s to 8 s apart, a warning line
+    each, on every rank: about 40 s and 40 lines before the error), so the recipe asks first."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
 def _hub_error(kind: str, name: str, exc: BaseException | None, download: str) -> DataError:
     """One line: what could not be loaded, why, and the command that downloads it."""
-    if exc is None or _offline():
+    if exc is None and not _offline():
+        why = "not in the local cache and the Hugging Face Hub's address does not resolve (no network?)"
+    elif exc is None or _offline():
         why = "not in the local cache and the Hugging Face Hub is unreachable (offline: HF_HUB_OFFLINE=1)"
     else:
         why = f"not in the local cache and not downloadable ({type(exc).__name__}: {_first_line(exc)})"
@@ -191,7 +210,7 @@ def _load_hub_object(kind: str, name: str, loader, download: str):
         if os.path.exists(name):
             raise DataError(f"cannot load {kind} from local path '{name}': {type(exc).__name__}: "
                             f"{_first_line(exc)}") from None
-        if _offline():
+        if _offline() or not _hub_resolves():
             raise _hub_error(kind, name, None, download) from None
     try:
         return loader(name)

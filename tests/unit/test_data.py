@@ -465,7 +465,7 @@ def test_uncached_hub_object_fails_in_one_line_offline(hub_cache, offline, kind,
     assert f"hf download {name}" in msg and "or pass a local path" in msg
 
 
-def test_failed_download_is_one_line_naming_the_download(online):
+def test_failed_download_is_one_line_naming_the_download(online, monkeypatch):
     """Control flow only (the real offline failure is above): a loader that finds nothing in the
     cache and whose download raises gives one line with the library's first line. The download
     is only tried online (``online``: under HF_HUB_OFFLINE=1 the code rightly skips it, and the
@@ -476,12 +476,39 @@ def test_failed_download_is_one_line_naming_the_download(online):
         calls.append(local_files_only)
         raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
 
+    monkeypatch.setattr(D, "_hub_resolves", lambda: True)  # the Hub's name resolves; the download fails
+
     with pytest.raises(D.DataError) as info:
         D._load_hub_object("tokenizer", "someone/tok", loader, "hf download someone/tok")
     assert calls == [True, False]  # the cache first, then the Hub
     assert str(info.value) == ("cannot load tokenizer 'someone/tok': not in the local cache and not downloadable "
                                "(OSError: We couldn't connect to 'https://huggingface.co'.). Download it once with "
                                "network access (hf download someone/tok) or pass a local path.")
+
+
+def test_an_unresolvable_hub_fails_at_once_without_download_retries(online, hub_cache, monkeypatch):
+    """Where the Hub's host name does not resolve (no network), the recipe does not start a
+    download: huggingface_hub would retry it 5 times, 1 to 8 s apart, printing a warning each, on
+    every rank (a newcomer saw about 40 lines and 40 s before the error). A real lookup of a name
+    that cannot resolve (RFC 2606's .invalid), and the control flow with a recording loader."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.fl-accel.invalid")
+    assert D._hub_resolves() is False
+    calls = []
+
+    def loader(name, local_files_only=False):
+        calls.append(local_files_only)
+        raise OSError("not in the cache")
+
+    with pytest.raises(D.DataError) as info:
+        D._load_hub_object("model config", "someone/model", loader, "hf download someone/model config.json")
+    assert calls == [True]  # the cache only: no download attempt
+    assert str(info.value) == ("cannot load model config 'someone/model': not in the local cache and the Hugging "
+                               "Face Hub's address does not resolve (no network?). Download it once with network "
+                               "access (hf download someone/model config.json) or pass a local path.")
+    with pytest.raises(D.DataError, match="address does not resolve"):
+        D.load_model_config("someone/uncached-model")  # the real loader, the same way
 
 
 def test_tokenizer_and_config_load_from_a_local_dir_and_the_hub_cache(corpus, hub_cache, tmp_path):
