@@ -273,6 +273,10 @@ ABLATION_COMPONENTS = (
     ("delay 2, alpha 0.5", ABLATION_BASE, "fl_fsdp-h16-tau2-a0.5-lr1e-3"),
     ("the fast row (all three, alpha 0)", ABLATION_BASE, ABLATION_FAST),
     ("the fast row with alpha 0.5", ABLATION_BASE, "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3"),
+    # after the ablation (not pre-registered): the overlap mode's keep rule in its place
+    ("after: the fast row, local steps kept (tau 2)", ABLATION_BASE, "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3"),
+    ("after: the fast row, local steps kept (tau 4)", ABLATION_BASE, "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3"),
+    ("after: the whole round hidden (P=1, tau = H, kept, fp32)", ABLATION_BASE, "fl_fsdp-h16-tau16-keep-lr1e-3"),
 )
 """``(component, reference configuration, configuration)``: each cost is the configuration's mean minus the
 reference's (:func:`bench.analysis.ablation_of`)."""

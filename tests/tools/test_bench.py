@@ -6,6 +6,7 @@ folders in the compact form: ``baselines-100mbit`` (FSDP, FL+FSDP and the no-syn
 ``convergence-grid`` (a synthetic convergence suite of 128 steps, one row unfinished)."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -1284,5 +1285,5 @@ def test_ablation_by_its_preregistered_rules():
     assert fast["gap"] == pytest.approx(0.025) and fast["explained"] is (0.025 <= thr)
     assert next(s for s in ab["sums"] if s["id"] != bp.ABLATION_FAST)["gap"] is None
     text = "\n".join(rp.ablation_section({"ablation": ab, "seeds": seeds}))
-    assert bp.ABLATION_RULES in text and "| int8 + error feedback |" in text.replace("  ", "")
+    assert bp.ABLATION_RULES in text and re.search(r"\| int8 \+ error feedback +\|", text)
     assert "alpha 0.5 recovers the delay's cost." in text and "not all of its rows have finished yet" in text
