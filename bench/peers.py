@@ -36,7 +36,7 @@ and ``curves.csv``). Results: ``table.md`` (with the command), ``peers.json``, `
 ``loss_vs_seconds.png``, ``command.txt``. Needs root (network namespaces and tc)::
 
     sudo python -m bench.peers --name <date>-peers              # the sitting: 10 and 100 Mbit/s, 3 reps
-    sudo python -m bench.peers --smoke                          # every row once at 100 Mbit/s, 16 steps
+    sudo python -m bench.peers --smoke                          # every row once at 100 Mbit/s, 32 steps
     python -m bench.peers --dry-run                             # the launch order and every command
     python -m bench.peers --name <date>-peers --report-only     # rebuild the results (no root)
 """
@@ -73,7 +73,7 @@ LIGHTHOUSE = {"min_replicas": NODES, "quorum_tick_ms": 100, "join_timeout_ms": 2
 group trains alone while the other starts); a heartbeat missed for 60 s (torchft's default), not
 3 s, so that heartbeats queued behind a sync on a 10 Mbit/s link do not drop a group."""
 FULL = dict(steps=64, eval_every=8, reps=3, links="10mbit,100mbit", eval_blocks=64)
-SMOKE = dict(steps=16, eval_every=8, reps=1, links="100mbit", eval_blocks=32)
+SMOKE = dict(steps=32, eval_every=8, reps=1, links="100mbit", eval_blocks=32)
 RECORD = "record.json"
 
 
@@ -169,6 +169,10 @@ ROWS: tuple[PeerRow, ...] = (
     # (about 1.5 MB on the link) outlasts 2 steps of this CPU's compute
     PeerRow("fl_accel-h16-p2-tau4-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=4, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
+    # half the exchanges per step: the int8 codec's CPU time, not the link, kept tau 2 and 4 at 0.92 and 0.89 of
+    # the no-sync limit at 10 Mbit/s here (2026-12-06)
+    PeerRow("fl_accel-h32-p2-tau2-keep-int8-ef", "fl_accel", 32, num_fragments=2, sync_delay=2, sync_dtype="int8",
+            error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
     # the no-sync limit of the same layout (bench.plan.LIMIT_SYNC_EVERY; issue 46's share of the limit)
     PeerRow("fl_accel-limit", "fl_accel", bp.LIMIT_SYNC_EVERY, outer_optimizer="avg"),
@@ -187,6 +191,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
      "fl_accel's fast row with the local steps kept vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h16-p2-tau4-keep-int8-ef", "torchft-h16-p2-tau2",
      "fl_accel, the exchange behind 4 steps, local steps kept, vs torchft's Streaming DiLoCo at the same H"),
+    ("fl_accel-h32-p2-tau2-keep-int8-ef", "torchft-h16-p2-tau2",
+     "fl_accel at H=32, local steps kept, vs torchft's Streaming DiLoCo at H=16"),
     ("fl_accel-h8", "accelerate-localsgd-h8", "blocking fp32 vs Accelerate's LocalSGD (DDP, avg)"),
 )
 """``(row, peer row, what)``: the ratios the table gives (tokens/s, bytes, time to the peer's target)."""

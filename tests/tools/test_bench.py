@@ -454,10 +454,12 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
                  "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3")),
              *(f"{r}-seed43" for r in ("fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                                        "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
-                                       "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3")),
+                                       "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
+                                       "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3")),
              "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-lr1e-3-seed44",
-             "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44")
+             "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44",
+             "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
 CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
 
@@ -479,7 +481,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
                 "fl_fsdp-h8-lr2e-3", "fl_fsdp-h1-lr1e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                 "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
-                "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3"]
+                "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
+                "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, *ablation, *SEED_ROWS]

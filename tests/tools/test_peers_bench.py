@@ -66,7 +66,7 @@ def test_plan_defaults_smoke_and_validation(tmp_path):
     assert p["learning_rate"] == 3e-4 and [r["id"] for r in p["rows"]] == [r.id for r in peers.ROWS]
     assert len(p["comparisons"]) == len(peers.COMPARISONS) and p["lighthouse"]["min_replicas"] == 2
     s = _plan(tmp_path, "--smoke")
-    assert (s["links"], s["reps"], s["steps"], s["name"]) == (["100mbit"], 1, 16, "smoke-peers")
+    assert (s["links"], s["reps"], s["steps"], s["name"]) == (["100mbit"], 1, 32, "smoke-peers")
     assert s["command"] == "python -m bench.peers --smoke"
     only = _plan(tmp_path, "--rows", "torchft-h8,fl_accel-h8", "--steps", "8")
     assert [c[:2] for c in only["comparisons"]] == [["fl_accel-h8", "torchft-h8"]]
