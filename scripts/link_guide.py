@@ -85,16 +85,16 @@ SETTINGS = (
             (("fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
               "FL+FSDP H=16 P=2 tau=2 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
             delayed_local_steps="keep"),
-    Setting("int8+EF H=16 P=2 tau=4 keep", "int8 tau=4", 16, 2, 4, "int8",
-            (("fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3",
-              "FL+FSDP H=16 P=2 tau=4 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
+    Setting("int8+EF H=32 P=2 tau=2 keep", "int8 H=32", 32, 2, 2, "int8",
+            (("fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3",
+              "FL+FSDP H=32 P=2 tau=2 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
             delayed_local_steps="keep"),
     Setting("sparse 1/64+EF H=8 P=2 tau=2", "sparse", 8, 2, 2, "sparse",
             (("fl_fsdp-h8-p2-tau2-sparse-ef-nesterov-lr1e-3",
               "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 sparse+EF learning_rate 1e-3"),)),
 )
-"""Blocking fp32 at H=8/16/32; int8 + error feedback with P=2 fragments whose exchange runs behind
-tau=2 or 4 steps, the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
+"""Blocking fp32 at H=8/16/32; int8 + error feedback with P=2 fragments (H=16 and 32) whose exchange
+runs behind tau=2 steps, the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
 ablation put the older rule's whole quality cost on discarding them); sparse (1/64 of the values,
 2 bits, error feedback: the FLConfig defaults). The quality rows train at lr 1e-3, FSDP's best in the
 grid (H=32: only at lr 3e-4). ``keep`` moves no byte: the cost model's figures are the discard rule's."""
