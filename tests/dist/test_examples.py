@@ -112,7 +112,9 @@ def test_trainer_example_trains_checkpoints_and_exports_the_federated_model(tmp_
 def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_path, inputs):  # noqa: F811
     """examples/run_clm_no_trainer.py (the canonical Accelerate script with the one-line swap), on
     local text files with its own BPE: 6 steps, H=4 (FL_ACCEL_SYNC_EVERY), a checkpoint at step 3
-    (mid-round); a second launch resumes from it and ends with the same evaluation and model."""
+    (mid-round); a second launch resumes from it and ends with the same evaluation and model. The
+    first launch has ``--with_tracking`` and no ``WANDB_MODE`` (as from a bare shell, no W&B key):
+    W&B runs offline, its run under ``--output_dir``, not the working directory."""
     from safetensors.torch import load_file
 
     files = inputs[:4]  # --train_file, --validation_file
@@ -121,8 +123,10 @@ def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_p
     script = REPO_ROOT / "examples" / "run_clm_no_trainer.py"
     env = {"FL_ACCEL_SYNC_EVERY": "4"}
     a, b = tmp_path / "a", tmp_path / "b"
-    res = run_torchrun(4, script, *args, "--output_dir", str(a), timeout=300, env=env)
+    res = run_torchrun(4, script, *args, "--output_dir", str(a), "--with_tracking", timeout=300,
+                       env={**env, "WANDB_MODE": None, "WANDB_API_KEY": None, "WANDB_DIR": None})
     assert res.returncode == 0, res.tail()
+    assert len(list((a / "wandb").glob("offline-run-*"))) == 1, sorted(p.name for p in a.iterdir())
     straight = json.loads((a / "all_results.json").read_text())
     assert straight["steps"] == 6 and straight["syncs"] == 2 and straight["perplexity"] < 300, straight
     (b / "step_3").parent.mkdir()
