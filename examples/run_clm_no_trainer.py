@@ -3,8 +3,13 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/run_clm_no_trainer.py
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/run_clm_no_trainer.py --train_file my.txt \\
         --validation_file my_val.txt --checkpointing_steps 20 --with_tracking
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 examples/run_clm_no_trainer.py --train_file my.txt \\
+        --validation_file my_val.txt --with_tracking --resume_from_checkpoint outputs/clm/step_20
     FL_ACCEL_SYNC_EVERY=16 accelerate launch --config_file accelerate_configs/cpu_4proc.yaml \\
-        examples/run_clm_no_trainer.py --resume_from_checkpoint outputs/clm/step_20
+        examples/run_clm_no_trainer.py --output_dir outputs/clm_h16
+
+A resume takes the settings the checkpoint was written with (the ``FL_ACCEL_*`` variables
+too: ``load_state`` refuses another ``sync_every``, layout or sync settings).
 
 The canonical script's steps, as Accelerate users know them: text files -> ``load_dataset("text")``
 -> tokenize -> ``group_texts`` into blocks under ``main_process_first()``; AdamW; the scheduler sized
@@ -63,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N optimizer steps")
     p.add_argument("--resume_from_checkpoint", default=None, help="a step_N folder")
-    p.add_argument("--with_tracking", action="store_true", help="W&B (offline unless WANDB_MODE says otherwise)")
+    p.add_argument("--with_tracking", action="store_true", help="W&B (offline unless WANDB_MODE says otherwise), "
+                                                                "its run under <output_dir>/wandb")
     return p.parse_args(argv)
 
 
@@ -78,6 +84,9 @@ def text_files(args, accelerator) -> dict[str, str]:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.with_tracking:  # W&B never asks for a login: offline unless WANDB_MODE says otherwise
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")
     accelerator = FLAccelerator(  # the swap: was Accelerator(...); FLConfig from FL_ACCEL_* variables
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with="wandb" if args.with_tracking else None, project_dir=args.output_dir)
@@ -130,7 +139,8 @@ def main(argv=None):
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     if args.with_tracking:
-        accelerator.init_trackers("clm_no_trainer", vars(args))
+        accelerator.init_trackers("clm_no_trainer", vars(args),
+                                  init_kwargs={"wandb": {"dir": args.output_dir}})  # <output_dir>/wandb, not the cwd
 
     completed_steps, starting_epoch, resume_batches = 0, 0, 0
     if args.resume_from_checkpoint:
@@ -174,7 +184,7 @@ def main(argv=None):
         eval_loss = (nll / tokens).item()  # token-weighted over every rank's rows
         perplexity = math.exp(eval_loss)
         accelerator.print(f"epoch {epoch}: step {completed_steps}, eval loss {eval_loss:.4f}, perplexity "
-                          f"{perplexity:.2f}, syncs {accelerator.federation.rounds_done}")
+                          f"{perplexity:.2f}, syncs {accelerator.federation.syncs_done}")
         if args.with_tracking:
             accelerator.log({"eval/perplexity": perplexity, "eval/loss": eval_loss}, step=completed_steps)
 
@@ -186,7 +196,7 @@ def main(argv=None):
         tokenizer.save_pretrained(os.path.join(args.output_dir, "final"))
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as fh:
             json.dump({"perplexity": perplexity, "eval_loss": eval_loss, "steps": completed_steps,
-                       "syncs": accelerator.federation.rounds_done}, fh)
+                       "syncs": accelerator.federation.syncs_done}, fh)
     accelerator.end_training()
 
 

@@ -24,7 +24,8 @@
 #                    git-ignored)
 #
 # Each group's [train_loop] lines: its loss every --log_every steps; after a heal, "healed from
-# group F" and then the healed state's loss (the loss of the step that healed was the old state's).
+# group F" and then the healed state's loss (the loss of the step that healed was the old state's);
+# at the end its result line, and a last line comparing the groups' parameter checksums.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -37,4 +38,17 @@ for f in 0 1; do
   echo "--- group $f ($LOG_DIR/group$f.log)"
   grep -h '^\[train_loop\]' "$LOG_DIR/group$f.log" || tail -n 20 "$LOG_DIR/group$f.log"
 done
+# the groups end identical: the same shard holds the same values in both (fp64 sums)
+python - "$LOG_DIR" <<'PY' || true
+import json, pathlib, sys
+sums = {}
+for f in (0, 1):
+    lines = [ln for ln in pathlib.Path(sys.argv[1], f"group{f}.log").read_text().splitlines()
+             if ln.startswith("[train_loop] result ")]
+    if lines:
+        sums[f] = {s["shard"]: s["checksum"] for s in json.loads(lines[-1].split(" ", 2)[2])["shards"]}
+if len(sums) == 2:
+    print(f"--- checksums by shard: group 0 {sums[0]}, group 1 {sums[1]}: "
+          f"{'equal' if sums[0] == sums[1] else 'DIFFERENT'}")
+PY
 exit "$status"

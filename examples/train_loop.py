@@ -34,6 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 from accelerate.utils import set_seed
+from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_schedule_with_warmup
 
 from fl_accel import FLAccelerator, FLConfig
@@ -66,6 +67,18 @@ def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
     start = torch.randint(0, vocab, (n, 1), generator=gen)
     stride = torch.randint(1, 4, (n, 1), generator=gen)
     return (start + stride * torch.arange(seq_len)) % vocab
+
+
+def shard_checksum(model: torch.nn.Module) -> float:
+    """fp64 sum of this rank's parameter shards (``to_local()`` of FSDP2's DTensors). FSDP2
+    keeps the root unit's parameters unsharded after a forward without backward (the root's
+    ``reshard_after_forward`` is False), and ``model.parameters()`` then yields full tensors:
+    every unit is resharded first, so equal models give equal checksums."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return float(sum(s.detach().double().sum() for s in shards))
 
 
 def main(argv=None) -> None:
@@ -140,9 +153,8 @@ def main(argv=None) -> None:
         # down, so anything that needs the federated model (a save, a checksum) comes before
         accelerator.sync_if_pending()
 
-    shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     mine = {"group": accelerator.group_index, "replica": accelerator.replica_index,
-            "shard": accelerator.shard_index, "checksum": float(sum(s.detach().double().sum() for s in shards))}
+            "shard": accelerator.shard_index, "checksum": shard_checksum(model)}
     every = [None] * accelerator.num_processes
     dist.all_gather_object(every, mine)  # over this launch's world (one group in the torchft mode)
     if accelerator.is_main_process:

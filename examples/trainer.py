@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     if trainer.is_world_process_zero():
         result = {"algorithm": acc.fl_config.algorithm, "num_groups": acc.num_groups, "world_size": acc.num_processes,
                   "sync_every": acc.fl_config.sync_every, "steps": trainer.state.global_step,
-                  "num_syncs": acc.federation.rounds_done, "eval_loss": metrics["eval_loss"], "final_model": final,
+                  "num_syncs": acc.federation.syncs_done, "eval_loss": metrics["eval_loss"], "final_model": final,
                   "trainer": type(trainer).__name__}
         print("[trainer] result " + json.dumps(result), flush=True)
 

@@ -155,17 +155,27 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     return meta
 
 
+SCHEDULE_KEYS = ("sync_every", "sync_delay")
+"""The sync schedule a checkpoint was written with (F > 1): its round position, anchor and any
+exchange in flight belong to that H and tau. Checkpoints written before these keys were stored
+load without this check."""
+
+
 def layout_meta(config, layout) -> dict[str, Any]:
-    """What a checkpoint shares with the run loading it: layout, ``FLConfig.sync_state`` and
-    ("torchft") the group."""
+    """What a checkpoint shares with the run loading it: layout, ``FLConfig.sync_state``, the
+    sync schedule (:data:`SCHEDULE_KEYS`, when F > 1) and ("torchft") the group."""
     per_group = {"fault_tolerance": config.fault_tolerance, "group_index": config.group_index} \
         if config.fault_tolerant else {}
-    return {**layout.as_dict(), **config.sync_state(layout.num_groups), **per_group}
+    schedule = {k: getattr(config, k) for k in SCHEDULE_KEYS} if layout.num_groups > 1 else {}
+    return {**layout.as_dict(), **config.sync_state(layout.num_groups), **schedule, **per_group}
 
 
 def check_compatible(meta: dict[str, Any], here: dict[str, Any]) -> None:
-    """CheckpointError if ``meta`` differs from ``here`` (:func:`layout_meta` of this run)."""
+    """CheckpointError if ``meta`` differs from ``here`` (:func:`layout_meta` of this run),
+    naming every differing setting; no collective, so every rank raises alike. A key of
+    :data:`SCHEDULE_KEYS` is compared only when the checkpoint stores it (older ones do not)."""
     here = {**dict.fromkeys(k for k in ("fault_tolerance", "group_index") if k in meta), **here}
+    here = {k: v for k, v in here.items() if k not in SCHEDULE_KEYS or k in meta}
     theirs = {k: meta.get(k) for k in here}
     if theirs != here:
         diff = {k: (theirs[k], here[k]) for k in here if theirs[k] != here[k]}

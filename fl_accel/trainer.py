@@ -236,7 +236,7 @@ class FederatedTrainerMixin:
         """Trainer's ``log`` with ``fl/syncs`` and ``fl/sync_wait_s`` added while the federation is active."""
         fed = self.accelerator.federation
         if fed.active:
-            logs = {**logs, "fl/syncs": fed.rounds_done, "fl/sync_wait_s": round(fed.sync_wait_seconds, 4)}
+            logs = {**logs, "fl/syncs": fed.syncs_done, "fl/sync_wait_s": round(fed.sync_wait_seconds, 4)}
         return super().log(logs, *args, **kwargs)
 
 

@@ -216,6 +216,10 @@ def build_parser(fl_cls=FLConfig, **kwargs):
     for action in compat.parser_actions(parser):
         if action.dest in docs and not action.help:
             action.help = docs[action.dest]
+        if any(o.startswith("--no_") for o in action.option_strings) and not action.const:
+            # HfArgumentParser gives --no_<flag> (store_false) the positive flag's help text and a
+            # "(default: False)"; the positive flag, registered first, sets the default
+            action.help, action.default = f"turn --{action.dest} off (it is on by default)", argparse.SUPPRESS
     parser.add_argument("--config", default=None, help="recipe YAML: any option at the top level, FLConfig "
                                                        "fields under 'fl:'")
     return parser

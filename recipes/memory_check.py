@@ -60,8 +60,9 @@ def judge(config, fl, world_size: int, gpu_memory_bytes: float, kw: dict) -> tup
                                         "outer_state_device")}
     fixes = smallest_fixes(config, gpu_memory_bytes, layout=layout, **{**sync, **kw})
     if fixes:
-        text += "; it fits with " + "; or ".join(f"{fix_flags(f.changes, world_size)} ({f.total / GIB:.1f} GiB)"
-                                                 for f in fixes[:3])
+        text += "; it fits with " + "; or ".join(
+            f"{fix_flags(f.changes, world_size)} ({f.total / GIB:.1f} GiB{'; ' + f.note if f.note else ''})"
+            for f in fixes[:3])
     else:
         text += "; no change of checkpointing, outer state, micro-batch or group size makes it fit"
     return answer, text + " (python -m scripts.memory_model explains the estimate; --memory_check warn runs anyway)"

@@ -36,6 +36,17 @@ PRESETS = {
 }
 
 
+PRESET_ALIASES = {"llama-1b": "llama3.2-1b", "llama-8b": "llama3.1-8b"}
+"""Short names of :data:`PRESETS`, taken wherever a preset is (scripts.memory_model,
+scripts.link_guide, scripts.cost_model)."""
+
+
+def preset_name(name: str) -> str | None:
+    """The :data:`PRESETS` key of ``name`` (a key or a :data:`PRESET_ALIASES` short name), else None."""
+    name = PRESET_ALIASES.get(name, name)
+    return name if name in PRESETS else None
+
+
 VOCAB_PADDING = 0.01
 """A model vocabulary at most this share larger than the tokenizer's is padding (e.g.
 Qwen2: 151,936 rows for 151,665 tokens), accepted and reported; a larger gap is an error

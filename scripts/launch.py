@@ -70,12 +70,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def child_env(extra: Mapping[str, str] | None = None, *, pythonpath: Sequence[str] = (),
+def child_env(extra: Mapping[str, str | None] | None = None, *, pythonpath: Sequence[str] = (),
               drop_prefixes: Sequence[str] = ("FL_ACCEL_",)) -> dict[str, str]:
     """Environment of a launched job: ours, single-threaded and offline.
 
     Args:
-        extra: variables set last (they win over everything here).
+        extra: variables set last (they win over everything here); a None value removes
+            the variable (e.g. ``{"WANDB_MODE": None}``: a launch as from a bare shell).
         pythonpath: folders put in front of ``PYTHONPATH``.
         drop_prefixes: variables starting with one of these are removed first (the
             caller's ``FL_ACCEL_*`` settings must not leak into a launch that sets its
@@ -94,7 +95,11 @@ def child_env(extra: Mapping[str, str] | None = None, *, pythonpath: Sequence[st
     paths = [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 

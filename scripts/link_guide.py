@@ -41,7 +41,7 @@ from fl_accel.planning.cost import (_int, _num, estimate, link_for_share, predic
 from fl_accel.planning.flops import PEAK_BF16_TFLOPS, model_flops_per_token
 from fl_accel.planning.units import llama_units
 from recipes.args import RecipeArguments
-from recipes.modeling import PRESETS
+from recipes.modeling import PRESET_ALIASES, PRESETS, preset_name
 from scripts.cli import fail
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +53,6 @@ IN_GROUP_BW = 1e30
 """Bytes/s given to the cost model for links inside a group: their traffic is in the compute time."""
 THRESHOLD = 0.95
 DEFAULT_LINKS = ("10mbit", "100mbit", "1gbit", "10gbit")
-ALIASES = {"llama-1b": "llama3.2-1b", "llama-8b": "llama3.1-8b"}
-"""Short names of the recipe's presets (recipes/modeling.py PRESETS)."""
 DEFAULT_TOKENS_PER_GPU = 16384
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_PEAK_TFLOPS = PEAK_BF16_TFLOPS["H100"]
@@ -141,8 +139,8 @@ def resolve_model(text: str, seq_len: int = DEFAULT_SEQ_LEN, num_units: int = 32
     Raises:
         ValueError: neither a preset nor a positive number.
     """
-    name = ALIASES.get(text, text)
-    if name in PRESETS:
+    name = preset_name(text)
+    if name is not None:
         config = dict(PRESETS[name])
         config.setdefault("vocab_size", RecipeArguments.__dataclass_fields__["vocab_size"].default)
         units = tuple(llama_units(config))
@@ -154,7 +152,7 @@ def resolve_model(text: str, seq_len: int = DEFAULT_SEQ_LEN, num_units: int = 32
         params = math.nan
     if not math.isfinite(params) or params < 1:
         raise ValueError(f"--params must be a parameter count such as 8e9 or one of "
-                         f"{sorted([*PRESETS, *ALIASES])}, got {text!r}")
+                         f"{sorted([*PRESETS, *PRESET_ALIASES])}, got {text!r}")
     units = tuple(units_from_param_count(params, min(num_units, round(params))))
     return Model(f"{text.strip()} params", units, 6.0 * params, f"6 x {params:.3g} FLOP/token (6 per parameter)")
 
@@ -344,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.link_guide", description=main.__doc__)
     p.error = fail
     p.add_argument("--params", nargs="+", required=True, metavar="MODEL",
-                   help=f"parameter counts (8e9) or presets {sorted([*PRESETS, *ALIASES])}")
+                   help=f"parameter counts (8e9) or presets {sorted([*PRESETS, *PRESET_ALIASES])}")
     p.add_argument("--groups", type=int, default=2, help="F, federation groups (sites) (default: %(default)s)")
     p.add_argument("--gpus-per-group", type=int, default=8, help="G, GPUs sharing a group's link (default: "
                    "%(default)s)")

@@ -44,23 +44,27 @@ PAPER_LAYOUTS = {"FL+FSDP G=4": (512, 4, 4), "FL+HSDP G=32 S=4": (512, 32, 4)}
 
 def model_config(name: str | None) -> tuple[Any, str]:
     """``(config, display name)``: Llama-3.1-8B by default; a preset of recipes/modeling.py
-    (not ``tiny``: its vocabulary follows the tokenizer) or a config.json path.
+    or its short name (``PRESET_ALIASES``: ``llama-8b``, as scripts.link_guide takes it; not
+    ``tiny``: its vocabulary follows the tokenizer) or a config.json path.
 
     Raises:
         ValueError: neither a preset with a vocabulary nor a readable config.json.
     """
     if name is None:
         return LLAMA_3_1_8B, "Llama-3.1-8B"
-    from recipes.modeling import PRESETS
+    from recipes.modeling import PRESET_ALIASES, PRESETS, preset_name
 
-    if name in PRESETS and "vocab_size" in PRESETS[name]:
-        return PRESETS[name], name
+    preset = preset_name(name)
+    if preset is not None and "vocab_size" in PRESETS[preset]:
+        return PRESETS[preset], preset
     try:
         with open(name, encoding="utf-8") as fh:
             return json.load(fh), name
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--model {name!r} is neither a preset with a vocabulary "
-                         f"{[k for k, v in PRESETS.items() if 'vocab_size' in v]} nor a readable config.json: {exc}")
+        names = [k for k, v in PRESETS.items() if "vocab_size" in v]
+        names += [k for k, v in PRESET_ALIASES.items() if v in names]
+        raise ValueError(f"--model {name!r} is neither a preset with a vocabulary {sorted(names)} nor a readable "
+                         f"config.json: {exc}")
 
 
 def verdict(total: float, gpu_bytes: float, headroom: float) -> str:
@@ -119,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Defaults: the paper's setting (FL+FSDP G=4 on A100-64GB)."""
     p = argparse.ArgumentParser(prog="python -m scripts.memory_model", description=__doc__.split("\n\n")[0])
     p.error = fail
-    p.add_argument("--model", default=None, help="preset (llama3.1-8b, llama3.2-1b) or config.json "
-                                                 "(default: Llama-3.1-8B)")
+    p.add_argument("--model", default=None, help="preset (llama3.1-8b or llama-8b, llama3.2-1b or llama-1b) or "
+                                                 "config.json (default: Llama-3.1-8B)")
     for flag, kind, default, text in [
             ("world-size", int, 512, "N"), ("group-size", int, 4, "G"), ("shard-size", int, None, "S (default G)"),
             ("seq-len", int, 2048, "tokens per sequence"), ("micro-batch", int, 2, "sequences per forward"),
@@ -175,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"model": name, "layout": layout.as_dict(), **est.as_dict(), "gpu_memory_bytes": gpu,
                           "headroom": a.headroom, "verdict": answer,
                           "fixes": [{"changes": f.changes, "flags": fix_text(f.changes), "total": f.total,
-                                     "verdict": f.verdict} for f in fixes]}, indent=1))
+                                     "verdict": f.verdict, "note": f.note} for f in fixes]}, indent=1))
         return status
     print(f"{name}, {layout.describe()}, micro-batch {a.micro_batch} x {a.seq_len}, {a.param_dtype} "
           f"(reduce {a.reduce_dtype}), checkpointing {a.activation_checkpointing}, outer {a.outer_optimizer} "
@@ -190,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fixes:
         print("fits with (the smallest changes found; each line alone):")
         for f in fixes[:4]:
-            print(f"  {fix_text(f.changes)}: peak {f.total / GIB:.1f} GiB ({f.verdict})")
+            print(f"  {fix_text(f.changes)}: peak {f.total / GIB:.1f} GiB ({f.verdict}"
+                  + (f"; {f.note})" if f.note else ")"))
     elif answer == "does not fit":
         print("no single change tried makes it fit (activation checkpointing, the outer state on the host, a smaller "
               "micro-batch, larger groups or shards, and their combinations): a larger GPU or a smaller model")

@@ -40,12 +40,18 @@ class MemoryFix:
     "gradient_accumulation_steps" (tokens per step kept), "group_size" (FL+FSDP: fewer, larger
     groups), "shards" (HSDP: S larger)) to new values; ``total`` its peak in bytes;
     ``verdict`` "fits" or "tight"; ``changes_kinds`` the kinds of change combined (indices in
-    the order :func:`smallest_fixes` tries them)."""
+    the order :func:`smallest_fixes` tries them); ``note`` what else the change means
+    (:data:`NO_FEDERATION` when a larger group leaves one group of the whole world), else ""."""
 
     changes: dict
     total: float
     verdict: str
     changes_kinds: tuple = ()
+    note: str = ""
+
+
+NO_FEDERATION = "one group: no federation"
+"""The note of a fix whose group spans the world (F = 1: plain FSDP, nothing is federated)."""
 
 
 def _candidates(kw: dict, layout: Any) -> list[list[dict]]:
@@ -96,7 +102,8 @@ def smallest_fixes(config: Any, gpu_memory_bytes: float, headroom: float = ALLOC
             lay = FLLayout.equal(layout.num_groups, layout.group_size // s, s)
         total = estimate(config, layout=lay, **args).total
         answer = verdict(total, gpu_memory_bytes, headroom)
-        return None if answer == "does not fit" else MemoryFix(change, total, answer)
+        note = NO_FEDERATION if lay.num_groups == 1 < layout.num_groups else ""
+        return None if answer == "does not fit" else MemoryFix(change, total, answer, note=note)
 
     kinds = _candidates(kw, layout)
     found: list[MemoryFix] = []
@@ -109,7 +116,7 @@ def smallest_fixes(config: Any, gpu_memory_bytes: float, headroom: float = ALLOC
             for choice in _product(options) if all(options) else ():
                 fix = run({k: v for option in choice for k, v in option.items()})
                 if fix is not None:
-                    found.append(MemoryFix(fix.changes, fix.total, fix.verdict, tuple(group)))
+                    found.append(MemoryFix(fix.changes, fix.total, fix.verdict, tuple(group), fix.note))
                     if size == 1:
                         alone[group[0]] = kinds[group[0]].index(choice[0])
                     break  # this combination's smallest values

@@ -46,13 +46,15 @@ def full_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def after_full(full_run, tmp_path_factory):
-    """One launch: resume from step 3 and from step 4, then load a truncated copy of step_4."""
+    """One launch: resume from step 3 and from step 4, then load a truncated copy of step_4, then
+    step_4 with another sync_every and another sync_delay."""
     out, _ = full_run
     bad = tmp_path_factory.mktemp("truncated") / "step_4"
     shutil.copytree(out / "step_4", bad)
     shard = sorted(bad.glob("*.distcp"))[1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    result = run_torchrun(4, WORKER, "batch", str(out), "resume:3", "resume:4", f"load_corrupt:{bad}", timeout=300)
+    result = run_torchrun(4, WORKER, "batch", str(out), "resume:3", "resume:4", f"load_corrupt:{bad}",
+                          "load_other:sync_every=6", "load_other:sync_delay=1", timeout=300)
     assert not result.timed_out, result.tail()
     return result
 
@@ -181,3 +183,15 @@ def test_average_optimizer_state_makes_adamw_moments_equal_across_groups(nonfini
         # the averaged moments are the mean of the two groups' own moments
         for x_on, x_a, x_b in zip(on[a]["opt_state"], off[a]["opt_state"], off[b]["opt_state"]):
             torch.testing.assert_close(x_on, (x_a + x_b) / 2, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("setting, written, here", [("sync_every", 3, 6), ("sync_delay", 0, 1)])
+def test_another_sync_schedule_is_refused_on_every_rank(full_run, after_full, setting, written, here):
+    """``load_state`` in one's own loop refuses a checkpoint written with another sync_every
+    (or sync_delay), as the recipe does, on every rank before any collective (the next
+    cases of the same launch ran, so nothing hung), naming both values."""
+    out, _ = full_run
+    assert after_full.returncode == 0, after_full.tail()
+    errors = [r["error"] for r in load(out, f"load_other-{setting}")]
+    assert all(e and e.startswith("CheckpointError") and "different setup" in e
+               and f"{setting}={written} vs {here}" in e for e in errors), errors

@@ -9,6 +9,8 @@
   multiples of H with model files, and exports a model ``from_pretrained`` loads.
 * examples/run_clm_no_trainer.py (the canonical Accelerate script, swapped): trains, checkpoints
   mid-round, and a resumed launch ends with the same evaluation and model, bitwise.
+* examples/train_loop.py's checksum after a forward without backward (FSDP2 leaves the root
+  unit unsharded): still this rank's shards, as after a training step.
 * examples/slurm_multinode.sh: its srun/torchrun line (c10d rendezvous, through
   scripts.launch_guard) run for real as a one-node job under stand-ins for srun and scontrol.
 * examples/torchft_two_groups.sh (the torchft how-to): a Lighthouse and two torchruns
@@ -31,7 +33,7 @@ import pytest
 
 import torch
 
-from _launch import REPO_ROOT, launch_env, run_torchrun
+from _launch import REPO_ROOT, WORKERS, launch_env, run_torchrun
 from dist.test_drop_in import inputs  # noqa: F401  (a fixture: local text files)
 
 EXAMPLE = REPO_ROOT / "examples" / "train_loop.py"
@@ -59,6 +61,22 @@ def test_train_loop_trains_syncs_and_ends_with_identical_groups():
     for k in (0, 1):  # the same shard in both groups: the same values after the final sync
         assert len({s["checksum"] for s in shards if s["shard"] == k}) == 1, shards
     assert result["groups_identical"] is True
+
+
+def test_train_loop_checksum_is_of_the_shards_after_a_forward_without_backward():
+    """examples/train_loop.py ends a torchft run that healed last with a ``no_grad`` forward
+    (the healed state's loss), which leaves FSDP2's root unit unsharded; its checksum (2 ranks,
+    FSDP2 over both; tests/workers/example_checksum_worker.py) is still the shards' sum, as
+    after the training step (before the fix, full tensors were summed and equal groups printed
+    different checksums). Two ranks per group through the real torchft example (a kill and a
+    heal) would cost minutes of CPU here."""
+    res = run_torchrun(2, WORKERS / "example_checksum_worker.py", timeout=240)
+    assert res.returncode == 0, res.tail()
+    recs = [json.loads(m) for m in re.findall(r"^\[checksum\] (\{.*\})$", res.stdout, re.M)]
+    assert sorted(r["rank"] for r in recs) == [0, 1], res.tail()
+    for r in recs:
+        assert r["after_forward"] == r["trained"], r  # "unsharded_after_forward": what the fix undoes
+    assert recs[0]["trained"] != recs[1]["trained"]  # each rank sums its own shard
 
 
 def test_torchft_example_runs_two_groups_to_the_end(tmp_path):
@@ -112,7 +130,9 @@ def test_trainer_example_trains_checkpoints_and_exports_the_federated_model(tmp_
 def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_path, inputs):  # noqa: F811
     """examples/run_clm_no_trainer.py (the canonical Accelerate script with the one-line swap), on
     local text files with its own BPE: 6 steps, H=4 (FL_ACCEL_SYNC_EVERY), a checkpoint at step 3
-    (mid-round); a second launch resumes from it and ends with the same evaluation and model."""
+    (mid-round); a second launch resumes from it and ends with the same evaluation and model. The
+    first launch has ``--with_tracking`` and no ``WANDB_MODE`` (as from a bare shell, no W&B key):
+    W&B runs offline, its run under ``--output_dir``, not the working directory."""
     from safetensors.torch import load_file
 
     files = inputs[:4]  # --train_file, --validation_file
@@ -121,8 +141,10 @@ def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_p
     script = REPO_ROOT / "examples" / "run_clm_no_trainer.py"
     env = {"FL_ACCEL_SYNC_EVERY": "4"}
     a, b = tmp_path / "a", tmp_path / "b"
-    res = run_torchrun(4, script, *args, "--output_dir", str(a), timeout=300, env=env)
+    res = run_torchrun(4, script, *args, "--output_dir", str(a), "--with_tracking", timeout=300,
+                       env={**env, "WANDB_MODE": None, "WANDB_API_KEY": None, "WANDB_DIR": None})
     assert res.returncode == 0, res.tail()
+    assert len(list((a / "wandb").glob("offline-run-*"))) == 1, sorted(p.name for p in a.iterdir())
     straight = json.loads((a / "all_results.json").read_text())
     assert straight["steps"] == 6 and straight["syncs"] == 2 and straight["perplexity"] < 300, straight
     (b / "step_3").parent.mkdir()

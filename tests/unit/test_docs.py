@@ -4,6 +4,7 @@
   ``#anchor`` to a heading of that file;
 * every docs/ page is linked from the README's "Where to read more";
 * README.md has at most 250 lines and a docs/ page at most about 400;
+* docs/api.md's "FLConfig, in full" table lists every FLConfig field with its default;
 * no session history: no dates except in result-folder names (``bench/results/<date>-...``),
   no "fresh clone" timings, no "CPU-s";
 * a cited result is a ``table.md`` (or the torchft link table) of an existing result folder;
@@ -95,3 +96,36 @@ def test_readme_states_the_tested_versions():
            f"{al[0]}.{al[1]} to {ah[0]}.{ah[1]}" in readme
 
 
+
+
+def test_api_flconfig_table_lists_every_field_with_its_default():
+    """docs/api.md's "FLConfig, in full" names every FLConfig field once (a row may name
+    several: ``outer_lr``, ``outer_momentum``), no field that does not exist, and a row of one
+    field shows its default (``none`` for None, booleans in lower case)."""
+    import dataclasses
+
+    from fl_accel import FLConfig
+
+    text = (REPO_ROOT / "docs" / "api.md").read_text()
+    section = text.split("## FLConfig, in full", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    named = [n for row in rows for n in re.findall(r"`(\w+)`", row[0])]
+    fields = {f.name: f.default for f in dataclasses.fields(FLConfig)}
+    assert sorted(named) == sorted(fields), {"missing": sorted(set(fields) - set(named)),
+                                             "not fields": sorted(set(named) - set(fields)),
+                                             "twice": sorted({n for n in named if named.count(n) > 1})}
+
+    def shown(value) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f"`{value}`" if isinstance(value, str) else f"{value:g}"
+
+    wrong = {}
+    for row in rows:
+        names = re.findall(r"`(\w+)`", row[0])
+        if len(names) == 1 and row[1].strip() != shown(fields[names[0]]) \
+                and (names[0], row[1].strip()) != ("sync_density", "1/64"):  # 1/64 = 0.015625
+            wrong[names[0]] = (row[1].strip(), shown(fields[names[0]]))
+    assert not wrong, f"(docs, FLConfig) defaults: {wrong}"

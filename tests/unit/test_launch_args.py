@@ -42,10 +42,12 @@ def test_torchrun_argv():
 def test_child_env(monkeypatch):
     monkeypatch.setenv("FL_ACCEL_SYNC_EVERY", "3")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     env = launch.child_env({"FOO": "1"}, pythonpath=["/repo"])
     assert "FL_ACCEL_SYNC_EVERY" not in env and env["FOO"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["PYTHONPATH"] == os.pathsep.join(["/repo", "/elsewhere"])
     assert os.environ["FL_ACCEL_SYNC_EVERY"] == "3"  # ours is untouched
+    assert env["WANDB_MODE"] == "offline" and "WANDB_MODE" not in launch.child_env({"WANDB_MODE": None})
 
 
 def test_run_torchrun_retries_on_a_taken_port(monkeypatch):

@@ -274,6 +274,17 @@ def test_the_status_check_names_file_and_line(tmp_path):
     ]
 
 
+def test_our_code_reads_syncs_done_not_its_deprecated_alias():
+    """``federation.rounds_done`` is kept for users' loops as a deprecated alias of
+    ``syncs_done``; the library, recipe, examples, scripts and benchmarks use the name
+    docs/api.md teaches (fl_accel/federation.py defines the alias)."""
+    found = [f"{path.relative_to(REPO_ROOT)}:{number}"
+             for folder in ("fl_accel", "recipes", "examples", "scripts", "bench")
+             for path in sorted((REPO_ROOT / folder).rglob("*.py")) if path != REPO_ROOT / "fl_accel" / "federation.py"
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if "rounds_done" in line]
+    assert found == [], f"use federation.syncs_done: {found}"
+
+
 SYNCHRONIZER = "fl_accel.sync"
 """The synchronizer (issue 47): the optimizer hook, step counting, the event, the non-finite
 detection; it drives fragments (fl_accel.fragment), the exchange and the codecs."""

@@ -31,6 +31,15 @@ def test_the_paper_run_fits_80_gib_and_not_40_where_the_fixes_are_recipe_flags()
     assert fix_flags({"shards": 8}, 512) == "--hsdp_shard_size 8"
 
 
+def test_a_fix_to_one_group_says_it_is_no_federation():
+    """2 groups of 4 on 40 GiB: the fix with groups of 8 is ``--num_groups 1``, said to be no federation."""
+    kw = settings(ARGS, "bf16", activation_checkpointing=False)
+    answer, text = judge(LLAMA_3_1_8B, FLConfig(algorithm="fl_fsdp", num_groups=2), 8, 40 * GIB, kw)
+    assert answer == "does not fit" and "--num_groups 1 (" in text, text
+    assert all("GiB; one group: no federation)" in part for part in text.split("; or ") if "--num_groups 1" in part)
+    assert "no federation" not in judge(LLAMA_3_1_8B, PAPER, 512, 40 * GIB, kw)[1]
+
+
 def test_off_cuda_or_off_nothing_is_checked():
     cpu = SimpleNamespace(device=SimpleNamespace(type="cpu"))
     check_memory(cpu, ARGS, LLAMA_3_1_8B, "bf16", False)  # no GPU memory to exceed: returns, no collective

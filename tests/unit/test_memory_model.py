@@ -292,6 +292,46 @@ def test_does_not_fit_exits_1_and_names_the_smallest_changes_that_fit(capsys):
     assert "no single change tried makes it fit" in capsys.readouterr().out
 
 
+def test_presets_take_the_short_names_link_guide_takes(capsys):
+    """``--model llama-8b`` (scripts.link_guide's short name) is Llama-3.1-8B here too, from one
+    table (recipes/modeling.py PRESET_ALIASES); an unknown name lists the short names."""
+    from recipes.modeling import PRESET_ALIASES, PRESETS
+    from scripts import link_guide, memory_model as cli
+
+    for short, name in PRESET_ALIASES.items():
+        assert cli.model_config(short) == (PRESETS[name], name)
+        assert link_guide.resolve_model(short).params == link_guide.resolve_model(name).params
+    answers = []
+    for name in ("llama-8b", "llama3.1-8b"):
+        assert cli.main(["--model", name, "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0] == answers[1] and answers[0]["model"] == "llama3.1-8b"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--model", "llama-9b"])
+    assert exc.value.code == 2 and "'llama-8b'" in capsys.readouterr().err
+
+
+def test_a_fix_that_leaves_one_group_says_so(capsys):
+    """A larger group equal to the world (F = 1) is no federation: the suggestion says so, in
+    the CLI's lines and JSON and in the recipe's check; a fix that keeps F > 1 has no note."""
+    from scripts import memory_model as cli
+
+    fixes = fit.smallest_fixes(cm.LLAMA_3_1_8B, 40 * GIB, layout=FLLayout.equal(2, 1, 4), seq_len=2048, micro_batch=2)
+    whole = [f for f in fixes if f.changes.get("group_size") == 8]
+    assert whole and all(f.note == fit.NO_FEDERATION == "one group: no federation" for f in whole), fixes
+    assert all(f.note == "" for f in fixes if "group_size" not in f.changes)
+    wider = fit.smallest_fixes(cm.LLAMA_3_1_8B, 40 * GIB, layout=FLLayout.equal(128, 1, 4), seq_len=2048,
+                               micro_batch=2)
+    assert [f for f in wider if "group_size" in f.changes] and all(f.note == "" for f in wider)
+    assert cli.main(["--world-size", "8", "--group-size", "4", "--gpu-memory-gib", "40"]) == 1
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "--group-size 8" in ln]
+    assert lines and all(ln.endswith("; one group: no federation)") for ln in lines), lines
+    assert cli.main(["--world-size", "8", "--group-size", "4", "--gpu-memory-gib", "40", "--json"]) == 1
+    notes = {f["flags"]: f["note"] for f in json.loads(capsys.readouterr().out)["fixes"]}
+    assert all(note == ("one group: no federation" if "--group-size 8" in flags else "")
+               for flags, note in notes.items()), notes
+
+
 def test_docs_memory_table_is_the_cli_output():
     """docs/gpus_and_memory.md's table is what ``python -m scripts.memory_model --matrix`` prints."""
     from scripts import memory_model as cli

@@ -170,6 +170,26 @@ def test_config_ignore_rules_and_checkpoint_identity():
     FLConfig(sync_trigger="time", sync_window_s=1.0, sync_every=4, sync_delay=4, delayed_local_steps="keep")
     FLConfig(sync_trigger="speed", sync_every=4, sync_delay=4, delayed_local_steps="keep")
     FLConfig(sync_every=4, sync_delay=4, fragment_update_alpha=0.5)  # discard with alpha: Streaming DiLoCo's rule
+
+
+def test_a_checkpoint_of_another_sync_schedule_is_refused_naming_it():
+    """load_state's check (no collective): a checkpoint written with another sync_every or
+    sync_delay is refused naming both values; one written before the schedule was stored (no
+    such keys) still loads; with one group (no sync) the schedule is not compared."""
+    from fl_accel.checkpoint import CheckpointError, check_compatible, layout_meta
+
+    layout = FLLayout.from_config(FLConfig(num_groups=2), 4)
+    written = layout_meta(FLConfig(num_groups=2, sync_every=8), layout)
+    assert (written["sync_every"], written["sync_delay"]) == (8, 0)
+    check_compatible(written, layout_meta(FLConfig(num_groups=2, sync_every=8), layout))
+    for here, named in ((FLConfig(num_groups=2, sync_every=16), "sync_every=8 vs 16"),
+                        (FLConfig(num_groups=2, sync_every=8, sync_delay=2), "sync_delay=0 vs 2")):
+        with pytest.raises(CheckpointError, match=f"different setup.*{named}"):
+            check_compatible(written, layout_meta(here, layout))
+    older = {k: v for k, v in written.items() if k not in ("sync_every", "sync_delay")}
+    check_compatible(older, layout_meta(FLConfig(num_groups=2, sync_every=16), layout))
+    one = FLLayout.from_config(FLConfig(algorithm="fsdp"), 4)
+    assert "sync_every" not in layout_meta(FLConfig(algorithm="fsdp", sync_every=3), one)
     assert FLConfig.from_env({"FL_ACCEL_DELAYED_LOCAL_STEPS": "keep", "FL_ACCEL_SYNC_DELAY": "8",
                               "FL_ACCEL_SYNC_WARMUP_STEPS": "16"}).sync_warmup_steps == 16
 

@@ -476,6 +476,18 @@ def test_rounds_by_time_or_speed_take_the_lr_schedules_the_recipe_builds(tmp_pat
     plan_run(flags + ["--lr_scheduler_type", "polynomial"], environ=ENV).lock.release()
 
 
+def test_help_of_a_no_flag_says_what_it_does(capsys):
+    """``--no_save_final_model`` (HfArgumentParser's negative of a flag on by default) is
+    described as turning it off, without the positive flag's text or a "(default: False)"."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"], environ=ENV)
+    out = capsys.readouterr().out
+    block = out.split("  --no_save_final_model, --no-save-final-model", 1)[1].split("\n  --", 1)[0]
+    assert " ".join(block.split()) == "turn --save_final_model off (it is on by default)", block
+    assert parse_args(["--algorithm", "fsdp", "--no_save_final_model"], environ=ENV).args.save_final_model is False
+    assert parse_args(["--algorithm", "fsdp"], environ=ENV).args.save_final_model is True
+
+
 def test_resume_refusal_names_the_flconfig_field_that_differs():
     """A checkpoint of another run is refused naming the FLConfig field ("fl.sync_every"),
     not the whole "fl" settings (a newcomer had to diff two 25-field dicts)."""

@@ -13,7 +13,9 @@ save a checkpoint after steps 3 (a sync boundary) and 4 (mid-round); record per-
 losses and the final local shards. MODE ``resume``: load ``OUT_DIR/step_<extra>`` and
 continue to step 8, recording the same. MODE ``nan``: make group 1's parameters NaN
 after step 2 and let the sync at step 3 react (``extra`` = on_nonfinite). MODE
-``load_corrupt``: load the checkpoint folder ``extra`` and record the error.
+``load_corrupt``: load the checkpoint folder ``extra`` and record the error. MODE
+``load_other``: with one FLConfig field changed (``extra`` = ``sync_every=6``), load
+``OUT_DIR/step_4`` and record the error.
 Each rank writes ``OUT_DIR/<mode>-<extra>-rank<k>.pt``.
 """
 
@@ -55,9 +57,11 @@ def run(mode: str, out_dir: str, extra: str, last: bool) -> None:
     on_nonfinite = extra if mode == "nan" else "abort"
     outer = "avg" if mode == "opt_state" else "nesterov"
     scheduled = {"outer_lr_schedule": "cosine", "outer_lr_warmup_steps": 4, "outer_lr_decay_steps": STEPS}
-    acc = FLAccelerator(FLConfig(algorithm="fl_fsdp", num_groups=2, sync_every=H, outer_optimizer=outer,
-                                 on_nonfinite=on_nonfinite, **(scheduled if mode in ("full", "resume") else {}),
-                                 average_optimizer_state=(mode == "opt_state" and extra == "on")), cpu=True)
+    other = {k: int(v) for k, v in [extra.split("=")]} if mode == "load_other" else {}  # e.g. sync_every=6
+    acc = FLAccelerator(FLConfig(**{"algorithm": "fl_fsdp", "num_groups": 2, "sync_every": H, "outer_optimizer": outer,
+                                    "on_nonfinite": on_nonfinite, **(scheduled if mode in ("full", "resume") else {}),
+                                    "average_optimizer_state": (mode == "opt_state" and extra == "on"), **other}),
+                        cpu=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
@@ -70,12 +74,13 @@ def run(mode: str, out_dir: str, extra: str, last: bool) -> None:
     if mode == "resume":
         meta = acc.load_state(f"{out_dir}/step_{extra}")
         start = int(meta["completed_steps"])
-    if mode == "load_corrupt":
+    if mode in ("load_corrupt", "load_other"):
         try:
-            acc.load_state(extra)
+            acc.load_state(extra if mode == "load_corrupt" else f"{out_dir}/step_4")
         except ValueError as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
-        torch.save(rec, f"{out_dir}/{mode}-rank{acc.process_index}.pt")
+        name = mode if mode == "load_corrupt" else f"{mode}-{extra.split('=')[0]}"
+        torch.save(rec, f"{out_dir}/{name}-rank{acc.process_index}.pt")
         _next(acc, last)
         return
     for step in range(start, STEPS):
