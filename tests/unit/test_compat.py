@@ -279,7 +279,8 @@ REACHES: tuple[Reach, ...] = (
 @pytest.mark.parametrize("reach", REACHES, ids=lambda r: r.internal)
 def test_every_internal_fl_accel_relies_on_is_still_there(reach):
     if reach.package is not None and importlib.util.find_spec(reach.package) is None:
-        pytest.skip(f"{reach.package} is not installed: the reach is used only by its optional mode")
+        pytest.skip(f"{reach.package} is not installed: the reach is used only by its optional mode "
+                    f"(pip install -r requirements.txt installs it)")
     problem = reach.check()
     assert problem is None, f"{reach.internal} moved ({problem}); fl_accel relies on it in compat.{reach.used_by}"
 

@@ -141,8 +141,9 @@ RECIPE_REACHES: tuple[Reach, ...] = (
 def test_every_internal_the_recipe_relies_on_is_still_there(reach):
     import importlib.util
 
-    if reach.package is not None and importlib.util.find_spec(reach.package) is None:
-        pytest.skip(f"{reach.package} is not installed")
+    # the recipe needs every package it reaches into (requirements.txt installs them): a missing one fails
+    assert reach.package is None or importlib.util.find_spec(reach.package) is not None, \
+        f"{reach.package} is not installed; the recipe needs it (pip install -r requirements.txt)"
     problem = reach.check()
     assert problem is None, f"{reach.internal} moved ({problem}); the recipe relies on it in recipes/compat.{reach.used_by}"
 
