@@ -5,7 +5,8 @@ average. With fragments (Streaming DiLoCo, arXiv 2501.18512) there is an event e
 steps, fragment (event number mod P) round-robin, so fragment k is applied at steps
 (k+1) H/P + n H; its exchange launches tau steps before its event (0 <= tau <= H, so up to
 ceil(tau P/H) fragments are in flight, each at most once), a compressed one advances to its
-all-gather a step after its launch (if before its event), and at an event the fragment whose
+all-gather halfway through its window (launch + max(1, floor(tau/2)) steps, if before its event: each
+of its two collectives gets half the window to cross the link), and at an event the fragment whose
 exchange completes is applied first, then a launch due at the same step is made. A launch
 that would fall at or before the schedule's start (step 0, the end of the warm-up, a full
 sync) is skipped: that event applies nothing (SKIP). P = 1, tau = 0 is the paper's blocking
@@ -83,7 +84,7 @@ class SyncSchedule:
         P, tau, flight, out = self.num_fragments, self.sync_delay, self.inflight_fragments, []
         for i, k in enumerate(flight):
             launch, event = self._window(i)
-            if self.local_step == launch + 1 < event:
+            if self.local_step == launch + max(1, (event - launch) // 2) < event:  # halfway: each stage half the window
                 out.append((ADVANCE, k))
         due = self.local_step >= self.round_length
         if due:

@@ -22,11 +22,27 @@ from workers._scenario import outer_view
 def test_p1_tau_h_skips_the_first_event_then_applies_and_launches_at_each():
     """P=1, H=4, tau=4: the launch for the event at step 4 would be at step 0 (skipped); every
     event then applies round k-1's exchange first and launches round k's; a compressed exchange
-    advances one step after its launch."""
+    advances halfway through its window (2 of its 4 steps)."""
     s = SyncSchedule(sync_every=4, sync_delay=4, delayed_local_steps="keep")
-    assert _drive_all(s, 9) == [(4, SKIP, 0), (4, LAUNCH, 0), (5, ADVANCE, 0), (8, APPLY, 0), (8, LAUNCH, 0),
-                                (9, ADVANCE, 0)]
+    assert _drive_all(s, 10) == [(4, SKIP, 0), (4, LAUNCH, 0), (6, ADVANCE, 0), (8, APPLY, 0), (8, LAUNCH, 0),
+                                 (10, ADVANCE, 0)]
     assert (s.inflight_fragments, s.num_fragment_syncs, s.in_sync) == ([0], 2, False)
+
+
+@pytest.mark.parametrize("tau, advance_after", [(1, None), (2, 1), (3, 1), (4, 2), (5, 2), (8, 4)])
+def test_a_compressed_exchange_advances_halfway_through_its_window(tau, advance_after):
+    """H=16, P=2 (events every 8 steps): the second collective (the all-gather) is launched
+    max(1, floor(tau/2)) steps after the launch, so on a slow link each of the two gets half the
+    window; with tau=1 there is no step between launch and event (both at the apply)."""
+    s = SyncSchedule(sync_every=16, num_fragments=2, sync_delay=tau, delayed_local_steps="keep")
+    acts = _drive_all(s, 32)
+    launches = [t for t, kind, _ in acts if kind == LAUNCH]
+    advances = [t for t, kind, _ in acts if kind == ADVANCE]
+    assert launches == [event - tau for event in (8, 16, 24, 32, 40) if 0 < event - tau <= 32]
+    if advance_after is None:
+        assert advances == []
+    else:
+        assert advances == [t + advance_after for t in launches if t + advance_after <= 32], (launches, advances)
 
 
 def test_p2_tau_h_keeps_two_fragments_in_flight_in_launch_order():
@@ -70,12 +86,12 @@ def test_warmup_counts_no_events_then_shifts_the_schedule():
 
 def test_rounds_of_a_planner_overlap_whatever_their_length():
     """P=1, tau=H with a round planner's lengths (3, then 5): launch at each round's end, advance
-    at its first step, apply at the next round's end."""
+    halfway through the round it overlaps, apply at the next round's end."""
     s = SyncSchedule(sync_every=4, sync_delay=4, delayed_local_steps="keep", round_steps=3)
     out = _drive_all(s, 3)
     s.round_steps = 5
     out += [(t + 3, a, k) for t, a, k in _drive_all(s, 5)]
-    assert out == [(3, SKIP, 0), (3, LAUNCH, 0), (4, ADVANCE, 0), (8, APPLY, 0), (8, LAUNCH, 0)]
+    assert out == [(3, SKIP, 0), (3, LAUNCH, 0), (5, ADVANCE, 0), (8, APPLY, 0), (8, LAUNCH, 0)]  # halfway: 5 steps
 
 
 def _drive_all(schedule, steps):
