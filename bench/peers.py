@@ -169,8 +169,9 @@ ROWS: tuple[PeerRow, ...] = (
     # (about 1.5 MB on the link) outlasts 2 steps of this CPU's compute
     PeerRow("fl_accel-h16-p2-tau4-keep-int8-ef", "fl_accel", 16, num_fragments=2, sync_delay=4, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
-    # half the exchanges per step: the int8 codec's CPU time, not the link, kept tau 2 and 4 at 0.92 and 0.89 of
-    # the no-sync limit at 10 Mbit/s here (2026-12-06)
+    # half the exchanges per step. The first sitting of 2026-12-06 kept tau 2 and 4 at 0.86 and 0.88 of the no-sync
+    # limit; its cause was not the codec's CPU time but the all-gather's launch one step after the all-to-all's, whatever
+    # tau (the exposed wait was the same at tau 2 and 4); the schedule now launches it halfway through the window
     PeerRow("fl_accel-h32-p2-tau2-keep-int8-ef", "fl_accel", 32, num_fragments=2, sync_delay=2, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),

@@ -307,9 +307,9 @@ TUNED_ROWS: tuple[dict, ...] = (
          extra_flags=("--learning_rate", "1e-3", "--delayed_local_steps", "keep")),
     dict(id="fl_fsdp-h16-nesterov-olr0.6-lr1e-3", sync_every=16, outer_optimizer="nesterov", outer_lr=0.6,
          outer_momentum=0.9, extra_flags=("--learning_rate", "1e-3")),
-    # the peers sitting of 2026-12-06 measured the keep row at 0.92 of the no-sync limit at 10 Mbit/s with tau 2
-    # and 0.89 with tau 4: the rest is the int8 codec's CPU time per exchange, not the link. H=32 halves the
-    # exchanges per step (blocking fp32 H=32 cost +0.010 over H=8 at lr 3e-4)
+    # the first peers sitting of 2026-12-06 measured the keep row at 0.86 of the no-sync limit at 10 Mbit/s with
+    # tau 2 and 0.88 with tau 4 (the all-gather then had one step of the window, since fixed in the schedule). H=32
+    # halves the exchanges per step (blocking fp32 H=32 cost +0.010 over H=8 at lr 3e-4)
     dict(id="fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3", sync_every=32, num_fragments=2, sync_delay=2,
          sync_dtype="int8", error_feedback=True,
          extra_flags=("--learning_rate", "1e-3", "--delayed_local_steps", "keep")),

@@ -25,15 +25,16 @@ RENICE=$!
 trap 'kill $RENICE 2>/dev/null' EXIT
 echo 19 > /proc/self/autogroup 2>/dev/null || true
 # Finished: the ablation (the delay's discard rule is the fast row's whole cost), tau = H with `keep` (+0.126,
-# seed 42) and the fast row with `keep` at tau 2 (seed 42: +0.014 over blocking fp32, within noise). The peers
-# sitting of 2026-12-06 put that row at 0.92 of the no-sync limit at 10 Mbit/s (tau 4: 0.89; the int8 codec's CPU
-# time, not the link): next its other seeds, then H=32 (half the exchanges per step), then the rest.
-"${BENCH[@]}" --only fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed43,fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44
+# seed 42) and the fast row with `keep` at tau 2 (three seeds, within noise of blocking fp32). The second peers sitting
+# of 2026-12-06 (bench/results/2026-12-06-peers2), with the all-gather launched halfway through the exchange's window,
+# put `keep` at tau 4 at the no-sync limit at 10 Mbit/s: next its three seeds, then H=32, then the rest.
+row=fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3
+"${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
 row=fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3
 "${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
 "${BENCH[@]}" --only fl_fsdp-h1-lr1e-3,fl_fsdp-h16-lr1e-3-seed44  # the per-token gap's floor; blocking's third seed
 for row in fl_fsdp-h16-nesterov-olr0.6-lr1e-3 fl_fsdp-h8-warm32-lr1e-3 fl_fsdp-h16-tau16-keep-lr1e-3 \
-           fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3 fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 \
+           fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 \
            fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3; do
   "${BENCH[@]}" --only "$row,$row-seed43"
 done
