@@ -214,8 +214,9 @@ ROW_TTT = ("wall-clock minutes to a target loss, trained end to end across 2 emu
 ROW_SPEED = "groups at 2:1 speed (CPU quotas), 100 Mbit/s, 832 steps' tokens"
 ROW_FT = "torchft mode's cost at 100 Mbit/s"
 ROW_MEM = "peak memory model against measurement"
-ROW_PEERS = "against torchft's DiLoCo at 10 Mbit/s, one sitting, 3 interleaved runs per row"
+ROW_PEERS = "against torchft's DiLoCo at 10 Mbit/s, 3 interleaved runs per row, each ratio within one sitting"
 PE = "2026-12-06-peers"
+PE2 = "2026-12-06-peers2"  # the second sitting: the all-gather launched halfway through the window
 N0, X2, F2, F3 = num(",.0f"), num(".2f", "x"), num(".2f"), num(".3f")
 _FSDP_1E3 = ("fsdp-lr1e-3", "fsdp-lr1e-3-seed43", "fsdp-lr1e-3-seed44")
 _AVG_1E3 = ("fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44")
@@ -229,17 +230,18 @@ def _of_limit(folder: str, link: str, run: str) -> Source:
     return ratio(tokens_per_s(folder, f"rate-{link}/{run}"), tokens_per_s(folder, f"rate-{link}/fl_fsdp-limit"))
 
 
-def peers_tokens_per_s(row: str, link: str = "10mbit") -> Source:
+def peers_tokens_per_s(row: str, link: str = "10mbit", sitting: str = PE) -> Source:
     """The median over a row's repetitions of each launch's tokens/s (its training tokens over its
-    training seconds, as the launch recorded them in peers.json)."""
+    training seconds, as the launch recorded them in peers.json of ``sitting``)."""
     def get(d):
         return statistics.median(r["train_tokens"] / r["train_seconds"] for r in _peer_launches(d, row, link))
-    return json_value(f"{PE}/peers.json", get, f"median over launches[{link}/{row}] of train_tokens / train_seconds")
+    return json_value(f"{sitting}/peers.json", get,
+                      f"median over launches[{link}/{row}] of train_tokens / train_seconds")
 
 
-def peers_bytes(row: str, link: str = "10mbit") -> Source:
-    return json_value(f"{PE}/peers.json", lambda d: statistics.median(r["bytes_on_link"] for r in
-                                                                     _peer_launches(d, row, link)),
+def peers_bytes(row: str, link: str = "10mbit", sitting: str = PE) -> Source:
+    return json_value(f"{sitting}/peers.json", lambda d: statistics.median(r["bytes_on_link"] for r in
+                                                                          _peer_launches(d, row, link)),
                       f"median over launches[{link}/{row}] of bytes_on_link (veth tx counters)")
 
 
@@ -249,6 +251,7 @@ def _peer_launches(d: dict, row: str, link: str) -> list[dict]:
 
 _KEEP = tuple(f"fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
 _H16 = ("fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-lr1e-3-seed43")
+_TAU4 = "fl_accel-h16-p2-tau4-keep-int8-ef"
 
 
 def _speed(run: str, *keys) -> Source:
@@ -348,14 +351,15 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_PEERS, "0.99x", X2, ratio(peers_tokens_per_s("fl_accel-h8"), peers_tokens_per_s("torchft-h8"))),
     Figure(ROW_PEERS, "0.96x", X2, ratio(peers_tokens_per_s("fl_accel-h8-p2-tau2"),
                                          peers_tokens_per_s("torchft-h8-p2-tau2"))),
-    Figure(ROW_PEERS, "4,968", N0, peers_tokens_per_s("fl_accel-h16-p2-tau2-keep-int8-ef")),
-    Figure(ROW_PEERS, "1.44x", X2, ratio(peers_tokens_per_s("fl_accel-h16-p2-tau2-keep-int8-ef"),
-                                         peers_tokens_per_s("torchft-h16-p2-tau2"))),
-    Figure(ROW_PEERS, "0.86", F2, ratio(peers_tokens_per_s("fl_accel-h16-p2-tau2-keep-int8-ef"),
-                                        peers_tokens_per_s("fl_accel-limit"))),
-    Figure(ROW_PEERS, "5,778", N0, peers_tokens_per_s("fl_accel-limit")),
-    Figure(ROW_PEERS, "0.51x", X2, ratio(peers_bytes("fl_accel-h16-p2-tau2-keep-int8-ef"),
-                                          peers_bytes("torchft-h16-p2-tau2"))),
+    Figure(ROW_PEERS, "6,114", N0, peers_tokens_per_s(_TAU4, sitting=PE2)),
+    Figure(ROW_PEERS, "0.98", F2, ratio(peers_tokens_per_s(_TAU4, sitting=PE2),
+                                        peers_tokens_per_s("fl_accel-limit", sitting=PE2))),
+    Figure(ROW_PEERS, "6,251", N0, peers_tokens_per_s("fl_accel-limit", sitting=PE2)),
+    Figure(ROW_PEERS, "1.78x", X2, ratio(peers_tokens_per_s(_TAU4, sitting=PE2),
+                                         peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE2))),
+    Figure(ROW_PEERS, "3,443", N0, peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE2)),
+    Figure(ROW_PEERS, "0.51x", X2, ratio(peers_bytes(_TAU4, sitting=PE2),
+                                          peers_bytes("torchft-h16-p2-tau2", sitting=PE2))),
     Figure(ROW_PEERS, "4.916", F3, seed_mean(G, *_KEEP)),
     Figure(ROW_PEERS, "0.003", F3, seed_sd(G, *_KEEP)),
     Figure(ROW_PEERS, "4.905", F3, seed_mean(G, *_H16)),
