@@ -197,6 +197,8 @@ def main(argv=None):
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as fh:
             json.dump({"perplexity": perplexity, "eval_loss": eval_loss, "steps": completed_steps,
                        "syncs": accelerator.federation.syncs_done}, fh)
+    accelerator.print(f"wrote the federated model to {os.path.join(args.output_dir, 'final')} and its figures to "
+                      f"{os.path.join(args.output_dir, 'all_results.json')}")
     accelerator.end_training()
 
 

@@ -144,6 +144,7 @@ def test_run_clm_no_trainer_example_trains_checkpoints_and_resumes_exactly(tmp_p
     res = run_torchrun(4, script, *args, "--output_dir", str(a), "--with_tracking", timeout=300,
                        env={**env, "WANDB_MODE": None, "WANDB_API_KEY": None, "WANDB_DIR": None})
     assert res.returncode == 0, res.tail()
+    assert f"wrote the federated model to {a / 'final'}" in res.stdout, res.tail()  # where its outputs are
     assert len(list((a / "wandb").glob("offline-run-*"))) == 1, sorted(p.name for p in a.iterdir())
     straight = json.loads((a / "all_results.json").read_text())
     assert straight["steps"] == 6 and straight["syncs"] == 2 and straight["perplexity"] < 300, straight
