@@ -261,7 +261,7 @@ def _assert_recovered(out, num_groups, killed):
     results = [json.loads((out / f"group{f}" / "all_results.json").read_text()) for f in range(num_groups)]
     assert len({r["fault_tolerance"]["end"]["checksum"] for r in results}) == 1, [r["fault_tolerance"]["end"]
                                                                                    for r in results]
-    assert all(r["fault_tolerance"]["end"]["together"] for r in results)
+    assert all(r["fault_tolerance"]["end"]["together"] for r in results), [r["fault_tolerance"]["end"] for r in results]
     first_kill = min(killed.values())
     for f in killed:
         evals = _evals(out, f)
