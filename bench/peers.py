@@ -95,6 +95,8 @@ class PeerRow:
     """tau: steps between launching a fragment's exchange and applying it (torchft: fragment_sync_delay)."""
     sync_dtype: str = "fp32"
     error_feedback: bool = False
+    sync_collectives: str = "all_to_all"
+    """"bf16"/"int8" fl_accel rows: ``--sync_collectives`` (:attr:`bench.plan.RunSpec.sync_collectives`)."""
     outer_optimizer: str = "nesterov"
     """"nesterov": SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True) on the pseudo-gradient
     (DiLoCo); "avg": the plain average."""
@@ -116,6 +118,7 @@ class PeerRow:
         if self.num_fragments > 1 or self.sync_delay:
             text += f" P={self.num_fragments} tau={self.sync_delay}"
         text += f" {self.sync_dtype}" + ("+EF" if self.error_feedback else "")
+        text += " all-gather" if self.sync_collectives == "all_gather" and self.sync_dtype in ("bf16", "int8") else ""
         text += f" {self.outer_optimizer}({self.outer_lr:g}, {self.outer_momentum:g})" \
             if self.outer_optimizer == "nesterov" else " avg"
         if self.fragment_update_alpha:
@@ -174,6 +177,11 @@ ROWS: tuple[PeerRow, ...] = (
     # tau (the exposed wait was the same at tau 2 and 4); the schedule now launches it halfway through the window
     PeerRow("fl_accel-h32-p2-tau2-keep-int8-ef", "fl_accel", 32, num_fragments=2, sync_delay=2, sync_dtype="int8",
             error_feedback=True, outer_optimizer="avg", extra_flags=("--delayed_local_steps", "keep")),
+    # the keep row at tau 2 (the grid's quality within noise of blocking fp32) with one all-gather of every group's int8
+    # payload: at F = 2 the same bytes as the all-to-all + all-gather, and the whole 2-step window for one collective
+    PeerRow("fl_accel-h16-p2-tau2-keep-int8-gather-ef", "fl_accel", 16, num_fragments=2, sync_delay=2,
+            sync_dtype="int8", error_feedback=True, sync_collectives="all_gather", outer_optimizer="avg",
+            extra_flags=("--delayed_local_steps", "keep")),
     PeerRow("accelerate-localsgd-h8", "accelerate", 8, outer_optimizer="avg"),
     # the no-sync limit of the same layout (bench.plan.LIMIT_SYNC_EVERY; issue 46's share of the limit)
     PeerRow("fl_accel-limit", "fl_accel", bp.LIMIT_SYNC_EVERY, outer_optimizer="avg"),
@@ -194,6 +202,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
      "fl_accel, the exchange behind 4 steps, local steps kept, vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h32-p2-tau2-keep-int8-ef", "torchft-h16-p2-tau2",
      "fl_accel at H=32, local steps kept, vs torchft's Streaming DiLoCo at H=16"),
+    ("fl_accel-h16-p2-tau2-keep-int8-gather-ef", "torchft-h16-p2-tau2",
+     "fl_accel's fast row, local steps kept, one int8 all-gather, vs torchft's Streaming DiLoCo at the same H"),
     ("fl_accel-h8", "accelerate-localsgd-h8", "blocking fp32 vs Accelerate's LocalSGD (DDP, avg)"),
 )
 """``(row, peer row, what)``: the ratios the table gives (tokens/s, bytes, time to the peer's target)."""
@@ -361,7 +371,8 @@ def fl_accel_args(plan: dict, row: PeerRow, out_dir: str, link: str) -> list[str
         id=row.id, phase="peers", suite="peers", link=link, algorithm="fl_fsdp", nproc_per_node=NPROC,
         num_groups=NODES, shard_size=NPROC, sync_every=row.sync_every, steps=plan["steps"],
         eval_every=plan["eval_every"], report_to="none", num_fragments=row.num_fragments, sync_delay=row.sync_delay,
-        sync_dtype=row.sync_dtype, error_feedback=row.error_feedback, outer_optimizer=row.outer_optimizer,
+        sync_dtype=row.sync_dtype, error_feedback=row.error_feedback, sync_collectives=row.sync_collectives,
+        outer_optimizer=row.outer_optimizer,
         outer_lr=row.outer_lr if row.outer_optimizer != "avg" else None,
         outer_momentum=row.outer_momentum if row.outer_optimizer != "avg" else None,
         extra_flags=("--init_device", "cpu", "--learning_rate", f"{plan['learning_rate']:g}",

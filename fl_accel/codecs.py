@@ -9,9 +9,12 @@ writes nothing of the exchange's. Padding and bytes are :mod:`fl_accel.wire`'s f
 
 * :class:`Fp32Mean` ("fp32"): an in-place SUM all-reduce, pre-scaled by w_f when the weights
   differ, else divided by F afterwards (the paper's FedAvg, arXiv 2609.20359 Sec. 3).
-* :class:`Quantized` ("bf16", "int8"; INTELLECT-1, arXiv 2412.01152): quantize into F
-  sub-chunks (int8: one fp32 absmax scale per ``BLOCK`` = 256 values), all-to-all, sum this
-  rank's sub-chunk weighted in fp32, re-quantize, all-gather.
+* :class:`Quantized` ("bf16", "int8"; INTELLECT-1, arXiv 2412.01152): quantize (int8: one fp32
+  absmax scale per ``BLOCK`` = 256 values). ``sync_collectives`` "all_to_all": into F sub-chunks,
+  all-to-all, sum this rank's sub-chunk weighted in fp32, re-quantize, all-gather (two roundings,
+  two collectives); "all_gather": all-gather every group's payload and sum them weighted in fp32,
+  group by group in order (one rounding, one collective: an exchange's whole window to cross the
+  link; the same bytes at F = 2, :func:`fl_accel.wire.collectives`).
 * :class:`Sparse` ("sparse"; SparseLoCo, arXiv 2508.15706, and its code CCLoco,
   ``src/tplr/ccloco.py``): keep the k largest magnitudes of every 4096 values
   (:func:`~fl_accel.wire.sparse_k`), code each in ``bits`` bits (a sign and one of L =
@@ -114,13 +117,22 @@ class Fp32Mean(Codec):
 
 
 class Quantized(Codec):
-    """"bf16" / "int8": two collectives, both carrying ``value_bytes`` per value."""
+    """"bf16" / "int8", ``value_bytes`` per value, over ``collectives`` (module docstring; "auto"
+    resolved per exchange by :func:`fl_accel.wire.collectives`). ValueError: an unknown one."""
 
     lossy = True
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, collectives: str = "auto"):
+        wire.collectives(collectives, 2)
+        self.name, self.collectives = name, collectives
         self.value_bytes = wire.VALUE_BYTES[name]
+
+    def wire(self, chunk_values, num_groups):
+        return wire.wire_ops(self.name, chunk_values, num_groups, sync_collectives=self.collectives)
+
+    def gathers(self, peers: Peers) -> bool:
+        """One all-gather of every group's payload (else all-to-all, then all-gather)."""
+        return wire.collectives(self.collectives, peers.num_groups) == "all_gather"
 
     def quantize(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """fp32 ``x`` (numel divisible by ``rows`` x BLOCK for int8) -> uint8 ``[rows, row_bytes]``,
@@ -148,12 +160,18 @@ class Quantized(Codec):
         return (q.view(rows, m // BLOCK, BLOCK) * scale.unsqueeze(2)).view(rows, m)
 
     def launch(self, mine, peers):
-        sent = self.quantize(mine, peers.num_groups)
+        gathers = self.gathers(peers)
+        sent = self.quantize(mine, 1 if gathers else peers.num_groups)
         dropped = mine - self.dequantize(sent).view(-1) if peers.feedback else None
+        if gathers:  # [F, payload]: row g is group g's (gloo: every rank's rows the same size)
+            gathered = torch.empty(peers.num_groups, sent.shape[1], dtype=torch.uint8, device=mine.device)
+            return Flight(peers.transport.all_gather(gathered, sent, async_op=True), gathered, sent, dropped=dropped)
         recv = torch.empty_like(sent)
         return Flight(peers.transport.all_to_all(recv, sent, async_op=True), sent, recv, dropped=dropped)
 
     def advance(self, flight, peers):
+        if self.gathers(peers):
+            return flight
         flight.work.wait()
         parts = self.dequantize(flight.held[1])  # [F, m]: group g's sub-chunk
         w = torch.tensor(peers.weights, dtype=torch.float32, device=parts.device).unsqueeze(1)
@@ -163,7 +181,14 @@ class Quantized(Codec):
 
     def complete(self, flight, peers, mine):
         flight.work.wait()
-        mine.copy_(self.dequantize(flight.held[0]).view(-1))
+        if not self.gathers(peers):
+            mine.copy_(self.dequantize(flight.held[0]).view(-1))
+            return
+        gathered = flight.held[0]  # [F, payload], identical on every rank: summed in group order
+        mine.zero_()
+        for g, w in enumerate(peers.weights):
+            if w:  # a dropped group (weight 0) counts nowhere, not as 0 x NaN; one fp32 row at a time
+                mine.add_(self.dequantize(gathered[g:g + 1]).view(-1), alpha=w)
 
 
 class Sparse(Codec):
@@ -242,10 +267,11 @@ class Sparse(Codec):
 
 
 def make_codec(sync_dtype: str, *, density: float = 1 / 64, value_bits: int = 2,
-               aggregation: str = "senders") -> Codec:
+               aggregation: str = "senders", collectives: str = "auto") -> Codec:
     """The codec of ``sync_dtype`` (:data:`fl_accel.wire.SYNC_DTYPES`); ValueError otherwise."""
     wire.check_sync_dtype(sync_dtype)
-    makers = {"fp32": Fp32Mean, "bf16": lambda: Quantized("bf16"), "int8": lambda: Quantized("int8"),
+    makers = {"fp32": Fp32Mean, "bf16": lambda: Quantized("bf16", collectives),
+              "int8": lambda: Quantized("int8", collectives),
               "sparse": lambda: Sparse(density, value_bits, aggregation)}
     return makers[sync_dtype]()
 
@@ -255,4 +281,4 @@ def codec_of(config, exact: bool = False) -> Codec:
     if exact:
         return Fp32Mean()
     return make_codec(config.sync_dtype, density=config.sync_density, value_bits=config.sync_value_bits,
-                      aggregation=config.sparse_aggregation)
+                      aggregation=config.sparse_aggregation, collectives=config.sync_collectives)

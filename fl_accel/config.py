@@ -81,6 +81,9 @@ class FLConfig:
     sync_dtype: SyncDtype = "fp32"
     """What crosses "fl": "fp32" (exact mean of the parameters); "bf16", "int8" (quantized mean of the
     pseudo-gradients: ~1/2, ~1/4 of the bytes); "sparse" (SparseLoCo, arXiv 2508.15706: top-k)."""
+    sync_collectives: Literal["auto", "all_to_all", "all_gather"] = "auto"
+    """"bf16"/"int8": "all_to_all" (then all-gather of the re-quantized sum: 2 (F-1)/F x the payload), "all_gather"
+    (every group's payload, summed in fp32: (F-1) x, one rounding, one collective); "auto": all_gather at F = 2."""
     sync_density: float = 1 / 64
     """"sparse": the share of every 4096 values sent (largest magnitudes), in (0, 1]."""
     sync_value_bits: int = 2
@@ -174,9 +177,7 @@ class FLConfig:
 
     compressed = property(lambda self: self.sync_dtype != "fp32", doc='``sync_dtype`` is not "fp32".')
     fault_tolerant = property(lambda self: self.fault_tolerance == "torchft",
-                              doc='``fault_tolerance="torchft"``: each group is its own launch (:mod:`fl_accel.ft`); '
-                                  'the one test of the torchft mode, read everywhere (also as '
-                                  '``ResolvedFLConfig.fault_tolerant``).')
+                              doc='``fault_tolerance="torchft"``: each group is its own launch; the one test of it.')
 
     @property
     def residual_decay(self) -> float:
@@ -219,6 +220,8 @@ class FLConfig:
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
              f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),
+            (["sync_collectives"], dtype in ("fp32", "sparse"), f"with sync_dtype {dtype!r}",
+             f"with sync_dtype {dtype!r} (only 'bf16' and 'int8' use it)"),
             (["error_feedback", "error_feedback_decay", "final_sync"], not self.compressed,
              "with sync_dtype 'fp32'", "with sync_dtype 'fp32' (nothing is quantized)"),
             (["error_feedback_decay"], self.compressed and not self.error_feedback, "without error_feedback",

@@ -4,9 +4,10 @@ Paper (arXiv 2609.20359) Sec. 3, Alg. 1: after every H-th optimizer step the gro
 average. With fragments (Streaming DiLoCo, arXiv 2501.18512) there is an event every H/P
 steps, fragment (event number mod P) round-robin, so fragment k is applied at steps
 (k+1) H/P + n H; its exchange launches tau steps before its event (0 <= tau <= H, so up to
-ceil(tau P/H) fragments are in flight, each at most once), a compressed one advances to its
-all-gather halfway through its window (launch + max(1, floor(tau/2)) steps, if before its event: each
-of its two collectives gets half the window to cross the link), and at an event the fragment whose
+ceil(tau P/H) fragments are in flight, each at most once), an exchange advances to its second
+collective (bf16/int8 over all-to-all; a no-op for the others) halfway through its window (launch +
+max(1, floor(tau/2)) steps, if before its event: each collective gets half the window to cross the
+link), and at an event the fragment whose
 exchange completes is applied first, then a launch due at the same step is made. A launch
 that would fall at or before the schedule's start (step 0, the end of the warm-up, a full
 sync) is skipped: that event applies nothing (SKIP). P = 1, tau = 0 is the paper's blocking

@@ -9,8 +9,10 @@ the same bytes, and ``import fl_accel.planning.memory`` loads no torch
 * A ring collective over p ranks of M bytes sends ``RING[op] (p-1)/p M`` bytes per rank
   (:func:`ring_bytes`; all-to-all: M is this rank's input).
 * "fp32": one all-reduce of 4 bytes per value (FedAvg, arXiv 2609.20359 Sec. 3).
-* "bf16", "int8" (INTELLECT-1, arXiv 2412.01152): an all-to-all and an all-gather, each of
-  :data:`VALUE_BYTES` per value (int8: one fp32 absmax scale per :data:`BLOCK` values).
+* "bf16", "int8" (INTELLECT-1, arXiv 2412.01152): with ``sync_collectives`` "all_to_all", an
+  all-to-all and an all-gather, each of :data:`VALUE_BYTES` per value (int8: one fp32 absmax scale
+  per :data:`BLOCK` values), 2 (F-1)/F x the payload; "all_gather", one all-gather of every group's
+  payload, (F-1) x: equal at F = 2, where "auto" picks it (:func:`collectives`).
 * "sparse" (SparseLoCo, arXiv 2508.15706): one all-gather of every group's payload,
   :func:`sparse_bytes` per chunk (k = :func:`sparse_k` values kept per :data:`SPARSE_BLOCK`).
 """
@@ -27,6 +29,8 @@ QMAX = 127.0
 """The largest int8 code magnitude of "int8"."""
 VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
 """Bytes per value on "fl" of the dense codecs (int8: the code and its share of a scale)."""
+COLLECTIVES = ("auto", "all_to_all", "all_gather")
+"""``FLConfig.sync_collectives``: how "bf16"/"int8" cross the wire (:func:`collectives`)."""
 SPARSE_BLOCK = 4096
 """Values per top-k block of "sparse" (int16 indices inside a block)."""
 SPARSE_AGGREGATIONS = ("senders", "zero_fill")
@@ -62,6 +66,15 @@ def sparse_bytes(numel: int, density: float, bits: int) -> int:
     return numel // SPARSE_BLOCK * (8 + 2 * k + k * bits // 8)
 
 
+def collectives(choice: str, num_groups: int) -> str:
+    """"all_to_all" or "all_gather", what "bf16"/"int8" use for ``sync_collectives`` = ``choice`` over
+    F = ``num_groups`` groups: "auto" is "all_gather" at F <= 2 (the same bytes, one collective, one
+    rounding), else "all_to_all" (fewer bytes). ValueError: an unknown ``choice``."""
+    if choice not in COLLECTIVES:
+        raise ValueError(f"sync_collectives must be one of {list(COLLECTIVES)}, got {choice!r}")
+    return ("all_gather" if num_groups <= 2 else "all_to_all") if choice == "auto" else choice
+
+
 def check_sync_dtype(sync_dtype: str) -> None:
     """ValueError naming the known ones unless ``sync_dtype`` is one of :data:`SYNC_DTYPES`."""
     if sync_dtype not in SYNC_DTYPES:
@@ -81,16 +94,19 @@ def padding(sync_dtype: str, num_groups: int, num_chunks: int) -> int:
 
 
 def wire_ops(sync_dtype: str, chunk_values: int, num_groups: int, density: float = 1 / 64,
-             bits: int = 2) -> list[tuple[str, float]]:
+             bits: int = 2, sync_collectives: str = "auto") -> list[tuple[str, float]]:
     """``[(op, tensor_bytes)]``: the "fl" collectives of one chunk of ``chunk_values`` fp32
     values over F = ``num_groups`` groups, in :func:`ring_bytes`'s terms (``density`` and
-    ``bits`` are "sparse"'s). ValueError: an unknown ``sync_dtype``."""
+    ``bits`` are "sparse"'s, ``sync_collectives`` "bf16"/"int8"'s). ValueError: an unknown
+    ``sync_dtype`` or ``sync_collectives``."""
     check_sync_dtype(sync_dtype)
     if sync_dtype == "fp32":
         return [("all_reduce", 4.0 * chunk_values)]
     if sync_dtype == "sparse":
         return [("all_gather", num_groups * sparse_bytes(chunk_values, density, bits))]
     nbytes = chunk_values * VALUE_BYTES[sync_dtype]
+    if collectives(sync_collectives, num_groups) == "all_gather":
+        return [("all_gather", num_groups * nbytes)]
     return [("all_to_all", nbytes), ("all_gather", nbytes)]
 
 

@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from fl_accel import wire
 from fl_accel.config import NOT_IDENTITY_FIELDS, FLConfig
 from fl_accel.mesh import world_size_from_env
 from fl_accel.settings import CHOICE_HINTS, ENV_PREFIX, TEST_ENV_PREFIX, check_type, read_yaml_mapping, resolve_sources
@@ -432,6 +433,9 @@ def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     defaults = {f.name: f.default for f in fields(RecipeArguments)}
     out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
     out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
+    collectives = out["fl"].pop("sync_collectives")  # what "bf16"/"int8" ran, "auto" resolved; nothing otherwise
+    if fl.sync_dtype in ("bf16", "int8"):
+        out["fl"]["sync_collectives"] = wire.collectives(collectives, fl.federation_size)
     if fl.sync_trigger == "steps" and fl.group_weighting == "tokens":  # every group does H steps: its size share,
         out["fl"]["group_weighting"] = "size"  # as checkpoints written before "tokens" existed recorded it
     return out

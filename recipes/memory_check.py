@@ -57,7 +57,7 @@ def judge(config, fl, world_size: int, gpu_memory_bytes: float, kw: dict) -> tup
     layout = FLLayout.from_config(fl, world_size)
     sync = {n: getattr(fl, n) for n in ("outer_optimizer", "sync_dtype", "error_feedback", "sync_bucket_mb",
                                         "num_fragments", "sync_delay", "sync_density", "sync_value_bits",
-                                        "outer_state_device")}
+                                        "outer_state_device", "sync_collectives")}
     fixes = smallest_fixes(config, gpu_memory_bytes, layout=layout, **{**sync, **kw})
     if fixes:
         text += "; it fits with " + "; or ".join(

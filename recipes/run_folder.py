@@ -25,6 +25,10 @@ from fl_accel import FLConfig
 
 from .args import ParsedArgs, RecipeArguments, RecipeError, parse_args, run_identity, source_hint
 
+OLDER_CHECKPOINTS = {"sync_collectives": "all_to_all"}
+"""Identity values of FLConfig fields a checkpoint written before the field existed ran with, where they
+are not the field's default (a "bf16"/"int8" exchange was all-to-all, then all-gather)."""
+
 OUTPUTS = ("checkpoints", "final_model", "wandb", "metrics.jsonl", "metrics.superseded.jsonl", "all_results.json",
            "curves.png")
 """What a run writes into its folder (``--overwrite_output_dir`` deletes exactly these)."""
@@ -440,6 +444,7 @@ def _check_resume(resume: str, meta: dict, args, identity: dict) -> None:
     theirs = meta.get("run_identity")
     if theirs is not None and isinstance(theirs.get("fl"), dict):  # FLConfig fields newer than the checkpoint
         defaults = {f.name: f.default for f in dataclasses.fields(FLConfig) if f.name in identity.get("fl", {})}
+        defaults.update({k: v for k, v in OLDER_CHECKPOINTS.items() if k in defaults})
         theirs = {**theirs, "fl": {**defaults, **theirs["fl"]}}
     here = json.loads(json.dumps(identity))  # as the checkpoint stored it
     if theirs is not None and theirs != here:

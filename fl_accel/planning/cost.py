@@ -116,7 +116,7 @@ class Traffic:
 
 def _sync_event(layout: FLLayout, sizes: list[int], wire: tuple, bucket_values: int, flags: bool = True) -> list:
     """Per group, the Traffic of one exchange of tensors of ``sizes`` fp32 values on the wire
-    ``(sync_dtype, density, bits)`` (:func:`fl_accel.wire.padding`, :func:`fl_accel.wire.wire_ops`),
+    ``(sync_dtype, density, bits, collectives)`` (:func:`fl_accel.wire.padding`, :func:`fl_accel.wire.wire_ops`),
     with the non-finite ``flags`` of a sync event."""
     F, C, N, out = layout.num_groups, layout.min_replicas, layout.world_size, []
     buckets = [sum(sizes[i] for i in b) for b in plan_buckets(sizes, bucket_values)]
@@ -219,7 +219,7 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
              micro_batches: int = 1, ranks_per_node: int | None = None, total_steps: int | None = None,
              sync_delay: int = 0, sync_bucket_mb: int = 256, sync_density: float = 1 / 64,
              sync_value_bits: int = 2, final_sync: str = "exact", delayed_local_steps: str = "discard",
-             sync_warmup_steps: int = 0) -> CommEstimate:
+             sync_warmup_steps: int = 0, sync_collectives: str = "auto") -> CommEstimate:
     """Bytes per rank per step of ``layout`` training ``units`` (ShardUnits or a parameter
     count); sync arguments as FLConfig's; bytes per gathered parameter / reduced gradient;
     A micro-batches; ``ranks_per_node``: the node split; ``total_steps`` T: a T-step run's
@@ -249,7 +249,7 @@ def estimate(layout: FLLayout, units: Sequence[ShardUnit] | float, *, sync_every
     if layout.is_federated and F > 1:
         bucket = max(1, _int("sync_bucket_mb", sync_bucket_mb) * 2**20 // 4)
         sizes = [[n for u in part for n in u.local_sizes(S)] for part in deal_fragments(units, P)]
-        wire = (sync_dtype, sync_density, sync_value_bits)
+        wire = (sync_dtype, sync_density, sync_value_bits, sync_collectives)
         exact = sync_dtype != "fp32" and final_sync == "exact"  # a lossy codec's last sync is fp32
         fragments = [_sync_event(layout, s, wire, bucket) for s in sizes]
         every = [n for u in units for n in u.local_sizes(S)]

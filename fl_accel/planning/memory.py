@@ -35,7 +35,7 @@ dim. Components:
 - sync (per fragment of n_k local elements, C = R_min chunks): the exchange's fp32 buffer
   4 n_k (``sync_bucket_mb`` buckets, all packed at once; ``buckets_in_flight`` bounds it),
   a chunk copy 4 n_k / C (fp32, C > 1) or the quantized copies 3 b n_k / C (b = 2 bf16,
-  1 + 4/256 int8; "sparse": 12 n_k / C for |x|, the dense sent values and the residual's
+  1 + 4/256 int8; F + 1 of them with ``sync_collectives`` "all_gather"; "sparse": 12 n_k / C for |x|, the dense sent values and the residual's
   difference, plus F + 1 payloads of :func:`fl_accel.wire.sparse_bytes`, the gathered
   ones and this rank's), and "nesterov" on fp32 means: anchor - mean, 4 n_k (with the outer
   state on the host: one anchor tensor at a time instead). With ``sync_delay`` > 0 a
@@ -66,7 +66,7 @@ import math
 from fl_accel.mesh import FLLayout
 from fl_accel.planning.cost import _int
 from fl_accel.planning.units import config_value as _get, llama_units
-from fl_accel.wire import SPARSE_BLOCK, sparse_bytes
+from fl_accel.wire import SPARSE_BLOCK, collectives, sparse_bytes
 
 CUDA_CONTEXT_BYTES = 2 * 2**30
 """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicator buffers per rank on a GPU (an
@@ -125,7 +125,7 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
              sync_dtype: str = "fp32", error_feedback: bool = False, outer_state_device: str = "same",
              sync_bucket_mb: int = 256, num_fragments: int = 1, sync_delay: int = 0, sync_every: int = 8,
              sync_density: float = 1 / 64, sync_value_bits: int = 2, delayed_local_steps: str = "discard",
-             gradient_accumulation_steps: int = 1, accelerator: str = "cuda", units: Any = None,
+             sync_collectives: str = "auto", gradient_accumulation_steps: int = 1, accelerator: str = "cuda", units: Any = None,
              buckets_in_flight: int | None = SYNC_BUCKETS_IN_FLIGHT) -> MemoryEstimate:
     """Peak accelerator memory of one rank, in bytes, by component and moment (module docstring).
 
@@ -140,7 +140,8 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         activation_checkpointing: "none" | "full". attention: "sdpa" | "eager".
         optimizer: AdamW's implementation: "foreach" | "fused" | "for-loop".
         outer_optimizer, sync_dtype, error_feedback, outer_state_device, sync_bucket_mb,
-            num_fragments, sync_delay, sync_every, sync_density, sync_value_bits, delayed_local_steps:
+            num_fragments, sync_delay, sync_every, sync_density, sync_value_bits, delayed_local_steps,
+            sync_collectives:
             as :class:`fl_accel.config.FLConfig` (H only counts the exchanges in flight).
         gradient_accumulation_steps: > 1 keeps gradients alive through the next forward.
         accelerator: "cuda" (adds :data:`CUDA_CONTEXT_BYTES`) | "cpu".
@@ -204,7 +205,8 @@ def estimate(config: Any, *, seq_len: int, micro_batch: int, layout: Any = None,
         held = nk if buckets_in_flight is None or sync_delay else \
             min(nk, _int("buckets_in_flight", buckets_in_flight) * _int("sync_bucket_mb", sync_bucket_mb) * 2**18)
         q = {"bf16": 2.0, "int8": 1 + 4 / 256}.get(sync_dtype, 0.0)
-        inflight = 4 * held * (1 + 1 / C if C > 1 and not compressed else 1) + 3 * q * held / C
+        copies = F + 1 if q and collectives(sync_collectives, F) == "all_gather" else 3  # sent + gathered
+        inflight = 4 * held * (1 + 1 / C if C > 1 and not compressed else 1) + copies * q * held / C
         if sync_dtype == "sparse":  # held / C values per chunk, padded to whole 4096-value blocks
             chunk = math.ceil(held / C / SPARSE_BLOCK) * SPARSE_BLOCK
             inflight += 12 * held / C + (F + 1) * sparse_bytes(chunk, sync_density, sync_value_bits)
@@ -247,7 +249,7 @@ def estimate_for_run(model_config: Any, fl: Any, world_size: int, **kw: Any) -> 
     """
 
     names = ("outer_optimizer", "sync_dtype", "error_feedback", "sync_bucket_mb", "num_fragments", "sync_delay",
-             "sync_every", "sync_density", "sync_value_bits", "delayed_local_steps")
-    fields = {n: getattr(fl, n) for n in names}
+             "sync_every", "sync_density", "sync_value_bits", "delayed_local_steps", "sync_collectives")
+    fields = {n: getattr(fl, n) for n in names if hasattr(fl, n)}
     fields["outer_state_device"] = getattr(fl, "outer_state_device", getattr(fl, "anchor_device", "same"))
     return estimate(model_config, layout=FLLayout.from_config(fl, world_size), **{**fields, **kw})

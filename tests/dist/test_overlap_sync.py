@@ -39,7 +39,7 @@ import torch
 from _launch import WORKERS, run_torchrun, write_json
 from fl_accel import FLConfig
 from fl_accel.codecs import Quantized
-from fl_accel.wire import padding
+from fl_accel.wire import collectives, padding
 from test_streaming_sync import (F, LR, TOL, Results, _assert_same_run, _flat, _launch, group_batches, group_loss,
                                  max_diff, tiny_llama, trajectory)
 
@@ -48,8 +48,9 @@ NESTEROV = {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.
 KEEP = {"delayed_local_steps": "keep"}
 P1_KEEP = {**FL2, "sync_every": 3, "sync_delay": 3, **KEEP}  # round k's exchange runs during round k+1
 P2_KEEP = {**FL2, "sync_every": 4, "num_fragments": 2, "sync_delay": 4, **KEEP, **NESTEROV}  # two in flight
-INT8_KEEP = {**FL2, "sync_every": 6, "num_fragments": 2, "sync_delay": 3, "sync_dtype": "int8",
-             "error_feedback": True, **KEEP}  # launched at the previous event; all-gather a step later
+INT8_KEEP = {**FL2, "sync_every": 6, "num_fragments": 2, "sync_delay": 3, "sync_dtype": "int8", "error_feedback": True,
+             "sync_collectives": "all_to_all", **KEEP}  # launched at the previous event; all-gather a step later
+INT8_GATHER_KEEP = {**INT8_KEEP, "sync_collectives": "auto"}  # F = 2: one all-gather at the launch
 DISCARD_LONG = {**FL2, "sync_every": 6, "num_fragments": 2, "sync_delay": 4, "fragment_update_alpha": 0.5,
                 **NESTEROV}  # Streaming DiLoCo's rule with tau > H/P
 WARMUP = {**FL2, "sync_every": 3, "sync_warmup_steps": 3, **NESTEROV}
@@ -64,6 +65,7 @@ SCENARIOS = [
     _sc("keep_p1_nesterov", {**P1_KEEP, **NESTEROV}, 10),
     _sc("keep_p2", P2_KEEP, 11),
     _sc("keep_p2_int8_ef", INT8_KEEP, 11),
+    _sc("keep_p2_int8_gather", INT8_GATHER_KEEP, 11),
     _sc("discard_long", DISCARD_LONG, 11, momentum=0.0),
     _sc("warmup", WARMUP, 10),
     # saved mid-exchange: P=1 at step 7 (launched at 6), P=2 at step 7 (two in flight), int8 at step 3 (the
@@ -71,9 +73,11 @@ SCENARIOS = [
     _sc("keep_p1_nesterov_saved", {**P1_KEEP, **NESTEROV}, 10, save_at=[7]),
     _sc("keep_p2_saved", P2_KEEP, 11, save_at=[7]),
     _sc("keep_p2_int8_ef_saved", INT8_KEEP, 11, save_at=[3]),
+    _sc("keep_p2_int8_gather_saved", INT8_GATHER_KEEP, 11, save_at=[3]),
     _sc("keep_p1_nesterov_from7", {**P1_KEEP, **NESTEROV}, 10, resume=["keep_p1_nesterov_saved", 7]),
     _sc("keep_p2_from7", P2_KEEP, 11, resume=["keep_p2_saved", 7]),
     _sc("keep_p2_int8_ef_from3", INT8_KEEP, 11, resume=["keep_p2_int8_ef_saved", 3]),
+    _sc("keep_p2_int8_gather_from3", INT8_GATHER_KEEP, 11, resume=["keep_p2_int8_gather_saved", 3]),
 ]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 
@@ -105,12 +109,14 @@ def four(tmp_path_factory) -> Results:
 
 
 # ====================================================================== the simulation
-def int8_mean(anchor, thetas, residual, idx, shards: int = 2) -> list[torch.Tensor]:
+def int8_mean(anchor, thetas, residual, idx, shards: int = 2, gather: bool = False) -> list[torch.Tensor]:
     """The int8 exchange of parameters ``idx`` as fl_accel.codecs.Quantized runs it, with error
     feedback: rank (g, s) packs its dim-0 shards (torch.chunk) of (anchor - theta_g) + residual,
     padded to F x 256 values; row c of its quantized buffer goes to group c, which dequantizes
     the F rows it received, sums them weighted (1/F) in fp32 and re-quantizes; the F sums are
-    gathered and dequantized. The residual becomes what the first quantization dropped."""
+    gathered and dequantized. The residual becomes what the first quantization dropped. ``gather``
+    (``sync_collectives`` "all_gather"): every group's whole quantized buffer is gathered, and each
+    rank sums the F dequantized buffers weighted in fp32, group by group from zero (one rounding)."""
     codec, w = Quantized("int8"), torch.tensor([1.0 / F] * F, dtype=torch.float32).unsqueeze(1)
     means = [[] for _ in idx]
     for s in range(shards):
@@ -125,8 +131,13 @@ def int8_mean(anchor, thetas, residual, idx, shards: int = 2) -> list[torch.Tens
                 residual[g][i].chunk(shards)[s].copy_(dropped[offset:offset + part.numel()].view_as(part))
                 offset += part.numel()
             deq.append(d)
-        sums = [codec.quantize((torch.stack([deq[g][c] for g in range(F)]) * w).sum(dim=0), 1) for c in range(F)]
-        mean, offset = codec.dequantize(torch.cat(sums)).view(-1), 0
+        if gather:
+            mean, offset = torch.zeros_like(deq[0].view(-1)), 0
+            for g in range(F):
+                mean.add_(deq[g].view(-1), alpha=1.0 / F)
+        else:
+            sums = [codec.quantize((torch.stack([deq[g][c] for g in range(F)]) * w).sum(dim=0), 1) for c in range(F)]
+            mean, offset = codec.dequantize(torch.cat(sums)).view(-1), 0
         for j, i in enumerate(idx):
             n = anchor[i].chunk(shards)[s].numel()
             means[j].append(mean[offset:offset + n].view_as(anchor[i].chunk(shards)[s]))
@@ -162,7 +173,8 @@ def simulate(batches, fl: dict, fragments, steps: int, lr: float = LR, momentum:
         """``(compressed, means)``: the mean of what each group sends for parameters ``idx``."""
         anchor, residual = state["anchor"], state["residual"]
         if cfg.sync_dtype == "int8" and not final:
-            return True, int8_mean([a.detach() for a in anchor], thetas, residual, idx)
+            gather = collectives(cfg.sync_collectives, F) == "all_gather"
+            return True, int8_mean([a.detach() for a in anchor], thetas, residual, idx, gather=gather)
         if cfg.sync_dtype == "fp32":
             return False, [sum(th[i].detach() for th in thetas) / F for i in idx]
         out = [sum(anchor[i].detach() - th[i].detach() + residual[g][i] for g, th in enumerate(thetas)) / F
@@ -295,6 +307,13 @@ def test_p2_tau_h_over_p_keep_int8_error_feedback(four):
     _check_exact(four, "keep_p2_int8_ef", [("the fp32 exchange", {"sync_dtype": "fp32"}, {})])
 
 
+def test_p2_tau_h_over_p_keep_int8_one_all_gather(four):
+    """The same with ``sync_collectives`` "auto" at F = 2: one all-gather of every group's int8
+    payload at the launch, summed in fp32 on every rank; equal to the simulation of that path within
+    1e-6 after every step. Not vacuous: the two-collective simulation (a second rounding) misses."""
+    _check_exact(four, "keep_p2_int8_gather", [("the two-collective exchange", {"sync_collectives": "all_to_all"}, {})])
+
+
 def test_discard_with_tau_beyond_h_over_p(four):
     """"discard" (Streaming DiLoCo's rule) with tau=4 > H/P=3, alpha 0.5, "nesterov": up to two
     fragments in flight; equal to the simulation."""
@@ -326,7 +345,7 @@ def test_fl_bytes_equal_the_cost_model(four):
     from fl_accel.planning.units import units_from_module
 
     units = units_from_module(tiny_llama())
-    for name in ("keep_p1_avg", "keep_p2", "keep_p2_int8_ef", "discard_long", "warmup"):
+    for name in ("keep_p1_avg", "keep_p2", "keep_p2_int8_ef", "keep_p2_int8_gather", "discard_long", "warmup"):
         sc = BY_NAME[name]
         est = estimate_from_config(FLConfig(**sc["fl"]), 4, units, total_steps=sc["steps"])
         for rec in four(name):
@@ -340,7 +359,8 @@ def test_fl_bytes_equal_the_cost_model(four):
 @pytest.mark.parametrize("name,saved,ref,k", [
     ("keep_p1_nesterov_from7", "keep_p1_nesterov_saved", "keep_p1_nesterov", 7),
     ("keep_p2_from7", "keep_p2_saved", "keep_p2", 7),
-    ("keep_p2_int8_ef_from3", "keep_p2_int8_ef_saved", "keep_p2_int8_ef", 3)])
+    ("keep_p2_int8_ef_from3", "keep_p2_int8_ef_saved", "keep_p2_int8_ef", 3),
+    ("keep_p2_int8_gather_from3", "keep_p2_int8_gather_saved", "keep_p2_int8_gather", 3)])
 def test_resume_mid_exchange_is_bitwise_the_uninterrupted_run(four, name, saved, ref, k):
     """A checkpoint with exchanges in flight under "keep" (P=1 at step 7, launched at 6; P=2 at
     step 7 with two fragments in flight, counters ``inflight_fragments``; int8 + error feedback

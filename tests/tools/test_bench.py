@@ -129,7 +129,7 @@ def test_dry_run_prints_every_command(tmp_path):
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "--num_fragments 2 --sync_delay 1 --sync_dtype int8 --error_feedback" in out
+    assert "--num_fragments 2 --sync_delay 1 --sync_dtype int8 --sync_collectives all_to_all --error_feedback" in out
     assert "rate-100mbit/fl_fsdp-limit" in out and "overhead/rep1-fsdp-job1" in out
     assert "-m torch.distributed.run --nnodes 2" in out
     assert not (tmp_path / "smoke").exists()  # a dry run writes nothing
@@ -414,7 +414,10 @@ def dataclasses_replace(spec, **kw):
 
 # ---------------------------------------------------------------------- quality suites (no training)
 FEDERATION_FLAGS = {"--algorithm", "--num_groups", "--sync_every", "--hsdp_shard_size", "--num_fragments",
-                    "--sync_delay", "--sync_dtype", "--outer_optimizer", "--outer_lr", "--outer_momentum"}
+                    "--sync_delay", "--sync_dtype", "--sync_collectives", "--outer_optimizer", "--outer_lr", "--outer_momentum"}
+
+
+A2A = ("--sync_collectives", "all_to_all")  # what every int8 row measured before "all_gather" existed ran
 
 
 def _common_part(args):
@@ -455,11 +458,11 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
              *(f"{r}-seed43" for r in ("fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                                        "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
                                        "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
-                                       "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3")),
+                                       "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3")),
              "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44",
-             "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3-seed44")
+             "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
 CONVERGENCE_THIRD_SEEDED (table order), then seed 44 of the latter (issue 40's three seeds)."""
 
@@ -482,7 +485,7 @@ def test_convergence_rows_differ_only_in_federation_flags():
                 "fl_fsdp-h8-lr2e-3", "fl_fsdp-h1-lr1e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                 "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
                 "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
-                "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3"]
+                "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3"]
     assert list(rows) == ["fsdp", "fl_fsdp-h8", "fl_fsdp-h8-nesterov", "fl_fsdp-h32", "fl_fsdp-h8-p2-tau1",
                           "fl_fsdp-h8-p2-tau2-int8-ef", "fl_fsdp-h8-nesterov-cosine", "fl_fsdp-h8-p2-tau2-sparse-ef",
                           *grid, *ablation, *SEED_ROWS]
@@ -521,15 +524,15 @@ def test_convergence_rows_differ_only_in_federation_flags():
         nesterov
     assert fed["fl_fsdp-h8-p2-tau1"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "1"]
     assert fed["fl_fsdp-h8-p2-tau2-int8-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
-                                                                     "--sync_dtype", "int8", "--error_feedback"]
+                                                                     "--sync_dtype", "int8", *A2A, "--error_feedback"]
     assert fed["fl_fsdp-h8-p2-tau2-sparse-ef"] == fed["fl_fsdp-h8"] + ["--num_fragments", "2", "--sync_delay", "2",
                                                                        "--sync_dtype", "sparse", "--error_feedback"]
     assert fed["fl_fsdp-h8-int8-ef-nesterov"] == fed["fl_fsdp-h8"] + nesterov + ["--sync_dtype", "int8",
-                                                                                 "--error_feedback"]
+                                                                                 *A2A, "--error_feedback"]
     # the ablation (issue 46): one component each over blocking fp32 at H=16; the delay alone without fragments
     h16 = ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "16"]
     assert fed["fl_fsdp-h16-lr1e-3"] == h16
-    assert fed["fl_fsdp-h16-int8-ef-lr1e-3"] == h16 + ["--sync_dtype", "int8", "--error_feedback"]
+    assert fed["fl_fsdp-h16-int8-ef-lr1e-3"] == h16 + ["--sync_dtype", "int8", *A2A, "--error_feedback"]
     assert fed["fl_fsdp-h16-p2-lr1e-3"] == h16 + ["--num_fragments", "2", "--sync_delay", "0"]
     assert fed["fl_fsdp-h16-tau2-lr1e-3"] == fed["fl_fsdp-h16-tau2-a0.5-lr1e-3"] == h16 + ["--sync_delay", "2"]
     assert rows["fl_fsdp-h16-tau2-a0.5-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
@@ -539,15 +542,20 @@ def test_convergence_rows_differ_only_in_federation_flags():
     assert all(r in rows and f"{r}-seed43" in rows for r in (x["id"] for x in bp.ABLATION_ROWS))
     # issue 46 items 2 and 3: the overlap (tau = H, local steps kept) and the warm-up, seeds 42 and 43
     assert fed["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"] == h16 + ["--num_fragments", "2", "--sync_delay", "16",
-                                                                     "--sync_dtype", "int8", "--error_feedback"]
+                                                                     "--sync_dtype", "int8", *A2A, "--error_feedback"]
     assert rows["fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3"].extra_flags == ("--learning_rate", "1e-3",
                                                                            "--delayed_local_steps", "keep")
     assert fed["fl_fsdp-h16-tau16-keep-lr1e-3"] == h16 + ["--sync_delay", "16"]
     assert fed["fl_fsdp-h1-lr1e-3"] == ["--algorithm", "fl_fsdp", "--num_groups", "2", "--sync_every", "1"]
     for tau in ("2", "4"):  # the fast row with its delay's local steps kept
         row = f"fl_fsdp-h16-p2-tau{tau}-keep-int8-ef-lr1e-3"
-        assert fed[row] == h16 + ["--num_fragments", "2", "--sync_delay", tau, "--sync_dtype", "int8", "--error_feedback"]
+        assert fed[row] == h16 + ["--num_fragments", "2", "--sync_delay", tau, "--sync_dtype", "int8", *A2A, "--error_feedback"]
         assert rows[row].extra_flags == ("--learning_rate", "1e-3", "--delayed_local_steps", "keep")
+    gather = "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3"  # the same at tau 2, one int8 all-gather
+    assert fed[gather] == h16 + ["--num_fragments", "2", "--sync_delay", "2", "--sync_dtype", "int8",
+                                 "--sync_collectives", "all_gather", "--error_feedback"]
+    assert rows[gather].extra_flags == ("--learning_rate", "1e-3", "--delayed_local_steps", "keep")
+    assert rows[gather].label == "FL+FSDP H=16 P=2 tau=2 int8+EF all-gather learning_rate 1e-3 delayed_local_steps keep"
     assert fed["fl_fsdp-h16-nesterov-olr0.6-lr1e-3"] == h16 + ["--outer_optimizer", "nesterov", "--outer_lr", "0.6",
                                                               "--outer_momentum", "0.9"]
     assert rows["fl_fsdp-h8-warm32-lr1e-3"].extra_flags == ("--learning_rate", "1e-3", "--sync_warmup_steps", "32")

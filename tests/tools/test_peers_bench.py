@@ -104,13 +104,17 @@ def test_commands_of_each_tool(tmp_path):
         assert "--num_fragments 2 --sync_delay 2" in line and "torchft_diloco.py" in line
     overlap = " ".join(peers.commands(p, rows["fl_accel-h16-p2-tau16-keep-int8-ef"], "/w/o", emu, 29600,
                                       "10mbit")["node0"])
-    assert "--num_fragments 2 --sync_delay 16 --sync_dtype int8 --error_feedback" in overlap
+    assert "--num_fragments 2 --sync_delay 16 --sync_dtype int8 --sync_collectives all_to_all --error_feedback" in overlap
+    gather = " ".join(peers.commands(p, rows["fl_accel-h16-p2-tau2-keep-int8-gather-ef"], "/w/g", emu, 29600,
+                                     "10mbit")["node1"])
+    assert "--sync_delay 2 --sync_dtype int8 --sync_collectives all_gather --error_feedback" in gather
     assert "--delayed_local_steps keep" in overlap  # issue 46: the exchange behind a whole round, steps kept
     fl = peers.commands(p, rows["fl_accel-h16-p2-tau2-int8-ef"], "/w/y", emu, 29600, "10mbit")
     line = " ".join(fl["node1"])
     assert "--nnodes 2 --node_rank 1 --master_addr <node0>" in line and "recipes/pretrain.py" in line
     for flag in ("--algorithm fl_fsdp --num_groups 2 --hsdp_shard_size 2 --sync_every 16",
-                 "--num_fragments 2 --sync_delay 2 --sync_dtype int8 --error_feedback", "--init_device cpu",
+                 "--num_fragments 2 --sync_delay 2 --sync_dtype int8 --sync_collectives all_to_all --error_feedback",
+                 "--init_device cpu",
                  "--learning_rate 0.0003", "--output_dir /w/y"):
         assert flag in line
     assert "--outer_optimizer" not in line  # the plain average: the recipe's default

@@ -4,7 +4,9 @@ shuffle). The same codecs inside a real exchange over gloo: tests/dist/test_stre
 
 * int8: every value decodes within half a quantization step (absmax / 127 / 2) of its block;
   bf16 within bf16's rounding; the two-stage weighted mean of F groups (quantize, all-to-all,
-  weighted sum, re-quantize, all-gather) within the sum of the two stages' bounds;
+  weighted sum, re-quantize, all-gather) within the sum of the two stages' bounds; the one
+  all-gather mean (``sync_collectives="all_gather"``) within the first stage's bound alone,
+  the same bits on every rank, a group of weight 0 counting nowhere;
 * sparse: the k largest magnitudes of each 4096 are kept, decoded within half a level step,
   everything dropped is no larger than the smallest kept magnitude; two hand-built payloads
   aggregate as CCLoco says ("senders": divided by the weight of the groups that sent an
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from fl_accel import FLConfig, wire
-from fl_accel.codecs import Fp32Mean, Quantized, Sparse, codec_of, make_codec
+from fl_accel.codecs import Flight, Fp32Mean, Peers, Quantized, Sparse, codec_of, make_codec
 from fl_accel.wire import BLOCK, QMAX, SPARSE_BLOCK, sparse_bytes, sparse_k
 
 
@@ -82,8 +84,64 @@ def test_int8_two_stage_mean_is_within_both_stages_bounds(weights):
     assert err.max() > 0
 
 
+class _Done:
+    """A collective that has completed (the shuffle already put its output in place)."""
+
+    def wait(self):
+        return True
+
+
+def _half_step(t: torch.Tensor) -> torch.Tensor:
+    """Half an int8 step of each value's block: absmax / 127 / 2."""
+    return (t.view(-1, BLOCK).abs().amax(dim=1, keepdim=True) / QMAX / 2).expand(-1, BLOCK).reshape(-1)
+
+
+@pytest.mark.parametrize("weights", [(0.5, 0.5), (0.25, 0.75), (0.0, 1.0), (0.2, 0.3, 0.5)])
+def test_int8_all_gather_mean_is_within_one_rounding_and_equal_on_every_rank(weights):
+    """The one-all-gather path: every group's chunk quantized once and gathered ([F, payload], the
+    same on every rank), summed in fp32 group by group. Every rank's mean has the same bits, and
+    every value is within sum_g w_g halfstep_g of the exact weighted mean: the first stage's bound
+    alone (no re-quantization). A group of weight 0 counts nowhere, even holding NaN."""
+    codec = Quantized("int8", "all_gather")
+    F, m = len(weights), 2 * BLOCK
+    xs = [_randn(F * m, seed=20 + g) for g in range(F)]
+    if weights[0] == 0:
+        xs[0] = torch.full_like(xs[0], float("nan"))  # a dropped group's garbage
+    gathered = torch.cat([codec.quantize(x, 1) for x in xs])  # what the all-gather leaves on every rank
+    peers = Peers(None, F, 0, tuple(weights), True, 1, False)
+    means = []
+    for position in range(F):
+        mine = xs[position].clone()
+        codec.complete(Flight(_Done(), gathered), peers._replace(position=position), mine)
+        means.append(mine)
+    assert all(torch.equal(means[0], mean) for mean in means[1:])
+    exact = sum(w * x for w, x in zip(weights, xs) if w)
+    bound = sum(w * _half_step(x) for w, x in zip(weights, xs) if w)
+    err = (means[0] - exact).abs()
+    assert torch.isfinite(means[0]).all() and (err <= bound * (1 + 1e-5) + 1e-12).all(), (err - bound).max()
+    assert err.max() > 0
+
+
+def test_sync_collectives_choose_the_wire():
+    """"auto": one all-gather at F = 2 (the same bytes as all-to-all + all-gather), all-to-all at F > 2;
+    an unknown choice is a ValueError naming the field."""
+    assert wire.collectives("auto", 2) == "all_gather" and wire.collectives("auto", 3) == "all_to_all"
+    assert wire.collectives("all_to_all", 2) == "all_to_all" and wire.collectives("all_gather", 4) == "all_gather"
+    n = 1024 * (1 + 4 / BLOCK)
+    assert Quantized("int8").wire(1024, 2) == [("all_gather", 2 * n)]
+    assert Quantized("int8", "all_to_all").wire(1024, 2) == [("all_to_all", n), ("all_gather", n)]
+    two = [wire.ring_bytes(op, b, 2) for op, b in Quantized("int8", "all_to_all").wire(1024, 2)]
+    assert wire.ring_bytes("all_gather", 2 * n, 2) == sum(two)  # F = 2: equal bytes
+    with pytest.raises(ValueError, match="sync_collectives must be one of"):
+        Quantized("int8", "ring")
+    with pytest.raises(ValueError, match="sync_collectives"):
+        FLConfig(sync_dtype="int8", sync_collectives="ring")
+    assert codec_of(FLConfig(sync_dtype="bf16", sync_collectives="all_to_all")).collectives == "all_to_all"
+    assert "sync_collectives" in FLConfig(sync_dtype="fp32", sync_collectives="all_gather").ignored_fields()
+
+
 def test_quantized_padding_and_wire_bytes():
-    int8, bf16 = Quantized("int8"), Quantized("bf16")
+    int8, bf16 = Quantized("int8", "all_to_all"), Quantized("bf16", "all_to_all")
     assert int8.padding(num_groups=3, num_chunks=2) == 2 * 3 * BLOCK
     assert int8.wire(1024, 3) == [("all_to_all", 1024 * (1 + 4 / BLOCK)), ("all_gather", 1024 * (1 + 4 / BLOCK))]
     assert bf16.wire(1024, 3) == [("all_to_all", 2048.0), ("all_gather", 2048.0)]

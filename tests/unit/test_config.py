@@ -37,7 +37,7 @@ def test_defaults():
     assert c.to_dict() == {
         "algorithm": "fl_fsdp", "num_groups": 2, "group_sizes": None, "group_weighting": "tokens",
         "hsdp_shard_size": None, "sync_every": 8, "sync_trigger": "steps", "sync_window_s": None, "num_fragments": 1, "sync_delay": 0,
-        "delayed_local_steps": "discard", "fragment_update_alpha": 0.0, "sync_warmup_steps": 0, "sync_dtype": "fp32", "sync_density": 1 / 64, "sync_value_bits": 2,
+        "delayed_local_steps": "discard", "fragment_update_alpha": 0.0, "sync_warmup_steps": 0, "sync_dtype": "fp32", "sync_collectives": "auto", "sync_density": 1 / 64, "sync_value_bits": 2,
         "error_feedback_decay": None, "sparse_aggregation": "senders", "final_sync": "exact",
         "error_feedback": False,
         "outer_optimizer": "avg", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_lr_schedule": "constant",

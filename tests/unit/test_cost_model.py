@@ -34,7 +34,7 @@ def estimate_from_config(config, world_size: int, units, *, ranks_per_node=None,
     tests/recipe/test_recipe.py)."""
     layout = FLLayout.from_config(config, world_size, ranks_per_node)
     names = ("sync_every", "num_fragments", "sync_dtype", "sync_delay", "sync_bucket_mb", "sync_density",
-             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps")
+             "sync_value_bits", "final_sync", "delayed_local_steps", "sync_warmup_steps", "sync_collectives")
     return cm.estimate(layout, units, ranks_per_node=ranks_per_node, **{**{k: getattr(config, k) for k in names}, **kw})
 
 
@@ -188,9 +188,14 @@ def test_buckets_pad_and_count_separately():
     units = [cm.ShardUnit(f"u{i}", 400_000, True, ((400_000,),)) for i in range(3)]  # 200k local each
     e = est(EQ(2, 1, 2), units, sync_bucket_mb=1)  # 262,144 values per bucket: 3 buckets
     assert e.fragments[0][0].calls["fl"] == 3
-    e = est(EQ(2, 1, 2), units, sync_bucket_mb=1, sync_dtype="int8")
-    assert e.fragments[0][0].calls["fl"] == 6
-    assert e.sync_by_axis()["fl"] == approx(3 * 2 * 1 / 2 * 200_192 * (1 + 4 / 256))  # 200,192 = 391 * 512
+    for collectives, calls in (("all_to_all", 6), ("all_gather", 3), ("auto", 3)):  # F = 2: "auto" gathers
+        e = est(EQ(2, 1, 2), units, sync_bucket_mb=1, sync_dtype="int8", sync_collectives=collectives)
+        assert e.fragments[0][0].calls["fl"] == calls, collectives
+        # the same bytes either way at F = 2; 200,192 = 391 * 512
+        assert e.sync_by_axis()["fl"] == approx(3 * 2 * 1 / 2 * 200_192 * (1 + 4 / 256)), collectives
+    gathered, reduced = (est(EQ(4, 1, 2), units, sync_bucket_mb=1, sync_dtype="int8", sync_collectives=c)
+                         for c in ("all_gather", "all_to_all"))  # F = 4: (F-1) x against 2 (F-1)/F x the payload
+    assert gathered.sync_by_axis()["fl"] == pytest.approx(2 * reduced.sync_by_axis()["fl"], rel=0.01)
 
 
 def test_reshard_and_micro_batches():

@@ -152,6 +152,12 @@ def test_every_sync_dtype_has_its_sync_buffers(capsys):
     padded = math.ceil(n / 4096) * 4096
     assert sizes["sparse"] == 4 * n + 12 * n + 3 * sparse_bytes(padded, 1 / 64, 2)
     assert sync(sync_dtype="sparse", error_feedback=True, sync_density=1 / 16) > sizes["sparse"]
+    four = FLLayout.equal(4, 1, 2)  # sync_collectives: F + 1 quantized copies with one all-gather, else 3
+    for layout, gather in ((two, 3), (four, 5)):
+        for collectives, copies in (("all_to_all", 3), ("all_gather", gather), ("auto", 3)):
+            held = mm.estimate(SMALL, seq_len=64, micro_batch=1, layout=layout, buckets_in_flight=None,
+                               sync_dtype="bf16", sync_collectives=collectives).phases["sync"]["sync_buffers"]
+            assert held == 4 * n + copies * 2 * n, (layout.num_groups, collectives)
     from scripts import memory_model as cli
 
     assert cli.main(["--sync-dtype", "sparse", "--error-feedback", "--sync-density", "0.0625"]) in (0, 1)

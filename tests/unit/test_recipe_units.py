@@ -501,6 +501,31 @@ def test_resume_refusal_names_the_flconfig_field_that_differs():
     _check_resume("ckpt", {**meta, "run_identity": identity}, SimpleNamespace(max_steps=10, output_dir="x"), identity)
 
 
+def test_an_int8_checkpoint_from_before_sync_collectives_resumes_only_on_its_own_collectives():
+    """Run identity records what a "bf16"/"int8" exchange ran ("auto" resolved: one all-gather at
+    F = 2), nothing for "fp32"; a checkpoint written before the field existed ran all-to-all, so
+    it resumes with ``--sync_collectives all_to_all`` and is refused under "auto", naming the field."""
+    from recipes.args import run_identity
+    from recipes.run_folder import _check_resume
+
+    def identity(*argv):
+        parsed = parse_args(["--algorithm", "fl_fsdp", *argv], environ=ENV)
+        return run_identity(parsed.args, parsed.fl)
+
+    auto, a2a = identity("--sync_dtype", "int8"), identity("--sync_dtype", "int8", "--sync_collectives", "all_to_all")
+    assert auto["fl"]["sync_collectives"] == "all_gather" and a2a["fl"]["sync_collectives"] == "all_to_all"
+    assert "sync_collectives" not in identity("--sync_collectives", "all_gather")["fl"]  # fp32: not read
+    args = SimpleNamespace(max_steps=10, output_dir="x")
+    for new in (auto, a2a):
+        old = {**new, "fl": {k: v for k, v in new["fl"].items() if k != "sync_collectives"}}
+        meta = {"run_identity": old, "completed_steps": 2, "max_steps": 10}
+        if new is a2a:
+            _check_resume("ckpt", meta, args, new)
+        else:
+            with pytest.raises(RecipeError, match=r"fl.sync_collectives='all_to_all' there, 'all_gather' here"):
+                _check_resume("ckpt", meta, args, new)
+
+
 def test_a_new_run_into_a_folder_with_checkpoints_gets_advice_that_works(tmp_path):
     """An unfinished run's checkpoints: continue it with --resume_from_checkpoint latest; a
     finished run's: only --overwrite_output_dir or another folder (resuming it would be

@@ -157,15 +157,17 @@ def _train(sync, params, steps, start=0):
 
 @pytest.mark.parametrize("fields,steps,calls", [
     ({"sync_every": 3}, 7, {"bad_groups": 2, "all_reduce": 2, "share_chunks": 2}),
-    ({"sync_every": 4, "sync_delay": 2, "sync_dtype": "int8"}, 8,
+    ({"sync_every": 4, "sync_delay": 2, "sync_dtype": "int8", "sync_collectives": "all_to_all"}, 8,
      {"bad_groups": 2, "all_to_all": 2, "all_gather": 2, "share_chunks": 2}),
+    ({"sync_every": 4, "sync_delay": 2, "sync_dtype": "int8"}, 8,  # "auto" at F = 2: one all-gather
+     {"bad_groups": 2, "all_gather": 2, "share_chunks": 2}),
     ({"sync_every": 6, "num_fragments": 3}, 8, {"bad_groups": 4, "all_reduce": 4, "share_chunks": 4}),
-    ({"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "sync_dtype": "bf16", "outer_optimizer": "nesterov"},
-     6, {"bad_groups": 3, "all_to_all": 3, "all_gather": 3, "share_chunks": 3}),
+    ({"sync_every": 4, "num_fragments": 2, "sync_delay": 1, "sync_dtype": "bf16", "outer_optimizer": "nesterov",
+      "sync_collectives": "all_to_all"}, 6, {"bad_groups": 3, "all_to_all": 3, "all_gather": 3, "share_chunks": 3}),
 ])
 def test_collective_counts(fields, steps, calls):
     """One bucket per exchange: P=1 tau=0 (one all-reduce per sync), P=1 tau=2 int8 (all-to-all
-    at launch, all-gather one step later), P=3 tau=0 (one fragment per H/P steps), P=2 tau=1
+    at launch, all-gather one step later; or, "auto" at F = 2, one all-gather at launch), P=3 tau=0 (one fragment per H/P steps), P=2 tau=1
     bf16 nesterov; one non-finite check per sync event."""
     transport = FakeTransport()
     sync, params = _synchronizer(transport, **fields)
