@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           ("activation-checkpointing", ("none", "full")), ("attention", ("sdpa", "eager")),
                           ("optimizer", ("foreach", "fused", "for-loop")), ("outer-optimizer", ("avg", "nesterov")),
                           ("sync-dtype", ("fp32", "bf16", "int8", "sparse")), ("outer-state-device", ("same", "cpu")),
-                          ("accelerator", ("cuda", "cpu")), ("delayed-local-steps", ("discard", "keep"))]:
+                          ("accelerator", ("cuda", "cpu")), ("delayed-local-steps", ("discard", "keep")),
+                          ("sync-collectives", ("auto", "all_to_all", "all_gather"))]:
         p.add_argument("--" + flag, choices=choices, default=choices[0], help="(default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--matrix", action="store_true", help="the paper's layouts x checkpointing x avg/nesterov")
@@ -157,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   sync_delay=a.sync_delay, sync_every=a.sync_every, delayed_local_steps=a.delayed_local_steps,
                   gradient_accumulation_steps=a.gradient_accumulation_steps,
                   sync_density=a.sync_density, sync_value_bits=a.sync_value_bits,
-                  accelerator=a.accelerator)
+                  sync_collectives=a.sync_collectives, accelerator=a.accelerator)
         if a.matrix:
             rows = matrix(config, kw, gpu, a.headroom)
             print(json.dumps(rows, indent=1) if a.json else
