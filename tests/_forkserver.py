@@ -36,7 +36,9 @@ A hang explains itself: every rank registers :mod:`faulthandler` on :data:`STACK
 (all threads, to its stderr file), and a launch that runs past its timeout
 (:func:`run_forked`, :meth:`ForkedLaunch.wait`) first sends that signal to each rank still
 running, so the ranks' stderr ends with the Python stack of every thread at the moment of
-the timeout (:meth:`ForkedLaunch.dump_stacks`), before they are killed.
+the timeout (:meth:`ForkedLaunch.dump_stacks`), followed, where gdb is installed, by their
+native stacks (a deadlock in C++, e.g. a destructor joining a thread that waits for the GIL,
+shows only there), before they are killed.
 
 Not covered here (those tests keep ``launcher="torchrun"``):
 
@@ -226,6 +228,40 @@ def _size(path: str) -> int:
         return 0
 
 
+NATIVE_STACKS_TIMEOUT_S = 60.0
+"""At most this long for gdb to attach to a hung rank and print its threads' native stacks."""
+
+
+def _native_stacks(pid: int, frames: int = 16) -> str:
+    """Every thread's C/C++ stack of process ``pid`` (``gdb -batch``, the innermost ``frames``
+    frames each), or "" without gdb. A Python stack that ends in a C call (a destructor, a lock,
+    a collective) says where, not why: a deadlock between a thread holding the GIL and one
+    waiting for it shows only here."""
+    import shutil
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off",
+                              "-ex", f"thread apply all bt {frames}"], capture_output=True, text=True,
+                             timeout=NATIVE_STACKS_TIMEOUT_S, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(gdb failed: {exc})"
+    import re
+
+    keep = []
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            keep.append(line)
+        elif line.startswith("#"):  # "#3  0x7f.. in fn (args...) at file.c:12" -> "#3 fn  at file.c:12"
+            m = re.match(r"#(\d+)\s+(?:0x[0-9a-f]+ in )?(\S+)", line)
+            where = re.search(r" (?:at|from) (\S+)$", line)
+            keep.append(f"  #{m.group(1)} {m.group(2)}" + (f"  {where.group(0).strip()}" if where else "") if m
+                        else line[:160])
+    return "\n".join(keep)
+
+
 def _kill_group(pid: int | None, sig: int, *, alive: bool = True) -> None:
     """Signal the rank's process group; a live rank that has not called setsid yet gets it
     directly (an ended one never: its pid may be reused)."""
@@ -274,6 +310,7 @@ class ForkedLaunch:
         self._first_failure: int | None = None
         self.stacks_dumped: list[int] | None = None  # the ranks asked for their stacks (dump_stacks)
         self._dumped_after = 0.0  # seconds from the start to dump_stacks
+        self.native_stacks: dict[int, str] = {}  # rank -> its threads' C/C++ stacks (gdb), at dump_stacks
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -339,6 +376,7 @@ class ForkedLaunch:
             time.sleep(0.1)
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # the rest of a dump in progress
         self.stacks_dumped, self._dumped_after = live, time.monotonic() - self.t0
+        self.native_stacks = {r: _native_stacks(self.procs[r].pid) for r in live if self.procs[r].exitcode is None}
         return live
 
     def output(self) -> tuple[str, str]:
@@ -354,9 +392,12 @@ class ForkedLaunch:
                 parts.append(f"--- rank {r} ---\n{text}" if labelled and text else text)
             texts.append("".join(parts))
         if labelled:
+            for r, text in sorted(self.native_stacks.items()):
+                if text:
+                    texts[1] += f"\n--- rank {r}: native stacks (gdb) ---\n{text}"
             texts[1] += (f"\n[fork launcher] timed out after {self._dumped_after:.0f} s; ranks still running "
                          f"then: {self.stacks_dumped} (each one's stderr above ends with its threads' Python stacks "
-                         f"at that moment)\n")
+                         f"at that moment; native stacks follow them where gdb is installed)\n")
         return tuple(texts)
 
 

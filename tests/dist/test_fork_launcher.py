@@ -4,6 +4,7 @@ are killed, so a test that fails on a timeout says where each rank was."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from _launch import launch_env, start_forked
@@ -39,9 +40,13 @@ def test_a_timed_out_launch_reports_each_ranks_python_stacks(tmp_path):
         launch.kill()
     out, err = launch.output()
     assert out.count("started") == 2, out
-    ranks = err.split("--- rank ")[1:]
+    ranks = err.split("--- rank 0: native stacks")[0].split("--- rank ")[1:]  # each rank's stderr
     assert [r.split(" ---")[0] for r in ranks] == ["0", "1"], err
     for text in ranks:
         assert "most recent call first" in text and "blocked_in_the_main_thread" in text, err
         assert "blocked_in_a_helper_thread" in text, err  # every thread, not only the main one
     assert "[fork launcher] timed out after" in err and "ranks still running then: [0, 1]" in err, err
+    if shutil.which("gdb"):  # the native stacks too: where a C++ deadlock shows
+        for r in (0, 1):
+            native = err.split(f"--- rank {r}: native stacks (gdb) ---")[1]
+            assert "Thread 1 " in native and "#0 " in native, err
