@@ -376,7 +376,12 @@ class ForkedLaunch:
             time.sleep(0.1)
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # the rest of a dump in progress
         self.stacks_dumped, self._dumped_after = live, time.monotonic() - self.t0
-        self.native_stacks = {r: _native_stacks(self.procs[r].pid) for r in live if self.procs[r].exitcode is None}
+        hung = [r for r in live if self.procs[r].exitcode is None]
+        if hung:  # one gdb per rank, side by side: at most NATIVE_STACKS_TIMEOUT_S in all
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(hung)) as pool:
+                self.native_stacks = dict(zip(hung, pool.map(_native_stacks, [self.procs[r].pid for r in hung])))
         return live
 
     def output(self) -> tuple[str, str]:
