@@ -20,6 +20,7 @@ Each wait is bounded by ``FLConfig.rejoin_timeout_s`` (docs/fault_tolerance.md).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Callable
 
@@ -153,16 +154,24 @@ def finish(transport, checksum: Callable[[], float], poll_s: float = 1.0) -> dic
     older checkpoint, or without one, takes over this group's final state) is followed by the
     next; one of this group alone (the others down or still training) is asked again after
     ``poll_s``; one in which nobody heals exchanges each group's checksum (``checksum()``:
-    this rank's fp64 sum of its local shards, summed over the group's ranks here) and ends the
-    wait when all ``num_groups`` groups are in it. After ``rejoin_timeout_s`` without that, the
-    group ends alone. Collective over the group's world and the quorum's groups.
+    this rank's fp64 sum of its local shards, summed over the group's ranks here). The wait
+    ends when that exchange holds all ``num_groups`` groups (each group's row reached this one:
+    :func:`_end_table`): ``together`` when their checksums are equal, else the groups are apart
+    (a warning; waiting longer changes nothing). After ``rejoin_timeout_s`` without that, the
+    group ends alone. A quorum in which a group heals from the groups at the end restarts that
+    wait (at most ``num_groups - 1`` times): the healed group holds the final model and joins
+    the end quorum right after, which on a loaded machine may take seconds, and a group that
+    gave up just then would report the federation apart though every group ends with its
+    model. Collective over the group's world and the quorum's groups.
 
     Returns: ``{"together": bool, "groups": [group indices in the last end quorum],
     "num_groups": F, "checksum": this group's, "checksums": {group: checksum},
     "waited_s": seconds}``; ``together`` False when the wait timed out (a group is down for
-    good, or came back too late): this group's final model may differ from theirs."""
+    good, or came back too late: this group's final model may differ from theirs) or the
+    checksums differ."""
     t0 = time.monotonic()
     deadline, seen, together = t0 + transport.rejoin_timeout_s, {}, transport.num_groups <= 1
+    restarts = 0  # waits restarted by a heal from the end state
     drop_round(transport)  # an event a heal left with nothing to exchange (this group took a final state)
     while not together:
         try:
@@ -172,11 +181,19 @@ def finish(transport, checksum: Callable[[], float], poll_s: float = 1.0) -> dic
         except Exception as exc:  # a quorum that timed out (more min_replicas than live groups)
             logger.warning("fl_accel: end-of-run quorum failed (%s: %s); asking again", type(exc).__name__, exc)
             transport.round, rnd = None, None
+        complete = False
         if rnd is not None and rnd.num_groups > 1 and not transport.behind:  # nobody heals: all are at the end
             seen = _end_table(transport, rnd, checksum())
-            together = transport.manager.errored() is None and len(seen) >= transport.num_groups
+            complete = set(seen) >= set(range(transport.num_groups))
+            together = complete and _equal(seen.values())
+        elif rnd is not None and rnd.num_groups > 1 and restarts < transport.num_groups - 1:
+            restarts += 1  # a group heals from the end state: it is at the end right after this quorum
+            deadline = max(deadline, time.monotonic() + transport.rejoin_timeout_s)
         drop_round(transport)
-        if together or time.monotonic() >= deadline:
+        if complete and not together:
+            logger.warning("fl_accel: every federation group reached the end, but their final models differ "
+                           "(checksums by group: %s)", {g: seen[g] for g in sorted(seen)})
+        if together or complete or time.monotonic() >= deadline:
             break
         if rnd is None or rnd.num_groups == 1:
             time.sleep(poll_s)
@@ -184,6 +201,14 @@ def finish(transport, checksum: Callable[[], float], poll_s: float = 1.0) -> dic
     seen = {**seen, transport.group_index: own}
     return {"together": together, "groups": sorted(seen), "num_groups": transport.num_groups, "checksum": own,
             "checksums": {int(g): c for g, c in sorted(seen.items())}, "waited_s": time.monotonic() - t0}
+
+
+def _equal(checksums) -> bool:
+    """Checksums of identical models: equal up to the order of the fp64 sums (groups of
+    different shapes sum their shards in different orders); a model that differs in one element
+    by 1e-7 differs far more than this."""
+    values = list(checksums)
+    return all(math.isclose(v, values[0], rel_tol=1e-12, abs_tol=1e-12) for v in values)
 
 
 def _group_sum(transport, value: float) -> float:
@@ -195,11 +220,17 @@ def _group_sum(transport, value: float) -> float:
 
 def _end_table(transport, membership, local_sum: float) -> dict[int, float]:
     """{group index: checksum} of the quorum's groups (each group's sum over its ranks,
-    exchanged over the managed group); {} if that exchange failed."""
+    exchanged over the managed group): the rows that reached this group. A row is written by
+    its group alone (the others add 0), so a collective that failed part-way leaves rows
+    missing, never a wrong one: rows that hold a valid group index (1..F, once) are that
+    group's, whether or not this group's wait on the collective then reported an error (e.g. a
+    peer that had sent everything closed its connection before this group read it)."""
     table = torch.zeros(membership.num_groups, 2, dtype=torch.float64, device=transport.device)
     table[membership.position] = torch.tensor([transport.group_index + 1.0, _group_sum(transport, local_sum)],
                                               dtype=torch.float64)
     transport.control_all_reduce(table)
-    if transport.manager.errored() is not None:
-        return {}
-    return {int(g) - 1: float(c) for g, c in table.tolist() if g >= 1}
+    rows = [(g, c) for g, c in table.tolist() if g >= 1]
+    indices = [g for g, _ in rows]
+    if any(g != int(g) or g > transport.num_groups for g in indices) or len(set(indices)) != len(indices):
+        return {}  # not rows of one exchange (a collective failed): nothing is known of the others
+    return {int(g) - 1: float(c) for g, c in rows}

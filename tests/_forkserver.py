@@ -32,6 +32,14 @@ after :data:`KILL_GRACE_S`) and returns that rank's exit status; on a timeout ev
 is killed and ``timed_out`` is set. The Result's stdout/stderr are the ranks' outputs
 concatenated in rank order (whole lines, never interleaved).
 
+A hang explains itself: every rank registers :mod:`faulthandler` on :data:`STACKS_SIGNAL`
+(all threads, to its stderr file), and a launch that runs past its timeout
+(:func:`run_forked`, :meth:`ForkedLaunch.wait`) first sends that signal to each rank still
+running, so the ranks' stderr ends with the Python stack of every thread at the moment of
+the timeout (:meth:`ForkedLaunch.dump_stacks`), followed, where gdb is installed, by their
+native stacks (a deadlock in C++, e.g. a destructor joining a thread that waits for the GIL,
+shows only there), before they are killed.
+
 Not covered here (those tests keep ``launcher="torchrun"``):
 
 * torchrun itself: ``--max-restarts`` and restarts (``TORCHELASTIC_RESTART_COUNT`` > 0),
@@ -51,6 +59,7 @@ with a ValueError (use ``launcher="torchrun"`` for it).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -88,6 +97,14 @@ error) before SIGTERM."""
 
 KILL_GRACE_S = 10.0
 """SIGTERM to SIGKILL."""
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""The signal on which a rank writes every thread's Python stack to its stderr
+(``faulthandler.register``); sent to the ranks still running when a launch times out."""
+
+STACKS_GRACE_S = 5.0
+"""How long the ranks get to write their stacks (a signal handler's write; seconds only on
+a loaded machine) before they are killed."""
 
 _server: dict[str, Any] = {}
 
@@ -139,6 +156,9 @@ def _rank_main(script: str, args: Sequence[str], env: Mapping[str, str], cwd: st
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    # a hung rank tells where it is: every thread's Python stack to fd 2 (this rank's stderr
+    # file) on STACKS_SIGNAL, written from the signal handler, without the GIL or a lock
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
     code = 1
     try:
         import runpy
@@ -201,6 +221,47 @@ def _ensure_server(static_env: Mapping[str, str]) -> dict[str, Any]:
     return _server
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+NATIVE_STACKS_TIMEOUT_S = 60.0
+"""At most this long for gdb to attach to a hung rank and print its threads' native stacks."""
+
+
+def _native_stacks(pid: int, frames: int = 16) -> str:
+    """Every thread's C/C++ stack of process ``pid`` (``gdb -batch``, the innermost ``frames``
+    frames each), or "" without gdb. A Python stack that ends in a C call (a destructor, a lock,
+    a collective) says where, not why: a deadlock between a thread holding the GIL and one
+    waiting for it shows only here."""
+    import shutil
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off",
+                              "-ex", f"thread apply all bt {frames}"], capture_output=True, text=True,
+                             timeout=NATIVE_STACKS_TIMEOUT_S, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(gdb failed: {exc})"
+    import re
+
+    keep = []
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            keep.append(line)
+        elif line.startswith("#"):  # "#3  0x7f.. in fn (args...) at file.c:12" -> "#3 fn  at file.c:12"
+            m = re.match(r"#(\d+)\s+(?:0x[0-9a-f]+ in )?(\S+)", line)
+            where = re.search(r" (?:at|from) (\S+)$", line)
+            keep.append(f"  #{m.group(1)} {m.group(2)}" + (f"  {where.group(0).strip()}" if where else "") if m
+                        else line[:160])
+    return "\n".join(keep)
+
+
 def _kill_group(pid: int | None, sig: int, *, alive: bool = True) -> None:
     """Signal the rank's process group; a live rank that has not called setsid yet gets it
     directly (an ended one never: its pid may be reused)."""
@@ -247,6 +308,9 @@ class ForkedLaunch:
         self.returncode: int | None = None
         self._failed_at: float | None = None
         self._first_failure: int | None = None
+        self.stacks_dumped: list[int] | None = None  # the ranks asked for their stacks (dump_stacks)
+        self._dumped_after = 0.0  # seconds from the start to dump_stacks
+        self.native_stacks: dict[int, str] = {}  # rank -> its threads' C/C++ stacks (gdb), at dump_stacks
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -265,11 +329,13 @@ class ForkedLaunch:
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait until every rank ended (or was stopped after a failure); None after
-        ``timeout`` seconds (the ranks keep running)."""
+        ``timeout`` seconds, when the ranks still running have written their stacks to their
+        stderr (:meth:`dump_stacks`; they keep running)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
+                self.dump_stacks()
                 return None
             wait_s = 5.0 if deadline is None else deadline - now
             if self._failed_at is not None:
@@ -290,10 +356,54 @@ class ForkedLaunch:
             self.poll()
         return [p.pid for p in live]
 
+    def dump_stacks(self, grace: float = STACKS_GRACE_S) -> list[int]:
+        """:data:`STACKS_SIGNAL` to every rank still running (the rank itself, not its process
+        group: what it started has no handler for it), then up to ``grace`` seconds for their
+        stderr files to grow: each then ends with "Thread 0x... (most recent call first)" and
+        the stack of every Python thread. Returns the ranks signalled. A rank that dies of the
+        signal (exit status -SIGUSR1) had not reached :func:`_rank_main` yet."""
+        live = [r for r, p in enumerate(self.procs) if p.exitcode is None]
+        sizes = {}
+        for r in live:
+            sizes[r] = _size(self.logs[r][1])
+            try:
+                os.kill(self.procs[r].pid, STACKS_SIGNAL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_size(self.logs[r][1]) == sizes[r] for r in live
+                                                  if self.procs[r].exitcode is None):
+            time.sleep(0.1)
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))  # the rest of a dump in progress
+        self.stacks_dumped, self._dumped_after = live, time.monotonic() - self.t0
+        hung = [r for r in live if self.procs[r].exitcode is None]
+        if hung:  # one gdb per rank, side by side: at most NATIVE_STACKS_TIMEOUT_S in all
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(hung)) as pool:
+                self.native_stacks = dict(zip(hung, pool.map(_native_stacks, [self.procs[r].pid for r in hung])))
+        return live
+
     def output(self) -> tuple[str, str]:
-        """The ranks' stdout and stderr, each concatenated in rank order."""
-        return tuple("".join(Path(f[i]).read_text(errors="replace") for f in self.logs if os.path.exists(f[i]))
-                     for i in (0, 1))
+        """The ranks' stdout and stderr, each concatenated in rank order. After a timeout
+        (:meth:`dump_stacks`) each rank's part starts with a ``--- rank r ---`` line, and the
+        stderr ends with a line naming the ranks that were still running."""
+        labelled = self.stacks_dumped is not None
+        texts = []
+        for i in (0, 1):
+            parts = []
+            for r, f in enumerate(self.logs):
+                text = Path(f[i]).read_text(errors="replace") if os.path.exists(f[i]) else ""
+                parts.append(f"--- rank {r} ---\n{text}" if labelled and text else text)
+            texts.append("".join(parts))
+        if labelled:
+            for r, text in sorted(self.native_stacks.items()):
+                if text:
+                    texts[1] += f"\n--- rank {r}: native stacks (gdb) ---\n{text}"
+            texts[1] += (f"\n[fork launcher] timed out after {self._dumped_after:.0f} s; ranks still running "
+                         f"then: {self.stacks_dumped} (each one's stderr above ends with its threads' Python stacks "
+                         f"at that moment; native stacks follow them where gdb is installed)\n")
+        return tuple(texts)
 
 
 def start_forked(nproc: int, script: str | os.PathLike, *args: Any, env: Mapping[str, str],
@@ -348,7 +458,8 @@ def run_forked(nproc: int, script: str | os.PathLike, *args: Any, timeout: float
     Returns:
         ``(returncode, stdout, stderr, seconds, timed_out)``: returncode 0, the first failed
         rank's exit status (negative: its signal), or None on timeout, when every rank is
-        killed.
+        killed after writing its threads' Python stacks to its stderr
+        (:meth:`ForkedLaunch.dump_stacks`).
 
     Raises:
         ValueError: ``env`` differs from the server's environment in an import-time variable.

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = common.inner_optimizer(model, ra)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    common.free_process_group_at_exit(model.process_group)  # not from DDP's Reducer: a deadlock at exit
     world, rank = accelerator.num_processes, accelerator.process_index
     records = common.Records(args.output_dir, accelerator.is_main_process, t0)
     tokens_per_step = world * args.micro_batch_size * args.seq_len

@@ -299,6 +299,30 @@ def timeout(args) -> timedelta:
     return timedelta(seconds=args.timeout_s)
 
 
+_KEPT_GROUPS: list = []
+
+
+def free_process_group_at_exit(process_group) -> None:
+    """Keep ``process_group`` (a ``torch.distributed.ProcessGroup``: DDP's ``model.process_group``)
+    alive until the interpreter exits, and free it then, from an ``atexit`` callback.
+
+    Why: DDP's C++ ``Reducer`` holds its process group. Where the Reducer is the last holder (at
+    the end of ``main()``, when its locals go), it frees the group from its pybind11 destructor,
+    which keeps the GIL, and ``~ProcessGroupGloo`` joins its worker threads; a worker thread still
+    freeing a finished collective's tensors needs the GIL to drop their Python objects, so both
+    wait forever. Seen on a loaded 2-core machine (a test launch of this script hung at exit, rank 0
+    done): the main thread in ``~Reducer -> ~ProcessGroupGloo -> std::thread::join``, a
+    ``pt_gloo_runloop`` thread in ``~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire``
+    (torch 2.13; pytorch/pytorch#56297 lists such blocking destructors). The Python
+    ``ProcessGroup``'s own destructor releases the GIL first (torch >= 2.8), so a group freed from
+    Python after the Reducer is gone cannot deadlock."""
+    import atexit
+
+    if not _KEPT_GROUPS:
+        atexit.register(_KEPT_GROUPS.clear)
+    _KEPT_GROUPS.append(process_group)
+
+
 def main(argv=None) -> int:
     """Fill the corpus and tokenizer cache (one process, no collective)."""
     p = argparse.ArgumentParser(prog="python -m bench.peers_workers.common", description=main.__doc__)

@@ -17,7 +17,8 @@ What it does, as the canonical script does it:
 * the final export ``unwrap_model(model).save_pretrained(..., is_main_process=...,
   save_function=accelerator.save)`` *before* ``end_training()``, and ``all_results.json``.
 
-Test-only additions (not part of the pattern): every optimizer step's LR goes to
+Test-only additions (not part of the pattern): plain Accelerate's DDP process group is freed at
+exit, not by DDP's Reducer (a deadlock at exit on a loaded machine); every optimizer step's LR goes to
 ``lr-rank{r}.json``; ``--stop_after N`` exits (as a crash would) after step N's checkpoint;
 under ``fl`` a pre-sync hook keeps each group's full parameters of the last sync in
 ``groups-before-last-sync.pt`` (rank 0 of each group writes ``group{f}.pt``), so the test
@@ -142,6 +143,8 @@ def main(argv=None):
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # test only: plain Accelerate's DDP
+        _free_process_group_at_exit(model.process_group)
 
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     if overrode_max_train_steps:
@@ -257,6 +260,22 @@ def _train_epoch_with_model_no_sync(args, accelerator, model, optimizer, lr_sche
         if completed_steps >= args.max_train_steps:
             break
     return completed_steps
+
+
+_KEPT_GROUPS: list = []
+
+
+def _free_process_group_at_exit(process_group) -> None:
+    """Test only: keep DDP's process group until the interpreter exits and free it then (atexit),
+    so that DDP's Reducer is never its last holder. The Reducer's destructor keeps the GIL while
+    ``~ProcessGroupGloo`` joins its threads, and one of them may wait for the GIL to free a
+    finished collective's tensors: a hang at exit on a loaded machine (seen with Accelerate's
+    LocalSGD worker, bench/peers_workers/common.py ``free_process_group_at_exit``)."""
+    import atexit
+
+    if not _KEPT_GROUPS:
+        atexit.register(_KEPT_GROUPS.clear)
+    _KEPT_GROUPS.append(process_group)
 
 
 def _keep_groups_before_sync(accelerator, model, out_dir):
