@@ -217,6 +217,7 @@ ROW_MEM = "peak memory model against measurement"
 ROW_PEERS = "against torchft's DiLoCo at 10 Mbit/s, 3 interleaved runs per row, each ratio within one sitting"
 PE = "2026-12-06-peers"
 PE2 = "2026-12-06-peers2"  # the second sitting: the all-gather launched halfway through the window
+PE3 = "2026-12-07-peers3"  # the third: int8 over one all-gather (sync_collectives) beside the all-to-all rows
 N0, X2, F2, F3 = num(",.0f"), num(".2f", "x"), num(".2f"), num(".3f")
 _FSDP_1E3 = ("fsdp-lr1e-3", "fsdp-lr1e-3-seed43", "fsdp-lr1e-3-seed44")
 _AVG_1E3 = ("fl_fsdp-h8-lr1e-3", "fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp-h8-lr1e-3-seed44")
@@ -252,6 +253,7 @@ def _peer_launches(d: dict, row: str, link: str) -> list[dict]:
 _KEEP = tuple(f"fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
 _H16 = ("fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-lr1e-3-seed43")
 _TAU4 = "fl_accel-h16-p2-tau4-keep-int8-ef"
+_GATHER = "fl_accel-h16-p2-tau2-keep-int8-gather-ef"
 
 
 def _speed(run: str, *keys) -> Source:
@@ -358,6 +360,12 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_PEERS, "1.78x", X2, ratio(peers_tokens_per_s(_TAU4, sitting=PE2),
                                          peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE2))),
     Figure(ROW_PEERS, "3,443", N0, peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE2)),
+    Figure(ROW_PEERS, "5,188", N0, peers_tokens_per_s(_GATHER, sitting=PE3)),
+    Figure(ROW_PEERS, "0.98", F2, ratio(peers_tokens_per_s(_GATHER, sitting=PE3),
+                                        peers_tokens_per_s("fl_accel-limit", sitting=PE3))),
+    Figure(ROW_PEERS, "1.55x", X2, ratio(peers_tokens_per_s(_GATHER, sitting=PE3),
+                                         peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE3))),
+    Figure(ROW_PEERS, "3,342", N0, peers_tokens_per_s("torchft-h16-p2-tau2", sitting=PE3)),
     Figure(ROW_PEERS, "0.51x", X2, ratio(peers_bytes(_TAU4, sitting=PE2),
                                           peers_bytes("torchft-h16-p2-tau2", sitting=PE2))),
     Figure(ROW_PEERS, "4.916", F3, seed_mean(G, *_KEEP)),

@@ -79,9 +79,11 @@ SETTINGS = (
     Setting("fp32 H=8", "fp32 H=8", 8, 1, 0, "fp32", (("fl_fsdp-h8-lr1e-3", "FL+FSDP H=8 learning_rate 1e-3"),)),
     Setting("fp32 H=16", "fp32 H=16", 16, 1, 0, "fp32", (("fl_fsdp-h16-lr1e-3", "FL+FSDP H=16 learning_rate 1e-3"),)),
     Setting("fp32 H=32", "fp32 H=32", 32, 1, 0, "fp32", (("fl_fsdp-h32", "FL+FSDP H=32"),), fsdp_row="fsdp"),
-    Setting("int8+EF H=16 P=2 tau=4 keep", "int8", 16, 2, 4, "int8",
-            (("fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3",
-              "FL+FSDP H=16 P=2 tau=4 int8+EF learning_rate 1e-3 delayed_local_steps keep"),),
+    Setting("int8+EF H=16 P=2 tau=2 keep", "int8", 16, 2, 2, "int8",
+            (("fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
+              "FL+FSDP H=16 P=2 tau=2 int8+EF learning_rate 1e-3 delayed_local_steps keep"),
+             ("fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3",
+              "FL+FSDP H=16 P=2 tau=2 int8+EF all-gather learning_rate 1e-3 delayed_local_steps keep")),
             delayed_local_steps="keep"),
     Setting("int8+EF H=32 P=2 tau=2 keep", "int8 H=32", 32, 2, 2, "int8",
             (("fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3",
@@ -92,8 +94,9 @@ SETTINGS = (
               "FL+FSDP H=8 nesterov(0.7, 0.9) P=2 tau=2 sparse+EF learning_rate 1e-3"),)),
 )
 """Blocking fp32 at H=8/16/32; int8 + error feedback with P=2 fragments whose exchange runs behind tau
-steps (H=16: tau=4, which kept 0.98 of the no-sync limit at 10 Mbit/s in bench/results/2026-12-06-peers2, where
-tau=2 kept 0.83; H=32: tau=2), the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
+steps (tau=2: at F = 2 int8 crosses in one all-gather, ``sync_collectives`` "auto", which kept 0.98 of the no-sync
+limit at 10 Mbit/s in bench/results/2026-12-07-peers3; quality rows: over all-to-all, three seeds, and the
+all-gather), the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
 ablation put the older rule's whole quality cost on discarding them); sparse (1/64 of the values,
 2 bits, error feedback: the FLConfig defaults). The quality rows train at lr 1e-3, FSDP's best in the
 grid (H=32: only at lr 3e-4). ``keep`` moves no byte: the cost model's figures are the discard rule's."""

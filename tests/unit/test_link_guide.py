@@ -157,7 +157,7 @@ def test_quality_lines_give_each_settings_loss_and_gap_to_fsdp_at_its_lr(tmp_pat
     assert "fp32 H=8: 4.900 \u00b1 0.008 (3 seeds), +0.200 nats against FSDP's 4.700 (fsdp-lr1e-3)" in text
     assert "fp32 H=16: 4.910 (1 seed), +0.210 nats" in text
     assert "fp32 H=32: 5.400 (1 seed), +0.200 nats against FSDP's 5.200 (fsdp)" in text
-    assert "int8+EF H=16 P=2 tau=4 keep: not finished" in text
+    assert "int8+EF H=16 P=2 tau=2 keep: not finished" in text
     assert lg.measured_quality(str(tmp_path / "nowhere")) == {}
     # the committed grid: the blocking rows have their figures
     committed = lg.measured_quality()
