@@ -71,8 +71,9 @@ class Codec:
     name = ""
     lossy = False
     """True: the decoded mean differs from the exact one (error feedback applies)."""
-    density, bits = 1 / 64, 2
-    """"sparse"'s fraction of values kept and bits per value (the wire formulas take them)."""
+    density, bits, collectives = 1 / 64, 2, "auto"
+    """"sparse"'s fraction of values kept and bits per value, "bf16"/"int8"'s ``sync_collectives``
+    (the wire formulas take them)."""
 
     def padding(self, num_groups: int, num_chunks: int) -> int:
         """A bucket's fp32 length is padded to a multiple of this (C chunks of whole blocks)."""
@@ -80,7 +81,7 @@ class Codec:
 
     def wire(self, chunk_values: int, num_groups: int) -> list[tuple[str, float]]:
         """:func:`fl_accel.wire.wire_ops`: ``[(op, bytes)]`` of one chunk over F groups."""
-        return wire.wire_ops(self.name, chunk_values, num_groups, self.density, self.bits)
+        return wire.wire_ops(self.name, chunk_values, num_groups, self.density, self.bits, self.collectives)
 
     def launch(self, mine: torch.Tensor, peers: Peers) -> Flight:
         """Encode ``mine`` (this rank's chunk of a bucket) and start the first collective."""
@@ -126,9 +127,6 @@ class Quantized(Codec):
         wire.collectives(collectives, 2)
         self.name, self.collectives = name, collectives
         self.value_bytes = wire.VALUE_BYTES[name]
-
-    def wire(self, chunk_values, num_groups):
-        return wire.wire_ops(self.name, chunk_values, num_groups, sync_collectives=self.collectives)
 
     def gathers(self, peers: Peers) -> bool:
         """One all-gather of every group's payload (else all-to-all, then all-gather)."""

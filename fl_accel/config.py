@@ -220,7 +220,7 @@ class FLConfig:
              "with fault_tolerance 'none' (one world)"),
             (["sync_density", "sync_value_bits", "sparse_aggregation"], dtype != "sparse",
              f"with sync_dtype {dtype!r}", f"with sync_dtype {dtype!r} (only 'sparse' uses it)"),
-            (["sync_collectives"], dtype in ("fp32", "sparse"), f"with sync_dtype {dtype!r}",
+            (["sync_collectives"], dtype not in wire.QUANTIZED, f"with sync_dtype {dtype!r}",
              f"with sync_dtype {dtype!r} (only 'bf16' and 'int8' use it)"),
             (["error_feedback", "error_feedback_decay", "final_sync"], not self.compressed,
              "with sync_dtype 'fp32'", "with sync_dtype 'fp32' (nothing is quantized)"),

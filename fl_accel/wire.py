@@ -29,6 +29,8 @@ QMAX = 127.0
 """The largest int8 code magnitude of "int8"."""
 VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}
 """Bytes per value on "fl" of the dense codecs (int8: the code and its share of a scale)."""
+QUANTIZED = ("bf16", "int8")
+"""The ``sync_dtype`` values that quantize densely (and read ``sync_collectives``)."""
 COLLECTIVES = ("auto", "all_to_all", "all_gather")
 """``FLConfig.sync_collectives``: how "bf16"/"int8" cross the wire (:func:`collectives`)."""
 SPARSE_BLOCK = 4096

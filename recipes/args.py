@@ -434,7 +434,7 @@ def run_identity(args: RecipeArguments, fl: FLConfig) -> dict[str, Any]:
     out.update({k: getattr(args, k) for k in ("reduce_dtype", "resize_vocab") if getattr(args, k) != defaults[k]})
     out["fl"] = {k: v for k, v in dataclasses.asdict(fl).items() if k not in NOT_IDENTITY_FIELDS}
     collectives = out["fl"].pop("sync_collectives")  # what "bf16"/"int8" ran, "auto" resolved; nothing otherwise
-    if fl.sync_dtype in ("bf16", "int8"):
+    if fl.sync_dtype in wire.QUANTIZED:
         out["fl"]["sync_collectives"] = wire.collectives(collectives, fl.federation_size)
     if fl.sync_trigger == "steps" and fl.group_weighting == "tokens":  # every group does H steps: its size share,
         out["fl"]["group_weighting"] = "size"  # as checkpoints written before "tokens" existed recorded it
