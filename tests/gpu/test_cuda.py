@@ -33,6 +33,9 @@ def test_every_collective_runs_on_a_one_process_nccl_group(tmp_path):
     assert rec["eval"][0] > 1 and rec["eval_per_group"] == pytest.approx(rec["eval"])
     assert rec["exchange_fp32_max_err"] == 0.0
     assert rec["exchange_bf16_max_err"] <= 2 ** -8 and rec["exchange_int8_max_err"] <= 1 / 127
+    for collectives in ("all_to_all", "all_gather"):  # sync_collectives: both int8 wires stay on the GPU
+        device, err = rec[f"exchange_int8_{collectives}"]
+        assert device.startswith("cuda") and err <= 1 / 127, (collectives, device, err)
     assert rec["exchange_sparse_device"].startswith("cuda") and rec["exchange_sparse_vs_cpu"] <= 1e-6
     assert rec["group_max"] == 2.5 and rec["group_table"] == [[3.0, 1.5, 0.25, 3.0]]  # float64 on NCCL
 

@@ -97,12 +97,14 @@ def outer_view(sync):
     return _OuterView(sync)
 
 
-def exchange_mean(transport, tensors, sync_dtype: str = "fp32"):
-    """The weighted mean of ``tensors`` over the transport's membership, on ``sync_dtype``'s codec."""
+def exchange_mean(transport, tensors, sync_dtype: str = "fp32", collectives: str = "auto"):
+    """The weighted mean of ``tensors`` over the transport's membership, on ``sync_dtype``'s codec
+    (bf16/int8 over ``collectives``)."""
     from fl_accel.codecs import make_codec
     from fl_accel.exchange import Exchange
 
-    return Exchange(transport, transport.begin(), tensors, codec=make_codec(sync_dtype)).start().finish()
+    codec = make_codec(sync_dtype, collectives=collectives)
+    return Exchange(transport, transport.begin(), tensors, codec=codec).start().finish()
 
 
 def validated(config, world_size: int | None = None, ranks_per_node: int | None = None):

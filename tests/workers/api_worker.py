@@ -92,7 +92,11 @@ def collectives(out_dir: str) -> None:
                       replicas=1, chunk_owners=(0,), device=acc.device)
     for dtype in ("fp32", "bf16", "int8"):
         x = torch.linspace(-1, 1, 1000, device=acc.device)
-        rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()
+        rec[f"exchange_{dtype}_max_err"] = (mean(t, [x], sync_dtype=dtype)[0] - x).abs().max().item()  # "auto"
+    for collectives in ("all_to_all", "all_gather"):  # int8's two wires: uint8 all-to-all / all-gather on NCCL
+        x = torch.linspace(-1, 1, 1000, device=acc.device)
+        got = mean(t, [x], sync_dtype="int8", collectives=collectives)[0]
+        rec[f"exchange_int8_{collectives}"] = [str(got.device), (got - x).abs().max().item()]
     from fl_accel.codecs import Sparse  # "sparse": topk, codes and all-gather on the device, = the CPU's
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
