@@ -30,16 +30,15 @@ echo 19 > /proc/self/autogroup 2>/dev/null || true
 # put `keep` at tau 4 at the no-sync limit at 10 Mbit/s: next its three seeds, then H=32, then the rest.
 # tau 4's three seeds ended +0.027 over blocking fp32 H=16 (2.7 pooled sd); tau 2 passed (+0.011) at 0.83 of the limit
 # with two collectives. At F = 2 one int8 all-gather sends the same bytes and has the whole window: its seeds next.
-row=fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3
-"${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
-row=fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3
-"${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
+# The all-gather's three seeds finished (4.9190 +- 0.0053, within noise of blocking fp32 H=16). Next the per-token
+# gap (item 4): its floor (H=1) and both methods at lr 2e-3, then the warm-up and the tuned outer Nesterov, then the rest.
+"${BENCH[@]}" --only fl_fsdp-h1-lr1e-3,fsdp-lr2e-3,fl_fsdp-h8-lr2e-3
+"${BENCH[@]}" --only fl_fsdp-h8-warm32-lr1e-3,fl_fsdp-h16-nesterov-olr0.6-lr1e-3
 row=fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3
 "${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
-"${BENCH[@]}" --only fl_fsdp-h1-lr1e-3,fl_fsdp-h16-lr1e-3-seed44  # the per-token gap's floor; blocking's third seed
+"${BENCH[@]}" --only fl_fsdp-h16-lr1e-3-seed44  # blocking fp32 H=16's third seed
 for row in fl_fsdp-h16-nesterov-olr0.6-lr1e-3 fl_fsdp-h8-warm32-lr1e-3 fl_fsdp-h16-tau16-keep-lr1e-3 \
            fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3 \
            fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3; do
   "${BENCH[@]}" --only "$row,$row-seed43"
 done
-"${BENCH[@]}" --only fsdp-lr2e-3,fl_fsdp-h8-lr2e-3
