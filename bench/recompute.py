@@ -251,6 +251,7 @@ def _peer_launches(d: dict, row: str, link: str) -> list[dict]:
 
 
 _KEEP = tuple(f"fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
+_KEEP_GATHER = tuple(f"fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3{x}" for x in ("", "-seed43", "-seed44"))
 _H16 = ("fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-lr1e-3-seed43")
 _TAU4 = "fl_accel-h16-p2-tau4-keep-int8-ef"
 _GATHER = "fl_accel-h16-p2-tau2-keep-int8-gather-ef"
@@ -370,6 +371,8 @@ FIGURES: tuple[Figure, ...] = (
                                           peers_bytes("torchft-h16-p2-tau2", sitting=PE2))),
     Figure(ROW_PEERS, "4.916", F3, seed_mean(G, *_KEEP)),
     Figure(ROW_PEERS, "0.003", F3, seed_sd(G, *_KEEP)),
+    Figure(ROW_PEERS, "4.919", F3, seed_mean(G, *_KEEP_GATHER)),
+    Figure(ROW_PEERS, "0.005", F3, seed_sd(G, *_KEEP_GATHER)),
     Figure(ROW_PEERS, "4.905", F3, seed_mean(G, *_H16)),
     Figure(ROW_PEERS, "0.003", F3, seed_sd(G, *_H16)),
     Figure(ROW_MEM, "1.2%", num(".1%"), json_value("2026-12-01-memory/memory.json", lambda d: max(
