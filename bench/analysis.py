@@ -613,6 +613,76 @@ def ablation_of(seeds: dict) -> dict | None:
     return {"components": comps, "sums": sums, "alpha_recovers": recovers, "threshold": thr, "pooled_sd": sd}
 
 
+def inner_lr(spec: RunSpec) -> float:
+    """The inner (AdamW) peak learning rate a row trains at: its ``--learning_rate`` flag, else the
+    recipe's default (``recipes.args``)."""
+    flags = list(spec.extra_flags)
+    if "--learning_rate" in flags:
+        return float(flags[flags.index("--learning_rate") + 1])
+    from recipes.args import RecipeArguments
+
+    return RecipeArguments.learning_rate
+
+
+def per_token_gap(rows: dict[str, dict], seeds: dict) -> dict | None:
+    """Issue 46 item 4 by :data:`bench.plan.PER_TOKEN_RULES`: FSDP's and FL+FSDP's best configurations
+    (lowest mean final eval loss over finished seeds, any inner LR), the gap between them in nats and
+    pooled sd against :data:`bench.plan.PER_TOKEN_TARGET_NATS`; per inner LR the best of each; and the
+    floor (H=1) against FSDP and H=8 at its LR. None before any FSDP and FL+FSDP row has finished.
+
+    Returns:
+        ``{"configs": {id: {"id", "label", "method", "lr", "sync_every", "n", "mean", "sd"}},
+        "best": {"FSDP": id, "FL+FSDP": id}, "gap", "gap_in_sd", "target", "met", "provisional",
+        "by_lr": [{"lr", "FSDP": id | None, "FL+FSDP": id | None, "gap"}],
+        "floor": {"id", "lr", "gap", "fsdp", "h8", "h8_gap", "share"} | None}``: the floor
+        (:data:`bench.plan.PER_TOKEN_FLOOR`) once it and its FSDP row have finished; ``share`` = its gap
+        over H=8's.
+    """
+    from bench import plan as bp
+
+    cfg = seeds.get("configs") or {}
+    configs = {}
+    for rid, row in rows.items():
+        if row["second_seed"] or row["eval_loss"] is None:
+            continue
+        c = cfg.get(rid) or {}
+        n, mean = (c["n"], c["mean"]) if c.get("mean") is not None else (1, row["eval_loss"])
+        method = "FSDP" if row["algorithm"] == "fsdp" else "FL+FSDP" if row["algorithm"] == "fl_fsdp" else None
+        if method is None:
+            continue
+        configs[rid] = {"id": rid, "label": row["label"], "method": method, "lr": row.get("lr"),
+                        "sync_every": row.get("sync_every"), "n": n, "mean": mean, "sd": c.get("sd")}
+
+    def best(pred):
+        cands = [c for c in configs.values() if pred(c)]
+        return min(cands, key=lambda c: c["mean"])["id"] if cands else None
+
+    def compared(c):
+        return c["method"] == "FSDP" or (c["sync_every"] or 0) >= 2
+
+    b = {m: best(lambda c, m=m: c["method"] == m and compared(c)) for m in ("FSDP", "FL+FSDP")}
+    if None in b.values():
+        return None
+    gap = configs[b["FL+FSDP"]]["mean"] - configs[b["FSDP"]]["mean"]
+    by_lr = []
+    for lr in sorted({c["lr"] for c in configs.values() if c["lr"] is not None}):
+        ids = {m: best(lambda c, m=m: c["method"] == m and c["lr"] == lr and compared(c)) for m in b}
+        g = (configs[ids["FL+FSDP"]]["mean"] - configs[ids["FSDP"]]["mean"]
+             if None not in ids.values() else None)
+        by_lr.append({"lr": lr, **ids, "gap": g})
+    floor = None
+    f, fsdp, h8 = bp.PER_TOKEN_FLOOR
+    if f in configs and fsdp in configs:
+        fg = configs[f]["mean"] - configs[fsdp]["mean"]
+        hg = configs[h8]["mean"] - configs[fsdp]["mean"] if h8 in configs else None
+        floor = {"id": f, "lr": configs[f]["lr"], "gap": fg, "fsdp": fsdp, "h8": h8, "h8_gap": hg,
+                 "share": fg / hg if hg else None}
+    sd = seeds.get("pooled_sd")
+    return {"configs": configs, "best": b, "gap": gap, "gap_in_sd": in_sd(gap, sd),
+            "target": bp.PER_TOKEN_TARGET_NATS, "met": gap <= bp.PER_TOKEN_TARGET_NATS,
+            "provisional": any(configs[i]["n"] < 3 for i in b.values()), "by_lr": by_lr, "floor": floor}
+
+
 def counts(diff: float | None, threshold: float | None) -> bool | None:
     """Whether ``|diff|`` exceeds ``threshold`` (None when either is missing)."""
     return abs(diff) > threshold if diff is not None and threshold is not None else None
@@ -675,7 +745,7 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
         train = train_records(run)
         rows[spec.id] = {"id": spec.id, "path": spec.path, "label": spec.label, "algorithm": spec.algorithm,
                          "world": spec.world, "num_groups": spec.num_groups if spec.algorithm.startswith("fl_") else 1,
-                         "sync_every": spec.sync_every or None, "seed": plan["seed"] if spec.seed is None else spec.seed,
+                         "sync_every": spec.sync_every or None, "lr": inner_lr(spec), "seed": plan["seed"] if spec.seed is None else spec.seed,
                          "second_seed": spec.seed is not None, "steps": run.get("steps"),
                          "tokens": run.get("train_tokens"), "tokens_per_step": run.get("tokens_per_step"),
                          "eval_loss": run.get("eval_loss"), "eval_perplexity": run.get("eval_perplexity"),
@@ -687,7 +757,8 @@ def analyze_local(plan: dict, root, results_root: str | None = None,
                          "fl_bytes_per_param": fl_bytes(run, spec), "n_params": run.get("n_params")}
     seeds = seeds_of(rows, status)
     out: dict[str, Any] = {"suite": suite, "rows": rows, "status": status, "seeds": seeds,
-                           "ablation": ablation_of(seeds) if suite == "convergence" else None}
+                           "ablation": ablation_of(seeds) if suite == "convergence" else None,
+                           "per_token": per_token_gap(rows, seeds) if suite == "convergence" else None}
     fsdp_id = bp.CONVERGENCE_FSDP if suite == "convergence" else bp.PAPER_REGIME_FSDP
     fsdp = rows.get(fsdp_id)
     target = None

@@ -23,7 +23,7 @@ from recipes import plots
 from fl_accel.mesh import AXES
 
 from bench import compact
-from bench.analysis import MIB, analyze, counts
+from bench.analysis import MIB, analyze, counts, in_sd
 from bench import plan as bp
 from bench.plan import REPO, runs_of
 
@@ -449,6 +449,47 @@ def ablation_section(res: dict) -> list[str]:
     return L
 
 
+def _lr(lr: float) -> str:
+    """A learning rate as the grid's labels write it: 3e-4, 1e-3."""
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def per_token_section(res: dict) -> list[str]:
+    """Issue 46 item 4 (:func:`bench.analysis.per_token_gap`): each method's best, per inner LR and
+    overall, the gap against the target, and the H=1 floor."""
+    pt = res.get("per_token")
+    if not pt:
+        return []
+    cfg, sd = pt["configs"], res["seeds"].get("pooled_sd")
+
+    def cell(cid):
+        if cid is None:
+            return "-"
+        c = cfg[cid]
+        return (f"`{cid}`: {c['mean']:.4f}" + (f" ± {c['sd']:.4f}" if c["sd"] is not None else "")
+                + f" (n={c['n']})")
+
+    table = [[_lr(r["lr"]), cell(r["FSDP"]), cell(r["FL+FSDP"]), _signed(r["gap"]),
+              _signed(in_sd(r["gap"], sd), "{:+.1f}")] for r in pt["by_lr"]]
+    b = pt["best"]
+    L = ["## Per-token gap at each one's best (issue 46)", "", f"> **Rules.** {bp.PER_TOKEN_RULES}", "",
+         _md(table, ["inner LR", "FSDP's best (mean ± sd)", "FL+FSDP's best, H >= 2 (mean ± sd)", "gap (nats)",
+                     "gap (pooled sd)"]), "",
+         f"- **Best against best: {pt['gap']:+.4f} nats** ({_signed(pt['gap_in_sd'], '{:+.1f}')} pooled sd), "
+         f"FL+FSDP's {cell(b['FL+FSDP'])} against FSDP's {cell(b['FSDP'])}: "
+         + (f"within the {pt['target']:g}-nat target" if pt["met"] else f"above the {pt['target']:g}-nat target")
+         + ("; provisional (a best with fewer than 3 seeds)." if pt["provisional"] else ".")]
+    fl = pt.get("floor")
+    if fl is None:
+        L.append(f"- The floor (`{bp.PER_TOKEN_FLOOR[0]}`) has not finished yet.")
+    else:
+        L.append(f"- The floor, H=1 at lr {_lr(fl['lr'])}: {fl['gap']:+.4f} nats over `{fl['fsdp']}`"
+                 + (f"; blocking `avg` H=8 at the same LR {fl['h8_gap']:+.4f}: H=1 keeps "
+                    f"{100 * fl['share']:.0f}% of H=8's gap, the part the local steps do not explain."
+                    if fl["share"] is not None else "."))
+    return L + [""]
+
+
 def _counts(flag: bool | None) -> str:
     return "-" if flag is None else ("counts" if flag else "within noise")
 
@@ -520,6 +561,7 @@ def write_local_table(plan: dict, res: dict, machine: dict, meta: dict, path: st
     if res["suite"] == "convergence":
         L += seed_section(res)
         L += ablation_section(res)
+        L += per_token_section(res)
         L += ["## Final eval loss, differences in pooled seed sd, tokens to target", ""]
         fsdp_ttt = res["rows"].get("fsdp", {}).get("tokens_to_target")
         table = []

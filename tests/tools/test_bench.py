@@ -1298,3 +1298,36 @@ def test_ablation_by_its_preregistered_rules():
     text = "\n".join(rp.ablation_section({"ablation": ab, "seeds": seeds}))
     assert bp.ABLATION_RULES in text and re.search(r"\| int8 \+ error feedback +\|", text)
     assert "alpha 0.5 recovers the delay's cost." in text and "not all of its rows have finished yet" in text
+
+
+def test_per_token_gap_by_its_rules():
+    """Issue 46 item 4: each method's best over any inner LR (FL+FSDP from H >= 2), the gap against the
+    0.08-nat target, provisional below 3 seeds, the best per LR, and the H=1 floor's share of H=8's gap."""
+    from bench.analysis import per_token_gap, seed_stats
+
+    def row(rid, algorithm, lr, sync_every, loss, seed=None):
+        return {"id": rid, "label": rid, "algorithm": algorithm, "lr": lr, "sync_every": sync_every,
+                "eval_loss": loss, "second_seed": seed is not None, "seed": seed or 42}
+
+    rows = {r["id"]: r for r in (
+        row("fsdp", "fsdp", 3e-4, None, 5.25), row("fsdp-lr1e-3", "fsdp", 1e-3, None, 4.74),
+        row("fsdp-lr1e-3-seed43", "fsdp", 1e-3, None, 4.72, 43),
+        row("fl_fsdp-h8-lr1e-3", "fl_fsdp", 1e-3, 8, 4.90), row("fl_fsdp-h8-lr1e-3-seed43", "fl_fsdp", 1e-3, 8, 4.92, 43),
+        row("fl_fsdp-h8-nesterov-olr0.6", "fl_fsdp", 3e-4, 8, 5.15),
+        row("fl_fsdp-h1-lr1e-3", "fl_fsdp", 1e-3, 1, 4.76))}
+    seeds = seed_stats({"fsdp-lr1e-3": [4.74, 4.72], "fl_fsdp-h8-lr1e-3": [4.90, 4.92]})
+    assert per_token_gap({k: v for k, v in rows.items() if v["algorithm"] == "fsdp"}, seeds) is None
+    pt = per_token_gap(rows, seeds)
+    assert pt["best"] == {"FSDP": "fsdp-lr1e-3", "FL+FSDP": "fl_fsdp-h8-lr1e-3"}  # H=1 is the floor, not a best
+    assert pt["gap"] == pytest.approx(4.91 - 4.73) and pt["met"] is False and pt["provisional"] is True
+    assert pt["gap_in_sd"] == pytest.approx(0.18 / seeds["pooled_sd"])
+    by_lr = {r["lr"]: r for r in pt["by_lr"]}
+    assert by_lr[3e-4]["gap"] == pytest.approx(5.15 - 5.25) and by_lr[3e-4]["FL+FSDP"] == "fl_fsdp-h8-nesterov-olr0.6"
+    assert pt["floor"]["gap"] == pytest.approx(0.03) and pt["floor"]["share"] == pytest.approx(0.03 / 0.18)
+    text = "\n".join(rp.per_token_section({"per_token": pt, "seeds": {**seeds}}))
+    assert bp.PER_TOKEN_RULES in text and "| 3e-4 " in text and "above the 0.08-nat target; provisional" in text
+    assert "H=1 keeps 17% of H=8's gap" in text
+    # within the target, three seeds each: met and not provisional
+    seeds3 = seed_stats({"fsdp-lr1e-3": [4.74, 4.72, 4.73], "fl_fsdp-h8-lr1e-3": [4.78, 4.79, 4.80]})
+    pt3 = per_token_gap(rows, seeds3)
+    assert pt3["gap"] == pytest.approx(0.06) and pt3["met"] is True and pt3["provisional"] is False
