@@ -33,6 +33,9 @@ echo 19 > /proc/self/autogroup 2>/dev/null || true
 # The all-gather's three seeds finished (4.9190 +- 0.0053, within noise of blocking fp32 H=16). Next the per-token
 # gap (item 4): its floor (H=1) and both methods at lr 2e-3, then the warm-up and the tuned outer Nesterov, then the rest.
 "${BENCH[@]}" --only fl_fsdp-h1-lr1e-3,fsdp-lr2e-3,fl_fsdp-h8-lr2e-3
+# FSDP at 2e-3 ended 4.6071 (seed 42), 0.13 below 1e-3: 4e-3 brackets the best LR, then the seeds of lr 2e-3
+"${BENCH[@]}" --only fsdp-lr4e-3,fl_fsdp-h8-lr4e-3
+"${BENCH[@]}" --only fsdp-lr2e-3-seed43,fl_fsdp-h8-lr2e-3-seed43,fsdp-lr2e-3-seed44,fl_fsdp-h8-lr2e-3-seed44
 "${BENCH[@]}" --only fl_fsdp-h8-warm32-lr1e-3,fl_fsdp-h16-nesterov-olr0.6-lr1e-3
 row=fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3
 "${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
