@@ -484,7 +484,8 @@ def test_convergence_rows_differ_only_in_federation_flags():
             "fl_fsdp-h8-p2-tau2-sparse-ef-zero-fill"]
     ablation = ["fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                 "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
-                "fl_fsdp-h8-lr2e-3", "fsdp-lr4e-3", "fl_fsdp-h8-lr4e-3", "fl_fsdp-h1-lr1e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
+                "fl_fsdp-h8-lr2e-3", "fsdp-lr4e-3", "fl_fsdp-h8-lr4e-3", "fsdp-lr8e-3", "fl_fsdp-h8-lr8e-3",
+                "fl_fsdp-h1-lr1e-3", "fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                 "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
                 "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
                 "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3"]
