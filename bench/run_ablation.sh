@@ -35,7 +35,22 @@ echo 19 > /proc/self/autogroup 2>/dev/null || true
 "${BENCH[@]}" --only fl_fsdp-h1-lr1e-3,fsdp-lr2e-3,fl_fsdp-h8-lr2e-3
 # FSDP at 2e-3 ended 4.6071 (seed 42), 0.13 below 1e-3: 4e-3 brackets the best LR, then the seeds of lr 2e-3
 "${BENCH[@]}" --only fsdp-lr4e-3,fl_fsdp-h8-lr4e-3
-"${BENCH[@]}" --only fsdp-lr2e-3-seed43,fl_fsdp-h8-lr2e-3-seed43,fsdp-lr2e-3-seed44,fl_fsdp-h8-lr2e-3-seed44
+# FSDP at 4e-3 ended 4.6036 (flat against 2e-3); FL+FSDP H=8 at 4e-3 led 2e-3 by 0.1 nats: FL at 8e-3, then the
+# seeds of each method's best LR so far (seed 42's final eval loss, bench/work/<grid>/<row>/all_results.json)
+"${BENCH[@]}" --only fl_fsdp-h8-lr8e-3
+best_of() {  # the row with the lowest seed-42 final eval loss among those finished
+  python - "bench/work/$NAME" "$@" <<'PY'
+import json, os, sys
+done = {r: json.load(open(os.path.join(sys.argv[1], r, "all_results.json")))["eval_loss"] for r in sys.argv[2:]
+        if os.path.exists(os.path.join(sys.argv[1], r, "all_results.json"))}
+print(min(done, key=done.get) if done else sys.argv[2])
+PY
+}
+fl=$(best_of fl_fsdp-h8-lr2e-3 fl_fsdp-h8-lr4e-3 fl_fsdp-h8-lr8e-3)
+fsdp=$(best_of fsdp-lr2e-3 fsdp-lr4e-3)
+echo "[run_ablation] seeds of $fl and $fsdp"
+"${BENCH[@]}" --only "$fl-seed43,$fsdp-seed43,$fl-seed44,$fsdp-seed44"
+"${BENCH[@]}" --only fsdp-lr8e-3
 "${BENCH[@]}" --only fl_fsdp-h8-warm32-lr1e-3,fl_fsdp-h16-nesterov-olr0.6-lr1e-3
 row=fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3
 "${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"

@@ -455,7 +455,7 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed43", *(f"{r}-seed43" for r in (
                  "fl_fsdp-h16-lr1e-3", "fl_fsdp-h16-int8-ef-lr1e-3", "fl_fsdp-h16-p2-lr1e-3", "fl_fsdp-h16-tau2-lr1e-3",
                  "fl_fsdp-h16-tau2-a0.5-lr1e-3", "fl_fsdp-h16-p2-tau2-int8-ef-a0.5-lr1e-3", "fsdp-lr2e-3",
-                 "fl_fsdp-h8-lr2e-3", "fsdp-lr4e-3", "fl_fsdp-h8-lr4e-3")),
+                 "fl_fsdp-h8-lr2e-3", "fsdp-lr4e-3", "fl_fsdp-h8-lr4e-3", "fl_fsdp-h8-lr8e-3")),
              *(f"{r}-seed43" for r in ("fl_fsdp-h16-p2-tau16-keep-int8-ef-lr1e-3", "fl_fsdp-h16-tau16-keep-lr1e-3",
                                        "fl_fsdp-h8-warm32-lr1e-3", "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3",
                                        "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3", "fl_fsdp-h16-nesterov-olr0.6-lr1e-3",
@@ -463,6 +463,7 @@ SEED_ROWS = ("fsdp-seed43", "fl_fsdp-h8-seed43", "fl_fsdp-h8-nesterov-seed43", "
              "fsdp-lr1e-3-seed44", "fl_fsdp-h8-lr1e-3-seed44",
              "fl_fsdp-h16-p2-tau2-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-lr1e-3-seed44",
              "fsdp-lr2e-3-seed44", "fl_fsdp-h8-lr2e-3-seed44", "fsdp-lr4e-3-seed44", "fl_fsdp-h8-lr4e-3-seed44",
+             "fl_fsdp-h8-lr8e-3-seed44",
              "fl_fsdp-h16-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau4-keep-int8-ef-lr1e-3-seed44",
              "fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3-seed44", "fl_fsdp-h16-p2-tau2-keep-int8-gather-ef-lr1e-3-seed44")
 """The convergence suite's rows with another seed, in plan order: seed 43 of CONVERGENCE_SEEDED and
