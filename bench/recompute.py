@@ -208,7 +208,7 @@ ROW_R2 = "FL+HSDP, 2 groups x 2 replicas x 2 shards, 100 Mbit/s"
 ROW_LIMIT = "share of the no-sync limit at 10 Mbit/s"
 ROW_SPARSE = "sparse exchange at 10 Mbit/s"
 ROW_3E4 = "final eval loss after 3.4M tokens, AdamW lr 3e-4, mean ± sd of two seeds"
-ROW_1E3 = "the same at lr 1e-3 (FSDP's better LR) in every row"
+ROW_1E3 = "the same at lr 1e-3 in every row, then each at its best LR"
 ROW_TTT = ("wall-clock minutes to a target loss, trained end to end across 2 emulated nodes, lr 1e-3 in every row, "
            "all rows in one sitting")
 ROW_SPEED = "groups at 2:1 speed (CPU quotas), 100 Mbit/s, 832 steps' tokens"
@@ -310,6 +310,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure(ROW_1E3, "5.020", F3, seed_mean(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "0.012", F3, seed_sd(G, "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3", "fl_fsdp-h8-p2-tau2-int8-ef-lr1e-3-seed43")),
     Figure(ROW_1E3, "5.093", F3, final_loss(G, "fl_fsdp-h8-nesterov-lr1e-3")),
+    Figure(ROW_1E3, "4.637", F3, final_loss(G, "fl_fsdp-h8-lr4e-3")),
+    Figure(ROW_1E3, "4.604", F3, final_loss(G, "fsdp-lr4e-3")),
+    Figure(ROW_1E3, "+0.034", num("+.3f"), difference(final_loss(G, "fl_fsdp-h8-lr4e-3"), final_loss(G, "fsdp-lr4e-3"))),
     Figure(ROW_TTT, "4.967", F3, _HALF_1E3),
     Figure(ROW_TTT, "5.42", F2, json_value(T5 + "/time_to_target.json", lambda d: d["targets"]["5.42"], "targets['5.42'] (the grid's fixed target)")),
     Figure(ROW_TTT, "31.2", minutes, ttt_seconds(T5, "10mbit", "fl_fsdp-h8-lr1e-3", _HALF_1E3)),

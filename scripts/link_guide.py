@@ -98,8 +98,9 @@ steps (tau=2: at F = 2 int8 crosses in one all-gather, ``sync_collectives`` "aut
 limit at 10 Mbit/s in bench/results/2026-12-07-peers3; quality rows: over all-to-all, three seeds, and the
 all-gather), the local steps made meanwhile kept (``delayed_local_steps="keep"``: issue 46's
 ablation put the older rule's whole quality cost on discarding them); sparse (1/64 of the values,
-2 bits, error feedback: the FLConfig defaults). The quality rows train at lr 1e-3, FSDP's best in the
-grid (H=32: only at lr 3e-4). ``keep`` moves no byte: the cost model's figures are the discard rule's."""
+2 bits, error feedback: the FLConfig defaults). The quality rows train at lr 1e-3, where the grid's
+ablation ran (H=32: only at lr 3e-4); both methods do better at 4e-3 (docs/results.md). ``keep`` moves
+no byte: the cost model's figures are the discard rule's."""
 
 
 @dataclasses.dataclass(frozen=True)
