@@ -50,7 +50,8 @@ fl=$(best_of fl_fsdp-h8-lr2e-3 fl_fsdp-h8-lr4e-3 fl_fsdp-h8-lr8e-3)
 fsdp=$(best_of fsdp-lr2e-3 fsdp-lr4e-3)
 echo "[run_ablation] seeds of $fl and $fsdp"
 "${BENCH[@]}" --only "$fl-seed43,$fsdp-seed43,$fl-seed44,$fsdp-seed44"
-"${BENCH[@]}" --only fsdp-lr8e-3
+# FL+FSDP at 4e-3: seeds 42 and 43 ended 4.6373 and 4.6804; 8e-3's seed 42 4.6460: its seeds, and FSDP at 8e-3
+"${BENCH[@]}" --only fl_fsdp-h8-lr8e-3-seed43,fl_fsdp-h8-lr8e-3-seed44,fsdp-lr8e-3
 "${BENCH[@]}" --only fl_fsdp-h8-warm32-lr1e-3,fl_fsdp-h16-nesterov-olr0.6-lr1e-3
 row=fl_fsdp-h32-p2-tau2-keep-int8-ef-lr1e-3
 "${BENCH[@]}" --only "$row,$row-seed43,$row-seed44"
