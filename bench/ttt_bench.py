@@ -54,7 +54,7 @@ import sys
 from scripts import netemu
 
 from bench import plan as bp
-from bench.analysis import read_run, tokens_to_loss
+from bench.analysis import inner_lr, read_run, tokens_to_loss
 from bench.launch import SITTINGS, _read_json, _write_json, measure_link
 from bench.launch import save_sitting as _save_sitting
 from bench.report import _md, loadavg, machine_info
@@ -190,16 +190,6 @@ def cap_s(plan: dict, link: str) -> float:
     return cap[link] if isinstance(cap, dict) else float(cap)
 
 
-def _lr(spec: bp.RunSpec) -> float:
-    """The row's peak learning rate: its ``--learning_rate`` flag, else the recipe's default."""
-    flags = list(spec.extra_flags)
-    if "--learning_rate" in flags:
-        return float(flags[flags.index("--learning_rate") + 1])
-    from recipes.args import RecipeArguments
-
-    return next(f.default for f in dataclasses.fields(RecipeArguments) if f.name == "learning_rate")
-
-
 def _dir(plan: dict, spec: bp.RunSpec) -> str:
     return os.path.join(plan["work"], spec.link, spec.id)
 
@@ -327,7 +317,7 @@ def _entry(plan: dict, spec: bp.RunSpec, run: dict, status: str, launches: dict,
         links = (machine or {}).get("links")  # sessions of an older version: the links of this report's machine
     rate = ((links or {}).get(spec.link) or {}).get("achieved_bits_per_s")
     return {"run": spec.id, "link": spec.link, "path": run, "limit_tokens_per_s": limit.get("tokens_per_s"),
-            "learning_rate": _lr(spec), "status": status,
+            "learning_rate": inner_lr(spec), "status": status,
             "loadavg": {"start": sessions[0].get("loadavg_start"), "end": sessions[-1].get("loadavg_end")}
             if sessions else None,
             "link_rate_bits_per_s": rate,

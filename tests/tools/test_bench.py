@@ -1107,7 +1107,7 @@ def test_ttt_bench_plan_resume_and_stopped_rows(tmp_path, monkeypatch, capsys):
     assert args[args.index("--outer_optimizer") + 1] == "nesterov" and "--resume_from_checkpoint" in args
 
     p = plan("--links", "10mbit", "--rows", "fl_fsdp-h8-nesterov,fsdp,fsdp-lr1e-3")
-    assert tb._lr({s.id: s for s in bp.runs_of(p)}["fsdp-lr1e-3"]) == 1e-3
+    assert tb.inner_lr({s.id: s for s in bp.runs_of(p)}["fsdp-lr1e-3"]) == 1e-3
     link = tmp_path / "work" / "t-ttt" / "10mbit"
     _timed_run(link, tb.LIMIT_ID, [(10.0, 8.0)], 8000.0, 60.0)
     nes_dir = _timed_run(link, "fl_fsdp-h8-nesterov", [(100.0, 6.0), (200.0, 5.45), (300.0, 5.30)], 6000.0, 400.0,
